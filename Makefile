@@ -1,0 +1,29 @@
+# Every target sets itself up: a fresh machine needs only python3.11 and this file.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU build is served locally; a loose spec pulls a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+demo: venv
+	$(BIN)/python examples/demo.py
+
+bench: venv
+	$(BIN)/python bench/restart.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,34 @@
+"""resilient: keep large PyTorch training jobs productive through failures.
+
+Importing this package is cheap: the heavy parts load on first use, so a worker that never
+checkpoints never imports the checkpointer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "CheckpointManager": "resilient.checkpoint.manager",
+    "steps": "resilient.signals.client",
+    "section": "resilient.signals.client",
+    "on_scale": "resilient.signals.client",
+    "ScaleEvent": "resilient.signals.client",
+    "Event": "resilient.events.api",
+    "EventKind": "resilient.events.api",
+    "Ledger": "resilient.events.ledger",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'resilient' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,14 @@
+"""Names of the environment variables ``resilient-run`` exports to its workers (a public contract)."""
+
+RUN_DIR = "RESILIENT_RUN_DIR"  # the run's directory: ledger, logs
+RUN_ID = "RESILIENT_RUN_ID"
+NODE = "RESILIENT_NODE"  # this node's name in events
+NODE_RANK = "RESILIENT_NODE_RANK"
+AGENT_SOCKET = "RESILIENT_AGENT_SOCKET"  # the node agent's local socket for heartbeats/steps
+CKPT_LOCAL = "RESILIENT_CKPT_LOCAL"  # this node's local checkpoint directory
+CKPT_PERSISTENT = "RESILIENT_CKPT_PERSISTENT"  # fsspec URL of the persistent tier
+CKPT_INTERVAL = "RESILIENT_CKPT_INTERVAL"  # "N" steps or "auto"
+CKPT_PERSISTENT_EVERY = "RESILIENT_CKPT_PERSISTENT_EVERY"  # every M-th local save is uploaded
+HEARTBEAT_TIMEOUT = "RESILIENT_HEARTBEAT_TIMEOUT"  # seconds
+POLICY = "RESILIENT_POLICY"
+SPARE_NODES = "RESILIENT_SPARE_NODES"

@@ -1,0 +1,84 @@
+"""The event contract shared by launcher, signals, checkpointer, supervisor and goodput.
+
+Every observation and every action is an :class:`Event`: a kind from :class:`EventKind`, wall and
+monotonic timestamps, and where it happened (node, rank, attempt). ``details`` carries the
+kind-specific fields listed beside each kind; readers must ignore fields they do not know.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class EventKind(str, enum.Enum):
+    # launcher / agent lifecycle
+    RUN_START = "run_start"  # details: argv, nnodes, nproc_per_node, run_id
+    RUN_END = "run_end"  # details: exit_code, reason
+    RENDEZVOUS_DONE = "rendezvous_done"  # details: group_rank, group_world_size, seconds
+    ATTEMPT_START = "attempt_start"  # workers spawned; details: world_size, local_world_size, method
+    ATTEMPT_END = "attempt_end"  # workers stopped; details: reason
+    WORKERS_READY = "workers_ready"  # first step of an attempt seen by the agent
+
+    # faults (signals)
+    WORKER_EXIT = "worker_exit"  # details: pid, exit_code, signal (name or None), local_rank
+    HANG = "hang"  # details: last_heartbeat_age, timeout, local_rank
+    STRAGGLER = "straggler"  # details: score, threshold, reference
+    HOST_UNHEALTHY = "host_unhealthy"  # details: check, value, threshold
+    GPU_UNHEALTHY = "gpu_unhealthy"  # details: index, check, value
+    PREEMPTION_NOTICE = "preemption_notice"  # details: deadline (wall seconds), source
+    AGENT_LOST = "agent_lost"  # details: peer node
+
+    # actions (agent built-in reaction, later the supervisor's policy)
+    ACTION = "action"  # details: action ("restart", "stop", "hot_swap", ...), cause (event kind), reason
+    RESTART = "restart"  # details: attempt (new), cause, detect_seconds
+    SCALE = "scale"  # details: old_world_size, new_world_size, old_dp, new_dp
+
+    # worker progress (written by global rank 0 only unless stated)
+    STEP = "step"  # details: step, seconds (wall time of the step), compute_seconds (optional)
+    SECTION = "section"  # details: name, seconds
+
+    # checkpointing (written by the rank that did the work; tier in details)
+    CKPT_SAVE = "ckpt_save"  # details: step, blocking_seconds, bytes, mode
+    CKPT_TIER_DONE = "ckpt_tier_done"  # details: step, tier, seconds, bytes
+    CKPT_TIER_FAILED = "ckpt_tier_failed"  # details: step, tier, error
+    CKPT_RESTORE = "ckpt_restore"  # details: step, tier, seconds, bytes
+    CKPT_INTERVAL = "ckpt_interval"  # details: interval, persistent_every, inputs
+
+    LOG = "log"  # anything else worth keeping; details: message
+
+
+def _node_name() -> str:
+    return os.environ.get("RESILIENT_NODE", socket.gethostname())
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    node: str = field(default_factory=_node_name)
+    rank: int | None = None  # global rank of the worker concerned, None for node/job events
+    attempt: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    wall: float = field(default_factory=time.time)
+    mono: float = field(default_factory=time.monotonic)
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, EventKind):
+            object.__setattr__(self, "kind", EventKind(self.kind))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Event":
+        known = {k: d[k] for k in ("node", "rank", "attempt", "details", "wall", "mono", "schema") if k in d}
+        return cls(kind=EventKind(d["kind"]), **known)
