@@ -1,0 +1,131 @@
+"""Contract of the launcher: its configuration, states and errors."""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+from dataclasses import dataclass, field
+
+
+class LaunchError(Exception):
+    """Bad input found before any worker starts: one line for the user, exit code 2."""
+
+
+class WorkerLaunchMethod(str, enum.Enum):
+    FORK_SERVER = "fork-server"  # fork from a process that already imported torch (fast restarts)
+    SPAWN = "spawn"  # a fresh interpreter per worker, as torchrun does
+
+
+class Outcome(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a local worker exited non-zero or was signalled
+    HUNG = "hung"  # a detector reported a hang
+    PEER_FAILED = "peer_failed"  # another node asked for a restart
+    STOPPED = "stopped"  # the agent was told to stop (signal)
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    local_rank: int
+    rank: int
+    pid: int
+    exit_code: int  # negative: killed by that signal
+    wall: float
+    error_file: str | None = None
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exit_code < 0:
+            try:
+                return signal.Signals(-self.exit_code).name
+            except ValueError:
+                return f"signal {-self.exit_code}"
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """What each worker runs: ``python -u SCRIPT ARGS``, ``python -u -m MODULE ARGS`` or ``BINARY ARGS``."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    kind: str = "script"  # "script" | "module" | "exec"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("script", "module", "exec"):
+            raise ValueError(f"worker command kind must be script, module or exec, got {self.kind!r}")
+
+
+@dataclass
+class AgentConfig:
+    """Everything the node agent needs; built from the command line by :mod:`resilient.launcher.args`."""
+
+    command: WorkerCommand
+    nproc_per_node: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_id: str = "none"
+    rdzv_configs: dict[str, object] = field(default_factory=dict)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    standalone: bool = False
+    role: str = "default"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    term_timeout: float = 30.0
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: set[int] | None = None
+    run_id: str = ""
+    run_dir: str = ""
+    launch_method: WorkerLaunchMethod = WorkerLaunchMethod.FORK_SERVER
+    preload: tuple[str, ...] = ()
+    # resilience flags, exported to the workers and used by later parts
+    policy: str | None = None
+    ckpt_local: str | None = None
+    ckpt_persistent: str | None = None
+    ckpt_interval: str | None = None
+    ckpt_persistent_every: int | None = None
+    heartbeat_timeout: float | None = None
+    spare_nodes: int = 0
+    metrics_port: int | None = None
+    rendezvous_timeout: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise LaunchError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if not (0 < self.min_nodes <= self.max_nodes):
+            raise LaunchError(
+                f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {self.min_nodes}:{self.max_nodes}"
+            )
+        if self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.monitor_interval <= 0:
+            raise LaunchError(f"--monitor-interval must be > 0 seconds, got {self.monitor_interval}")
+        if self.term_timeout < 0:
+            raise LaunchError(f"--term-timeout must be >= 0 seconds, got {self.term_timeout}")
+        if self.heartbeat_timeout is not None and self.heartbeat_timeout <= 0:
+            raise LaunchError(f"--heartbeat-timeout must be > 0 seconds, got {self.heartbeat_timeout}")
+        if self.spare_nodes < 0:
+            raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
+        if self.ckpt_persistent_every is not None and self.ckpt_persistent_every < 1:
+            raise LaunchError(f"--ckpt-persistent-every must be >= 1, got {self.ckpt_persistent_every}")
+        if self.ckpt_interval is not None and self.ckpt_interval != "auto":
+            if not self.ckpt_interval.isdigit() or int(self.ckpt_interval) < 1:
+                raise LaunchError(f"--ckpt-interval must be a positive number of steps or 'auto', got {self.ckpt_interval!r}")
+        if self.metrics_port is not None and not (0 <= self.metrics_port < 65536):
+            raise LaunchError(f"--metrics-port must be a TCP port number, got {self.metrics_port}")
+
+    @property
+    def single_node(self) -> bool:
+        return self.max_nodes == 1
+
+    @property
+    def script_name(self) -> str:
+        return os.path.basename(self.command.target)

@@ -1,0 +1,181 @@
+"""Command line → :class:`AgentConfig`.
+
+torchrun's own parser is reused, so every torchrun flag (both spellings, ``PET_*`` variables) is
+accepted with the same meaning; our flags are added beside them. All checks that can fail happen here,
+before any process starts, and end in one line naming the problem (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise LaunchError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    base = get_args_parser()
+    # Same arguments, our error handling and program name.
+    parser = _Parser(prog="resilient-run", description="torchrun, with restarts that work, checkpoint tiers "
+                     "and goodput accounting. Every torchrun flag is accepted.", parents=[base], add_help=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = parser.add_argument_group("resilient")
+    g.add_argument("--run-dir", "--run_dir", default=None,
+                   help="directory for the run's ledger (events.jsonl) and logs (default ./runs/<run id>)")
+    g.add_argument("--policy", default=None, help="Python policy file for the supervisor")
+    g.add_argument("--ckpt-local", "--ckpt_local", default=None, help="node-local checkpoint directory")
+    g.add_argument("--ckpt-persistent", "--ckpt_persistent", default=None, help="fsspec URL of the persistent tier")
+    g.add_argument("--ckpt-interval", "--ckpt_interval", default=None, help="save every N steps, or 'auto'")
+    g.add_argument("--ckpt-persistent-every", "--ckpt_persistent_every", type=int, default=None,
+                   help="upload every M-th local save to the persistent tier")
+    g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
+                   help="seconds without a heartbeat before a rank counts as hung (default: learned)")
+    g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
+    g.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (node 0)")
+    g.add_argument("--term-timeout", "--term_timeout", type=float, default=30.0,
+                   help="seconds between forwarding SIGTERM/SIGINT to workers and SIGKILL")
+    g.add_argument("--worker-launch", "--worker_launch", choices=[m.value for m in WorkerLaunchMethod],
+                   default=os.environ.get("RESILIENT_WORKER_LAUNCH", WorkerLaunchMethod.FORK_SERVER.value),
+                   help="fork-server: fork workers from a process that already imported torch (fast "
+                        "restarts); spawn: a fresh interpreter per worker, as torchrun")
+    g.add_argument("--preload", default=os.environ.get("RESILIENT_PRELOAD", ""),
+                   help="comma-separated modules the fork server imports ahead of time")
+    return parser
+
+
+def _nnodes(v: str) -> tuple[int, int]:
+    try:
+        parts = [int(x) for x in v.split(":")]
+    except ValueError:
+        raise LaunchError(f"--nnodes must be N or MIN:MAX, got {v!r}") from None
+    if len(parts) == 1:
+        return parts[0], parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise LaunchError(f"--nnodes must be N or MIN:MAX, got {v!r}")
+
+
+def _nproc(v: str) -> int:
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        return determine_local_world_size(v)
+    except (ValueError, RuntimeError) as e:
+        raise LaunchError(f"--nproc-per-node {v!r}: {e}") from None
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise LaunchError(f"{flag} {str(path)!r} is not writable ({e.strerror or e}); choose another directory") from None
+
+
+def parse(argv: list[str]) -> AgentConfig:
+    args = build_parser().parse_args(argv)
+    if not args.training_script:
+        raise LaunchError("no training script given: resilient-run [flags] SCRIPT [ARGS...]")
+
+    min_nodes, max_nodes = _nnodes(args.nnodes)
+    if not (0 < min_nodes <= max_nodes):
+        raise LaunchError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes!r}")
+    if args.max_restarts is not None and int(args.max_restarts) < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+
+    script = args.training_script
+    if args.no_python and args.module:
+        raise LaunchError("--no-python and -m cannot be used together")
+    if args.module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise LaunchError(f"module {script!r} not found (-m); check the name and PYTHONPATH")
+        command = WorkerCommand(script, tuple(args.training_script_args), "module")
+    elif args.no_python:
+        if shutil.which(script) is None:
+            raise LaunchError(f"program {script!r} not found or not executable (--no-python)")
+        command = WorkerCommand(script, tuple(args.training_script_args), "exec")
+    else:
+        if not os.path.isfile(script):
+            raise LaunchError(f"training script {script!r} does not exist")
+        command = WorkerCommand(script, tuple(args.training_script_args), "script")
+
+    if args.policy is not None and not os.path.isfile(args.policy):
+        raise LaunchError(f"--policy {args.policy!r} does not exist; give the path of a policy .py file")
+
+    rdzv_backend, rdzv_endpoint, rdzv_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    standalone = bool(args.standalone)
+    if standalone or (rdzv_backend == "static" and not rdzv_endpoint and args.master_port is None and max_nodes == 1):
+        rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", rdzv_id if rdzv_id != "none" else str(uuid.uuid4())
+    rdzv_configs: dict[str, object] = {}
+    if args.rdzv_conf:
+        for kv in args.rdzv_conf.split(","):
+            if "=" not in kv:
+                raise LaunchError(f"--rdzv-conf entries must be key=value, got {kv!r}")
+            k, v = kv.split("=", 1)
+            rdzv_configs[k.strip()] = v.strip()
+    if rdzv_backend == "static":
+        rdzv_configs["rank"] = int(args.node_rank)
+        if not rdzv_endpoint:
+            rdzv_endpoint = f"{args.master_addr}:{args.master_port or 29500}"
+
+    run_id = rdzv_id if rdzv_id not in ("none", "") else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / run_id
+    _writable_dir(run_dir, "--run-dir")
+    if args.ckpt_local:
+        _writable_dir(Path(args.ckpt_local), "--ckpt-local")
+
+    ranks_filter = None
+    if args.local_ranks_filter:
+        try:
+            ranks_filter = {int(x) for x in args.local_ranks_filter.split(",")}
+        except ValueError:
+            raise LaunchError(f"--local-ranks-filter must be comma-separated integers, got {args.local_ranks_filter!r}") from None
+
+    nproc = _nproc(str(args.nproc_per_node))
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        # as torchrun: one thread per worker unless the user chose otherwise
+        os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
+
+    try:
+        return AgentConfig(
+            command=command, nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
+            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_configs=rdzv_configs,
+            node_rank=int(args.node_rank), master_addr=args.master_addr,
+            master_port=int(args.master_port) if args.master_port is not None else None,
+            local_addr=args.local_addr, standalone=standalone, role=args.role,
+            max_restarts=int(args.max_restarts), monitor_interval=float(args.monitor_interval),
+            term_timeout=float(args.term_timeout), log_dir=args.log_dir, redirects=str(args.redirects),
+            tee=str(args.tee), local_ranks_filter=ranks_filter, run_id=run_id, run_dir=str(run_dir),
+            launch_method=WorkerLaunchMethod(args.worker_launch),
+            preload=tuple(m for m in args.preload.split(",") if m),
+            policy=args.policy, ckpt_local=args.ckpt_local, ckpt_persistent=args.ckpt_persistent,
+            ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
+            heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
+        )
+    except (ValueError, TypeError) as e:
+        raise LaunchError(str(e)) from None

@@ -1,0 +1,258 @@
+"""Starting, watching and stopping one node's worker processes.
+
+Two ways to start a worker, one interface: :class:`ForkServer` forks from a long-lived process that
+already imported torch (restarts in milliseconds), :class:`SpawnStarter` runs a fresh interpreter per
+worker exactly as torchrun does (the fallback, and the only way for ``--no-python``). Both report exits
+through a file descriptor the agent selects on, so exits are seen the moment they happen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from resilient.launcher.api import WorkerCommand
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerProc:
+    local_rank: int
+    rank: int
+    env: dict[str, str]
+    stdout_fd: int | None = None  # fd the child writes its stdout to (None: inherit)
+    stderr_fd: int | None = None
+    error_file: str | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    exit_wall: float | None = None
+    _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+
+class WorkerStarter(Protocol):
+    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None: ...
+
+    def fileno(self) -> int: ...
+
+    def poll_exits(self) -> list[WorkerProc]:
+        """Called when ``fileno()`` is readable: the workers that have exited since the last call."""
+
+    def close(self) -> None: ...
+
+
+def signal_workers(workers: list[WorkerProc], sig: int) -> None:
+    for w in workers:
+        if w.pid is not None and w.exit_code is None:
+            try:
+                os.killpg(w.pid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                os.kill(w.pid, sig)
+
+
+class ForkServerError(RuntimeError):
+    pass
+
+
+class ForkServer:
+    """Client of :mod:`resilient.launcher.zygote`."""
+
+    def __init__(self, preload: tuple[str, ...] = (), *, start_timeout: float = 120.0):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = parent
+        self._buf = b""
+        self._by_id: dict[str, WorkerProc] = {}
+        self._events: list[dict] = []
+        env = dict(os.environ)
+        # the zygote's own imports must not start OpenMP/MKL pools before forking
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), ",".join(preload)],
+            pass_fds=[child.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        msg = self._read_one(start_timeout)
+        if msg.get("ev") != "ready":
+            self.close()
+            raise ForkServerError(msg.get("why", f"unexpected first message {msg}"))
+        self.sock.setblocking(False)
+
+    def _read_one(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ForkServerError(f"fork server did not answer within {timeout:.0f}s")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
+            self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self._events.append(json.loads(line))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
+        for w in workers:
+            wid = f"{w.local_rank}-{time.monotonic_ns()}"
+            fds = [fd for fd in (w.stdout_fd, w.stderr_fd) if fd is not None]
+            msg = {
+                "op": "spawn", "id": wid, "argv": [cmd.target, *cmd.args], "kind": cmd.kind,
+                "env": w.env, "cwd": cwd, "error_file": w.error_file, "nfds": len(fds),
+                "stdout": 0 if w.stdout_fd is not None else -1,
+                "stderr": (1 if w.stdout_fd is not None else 0) if w.stderr_fd is not None else -1,
+            }
+            data = (json.dumps(msg) + "\n").encode()
+            self.sock.setblocking(True)
+            try:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.sendall(data)
+            finally:
+                self.sock.setblocking(False)
+            self._by_id[wid] = w
+        # wait for every pid: the agent must be able to signal them right away
+        deadline = time.monotonic() + 30
+        self.sock.setblocking(True)
+        try:
+            while any(w.pid is None for w in workers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ForkServerError("fork server did not report worker pids within 30s")
+                ev = self._read_one(left)
+                self._handle(ev)
+        finally:
+            self.sock.setblocking(False)
+
+    def _handle(self, ev: dict) -> WorkerProc | None:
+        w = self._by_id.get(ev.get("id"))
+        if w is None:
+            return None
+        if ev["ev"] == "spawned":
+            w.pid = ev["pid"]
+        elif ev["ev"] == "refused":
+            raise ForkServerError(ev.get("why", "refused"))
+        elif ev["ev"] == "exit":
+            w.pid = w.pid or ev["pid"]
+            w.exit_code = ev["code"]
+            w.exit_wall = ev["t"]
+            del self._by_id[ev["id"]]
+            return w
+        return None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def poll_exits(self) -> list[WorkerProc]:
+        self._drain()
+        out = []
+        events, self._events = self._events, []
+        for ev in events:
+            w = self._handle(ev)
+            if w is not None:
+                out.append(w)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.sock.setblocking(True)
+            self.sock.sendall(b'{"op": "quit"}\n')
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.sock.close()
+
+
+class SpawnStarter:
+    """One fresh interpreter per worker; exits are seen through pidfds."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        self._pidfds: dict[int, WorkerProc] = {}
+        import selectors
+
+        self._sel = selectors.DefaultSelector()
+        # one fd for the agent to watch: an epoll fd is itself selectable
+        self._epfd = self._sel
+
+    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
+        import selectors
+
+        for w in workers:
+            if cmd.kind == "exec":
+                argv = [cmd.target, *cmd.args]
+            elif cmd.kind == "module":
+                argv = [os.getenv("PYTHON_EXEC", sys.executable), "-u", "-m", cmd.target, *cmd.args]
+            else:
+                argv = [os.getenv("PYTHON_EXEC", sys.executable), "-u", cmd.target, *cmd.args]
+            p = subprocess.Popen(
+                argv, env=w.env, cwd=cwd, stdin=subprocess.DEVNULL,
+                stdout=w.stdout_fd, stderr=w.stderr_fd, process_group=0,
+            )
+            w.pid = p.pid
+            w._popen = p
+            pidfd = os.pidfd_open(p.pid)
+            self._pidfds[pidfd] = w
+            self._sel.register(pidfd, selectors.EVENT_READ)
+            for fd in (w.stdout_fd, w.stderr_fd):
+                if fd is not None:
+                    os.close(fd)
+
+    def fileno(self) -> int:
+        return self._sel.fileno()  # type: ignore[attr-defined]
+
+    def poll_exits(self) -> list[WorkerProc]:
+        out = []
+        for key, _ in self._sel.select(timeout=0):
+            w = self._pidfds.pop(key.fd)
+            self._sel.unregister(key.fd)
+            os.close(key.fd)
+            assert w._popen is not None
+            w.exit_code = w._popen.wait(timeout=5)
+            w.exit_wall = time.time()
+            out.append(w)
+        return out
+
+    def close(self) -> None:
+        for fd in list(self._pidfds):
+            self._sel.unregister(fd)
+            os.close(fd)
+        self._pidfds.clear()
+        self._sel.close()
+        os.close(self._r)
+        os.close(self._w)

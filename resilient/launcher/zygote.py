@@ -1,0 +1,252 @@
+"""Fork server: a process that has already imported torch and forks workers on request.
+
+Importing torch costs about a second; a restart that pays it for every worker is slow. The agent
+starts this process once (by exec, so it inherits none of the agent's threads), it imports torch and
+the user's preload modules, proves it is still single-threaded and has no CUDA context, and then
+forks one child per worker on request. A child runs the user's script with ``runpy`` exactly as
+``python -u script`` would (``sys.argv``, ``sys.path[0]``, ``__main__``).
+
+Protocol over a Unix stream socket (inherited as fd ``argv[1]``), one JSON object a line:
+agent → zygote ``{"op": "spawn", "id": str, "argv": [...], "env": {...}, "cwd": str,
+"kind": "script"|"module", "error_file": str|null, "stdout": n, "stderr": n}`` where ``stdout``/``stderr``
+are ``-1`` (inherit), or the index of a file descriptor sent with the message (SCM_RIGHTS);
+zygote → agent ``{"ev": "ready"|"spawned"|"exit"|"refused", ...}``.
+The zygote dies with the agent (PR_SET_PDEATHSIG), and workers die with the zygote.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: workers are still killed by the agent
+        pass
+
+
+def thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def write_error_file(path: str | None, exc: BaseException) -> None:
+    """Same format as torch.distributed.elastic's ``@record`` so torchrun-style summaries read it."""
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def run_worker(job: dict[str, Any]) -> int:
+    """Run the user's program in this (forked or fresh) process; returns the exit code."""
+    import runpy
+
+    argv = list(job["argv"])
+    sys.argv = argv
+    try:
+        if job["kind"] == "module":
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException as e:  # noqa: BLE001 - the worker's own failure, reported like @record
+        traceback.print_exc()
+        write_error_file(job.get("error_file"), e)
+        return 1
+    return 0
+
+
+def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
+    sock.close()
+    signal.set_wakeup_fd(-1)
+    for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+    set_pdeathsig(signal.SIGKILL)
+    os.setpgid(0, 0)  # its own group: the agent signals the worker and its children together
+    for target, key in ((1, "stdout"), (2, "stderr")):
+        idx = job.get(key, -1)
+        if idx is not None and idx >= 0:
+            os.dup2(fds[idx], target)
+    for fd in fds:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    # ``python -u``: unbuffered stdout/stderr, as torchrun runs workers
+    import io
+
+    sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
+
+
+class Zygote:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = b""
+        self.children: dict[int, str] = {}
+        rfd, wfd = os.pipe()
+        os.set_blocking(rfd, False)
+        os.set_blocking(wfd, False)
+        self.sig_r = rfd
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.sendall((json.dumps(msg) + "\n").encode())
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            wid = self.children.pop(pid, None)
+            if os.WIFSIGNALED(status):
+                code = -os.WTERMSIG(status)
+            else:
+                code = os.WEXITSTATUS(status)
+            self.send({"ev": "exit", "id": wid, "pid": pid, "code": code, "t": time.time()})
+
+    def serve(self) -> dict[str, Any] | None:
+        """Serve until told to quit; in a forked child, return the job it must run."""
+        import select
+
+        while True:
+            try:
+                r, _, _ = select.select([self.sock, self.sig_r], [], [])
+            except InterruptedError:
+                continue
+            if self.sig_r in r:
+                try:
+                    os.read(self.sig_r, 4096)
+                except BlockingIOError:
+                    pass
+                self.reap()
+            if self.sock in r:
+                try:
+                    data, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 16)
+                except OSError as e:
+                    if e.errno == errno.EINTR:
+                        continue
+                    raise
+                if not data:
+                    return None  # agent gone
+                self.buf += data
+                pending = list(fds)
+                while b"\n" in self.buf:
+                    line, self.buf = self.buf.split(b"\n", 1)
+                    msg = json.loads(line)
+                    if msg["op"] == "quit":
+                        return None
+                    if msg["op"] == "spawn":
+                        n = msg.get("nfds", 0)
+                        my_fds, pending = pending[:n], pending[n:]
+                        job = self.spawn(msg, my_fds)
+                        if job is not None:
+                            return job
+                self.reap()
+
+    def spawn(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
+        if thread_count() != 1:
+            for fd in fds:
+                os.close(fd)
+            self.send({"ev": "refused", "id": msg["id"], "why": f"{thread_count()} threads in the fork server"})
+            return None
+        pid = os.fork()
+        if pid == 0:
+            _child_setup(msg, fds, self.sock)
+            return msg
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = msg["id"]
+        self.send({"ev": "spawned", "id": msg["id"], "pid": pid, "t": time.time()})
+        return None
+
+
+def preload(modules: list[str]) -> None:
+    import importlib
+
+    import torch  # noqa: F401  - the point of this process
+    import torch.distributed  # noqa: F401
+
+    for m in modules:
+        if m:
+            importlib.import_module(m)
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    preload_modules = [m for m in sys.argv[2].split(",")] if len(sys.argv) > 2 else []
+    set_pdeathsig(signal.SIGKILL)
+    sock = socket.socket(fileno=fd)
+    try:
+        preload(preload_modules)
+    except BaseException as e:  # noqa: BLE001 - reported, then the agent falls back to spawn
+        sock.sendall((json.dumps({"ev": "failed", "why": f"preload failed: {type(e).__name__}: {e}"}) + "\n").encode())
+        sys.exit(3)
+    why = None
+    if thread_count() != 1:
+        why = f"{thread_count()} threads after imports; forking would be unsafe"
+    else:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            why = "CUDA was initialised during imports; forking would be unsafe"
+    if why:
+        sock.sendall((json.dumps({"ev": "failed", "why": why}) + "\n").encode())
+        sys.exit(3)
+    z = Zygote(sock)
+    z.send({"ev": "ready", "pid": os.getpid()})
+    job = z.serve()
+    if job is None:
+        # Agent asked us to quit or went away: take our children with us.
+        for pid in list(z.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        sys.exit(0)
+    code = run_worker(job)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
