@@ -1,0 +1,410 @@
+"""Ledger → :class:`~resilient.goodput.api.GoodputReport`.
+
+Every instant between the run's first event and its end (or *now*, for a run in progress) is
+given to exactly one category, by painting intervals onto the time line in layers of rising
+precedence; the categories therefore add up to the wall time by construction.
+
+Layers, lowest first:
+
+0. ``other``: the whole run (what nothing else claims: gaps between steps, teardown after the
+   last step, time between two separate launches into the same run directory).
+1. ``startup``: a launch (RUN_START) or an attempt's spawn (ATTEMPT_START) to the start of its
+   first step; an attempt that never stepped is startup until its fault. ``recovery``: a fault's
+   detection to the next attempt's spawn. After a final fault (no restart follows): ``other``.
+2. ``waiting_for_spares``: from an ACTION with ``action`` in ``wait_for_spares``/``wait`` to the
+   next ACTION, RESTART, SCALE, ATTEMPT_START or RUN_END.
+3. ``wasted_progress`` for the partial step in flight when the fault happened (last step's end to
+   the fault), ``detection`` from the fault to its detection. The fault instant is the detection
+   minus RESTART's ``detect_seconds`` (or HANG's ``last_heartbeat_age``), never before the last
+   recorded step.
+4. Steps, ``[wall - seconds, wall]`` of each STEP record: ``productive``, or ``wasted_progress`` if
+   the step was redone later.
+5. The first step of an attempt beyond the attempt's median step time → ``startup`` (compilation,
+   warm-up); while a STRAGGLER was reported in the attempt, each later step's time beyond the median
+   → ``straggler_slowdown``.
+6. ``checkpoint_restore``: ``[wall - seconds, wall]`` of each CKPT_RESTORE.
+7. ``checkpoint_save_stall``: ``[wall - blocking_seconds, wall]`` of each CKPT_SAVE.
+
+Job-level view: events from every node are merged on wall time; the same step or save reported by
+several ranks or nodes is counted once because overlapping intervals are a union, not a sum.
+
+Relation to ml-goodput-measurement (Google's JAX/TPU library), which this follows where it can:
+
+* Same: goodput = productive time ÷ job time; job time runs from the first start to the last end,
+  or to *now* while the job runs; a step recorded again means a disruption, and everything from the
+  first recording of that step to the restart is lost (here split finer into wasted progress,
+  detection and recovery); the first step after each (re)start carries start-up badput beyond the
+  normal step time (theirs: beyond an "ideal" step time; ours: the attempt's median); checkpoint save
+  badput is the *blocking* part of a save only; ``other`` takes what no category explains.
+* Different: we record step *ends* with durations rather than step starts, so gaps between steps are
+  ``other`` instead of productive. Save stalls inside a step are taken out of that step's productive
+  time (theirs subtracts save badput from goodput after the fact). Their TPU-initialisation, training
+  preparation and data-loading buckets are all ``startup`` here; detection, recovery, straggler
+  slowdown and waiting for spares are our own categories, taken from the agent's and detectors'
+  events. While a run is in progress the step in flight is counted productive for at most the
+  attempt's median step time (theirs: all time since the last step start), so a dead run that never
+  wrote RUN_END does not look productive forever. A job launched again into the same run directory
+  (a second RUN_START after a RUN_END) starts a new session; the time between sessions is ``other``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from resilient.events.api import Event, EventKind
+from resilient.events.ledger import read_events
+from resilient.goodput.api import (
+    CATEGORIES,
+    PRODUCTIVE,
+    AttemptReport,
+    Badput,
+    EmptyLedgerError,
+    GoodputReport,
+    Segment,
+)
+
+logger = logging.getLogger(__name__)
+
+# Events that mean the workers of an attempt are gone or must go.
+_FAULT_KINDS = {EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST}
+# Events that may end an attempt without being a fault themselves (supervisor decisions, notices).
+_BOUNDARY_KINDS = {EventKind.RESTART, EventKind.ACTION, EventKind.PREEMPTION_NOTICE, EventKind.HOST_UNHEALTHY,
+                   EventKind.GPU_UNHEALTHY, EventKind.SCALE, EventKind.ATTEMPT_END}
+_WAIT_ACTIONS = {"wait_for_spares", "wait"}
+
+# paint layers (see the module docstring)
+_L_BASE, _L_PHASE, _L_WAIT, _L_FAULT, _L_STEP, _L_STEP_EXCESS, _L_RESTORE, _L_SAVE = range(8)
+
+
+def _num(d: dict, key: str, default: float = 0.0) -> float:
+    v = d.get(key, default)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return default
+    return f if math.isfinite(f) else default
+
+
+def _is_fault(ev: Event) -> bool:
+    if ev.kind is EventKind.WORKER_EXIT:
+        code = ev.details.get("exit_code")
+        return code not in (0, None) or bool(ev.details.get("signal"))
+    return ev.kind in _FAULT_KINDS
+
+
+@dataclass
+class _Attempt:
+    session: int
+    attempt: int
+    start: float
+    world_size: int | None = None
+    steps: list[Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+
+class _Painter:
+    def __init__(self, lo: float, hi: float):
+        self.lo, self.hi = lo, hi
+        self._iv: list[tuple[float, float, int, int, str]] = []
+
+    def paint(self, start: float, end: float, layer: int, category: str) -> None:
+        s, e = max(start, self.lo), min(end, self.hi)
+        if e > s:
+            self._iv.append((s, e, layer, len(self._iv), category))
+
+    def sweep(self, extra_cuts: Iterable[float] = ()) -> list[Segment]:
+        """Elementary segments, each with the category of the highest layer covering it (last painted wins)."""
+        pts = {self.lo, self.hi}
+        for s, e, *_ in self._iv:
+            pts.add(s)
+            pts.add(e)
+        cuts = {c for c in extra_cuts if self.lo < c < self.hi}  # segments never merge across these
+        pts.update(cuts)
+        points = sorted(pts)
+        ivs = sorted(self._iv)
+        heap: list[tuple[int, int, float, str]] = []
+        out: list[Segment] = []
+        j = 0
+        for a, b in zip(points, points[1:]):
+            while j < len(ivs) and ivs[j][0] <= a:
+                s, e, layer, seq, cat = ivs[j]
+                heapq.heappush(heap, (-layer, -seq, e, cat))
+                j += 1
+            while heap and heap[0][2] <= a:
+                heapq.heappop(heap)
+            # a popped-late interval below the top may already be over; the top never is
+            cat = heap[0][3] if heap else Badput.OTHER.value
+            if out and out[-1].category == cat and out[-1].end == a and a not in cuts:
+                out[-1] = Segment(out[-1].start, b, cat)
+            else:
+                out.append(Segment(a, b, cat))
+        return out
+
+
+def _sessions(evs: list[Event]) -> list[list[Event]]:
+    """Split at a RUN_START that follows a RUN_END: a separate launch into the same run directory."""
+    out: list[list[Event]] = [[]]
+    ended = False
+    for ev in evs:
+        if ev.kind is EventKind.RUN_START and ended and out[-1]:
+            out.append([])
+            ended = False
+        out[-1].append(ev)
+        if ev.kind is EventKind.RUN_END:
+            ended = True
+    return out
+
+
+def _attempts(session: int, evs: list[Event]) -> list[_Attempt]:
+    starts: dict[int, _Attempt] = {}
+    for ev in evs:
+        if ev.kind is EventKind.ATTEMPT_START:
+            k = int(ev.attempt if ev.attempt is not None else ev.details.get("attempt", len(starts)))
+            a = starts.get(k)
+            if a is None:
+                starts[k] = a = _Attempt(session, k, ev.wall)
+            a.start = min(a.start, ev.wall)
+            ws = ev.details.get("world_size")
+            if isinstance(ws, int):
+                a.world_size = max(a.world_size or 0, ws)
+    if not starts:
+        # a ledger without agent events (e.g. a plain worker): attempts from the workers' attempt field
+        for ev in evs:
+            if ev.kind is EventKind.STEP:
+                k = ev.attempt or 0
+                a = starts.get(k)
+                t0 = ev.wall - _num(ev.details, "seconds")
+                if a is None:
+                    starts[k] = a = _Attempt(session, k, t0)
+                a.start = min(a.start, t0)
+        if not starts:
+            starts[0] = _Attempt(session, 0, evs[0].wall)
+        first = min(starts.values(), key=lambda a: a.start)
+        first.start = min(first.start, evs[0].wall)
+        for a in starts.values():  # a step's start may predate the first record; the run starts there
+            a.start = max(a.start, evs[0].wall)
+    ordered = sorted(starts.values(), key=lambda a: a.start)
+    by_num = {a.attempt: a for a in ordered}
+    begins = [a.start for a in ordered]
+    for ev in evs:
+        owner = None
+        if ev.kind is EventKind.STEP and ev.attempt is not None:
+            owner = by_num.get(ev.attempt)
+        if owner is None:
+            # the latest attempt spawned at or before this event
+            i = max(0, _bisect_right(begins, ev.wall) - 1)
+            owner = ordered[i]
+        owner.events.append(ev)
+        if ev.kind is EventKind.STEP:
+            owner.steps.append(ev)
+        elif ev.kind is EventKind.SCALE:
+            ws = ev.details.get("new_world_size")
+            if isinstance(ws, int):
+                owner.world_size = ws
+    return ordered
+
+
+def _bisect_right(xs: list[float], x: float) -> int:
+    import bisect
+
+    return bisect.bisect_right(xs, x)
+
+
+def compute_report(events: Iterable[Event], *, now: float | None = None,
+                   in_progress_step_cap: bool = True) -> GoodputReport:
+    """The goodput report of the events of one run directory (any order, any number of nodes).
+
+    ``now`` (wall seconds) is the end of a run still in progress; default: the current time.
+    """
+    evs = sorted(events, key=lambda e: e.wall)
+    if not evs:
+        raise EmptyLedgerError("the ledger holds no events: is this the run directory, and has the run started?")
+    sessions = _sessions(evs)
+    last = sessions[-1]
+    in_progress = not any(e.kind is EventKind.RUN_END for e in last)
+    t0 = evs[0].wall
+    t1 = evs[-1].wall
+    if in_progress:
+        t1 = max(t1, time.time() if now is None else now)
+    painter = _Painter(t0, t1)
+
+    # A step record is kept iff no later record goes back to its step number or before (a rollback).
+    steps_all = [e for e in evs if e.kind is EventKind.STEP and "step" in e.details]
+    redone: set[int] = set()
+    low = math.inf
+    for ev in reversed(steps_all):
+        n = _num(ev.details, "step", math.inf)
+        if n >= low:
+            redone.add(id(ev))
+        low = min(low, n)
+
+    attempt_reports: list[AttemptReport] = []
+    disruptions = 0
+    attempt_cuts: list[tuple[float, AttemptReport]] = []
+    for si, sev in enumerate(sessions):
+        s_start = sev[0].wall
+        s_ended = any(e.kind is EventKind.RUN_END for e in sev)
+        s_end = sev[-1].wall if s_ended else t1
+        run_end = next((e for e in reversed(sev) if e.kind is EventKind.RUN_END), None)
+        atts = _attempts(si, sev)
+        counted_fault = False
+        for k, att in enumerate(atts):
+            nxt = atts[k + 1] if k + 1 < len(atts) else None
+            a_start = s_start if k == 0 else att.start
+            bound = nxt.start if nxt else s_end
+            steps = sorted(att.steps, key=lambda e: e.wall)
+            durs = [_num(e.details, "seconds") for e in steps]
+            median = statistics.median(durs[1:] if len(durs) > 1 else durs) if durs else 0.0
+            first_start = steps[0].wall - durs[0] if steps else None
+            last_end = steps[-1].wall if steps else None
+            rep = AttemptReport(session=si, attempt=att.attempt, start=a_start, end=bound,
+                                world_size=att.world_size, steps=len(steps),
+                                steps_redone=sum(1 for e in steps if id(e) in redone))
+            if steps:
+                rep.first_step = int(_num(steps[0].details, "step"))
+                rep.last_step = int(_num(steps[-1].details, "step"))
+
+            # where the attempt ended: first fault, else a boundary event if another attempt follows
+            floor = last_end if last_end is not None else att.start
+            faults = [e for e in att.events if _is_fault(e) and att.start <= e.wall < bound]
+            restart = next((e for e in att.events if e.kind is EventKind.RESTART), None)
+            detect_ev = faults[0] if faults else None
+            if detect_ev is None and nxt is not None:
+                detect_ev = next((e for e in att.events if e.kind in _BOUNDARY_KINDS and e.wall >= floor), None)
+            detect = None
+            fault = None
+            if detect_ev is not None or nxt is not None:
+                detect = max(detect_ev.wall if detect_ev is not None else bound, floor)
+                lag = 0.0
+                if restart is not None:
+                    lag = _num(restart.details, "detect_seconds")
+                elif detect_ev is not None and detect_ev.kind is EventKind.HANG:
+                    lag = _num(detect_ev.details, "last_heartbeat_age")
+                fault = min(max(detect - lag, floor), detect)
+                disruptions += 1
+                counted_fault = True
+                rep.fault_wall, rep.detect_wall = fault, detect
+                rep.end_reason = (f"fault:{detect_ev.kind.value}" if detect_ev is not None and _is_fault(detect_ev)
+                                  else "restart")
+                if restart is not None:
+                    rep.restart_cause = str(restart.details.get("cause")) if restart.details.get("cause") else None
+            elif nxt is None and s_ended:
+                code = run_end.details.get("exit_code") if run_end is not None else None
+                rep.end_reason = "completed" if code in (0, None) else "stopped"
+            attempt_reports.append(rep)
+            attempt_cuts.append((a_start, rep))
+
+            # layer 1: startup / recovery / after a final fault
+            if steps:
+                painter.paint(a_start, first_start, _L_PHASE, Badput.STARTUP.value)
+            else:
+                painter.paint(a_start, fault if fault is not None else bound, _L_PHASE, Badput.STARTUP.value)
+            if detect is not None:
+                # no next attempt: still recovering if the run goes on or a restart was ordered
+                recovering = nxt is not None or restart is not None or not s_ended
+                after = Badput.RECOVERY.value if recovering else Badput.OTHER.value
+                painter.paint(detect, bound, _L_PHASE, after)
+            elif last_end is not None and nxt is None and not s_ended and in_progress_step_cap:
+                # the step in flight of a running attempt: productive for at most one normal step
+                painter.paint(last_end, min(bound, last_end + median), _L_PHASE, PRODUCTIVE)
+
+            # layer 2: waiting for spares
+            wait_from = None
+            for e in att.events:
+                is_wait = e.kind is EventKind.ACTION and str(e.details.get("action")) in _WAIT_ACTIONS
+                if wait_from is not None and (e.kind in (EventKind.ACTION, EventKind.RESTART, EventKind.SCALE,
+                                                         EventKind.ATTEMPT_START, EventKind.RUN_END)):
+                    painter.paint(wait_from, e.wall, _L_WAIT, Badput.WAITING_FOR_SPARES.value)
+                    wait_from = None
+                if is_wait:
+                    wait_from = e.wall
+            if wait_from is not None:
+                painter.paint(wait_from, bound, _L_WAIT, Badput.WAITING_FOR_SPARES.value)
+
+            # layer 3: the partial step lost, and the detection delay
+            if fault is not None and detect is not None:
+                if last_end is not None:
+                    painter.paint(last_end, fault, _L_FAULT, Badput.WASTED_PROGRESS.value)
+                painter.paint(fault, detect, _L_FAULT, Badput.DETECTION.value)
+
+            # layers 4, 5: steps, first-step warm-up, straggler excess
+            straggler_from = min((e.wall for e in att.events if e.kind is EventKind.STRAGGLER), default=math.inf)
+            for i, (ev, d) in enumerate(zip(steps, durs)):
+                cat = Badput.WASTED_PROGRESS.value if id(ev) in redone else PRODUCTIVE
+                painter.paint(ev.wall - d, ev.wall, _L_STEP, cat)
+                excess = d - median
+                if cat != PRODUCTIVE or excess <= 0:
+                    continue
+                if i == 0 and len(steps) > 1:
+                    painter.paint(ev.wall - d, ev.wall - d + excess, _L_STEP_EXCESS, Badput.STARTUP.value)
+                elif ev.wall >= straggler_from and i > 0:
+                    painter.paint(ev.wall - excess, ev.wall, _L_STEP_EXCESS, Badput.STRAGGLER_SLOWDOWN.value)
+
+        if s_ended and not counted_fault and run_end is not None:
+            code = run_end.details.get("exit_code")
+            if code not in (0, None):
+                disruptions += 1
+
+    # layers 6, 7: checkpoint restore and save stalls, whichever attempt they belong to
+    for ev in evs:
+        if ev.kind is EventKind.CKPT_RESTORE:
+            painter.paint(ev.wall - _num(ev.details, "seconds"), ev.wall, _L_RESTORE,
+                          Badput.CHECKPOINT_RESTORE.value)
+        elif ev.kind is EventKind.CKPT_SAVE:
+            painter.paint(ev.wall - _num(ev.details, "blocking_seconds"), ev.wall, _L_SAVE,
+                          Badput.CHECKPOINT_SAVE_STALL.value)
+
+    cut_points = [c for c, _ in attempt_cuts]
+    segments = painter.sweep(cut_points)
+    totals: dict[str, list[float]] = defaultdict(list)
+    per_attempt: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    starts_sorted = sorted(range(len(attempt_cuts)), key=lambda i: attempt_cuts[i][0])
+    cut_walls = [attempt_cuts[i][0] for i in starts_sorted]
+    for seg in segments:
+        totals[seg.category].append(seg.seconds)
+        if cut_walls:
+            i = max(0, _bisect_right(cut_walls, seg.start) - 1)
+            per_attempt[starts_sorted[i]][seg.category].append(seg.seconds)
+    # time between sessions is cut at the next session's start; give it to the earlier session's last attempt
+    for idx, (_, rep) in enumerate(attempt_cuts):
+        cats = per_attempt.get(idx, {})
+        rep.productive_seconds = math.fsum(cats.get(PRODUCTIVE, []))
+        rep.badput_seconds = {c: math.fsum(cats.get(c, [])) for c in CATEGORIES}
+    # each attempt's row runs to the next row's start (or the end)
+    ordered = [attempt_cuts[i][1] for i in starts_sorted]
+    for a, b in zip(ordered, ordered[1:]):
+        a.end = b.start
+    if ordered:
+        ordered[-1].end = t1
+
+    wall = t1 - t0
+    productive = math.fsum(totals.get(PRODUCTIVE, []))
+    badput = {c: math.fsum(totals.get(c, [])) for c in CATEGORIES}
+    goodput = min(1.0, max(0.0, productive / wall)) if wall > 0 else 0.0
+    restarts = len({(e.attempt, e.details.get("attempt")) for e in evs if e.kind is EventKind.RESTART})
+    kept_steps = [e for e in steps_all if id(e) not in redone]
+    return GoodputReport(
+        goodput=goodput, wall_seconds=wall, productive_seconds=productive, badput_seconds=badput,
+        disruptions=disruptions, attempts=ordered, start_wall=t0, end_wall=t1, in_progress=in_progress,
+        restarts=restarts, sessions=len(sessions),
+        last_step=int(_num(steps_all[-1].details, "step")) if steps_all else None,
+        steps_recorded=len(steps_all), steps_redone=len(steps_all) - len(kept_steps), timeline=segments,
+    )
+
+
+def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None) -> GoodputReport:
+    """Read ``RUN_DIR/events.jsonl`` (a truncated last line is skipped) and compute its report."""
+    try:
+        events = list(read_events(run_dir))
+    except FileNotFoundError:
+        raise EmptyLedgerError(f"no ledger in {run_dir}: expected {os.path.join(run_dir, 'events.jsonl')}; "
+                               "pass the --run-dir the job was launched with") from None
+    return compute_report(events, now=now)
