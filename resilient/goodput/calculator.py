@@ -14,9 +14,9 @@ Layers, lowest first:
 2. ``waiting_for_spares``: from an ACTION with ``action`` in ``wait_for_spares``/``wait`` to the
    next ACTION, RESTART, SCALE, ATTEMPT_START or RUN_END.
 3. ``wasted_progress`` for the partial step in flight when the fault happened (last step's end to
-   the fault), ``detection`` from the fault to its detection. The fault instant is the detection
-   minus RESTART's ``detect_seconds`` (or HANG's ``last_heartbeat_age``), never before the last
-   recorded step.
+   the fault), ``detection`` from the fault to its detection. The fault instant is the detecting
+   event's time minus its ``detect_seconds`` (HANG: ``last_heartbeat_age``; else RESTART's
+   ``detect_seconds``), never before the last recorded step.
 4. Steps, ``[wall - seconds, wall]`` of each STEP record: ``productive``, or ``wasted_progress`` if
    the step was redone later.
 5. The first step of an attempt beyond the attempt's median step time → ``startup`` (compilation,
@@ -283,11 +283,14 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
             fault = None
             if detect_ev is not None or nxt is not None:
                 detect = max(detect_ev.wall if detect_ev is not None else bound, floor)
+                # how long the fault went unnoticed: the detector's own figure first
                 lag = 0.0
-                if restart is not None:
-                    lag = _num(restart.details, "detect_seconds")
+                if detect_ev is not None and "detect_seconds" in detect_ev.details:
+                    lag = _num(detect_ev.details, "detect_seconds")
                 elif detect_ev is not None and detect_ev.kind is EventKind.HANG:
                     lag = _num(detect_ev.details, "last_heartbeat_age")
+                elif restart is not None:
+                    lag = _num(restart.details, "detect_seconds")
                 fault = min(max(detect - lag, floor), detect)
                 disruptions += 1
                 counted_fault = True

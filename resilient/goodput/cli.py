@@ -1,0 +1,101 @@
+"""``resilient goodput RUN_DIR [--json] [--plot FILE.png]``: the goodput report of a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from resilient.events.ledger import read_events
+from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
+from resilient.goodput.calculator import compute_report
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="resilient goodput", description="Goodput and badput of a run, from its ledger.")
+    p.add_argument("run_dir", help="the run directory (holds events.jsonl)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the run's timeline into this image")
+    p.add_argument("--timeline", action="store_true", help="with --json: include the categorised time segments")
+    p.add_argument("--now", type=float, default=None,
+                   help="end of a run still in progress, as Unix time (default: the current time)")
+    return p
+
+
+def _fmt_s(x: float) -> str:
+    if x >= 3600:
+        return f"{x / 3600:.2f} h"
+    if x >= 60:
+        return f"{x / 60:.1f} min"
+    return f"{x:.2f} s"
+
+
+def print_table(rep: GoodputReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if not con.is_terminal:
+        con = Console(width=120)  # pipes and logs: rich's 80 columns would wrap the attempts table
+    state = "in progress" if rep.in_progress else "ended"
+    con.print(f"[bold]goodput {rep.goodput:.1%}[/bold] of {_fmt_s(rep.wall_seconds)} wall ({state}) · "
+              f"{rep.disruptions} disruption(s) · {rep.restarts} restart(s) · last step {rep.last_step} · "
+              f"{rep.steps_redone} of {rep.steps_recorded} step records redone")
+    t = Table(title="where the time went")
+    t.add_column("category")
+    t.add_column("time", justify="right")
+    t.add_column("share", justify="right")
+    w = rep.wall_seconds or 1.0
+    t.add_row("[green]productive[/green]", _fmt_s(rep.productive_seconds), f"{rep.productive_seconds / w:.1%}")
+    for c in sorted(CATEGORIES, key=lambda c: -rep.badput_seconds[c]):
+        t.add_row(c, _fmt_s(rep.badput_seconds[c]), f"{rep.badput_seconds[c] / w:.1%}")
+    con.print(t)
+    a_t = Table(title="attempts")
+    cols = ("session", "attempt", "start", "duration", "world", "steps", "productive", "largest badput", "end")
+    if rep.sessions == 1:
+        cols = cols[1:]
+    for col in cols:
+        a_t.add_column(col, justify="right" if col not in ("largest badput", "end") else "left")
+    for a in rep.attempts:
+        top = max(a.badput_seconds.items(), key=lambda kv: kv[1], default=("", 0.0))
+        steps = f"{a.first_step}–{a.last_step}" if a.steps else "–"
+        if a.steps_redone:
+            steps += f" ({a.steps_redone} redone)"
+        row = [str(a.session)] if rep.sessions > 1 else []
+        a_t.add_row(*row, str(a.attempt), f"+{a.start - rep.start_wall:.1f} s", _fmt_s(a.wall_seconds),
+                    str(a.world_size or "?"), steps, _fmt_s(a.productive_seconds),
+                    f"{top[0]} {_fmt_s(top[1])}" if top[1] > 0 else "–", a.end_reason)
+    con.print(a_t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        events = list(read_events(args.run_dir))
+    except FileNotFoundError:
+        print(f"resilient goodput: no ledger in {args.run_dir} (expected events.jsonl there); "
+              "pass the run directory the job was launched with", file=sys.stderr)
+        return 2
+    try:
+        rep = compute_report(events, now=args.now)
+    except GoodputError as e:
+        print(f"resilient goodput: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        from resilient.goodput.plot import plot_timeline
+
+        plot_timeline(events, rep, args.plot)
+    if args.json:
+        print(json.dumps(rep.to_json(timeline=args.timeline), indent=2))
+    else:
+        print_table(rep)
+        if args.plot:
+            print(f"timeline written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

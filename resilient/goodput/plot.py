@@ -1,0 +1,148 @@
+"""Timeline figure of a run: where the time went, step times, checkpoints, faults, restarts, world size."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from resilient.events.api import Event, EventKind
+from resilient.goodput.api import CATEGORIES, PRODUCTIVE, GoodputReport
+
+COLORS = {
+    PRODUCTIVE: "#2ca02c",
+    "startup": "#9467bd",
+    "checkpoint_save_stall": "#1f77b4",
+    "checkpoint_restore": "#17becf",
+    "wasted_progress": "#d62728",
+    "detection": "#ff7f0e",
+    "recovery": "#e377c2",
+    "straggler_slowdown": "#bcbd22",
+    "waiting_for_spares": "#8c564b",
+    "other": "#c7c7c7",
+}
+
+
+def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os.PathLike[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    t0 = report.start_wall
+    evs = sorted(events, key=lambda e: e.wall)
+    fig, (ax_band, ax_step, ax_prog) = plt.subplots(
+        3, 1, figsize=(13, 8), sharex=True, gridspec_kw={"height_ratios": [1.1, 3, 2]})
+    gp = f"{report.goodput:.1%}"
+    fig.suptitle(f"goodput {gp} of {report.wall_seconds:,.1f} s wall · {report.disruptions} disruption(s) · "
+                 f"{len(report.attempts)} attempt(s){' · in progress' if report.in_progress else ''}", fontsize=12)
+
+    # 1: where the time went
+    for cat in (PRODUCTIVE, *CATEGORIES):
+        spans = [(s.start - t0, s.seconds) for s in report.timeline if s.category == cat]
+        if spans:
+            ax_band.broken_barh(spans, (0, 1), facecolors=COLORS[cat], edgecolor="none")
+    ax_band.set_yticks([])
+    ax_band.set_ylim(0, 1)
+    ax_band.set_ylabel("time\nspent", rotation=0, ha="right", va="center")
+    shown = [c for c in (PRODUCTIVE, *CATEGORIES)
+             if (report.productive_seconds if c == PRODUCTIVE else report.badput_seconds.get(c, 0.0)) > 0]
+    ax_band.legend(handles=[Patch(color=COLORS[c], label=_label(c, report)) for c in shown],
+                   loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=min(5, len(shown)), fontsize=8,
+                   frameon=False)
+
+    # 2: step times, saves, uploads, faults, detections
+    steps = [e for e in evs if e.kind is EventKind.STEP]
+    redone_ids = _redone(steps)
+    kept = [e for e in steps if id(e) not in redone_ids]
+    lost = [e for e in steps if id(e) in redone_ids]
+    for group, color, label in ((kept, COLORS[PRODUCTIVE], "step (kept)"), (lost, COLORS["wasted_progress"],
+                                                                              "step (redone later)")):
+        if group:
+            ax_step.plot([e.wall - t0 for e in group], [float(e.details.get("seconds", 0.0)) for e in group],
+                         ".", ms=4, color=color, label=label)
+    saves = [e for e in evs if e.kind is EventKind.CKPT_SAVE]
+    for i, e in enumerate(saves):
+        ax_step.axvline(e.wall - t0, color=COLORS["checkpoint_save_stall"], lw=0.8, alpha=0.6,
+                        label="checkpoint save" if i == 0 else None)
+    ymax = max([float(e.details.get("seconds", 0.0)) for e in steps] or [1.0]) * 1.15 or 1.0
+    tiers = sorted({str(e.details.get("tier")) for e in evs if e.kind is EventKind.CKPT_TIER_DONE})
+    for ti, tier in enumerate(tiers):
+        y = ymax * (1.0 + 0.07 * (ti + 1))
+        spans = [(e.wall - t0 - float(e.details.get("seconds", 0.0)), float(e.details.get("seconds", 0.0)))
+                 for e in evs if e.kind is EventKind.CKPT_TIER_DONE and str(e.details.get("tier")) == tier]
+        ax_step.broken_barh(spans, (y - ymax * 0.025, ymax * 0.05), facecolors="#1f77b4", alpha=0.35 + 0.2 * ti)
+        ax_step.text(0, y, f" {tier} ", fontsize=7, va="center", ha="right", color="#1f77b4",
+                     transform=ax_step.get_yaxis_transform())
+    failed = [e for e in evs if e.kind is EventKind.CKPT_TIER_FAILED]
+    if failed:
+        ax_step.plot([e.wall - t0 for e in failed], [ymax] * len(failed), "v", color="black", label="tier failed")
+    faults = [a for a in report.attempts if a.fault_wall is not None]
+    if faults:
+        ax_step.plot([a.fault_wall - t0 for a in faults], [ymax * 0.5] * len(faults), "X", ms=10,
+                     color=COLORS["wasted_progress"], label="fault")
+        ax_step.plot([a.detect_wall - t0 for a in faults], [ymax * 0.5] * len(faults), "D", ms=7,
+                     color=COLORS["detection"], label="detected")
+    for kind, marker, color in ((EventKind.STRAGGLER, "^", COLORS["straggler_slowdown"]),
+                                (EventKind.HOST_UNHEALTHY, "s", "black"),
+                                (EventKind.PREEMPTION_NOTICE, "P", "black")):
+        xs = [e.wall - t0 for e in evs if e.kind is kind]
+        if xs:
+            ax_step.plot(xs, [ymax * 0.8] * len(xs), marker, color=color, ms=8, label=kind.value)
+    ax_step.set_ylim(0, ymax * (1.0 + 0.07 * (len(tiers) + 1.5)))
+    ax_step.set_ylabel("step time (s)")
+    ax_step.legend(loc="upper left", fontsize=8, ncol=3, framealpha=0.8)
+    ax_step.grid(alpha=0.3)
+
+    # 3: progress (step number) and world size
+    if steps:
+        ax_prog.plot([e.wall - t0 for e in steps], [float(e.details.get("step", 0)) for e in steps], ".",
+                     ms=3, color="#333333", label="step number")
+    ax_prog.set_ylabel("step")
+    ax_prog.set_xlabel("seconds since start")
+    ax_prog.grid(alpha=0.3)
+    ws_x, ws_y = [], []
+    for a in report.attempts:
+        if a.world_size is not None:
+            ws_x += [a.start - t0, a.end - t0]
+            ws_y += [a.world_size, a.world_size]
+    if ws_x:
+        ax_ws = ax_prog.twinx()
+        ax_ws.plot(ws_x, ws_y, "-", color="#ff7f0e", lw=2, label="world size")
+        ax_ws.set_ylabel("world size", color="#ff7f0e")
+        ax_ws.set_ylim(0, max(ws_y) * 1.3)
+    handles = [Line2D([], [], color="#333333", marker=".", ls="", label="step number"),
+               Line2D([], [], color="gray", ls="--", label="attempt start (restart)")]
+    if ws_x:
+        handles.append(Line2D([], [], color="#ff7f0e", lw=2, label="world size"))
+    ax_prog.legend(handles=handles, loc="upper left", fontsize=8)
+
+    for a in report.attempts[1:]:
+        for ax in (ax_step, ax_prog):
+            ax.axvline(a.start - t0, color="gray", ls="--", lw=1)
+        ax_step.text(a.start - t0, ymax * 1.02, f" attempt {a.attempt}", fontsize=8, color="gray")
+    ax_prog.set_xlim(0, max(report.wall_seconds, 1e-9))
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=110)
+    plt.close(fig)
+
+
+def _label(cat: str, report: GoodputReport) -> str:
+    secs = report.productive_seconds if cat == PRODUCTIVE else report.badput_seconds[cat]
+    share = secs / report.wall_seconds if report.wall_seconds > 0 else 0.0
+    return f"{cat.replace('_', ' ')} {share:.1%}"
+
+
+def _redone(steps: list[Event]) -> set[int]:
+    out: set[int] = set()
+    low = float("inf")
+    for e in reversed(steps):
+        try:
+            n = float(e.details.get("step", 0))
+        except (TypeError, ValueError):
+            continue
+        if n >= low:
+            out.add(id(e))
+        low = min(low, n)
+    return out

@@ -1,0 +1,71 @@
+"""``resilient goodput`` on a ledger written by a real run under the real launcher."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from resilient.events import read_events
+from resilient.goodput.api import CATEGORIES
+from resilient.goodput.calculator import report_for_run
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_json_report_of_a_real_crash_and_restart(crashed_run):
+    res = run_cli(str(crashed_run), "--json")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    for key in ("goodput", "wall_seconds", "productive_seconds", "badput_seconds", "disruptions", "attempts"):
+        assert key in d
+    assert set(d["badput_seconds"]) == set(CATEGORIES)
+    assert math.fsum([d["productive_seconds"], *d["badput_seconds"].values()]) == pytest.approx(d["wall_seconds"])
+    assert 0 < d["goodput"] < 1
+    assert d["disruptions"] == 1 and d["restarts"] == 1 and not d["in_progress"]
+    assert [a["attempt"] for a in d["attempts"]] == [0, 1]
+    a0, a1 = d["attempts"]
+    assert a0["end_reason"] == "fault:worker_exit" and a1["end_reason"] == "completed"
+    assert a1["first_step"] == 20 and a1["last_step"] == 39  # resumed after the save of step 19
+    assert a0["last_step"] in (21, 22) and d["steps_redone"] == a0["last_step"] - 19
+    assert a0["world_size"] == a1["world_size"] == 2
+    for cat in ("startup", "wasted_progress", "recovery", "checkpoint_save_stall", "checkpoint_restore"):
+        assert d["badput_seconds"][cat] > 0, cat
+
+
+def test_table_and_plot(crashed_run, tmp_path):
+    png = tmp_path / "timeline.png"
+    res = run_cli(str(crashed_run), "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    assert "goodput" in res.stdout and "wasted_progress" in res.stdout and "fault:worker_exit" in res.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_report_mid_run_with_a_truncated_last_line(crashed_run, tmp_path):
+    """Cut the real ledger in the middle of attempt 1, mid-line, as a crash of the writer would."""
+    raw = (crashed_run / "events.jsonl").read_bytes()
+    lines = raw.splitlines(keepends=True)
+    evs = list(read_events(crashed_run))
+    restore_at = next(i for i, e in enumerate(evs) if e.kind.value == "ckpt_restore")
+    cut = b"".join(lines[: restore_at + 5]) + lines[restore_at + 5][:17]
+    (tmp_path / "events.jsonl").write_bytes(cut)
+    now = evs[restore_at + 4].wall + 0.5
+    rep = report_for_run(tmp_path, now=now)
+    assert rep.in_progress and rep.end_wall == now and rep.disruptions == 1
+    assert rep.productive_seconds + rep.badput_total_seconds == pytest.approx(rep.wall_seconds)
+    assert rep.attempts[-1].end_reason == "running"
+    res = run_cli(str(tmp_path), "--json", "--now", str(now))
+    assert res.returncode == 0 and json.loads(res.stdout)["in_progress"] is True
+
+
+def test_missing_run_dir_is_a_clear_error(tmp_path):
+    res = run_cli(str(tmp_path / "nope"))
+    assert res.returncode == 2 and "no ledger" in res.stderr
