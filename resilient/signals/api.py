@@ -21,12 +21,58 @@ class MonitorConfig:
     heartbeat_timeout: float | None = None  # None: learned from observed step times
     initial_timeout: float = 600.0  # start-up: spawn → first heartbeat
     ckpt_local: str | None = None  # local tier directory, for the free-space check
+    # Everything below has a default, so ``MonitorConfig(socket_path=...)`` stays valid.
+    # Learned timeouts (heartbeat_timeout None, or sections without their own): safety factor × the
+    # longest gap observed so far, never below ``min_learned_timeout``; ``initial_timeout`` until
+    # ``learn_after`` gaps have been seen (nvidia-resiliency-ext uses 5×).
+    learn_factor: float = 5.0
+    min_learned_timeout: float = 2.0
+    learn_after: int = 3
+    # Straggler scores (1.0 = as fast as the reference): "peers" compares a rank's median own-work
+    # time with the fastest local rank's, "history" with the rank's own best median.
+    straggler_threshold: float = 0.75
+    straggler_history_threshold: float = 0.5
+    straggler_window: int = 8  # steps per median
+    straggler_confirm: int = 3  # consecutive evaluations below threshold before flagging
+    straggler_min_gap: float = 0.005  # seconds: slower by less than this is noise, never a straggler
+    # Host / GPU health, checked in a background thread so a stuck filesystem cannot stall the agent.
+    health_interval: float = 5.0
+    memory_threshold: float = 95.0  # percent of RAM in use
+    disk_min_free_bytes: int = 1 << 30
+    disk_min_free_fraction: float = 0.02  # unhealthy below min(bytes, fraction × size)
+    gpu_temperature_threshold: float = 90.0
+    # External notice: a file whose appearance means "preempted/maintenance soon". None: RUN_DIR/preempt.
+    preempt_file: str | None = None
+    preempt_grace: float = 30.0  # deadline when the file names none: its mtime + this
+    preempt_poll: float = 0.25
 
     def __post_init__(self) -> None:
+        if not isinstance(self.socket_path, str) or not self.socket_path or self.socket_path == "@":
+            raise ValueError(f"socket_path must be a filesystem path or '@name' (abstract), got {self.socket_path!r}")
         if self.heartbeat_timeout is not None and self.heartbeat_timeout <= 0:
             raise ValueError(f"heartbeat timeout must be > 0 seconds, got {self.heartbeat_timeout}")
         if self.initial_timeout <= 0:
             raise ValueError(f"initial timeout must be > 0 seconds, got {self.initial_timeout}")
+        for name in ("learn_factor", "min_learned_timeout", "health_interval", "preempt_poll",
+                     "straggler_min_gap", "gpu_temperature_threshold"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MonitorConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.learn_after < 1:
+            raise ValueError(f"MonitorConfig.learn_after must be >= 1 observed gap, got {self.learn_after}")
+        for name in ("straggler_threshold", "straggler_history_threshold"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"MonitorConfig.{name} is a score in (0, 1], got {getattr(self, name)}")
+        if self.straggler_window < 3:
+            raise ValueError(f"MonitorConfig.straggler_window must be >= 3 steps for a median, got {self.straggler_window}")
+        if self.straggler_confirm < 1:
+            raise ValueError(f"MonitorConfig.straggler_confirm must be >= 1, got {self.straggler_confirm}")
+        if not 0 < self.memory_threshold <= 100:
+            raise ValueError(f"MonitorConfig.memory_threshold is a percentage in (0, 100], got {self.memory_threshold}")
+        if self.disk_min_free_bytes < 0 or not 0 <= self.disk_min_free_fraction < 1:
+            raise ValueError("MonitorConfig.disk_min_free_bytes must be >= 0 and disk_min_free_fraction in [0, 1), "
+                             f"got {self.disk_min_free_bytes} and {self.disk_min_free_fraction}")
+        if self.preempt_grace < 0:
+            raise ValueError(f"MonitorConfig.preempt_grace must be >= 0 seconds, got {self.preempt_grace}")
 
 
 class NodeMonitor(Protocol):
@@ -46,3 +92,14 @@ class NodeMonitor(Protocol):
         """Monotonic time at which ``tick`` must next run, or None; lets the agent sleep exactly."""
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """Passed to ``resilient.on_scale`` callbacks when an attempt starts with another world size than the
+    last attempt that trained (see :mod:`resilient.signals.scale`)."""
+
+    old_world_size: int
+    new_world_size: int
+    old_dp_size: int
+    new_dp_size: int

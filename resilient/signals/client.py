@@ -1,0 +1,399 @@
+"""Worker side of the signals: ``resilient.steps``, ``resilient.section``, ``resilient.on_scale``.
+
+Under ``resilient-run`` (``RESILIENT_AGENT_SOCKET`` set) every step sends one non-blocking packet to the
+node agent: a heartbeat carrying the previous step's wall time and its *own-work* time (wall time minus
+the time this rank spent blocked in collectives). Own work is what tells the straggler apart: in
+synchronous training every rank's step lasts as long as the slowest rank's, but only the slow rank spends
+little of it waiting. Waiting is measured by wrapping the synchronous ``torch.distributed`` collectives and
+by a timing DDP communication hook (equivalent to DDP's default allreduce), both installed while
+``steps()`` runs, so unmodified DDP scripts and hand-written ``all_reduce`` loops both report it.
+
+Global rank 0 also writes one ``STEP`` event per completed step (and one ``SECTION`` event per finished
+section) to the run's ledger. Outside ``resilient-run`` ``steps()`` is a plain ``range``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from resilient import env
+from resilient.events.api import EventKind
+from resilient.events.ledger import Ledger
+from resilient.signals import protocol as P
+from resilient.signals import scale as _scale
+from resilient.signals.api import ScaleEvent
+
+__all__ = ["steps", "section", "on_scale", "ScaleEvent", "current_wait_seconds"]
+
+logger = logging.getLogger(__name__)
+
+_scale_callbacks: list[Callable[[ScaleEvent], Any]] = []
+_perf = time.perf_counter
+_RECONNECT_EVERY = 1.0  # seconds between reconnection attempts when the agent is unreachable
+
+
+def on_scale(fn: Callable[[ScaleEvent], Any]) -> Callable[[ScaleEvent], Any]:
+    """Register ``fn(ScaleEvent)``, called at the start of ``steps()`` (before the first step) in an attempt
+    whose world size or data-parallel size differs from the last attempt that completed a step.
+    Usable as a decorator. Exceptions from ``fn`` propagate: a wrong learning-rate rescale must not pass
+    silently."""
+    if not callable(fn):
+        raise TypeError(f"on_scale needs a callable taking a ScaleEvent, got {fn!r}")
+    _scale_callbacks.append(fn)
+    return fn
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+class _Client:
+    """Per-process connection to the node agent; created lazily, re-created after a fork."""
+
+    def __init__(self, address: str) -> None:
+        self.pid = os.getpid()
+        self.address = P.socket_address(address)
+        self.rank = _int_env("RANK", 0)
+        self.local_rank = _int_env("LOCAL_RANK", 0)
+        self.world_size = _int_env("WORLD_SIZE", 1)
+        self.local_world_size = _int_env("LOCAL_WORLD_SIZE", 1)
+        self.attempt = _int_env("TORCHELASTIC_RESTART_COUNT", -1)
+        self.run_dir = os.environ.get(env.RUN_DIR) or None
+        self._hdr = {t: P.header(t, self.local_rank, self.rank, self.pid, self.attempt)
+                     for t in (P.HELLO, P.STEP, P.SECTION_START, P.SECTION_END, P.DONE)}
+        self.sock: socket.socket | None = None
+        self._next_connect = 0.0
+        self.dropped = 0
+        self.ledger = Ledger.from_env() if self.rank == 0 else None
+        self._connect()
+
+    def _connect(self) -> None:
+        self._next_connect = _perf() + _RECONNECT_EVERY
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.setblocking(False)
+            s.connect(self.address)
+        except OSError as e:
+            s.close()
+            if self.sock is None and self.dropped == 0:
+                logger.info("node agent socket %r unreachable (%s); heartbeats are dropped until it is", self.address, e)
+            return
+        old, self.sock = self.sock, s
+        if old is not None:
+            old.close()
+
+    def send(self, data: bytes) -> None:
+        # Hot path: one non-blocking send; on any failure the packet is dropped, never retried inline.
+        s = self.sock
+        if s is not None:
+            try:
+                s.send(data)
+                return
+            except BlockingIOError:
+                self.dropped += 1
+                return
+            except OSError:
+                s.close()
+                self.sock = None
+        self.dropped += 1
+        if _perf() >= self._next_connect:
+            self._connect()
+
+    def hello(self, step: int) -> None:
+        self.send(P.pack_hello(self._hdr[P.HELLO], self.world_size, self.local_world_size, step))
+
+    def step(self, step: int, seconds: float, compute: float) -> None:
+        self.send(P.pack_step(self._hdr[P.STEP], step, seconds, compute))
+
+    def done(self, step: int) -> None:
+        self.send(P.pack_done(self._hdr[P.DONE], step))
+
+    def section_start(self, name: str, timeout: float | None) -> None:
+        self.send(P.pack_section_start(self._hdr[P.SECTION_START], name, timeout))
+
+    def section_end(self, name: str, seconds: float) -> None:
+        self.send(P.pack_section_end(self._hdr[P.SECTION_END], name, seconds))
+
+
+_client_lock = threading.Lock()
+_client_obj: _Client | None = None
+
+
+def _client() -> _Client | None:
+    global _client_obj
+    c = _client_obj
+    if c is not None and c.pid == os.getpid():
+        return c
+    address = os.environ.get(env.AGENT_SOCKET)
+    if not address:
+        return None
+    with _client_lock:
+        if _client_obj is None or _client_obj.pid != os.getpid():
+            _client_obj = _Client(address)
+        return _client_obj
+
+
+# --- waiting time in collectives ------------------------------------------------------------------
+
+class _WaitClock:
+    """Seconds the training thread spent blocked in collectives since the last ``take()``."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.wait = 0.0
+        self.depth = 0
+        # DDP buckets of the current step: latest arrival (hook call) and latest completion.
+        self.ddp_arrival = -1.0
+        self.ddp_done = -1.0
+
+    def take(self) -> float:
+        w = self.wait
+        if self.ddp_arrival >= 0 and self.ddp_done > self.ddp_arrival:
+            # backward returns right after the last bucket completes, and the last bucket is ready right
+            # after this rank's own backward work: the span between is time spent waiting for peers.
+            w += self.ddp_done - self.ddp_arrival
+        self.wait = 0.0
+        self.ddp_arrival = self.ddp_done = -1.0
+        return w
+
+
+_clock: _WaitClock | None = None
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather",
+    "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+    "_all_gather_base", "_reduce_scatter_base",
+)
+_patched: list[tuple[object, str, object]] = []
+_patch_lock = threading.Lock()
+
+
+def current_wait_seconds() -> float:
+    """Seconds spent blocked in collectives since the current step began (0 outside ``steps()``)."""
+    c = _clock
+    return c.wait if c is not None else 0.0
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        c = _clock
+        # async ops return at once (their wait is elsewhere); other threads (a checkpointer's background
+        # collectives) do not block the training loop; nested calls (all_gather_object → all_gather)
+        # count once.
+        if c is None or kwargs.get("async_op") or c.depth or threading.get_ident() != c.thread:
+            return fn(*args, **kwargs)
+        c.depth += 1
+        t0 = _perf()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            c.wait += _perf() - t0
+            c.depth -= 1
+
+    timed.__resilient_timed__ = True  # type: ignore[attr-defined]
+    return timed
+
+
+def _timed_ddp_hook(process_group: Any, bucket: Any) -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    c = _clock
+    arrival = _perf()
+    if c is not None:
+        c.ddp_arrival = max(c.ddp_arrival, arrival)
+    fut = allreduce_hook(process_group, bucket)
+
+    def done(f: Any) -> Any:
+        cc = _clock
+        if cc is not None:
+            cc.ddp_done = max(cc.ddp_done, _perf())
+        return f.value()
+
+    return fut.then(done)
+
+
+# DDP validates a hook's annotations against the real GradBucket/Future types; this module's postponed
+# (string) annotations would fail that check, so the hook carries none.
+_timed_ddp_hook.__annotations__ = {}
+
+
+def _ddp_forward_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get("_resilient_hook_tried", False):
+            self.__dict__["_resilient_hook_tried"] = True
+            # one hook per DDP module: a user's own hook wins and this rank's DDP waits go unmeasured
+            if getattr(self, "_comm_hooks", None):
+                logger.info("DDP module has its own comm hook; its gradient waits are not timed")
+            else:
+                try:
+                    self.register_comm_hook(getattr(self, "process_group", None), _timed_ddp_hook)
+                except Exception as e:  # noqa: BLE001 — a measurement must never break training
+                    logger.info("cannot time DDP gradient waits (%s); straggler scores will miss them", e)
+        return orig(self, *args, **kwargs)
+
+    forward.__resilient_timed__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _install_timers() -> None:
+    """Wrap collectives of an already imported ``torch.distributed`` (never imports torch itself)."""
+    global _clock
+    _clock = _WaitClock()
+    with _patch_lock:
+        if _patched:
+            return
+        mods = [sys.modules.get("torch.distributed"), sys.modules.get("torch.distributed.distributed_c10d")]
+        for mod in mods:
+            if mod is None:
+                continue
+            for name in _COLLECTIVES:
+                fn = getattr(mod, name, None)
+                if fn is None or getattr(fn, "__resilient_timed__", False):
+                    continue
+                _patched.append((mod, name, fn))
+                setattr(mod, name, _timed(fn))
+        ddp_mod = sys.modules.get("torch.nn.parallel.distributed")
+        ddp = getattr(ddp_mod, "DistributedDataParallel", None) if ddp_mod is not None else None
+        if ddp is not None and not getattr(ddp.forward, "__resilient_timed__", False):
+            _patched.append((ddp, "forward", ddp.forward))
+            ddp.forward = _ddp_forward_wrapper(ddp.forward)
+
+
+def _uninstall_timers() -> None:
+    """Restore the original functions (DDP hooks already registered stay: DDP cannot unregister them)."""
+    global _clock
+    with _patch_lock:
+        while _patched:
+            obj, name, fn = _patched.pop()
+            setattr(obj, name, fn)
+    _clock = None
+
+
+# --- steps / section ---------------------------------------------------------------------------------
+
+def steps(start: int, stop: int | None = None, *, dp_size: int | None = None) -> Iterator[int]:
+    """Iterate over training steps ``start, start+1, ...`` (up to ``stop`` excluded; forever when None).
+
+    Under ``resilient-run`` each step sends a heartbeat with the previous step's timings, rank 0 records a
+    STEP event per completed step, and ``on_scale`` callbacks run before the first step when the world size
+    (or ``dp_size``, default: the world size) differs from the previous attempt's. A step left by ``break``
+    or an exception is not recorded as completed.
+    """
+    c = _client()
+    if c is None:
+        return iter(range(start, stop)) if stop is not None else itertools.count(start)
+    return _steps(c, start, stop, dp_size)
+
+
+def _check_scale(c: _Client, dp_size: int) -> None:
+    if c.run_dir is None:
+        return
+    prev = _scale.read_world(c.run_dir)
+    if prev is None or (prev.world_size == c.world_size and prev.dp_size == dp_size):
+        return
+    ev = ScaleEvent(old_world_size=prev.world_size, new_world_size=c.world_size,
+                    old_dp_size=prev.dp_size, new_dp_size=dp_size)
+    logger.info("world changed since the last attempt: %s", ev)
+    if c.ledger is not None:
+        c.ledger.emit(EventKind.SCALE, rank=c.rank, old_world_size=ev.old_world_size,
+                      new_world_size=ev.new_world_size, old_dp=ev.old_dp_size, new_dp=ev.new_dp_size)
+    for fn in list(_scale_callbacks):
+        fn(ev)
+
+
+def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Iterator[int]:
+    dp = c.world_size if dp_size is None else dp_size
+    _check_scale(c, dp)
+    _install_timers()
+    clock = _clock
+    assert clock is not None
+    ledger = c.ledger
+    rank = c.rank
+    recorded_world = ledger is None
+    c.hello(start)
+    last = start - 1
+    t_prev = -1.0
+    try:
+        for s in (range(start, stop) if stop is not None else itertools.count(start)):
+            now = _perf()
+            if t_prev < 0:
+                c.step(s, math.nan, math.nan)
+                clock.take()
+            else:
+                secs = now - t_prev
+                compute = max(0.0, secs - clock.take())
+                c.step(s, secs, compute)
+                if ledger is not None:
+                    ledger.emit(EventKind.STEP, rank=rank, step=last, seconds=secs, compute_seconds=compute)
+                    if not recorded_world:
+                        recorded_world = True
+                        _record_world(c, dp)
+            last = s
+            t_prev = _perf()  # our own send/ledger cost is not charged to the step
+            yield s
+        if t_prev >= 0:
+            secs = _perf() - t_prev
+            compute = max(0.0, secs - clock.take())
+            c.step(last + 1, secs, compute)
+            if ledger is not None:
+                ledger.emit(EventKind.STEP, rank=rank, step=last, seconds=secs, compute_seconds=compute)
+                if not recorded_world:
+                    _record_world(c, dp)
+    finally:
+        c.done(last)
+        _uninstall_timers()
+
+
+def _record_world(c: _Client, dp: int) -> None:
+    if c.run_dir is None:
+        return
+    try:
+        _scale.record_world(c.run_dir, c.world_size, dp, attempt=c.attempt)
+    except OSError as e:
+        logger.warning("cannot record the world size in %s (%s); a later scale change goes unreported", c.run_dir, e)
+
+
+@contextlib.contextmanager
+def section(name: str, timeout: float | None = None) -> Iterator[None]:
+    """A named phase (``"checkpoint"``, ``"eval"``) with its own hang timeout.
+
+    While it is open the agent applies ``timeout`` (seconds) instead of the step heartbeat timeout; with
+    None, the timeout is learned from this section's longest observed duration (× the safety factor).
+    Rank 0 records a SECTION event (name, seconds) when it ends.
+    """
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"section {name!r}: timeout must be > 0 seconds or None, got {timeout}")
+    c = _client()
+    if c is None:
+        yield
+        return
+    c.section_start(name, timeout)
+    t0 = _perf()
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        secs = _perf() - t0
+        c.section_end(name, secs)
+        if c.ledger is not None:
+            extra = {"failed": True} if failed else {}
+            c.ledger.emit(EventKind.SECTION, rank=c.rank, name=name, seconds=secs, **extra)

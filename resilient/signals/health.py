@@ -1,0 +1,246 @@
+"""Host, GPU and external-notice detectors of the node monitor.
+
+Host and GPU checks run in a background thread (a statvfs on a stuck filesystem or an NVML call on a
+failing GPU can block; the agent's loop must not). Each check reports a transition: an event when it
+turns unhealthy, nothing while it stays so, re-armed once it is healthy again.
+
+The preemption notice is a file (default ``RUN_DIR/preempt``) whose appearance means "this node goes away
+soon". Its content may name the deadline: empty (mtime + grace), a number (epoch seconds, or seconds from
+the file's mtime when below 10^9), an ISO-8601 time, or JSON ``{"deadline": ..., "reason": ...}``. Write it
+atomically (tmp + rename); a rewrite with another content is a new notice.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 5.0
+    memory_threshold: float = 95.0
+    ckpt_local: str | None = None
+    disk_min_free_bytes: int = 1 << 30
+    disk_min_free_fraction: float = 0.02
+    gpu_temperature_threshold: float = 90.0
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0:
+            raise ValueError(f"health check interval must be > 0 seconds, got {self.interval}")
+
+
+def _existing_dir(path: str) -> str | None:
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.is_dir():
+            return str(q)
+    return None
+
+
+class HostChecks:
+    """One round of host checks → events for checks that just turned unhealthy."""
+
+    def __init__(self, config: HealthConfig, make_event: Callable[..., Event]) -> None:
+        self.config = config
+        self._event = make_event
+        self._bad: set[str] = set()
+        self._gpu = _Nvml()
+
+    def _transition(self, check: str, bad: bool, kind: EventKind, **details: Any) -> list[Event]:
+        if bad and check not in self._bad:
+            self._bad.add(check)
+            logger.warning("%s: %s unhealthy: %s", kind.value, check, details)
+            return [self._event(kind, check=check, **details)]
+        if not bad and check in self._bad:
+            self._bad.discard(check)
+            logger.info("%s healthy again", check)
+        return []
+
+    def run(self) -> list[Event]:
+        import psutil
+
+        out: list[Event] = []
+        mem = psutil.virtual_memory()
+        out += self._transition("memory", mem.percent >= self.config.memory_threshold, EventKind.HOST_UNHEALTHY,
+                                value=mem.percent, threshold=self.config.memory_threshold,
+                                available_bytes=mem.available)
+        if self.config.ckpt_local:
+            d = _existing_dir(self.config.ckpt_local)
+            if d is not None:
+                du = shutil.disk_usage(d)
+                need = min(self.config.disk_min_free_bytes, int(self.config.disk_min_free_fraction * du.total))
+                out += self._transition("disk_free", du.free < need, EventKind.HOST_UNHEALTHY,
+                                        value=du.free, threshold=need, path=self.config.ckpt_local,
+                                        total_bytes=du.total)
+        for index, check, value, bad in self._gpu.checks(self.config.gpu_temperature_threshold):
+            out += self._transition(f"gpu{index}:{check}", bad, EventKind.GPU_UNHEALTHY,
+                                    index=index, check=check, value=value)
+        return out
+
+    def close(self) -> None:
+        self._gpu.close()
+
+
+class _Nvml:
+    """NVML where present; without the library or a driver, GPU checks are skipped (said once)."""
+
+    def __init__(self) -> None:
+        self.nvml: Any = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # pynvml warns about its own deprecation on import
+                import pynvml
+            pynvml.nvmlInit()
+            self.count = pynvml.nvmlDeviceGetCount()
+            self.nvml = pynvml
+        except ImportError:
+            logger.info("pynvml is not installed: GPU health checks skipped")
+        except Exception as e:  # noqa: BLE001 — NVMLError subclasses vary by version; any means "no GPU"
+            logger.info("NVML unavailable (%s): GPU health checks skipped", e)
+
+    def checks(self, temp_threshold: float) -> list[tuple[int, str, Any, bool]]:
+        if self.nvml is None:
+            return []
+        nv, out = self.nvml, []
+        for i in range(self.count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+            except Exception as e:  # noqa: BLE001 — a GPU that fell off the bus fails right here
+                out.append((i, "reachable", str(e), True))
+                continue
+            out.append((i, "reachable", True, False))
+            try:
+                t = nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)
+                out.append((i, "temperature", t, t >= temp_threshold))
+            except Exception:  # noqa: BLE001 — not every GPU reports every metric
+                pass
+            try:
+                ecc = nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+                out.append((i, "ecc_uncorrected", ecc, ecc > 0))
+            except Exception:  # noqa: BLE001
+                pass
+        return out
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class HealthThread:
+    """Runs :class:`HostChecks` every interval; hands events over through ``drain()``."""
+
+    def __init__(self, checks: HostChecks, interval: float, wake: Callable[[], None]) -> None:
+        self.checks = checks
+        self.interval = interval
+        self._wake = wake
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="resilient-health", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                evs = self.checks.run()
+                failing = False
+            except Exception as e:  # noqa: BLE001 — fail static: a broken detector must not stop the agent
+                if not failing:
+                    logger.warning("host health check failed: %s", e, exc_info=True)
+                failing = True
+                evs = []
+            if evs:
+                with self._lock:
+                    self._events.extend(evs)
+                self._wake()
+            self._stop.wait(self.interval)
+
+    def drain(self) -> list[Event]:
+        with self._lock:
+            evs, self._events = self._events, []
+        return evs
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.checks.close()
+
+
+def parse_deadline(text: str, mtime: float, grace: float) -> tuple[float, str | None]:
+    """Deadline (wall seconds) and reason from a notice file's content."""
+    text = text.strip()
+    reason = None
+    value: Any = text
+    if text.startswith("{"):
+        try:
+            d = json.loads(text)
+            value, reason = d.get("deadline"), d.get("reason")
+        except ValueError:
+            value = None
+    if value in (None, ""):
+        return mtime + grace, reason
+    try:
+        x = float(value)
+        return (x if x >= 1e9 else mtime + x), reason
+    except (TypeError, ValueError):
+        pass
+    try:
+        t = _dt.datetime.fromisoformat(str(value))
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=_dt.timezone.utc)
+        return t.timestamp(), reason
+    except ValueError:
+        logger.warning("preemption notice: unreadable deadline %r; assuming %.0f s of grace", value, grace)
+        return mtime + grace, reason
+
+
+class NoticeFile:
+    """Polls a notice file; one PREEMPTION_NOTICE per distinct version of it."""
+
+    def __init__(self, path: str, grace: float, make_event: Callable[..., Event]) -> None:
+        self.path = path
+        self.grace = grace
+        self._event = make_event
+        self._seen: tuple[int, int, int] | None = None
+
+    def poll(self) -> list[Event]:
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key == self._seen:
+                return []
+            with open(self.path, "rb") as f:
+                text = f.read(4096).decode(errors="replace")
+        except FileNotFoundError:
+            self._seen = None
+            return []
+        except OSError as e:
+            logger.debug("preemption notice %s unreadable: %s", self.path, e)
+            return []
+        self._seen = key
+        deadline, reason = parse_deadline(text, st.st_mtime, self.grace)
+        logger.warning("preemption notice from %s: deadline in %.1f s", self.path, deadline - time.time())
+        details: dict[str, Any] = {"deadline": deadline, "source": f"file:{self.path}"}
+        if reason:
+            details["reason"] = reason
+        return [self._event(EventKind.PREEMPTION_NOTICE, **details)]

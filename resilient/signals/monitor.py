@@ -1,0 +1,398 @@
+"""The node monitor: everything workers report over the agent socket, plus host/GPU/notice detectors.
+
+The agent owns the loop (see :mod:`resilient.signals.api`); this object never blocks it: the socket is
+non-blocking, health checks run in a thread, and ``next_deadline`` tells the agent exactly when the next
+hang deadline falls, so a missed heartbeat is reported at the deadline, not a polling period later.
+
+Hang rule, per local rank:
+
+* before its first message: ``attempt start + initial_timeout`` — armed only once the job is known to use
+  the worker client (some rank of this node has said hello in this or an earlier attempt), so a script
+  that never imports ``resilient`` is never called hung;
+* inside a ``section``: section start + its timeout (given, else learned for that section name);
+* otherwise: last message + the heartbeat timeout (given, else learned: ``learn_factor`` × the longest
+  out-of-section gap seen, ``initial_timeout`` until ``learn_after`` gaps were seen);
+* after ``steps()`` finished: not watched (outside sections).
+
+Hangs are reported once per attempt, when the first deadline passes, with one HANG per rank that is
+silent for at least half its timeout; ``suspect`` marks the likely culprit (a stopped process, else the
+ranks furthest behind). Nothing more is reported until the next attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+from resilient.events.ledger import Ledger
+from resilient.signals import protocol as P
+from resilient.signals.api import MonitorConfig, NodeMonitor
+from resilient.signals.health import HealthConfig, HealthThread, HostChecks, NoticeFile
+from resilient.signals.straggler import StragglerConfig, StragglerScorer
+
+logger = logging.getLogger(__name__)
+
+PREEMPT_FILE = "preempt"
+_MAX_PER_CONN = 4096  # packets read from one connection per on_readable: no worker can starve the others
+_PEERCRED = struct.Struct("3i")
+
+
+def create_node_monitor(config: MonitorConfig, ledger: Ledger | None, node_rank: int) -> NodeMonitor:
+    """The agent's entry point. ``ledger`` is used for the run directory and node name only: the agent
+    itself writes the events this monitor returns."""
+    return SocketNodeMonitor(config, ledger, node_rank)
+
+
+@dataclass
+class _Rank:
+    local_rank: int
+    rank: int
+    pid: int | None
+    hello: bool = False
+    stepped: bool = False
+    done: bool = False
+    last_seen: float | None = None
+    step: int = -1
+    sections: list[tuple[str, float, float | None]] = field(default_factory=list)  # name, start, timeout
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    pid: int
+
+
+class SocketNodeMonitor:
+    def __init__(self, config: MonitorConfig, ledger: Ledger | None, node_rank: int) -> None:
+        self.config = config
+        self.node_rank = node_rank
+        self.node = ledger.node if ledger is not None and ledger.node else None
+        self.run_dir = ledger.path.parent if ledger is not None else None
+        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._path: str | None = None
+        addr = P.socket_address(config.socket_path)
+        if isinstance(addr, str):
+            self._path = addr
+            try:
+                os.unlink(addr)  # a stale file from a dead agent
+            except FileNotFoundError:
+                pass
+        self._listen.bind(addr)
+        if self._path is not None:
+            os.chmod(self._path, 0o600)
+        self._listen.listen(1024)
+        self._listen.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._ep = select.epoll()
+        self._ep.register(self._listen.fileno(), select.EPOLLIN)
+        self._ep.register(self._wake_r.fileno(), select.EPOLLIN)
+        self._conns: dict[int, _Conn] = {}
+        self._uid = os.getuid()
+
+        self.attempt: int | None = None
+        self._active = False
+        self._attempt_t0 = 0.0
+        self._ranks: dict[int, _Rank] = {}  # local rank →
+        self._by_global: dict[int, _Rank] = {}
+        self._by_pid: dict[int, _Rank] = {}
+        self._hung = False
+        self._ready_sent = False
+        self._client_seen = False  # some rank ever said hello: the script uses the worker client
+        self._max_gap = 0.0
+        self._gaps = 0
+        self._section_max: dict[str, float] = {}
+
+        self._straggler = StragglerScorer(StragglerConfig(
+            threshold=config.straggler_threshold, history_threshold=config.straggler_history_threshold,
+            window=config.straggler_window, confirm=config.straggler_confirm, min_gap=config.straggler_min_gap))
+        self._health = HealthThread(
+            HostChecks(HealthConfig(interval=config.health_interval, memory_threshold=config.memory_threshold,
+                                    ckpt_local=config.ckpt_local, disk_min_free_bytes=config.disk_min_free_bytes,
+                                    disk_min_free_fraction=config.disk_min_free_fraction,
+                                    gpu_temperature_threshold=config.gpu_temperature_threshold),
+                       self._event),
+            config.health_interval, self._wake)
+        notice = config.preempt_file or (str(self.run_dir / PREEMPT_FILE) if self.run_dir is not None else None)
+        self._notice = NoticeFile(notice, config.preempt_grace, self._event) if notice else None
+        self._next_notice = 0.0
+
+    # --- NodeMonitor -------------------------------------------------------------------------------
+
+    def fileno(self) -> int:
+        return self._ep.fileno()
+
+    def attempt_started(self, attempt: int, ranks: dict[int, int], pids: dict[int, int]) -> None:
+        self.attempt = attempt
+        self._active = True
+        self._attempt_t0 = time.monotonic()
+        self._hung = False
+        self._ready_sent = False
+        self._ranks = {lr: _Rank(local_rank=lr, rank=gr, pid=pids.get(lr)) for lr, gr in ranks.items()}
+        self._by_global = {r.rank: r for r in self._ranks.values()}
+        self._by_pid = {r.pid: r for r in self._ranks.values() if r.pid is not None}
+        self._straggler.reset(set(self._by_global))
+
+    def attempt_stopped(self) -> None:
+        self._active = False
+        self._ranks, self._by_global, self._by_pid = {}, {}, {}
+
+    def on_readable(self, now: float) -> list[Event]:
+        out: list[Event] = []
+        try:
+            ready = self._ep.poll(0)
+        except InterruptedError:
+            ready = []
+        for fd, mask in ready:
+            if fd == self._listen.fileno():
+                self._accept()
+            elif fd == self._wake_r.fileno():
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except (BlockingIOError, InterruptedError):
+                    pass
+            else:
+                out += self._read(fd, mask, now)
+        out += self._health.drain()
+        return out
+
+    def tick(self, now: float) -> list[Event]:
+        out = self._health.drain()
+        if self._notice is not None and now >= self._next_notice:
+            self._next_notice = now + self.config.preempt_poll
+            out += self._notice.poll()
+        if self._active and not self._hung:
+            out += self._check_hangs(now)
+        return out
+
+    def next_deadline(self) -> float | None:
+        times = []
+        if self._notice is not None:
+            times.append(self._next_notice)
+        if self._active and not self._hung:
+            for r in self._ranks.values():
+                d = self._deadline(r)
+                if d is not None:
+                    times.append(d[0])
+        return min(times) if times else None
+
+    def close(self) -> None:
+        self._health.close()
+        for c in self._conns.values():
+            c.sock.close()
+        self._conns.clear()
+        self._ep.close()
+        self._listen.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+
+    # --- introspection (tests, logs) ---------------------------------------------------------------
+
+    def heartbeat_timeout(self) -> tuple[float, str]:
+        """The out-of-section heartbeat timeout in force and where it comes from."""
+        if self.config.heartbeat_timeout is not None:
+            return self.config.heartbeat_timeout, "configured"
+        if self._gaps >= self.config.learn_after:
+            return max(self.config.min_learned_timeout, self.config.learn_factor * self._max_gap), "learned"
+        return self.config.initial_timeout, "initial"
+
+    def straggler_scores(self) -> dict[int, tuple[float, float]]:
+        return self._straggler.scores()
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _event(self, kind: EventKind, rank: int | None = None, **details: Any) -> Event:
+        kw: dict[str, Any] = {"node": self.node} if self.node else {}
+        return Event(kind=kind, rank=rank, attempt=self.attempt, details=details, **kw)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"!")
+        except OSError:
+            pass  # already pending, or closing
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("agent socket accept failed: %s", e)
+                return
+            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if uid not in (self._uid, 0):
+                logger.warning("refused a connection from uid %d (pid %d) on the agent socket", uid, pid)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._conns[sock.fileno()] = _Conn(sock, pid)
+            self._ep.register(sock.fileno(), select.EPOLLIN)
+
+    def _drop(self, fd: int) -> None:
+        c = self._conns.pop(fd, None)
+        if c is not None:
+            self._ep.unregister(fd)
+            c.sock.close()
+
+    def _read(self, fd: int, mask: int, now: float) -> list[Event]:
+        c = self._conns.get(fd)
+        if c is None:
+            return []
+        out: list[Event] = []
+        for _ in range(_MAX_PER_CONN):
+            try:
+                data = c.sock.recv(P.MAX_PACKET)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                data = b""
+            if not data:  # the worker closed its end (exited): WORKER_EXIT is the agent's to report
+                self._drop(fd)
+                break
+            msg = P.unpack(data)
+            if msg is not None:
+                out += self._handle(c, msg, now)
+        return out
+
+    def _rank_for(self, c: _Conn, msg: P.Message) -> _Rank | None:
+        if not self._active:
+            return None
+        r = self._by_pid.get(c.pid) or self._by_pid.get(msg.pid)
+        if r is None and msg.attempt == self.attempt:
+            # the agent may know a wrapper's pid rather than the worker's; trust the attempt number
+            r = self._by_global.get(msg.rank)
+        return r
+
+    def _handle(self, c: _Conn, msg: P.Message, now: float) -> list[Event]:
+        r = self._rank_for(c, msg)
+        if r is None:
+            return []
+        out: list[Event] = []
+        if r.last_seen is not None and not r.sections and not r.done:
+            gap = now - r.last_seen
+            self._gaps += 1
+            if gap > self._max_gap:
+                self._max_gap = gap
+        r.last_seen = now
+        t = msg.type
+        if t == P.HELLO:
+            r.hello, r.done, r.step = True, False, msg.step
+            if not self._client_seen:
+                self._client_seen = True
+        elif t == P.STEP:
+            r.step = msg.step
+            r.stepped = True
+            if not math.isnan(msg.compute):
+                for f in self._straggler.add(r.rank, msg.step - 1, msg.compute):
+                    lr = self._by_global[f.rank].local_rank
+                    logger.warning("straggler: rank %d (local %d) %s score %.2f < %.2f", f.rank, lr,
+                                   f.reference, f.score, f.threshold)
+                    out.append(self._event(
+                        EventKind.STRAGGLER, rank=f.rank, score=round(f.score, 4), threshold=f.threshold,
+                        reference=f.reference, local_rank=lr, median_seconds=f.median_seconds,
+                        reference_seconds=f.reference_seconds, peers_score=round(f.peers_score, 4),
+                        history_score=round(f.history_score, 4), step=f.step,
+                        window=self.config.straggler_window))
+            if not self._ready_sent and all(x.stepped for x in self._ranks.values()):
+                self._ready_sent = True
+                out.append(self._event(EventKind.WORKERS_READY, step=msg.step,
+                                       seconds=now - self._attempt_t0))
+        elif t == P.SECTION_START:
+            r.sections.append((msg.name, now, msg.timeout))
+        elif t == P.SECTION_END:
+            for i in range(len(r.sections) - 1, -1, -1):
+                if r.sections[i][0] == msg.name:
+                    del r.sections[i:]
+                    break
+            if msg.seconds == msg.seconds:
+                self._section_max[msg.name] = max(self._section_max.get(msg.name, 0.0), msg.seconds)
+        elif t == P.DONE:
+            r.done = True
+            r.step = max(r.step, msg.step)
+        return out
+
+    def _deadline(self, r: _Rank) -> tuple[float, float, str] | None:
+        """(deadline, timeout, source) of a rank, or None when it is not watched."""
+        cfg = self.config
+        if r.last_seen is None:
+            if not self._client_seen:
+                return None
+            return self._attempt_t0 + cfg.initial_timeout, cfg.initial_timeout, "initial"
+        if r.sections:
+            name, start, timeout = r.sections[-1]
+            if timeout is not None:
+                return start + timeout, timeout, f"section:{name}"
+            learned = self._section_max.get(name)
+            if learned is None:
+                return start + cfg.initial_timeout, cfg.initial_timeout, f"section:{name}:initial"
+            t = max(cfg.min_learned_timeout, cfg.learn_factor * learned)
+            return start + t, t, f"section:{name}:learned"
+        if r.done:
+            return None
+        timeout, source = self.heartbeat_timeout()
+        return r.last_seen + timeout, timeout, source
+
+    def _check_hangs(self, now: float) -> list[Event]:
+        watched = [(r, self._deadline(r)) for r in self._ranks.values()]
+        if not any(d is not None and now >= d[0] for _, d in watched):
+            return []
+        self._hung = True
+        # Peers of a frozen rank stall in their next collective, so every rank of a synchronous job goes
+        # silent within about one step: report all that are well on their way (half their timeout), and
+        # mark as suspect a stopped process or, failing that, the ranks furthest behind.
+        stalled = []
+        for r, d in watched:
+            if d is None:
+                continue
+            deadline, timeout, source = d
+            since = r.last_seen if r.last_seen is not None else self._attempt_t0
+            if now >= deadline or now - since >= 0.5 * timeout:
+                stalled.append((r, since, deadline, timeout, source, _process_state(r.pid)))
+        stopped = [x for x in stalled if x[5] in ("T", "t")]
+        if stopped:
+            suspects = {x[0].local_rank for x in stopped}
+        else:
+            low = min(x[0].step for x in stalled)
+            suspects = {x[0].local_rank for x in stalled if x[0].step == low}
+        out = []
+        for r, since, deadline, timeout, source, state in stalled:
+            details: dict[str, Any] = {
+                "last_heartbeat_age": now - since, "timeout": timeout, "local_rank": r.local_rank,
+                "timeout_source": source, "step": r.step, "pid": r.pid, "process_state": state,
+                "late_seconds": now - deadline, "suspect": r.local_rank in suspects,
+            }
+            if r.sections:
+                details["section"] = r.sections[-1][0]
+            logger.error("hang: rank %d (local %d, pid %s, state %s%s) silent for %.2f s (timeout %.2f s, %s)",
+                         r.rank, r.local_rank, r.pid, state, ", suspect" if details["suspect"] else "",
+                         now - since, timeout, source)
+            out.append(self._event(EventKind.HANG, rank=r.rank, **details))
+        return out
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The kernel's one-letter state (T: stopped, D: uninterruptible I/O, S: sleeping, R: running)."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None

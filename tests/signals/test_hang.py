@@ -1,0 +1,106 @@
+"""Hang detection with real worker processes: SIGSTOP, a deadlock in communication, sections, learning."""
+import signal
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import EventKind
+from tests.signals.harness import kinds
+
+LIGHT = str(Path(__file__).with_name("light_worker.py"))
+
+
+def marks_reached(mark: Path, n: int):
+    return lambda _ev: all((mark / f"rank{r}.step").exists() for r in range(n))
+
+
+@pytest.mark.timeout(60)
+def test_sigstopped_rank_inside_steps_is_reported_hung(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=1.0, initial_timeout=30.0)
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    procs = a.spawn(2, {"T_STEPS": "100000", "T_STEP_SLEEP": "0.005", "T_MARK_STEP": "5", "T_MARK_DIR": str(mark)},
+                    script=LIGHT)
+    a.pump(marks_reached(mark, 2), 30)
+    procs[1].send_signal(signal.SIGSTOP)
+    (mark / "go").touch()
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 20)
+    hangs = kinds(evs, EventKind.HANG)
+    # rank 0 keeps stepping: only the frozen rank is silent
+    assert [e.rank for e in hangs] == [1]
+    d = hangs[0].details
+    assert d["process_state"] == "T" and d["suspect"] is True
+    assert d["timeout"] == 1.0 and d["timeout_source"] == "configured" and d["local_rank"] == 1
+    assert d["last_heartbeat_age"] >= 1.0 and d["step"] == 5 and d["pid"] == procs[1].pid
+    assert hangs[0].attempt == 0 and hangs[0].node == "node0"
+    # reported once per attempt
+    a.pump(lambda ev: True, 1)
+    assert len(kinds(a.events, EventKind.HANG)) == 1
+
+
+@pytest.mark.timeout(90)
+def test_rank_deadlocked_in_communication_is_reported_hung(make_agent):
+    a = make_agent(heartbeat_timeout=2.0, initial_timeout=60.0)
+    a.spawn(2, {"T_STEPS": "1000", "T_WORK": "0.005", "T_STUCK_RANK": "1", "T_STUCK_STEP": "4"})
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 60)
+    hangs = kinds(evs, EventKind.HANG)
+    assert {e.rank for e in hangs} == {0, 1}  # both wait forever: nobody is stopped, both are named
+    for e in hangs:
+        assert e.details["process_state"] in ("S", "R") and e.details["step"] == 4
+        assert e.details["suspect"] is True  # neither is behind the other
+
+
+@pytest.mark.timeout(60)
+def test_section_timeout_replaces_heartbeat_timeout(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=0.5, initial_timeout=30.0)
+    # a section twice as long as the heartbeat timeout, within its own timeout: no hang
+    a.spawn(1, {"T_STEPS": "6", "T_SECTION": "eval", "T_SECTION_AT": "2", "T_SECTION_TIMEOUT": "5",
+                "T_SECTION_SLEEP": "1.0", "T_OUT": str(tmp_path)}, script=LIGHT)
+    a.pump(lambda ev: a.all_exited(), 30)
+    assert a.procs[0].returncode == 0 and (tmp_path / "rank0.done").exists()
+    a.pump(lambda ev: True, 1)
+    assert not kinds(a.events, EventKind.HANG)
+    a.stop()
+    # a section stuck past its own timeout
+    a.spawn(1, {"T_STEPS": "6", "T_SECTION": "ckpt", "T_SECTION_AT": "2", "T_SECTION_TIMEOUT": "0.7",
+                "T_SECTION_SLEEP": "600"}, script=LIGHT)
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
+    (h,) = kinds(evs, EventKind.HANG)
+    assert h.details["timeout_source"] == "section:ckpt" and h.details["section"] == "ckpt"
+    assert h.details["timeout"] == 0.7 and h.attempt == 1
+
+
+@pytest.mark.timeout(60)
+def test_learned_timeout_detects_a_stop(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=None, initial_timeout=60.0, min_learned_timeout=0.5, learn_after=3)
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    procs = a.spawn(1, {"T_STEPS": "100000", "T_STEP_SLEEP": "0.01", "T_MARK_STEP": "10", "T_MARK_DIR": str(mark)},
+                    script=LIGHT)
+    a.pump(marks_reached(mark, 1), 30)
+    timeout, source = a.monitor.heartbeat_timeout()
+    assert source == "learned" and 0.5 <= timeout < 60
+    procs[0].send_signal(signal.SIGSTOP)
+    (mark / "go").touch()
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
+    (h,) = kinds(evs, EventKind.HANG)
+    assert h.details["timeout_source"] == "learned" and h.details["process_state"] == "T"
+
+
+@pytest.mark.timeout(60)
+def test_start_up_watch_only_for_scripts_that_use_the_client(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=5.0, initial_timeout=0.3)
+    # a script that never imports resilient is never called hung, however long it runs
+    a.spawn(1, {"T_NO_CLIENT": "1", "T_STEPS": "1", "T_STEP_SLEEP": "1.0"}, script=LIGHT)
+    a.pump(lambda ev: a.all_exited(), 30)
+    a.pump(lambda ev: True, 0.5)
+    assert not kinds(a.events, EventKind.HANG)
+    a.stop()
+    # once the job is known to use the client, a rank silent since spawn is a start-up hang
+    a.spawn(1, {"T_STEPS": "2"}, script=LIGHT)
+    a.pump(lambda ev: a.all_exited(), 30)
+    a.stop()
+    a.spawn(1, {"T_NO_CLIENT": "1", "T_STEPS": "1", "T_STEP_SLEEP": "600"}, script=LIGHT)
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
+    (h,) = kinds(evs, EventKind.HANG)
+    assert h.details["timeout_source"] == "initial" and h.details["step"] == -1 and h.attempt == 2
