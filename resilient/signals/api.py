@@ -32,8 +32,8 @@ class MonitorConfig:
     # time with the fastest local rank's, "history" with the rank's own best median.
     straggler_threshold: float = 0.75
     straggler_history_threshold: float = 0.5
-    straggler_window: int = 8  # steps per median
-    straggler_confirm: int = 3  # consecutive evaluations below threshold before flagging
+    straggler_window: int = 12  # steps per median
+    straggler_confirm: int = 4  # consecutive evaluations below threshold before flagging
     straggler_min_gap: float = 0.005  # seconds: slower by less than this is noise, never a straggler
     # Host / GPU health, checked in a background thread so a stuck filesystem cannot stall the agent.
     health_interval: float = 5.0

@@ -371,6 +371,8 @@ class SocketNodeMonitor:
         else:
             low = min(x[0].step for x in stalled)
             suspects = {x[0].local_rank for x in stalled if x[0].step == low}
+        # suspects first: an agent may act on the first HANG and not read the rest
+        stalled.sort(key=lambda x: (x[0].local_rank not in suspects, x[0].local_rank))
         out = []
         for r, since, deadline, timeout, source, state in stalled:
             details: dict[str, Any] = {

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 class StragglerConfig:
     threshold: float = 0.75
     history_threshold: float = 0.5
-    window: int = 8
-    confirm: int = 3
+    window: int = 12
+    confirm: int = 4
     min_gap: float = 0.005
     warmup: int = 1  # samples per rank and attempt ignored (first step: lazy init, connection set-up)
 

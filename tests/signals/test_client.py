@@ -1,0 +1,143 @@
+"""The worker client: plain range outside resilient-run, ledger records, on_scale, an absent agent."""
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+import resilient
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
+from resilient.signals import client
+from resilient.signals import protocol as P
+from resilient.signals.api import ScaleEvent
+from resilient.signals.scale import read_world, record_world
+from tests.signals.harness import kinds
+
+LIGHT = str(Path(__file__).with_name("light_worker.py"))
+
+
+@pytest.fixture
+def no_agent(monkeypatch):
+    monkeypatch.delenv("RESILIENT_AGENT_SOCKET", raising=False)
+    monkeypatch.setattr(client, "_client_obj", None)
+
+
+def test_outside_resilient_run_steps_is_a_plain_range(no_agent):
+    it = resilient.steps(3, 7)
+    assert isinstance(it, type(iter(range(0)))) and list(it) == [3, 4, 5, 6]
+    unbounded = resilient.steps(5)
+    assert [next(unbounded) for _ in range(3)] == [5, 6, 7]
+    with resilient.section("eval"):
+        pass
+    assert resilient.ScaleEvent is ScaleEvent
+
+
+def test_bad_arguments_are_named(no_agent):
+    with pytest.raises(TypeError, match="callable"):
+        resilient.on_scale(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        with resilient.section("x", timeout=0):
+            pass
+
+
+def test_unreachable_agent_never_blocks_or_raises(monkeypatch, tmp_path):
+    monkeypatch.setenv("RESILIENT_AGENT_SOCKET", "@resilient-test-nobody-listens")
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(client, "_client_obj", None)
+    assert list(resilient.steps(0, 5)) == [0, 1, 2, 3, 4]
+    with resilient.section("ckpt"):
+        pass
+    c = client._client()
+    assert c is not None and c.dropped > 0
+    evs = list(read_events(tmp_path))
+    assert [e.details["step"] for e in kinds(evs, EventKind.STEP)] == [0, 1, 2, 3, 4]
+    assert [e.details["name"] for e in kinds(evs, EventKind.SECTION)] == ["ckpt"]
+    c.ledger.close()
+    monkeypatch.setattr(client, "_client_obj", None)
+
+
+def test_packets_round_trip():
+    hdr = P.header(P.STEP, 3, 11, 1234, 2)
+    m = P.unpack(P.pack_step(hdr, 7, 0.5, 0.25))
+    assert (m.type, m.local_rank, m.rank, m.pid, m.attempt, m.step, m.seconds, m.compute) == (P.STEP, 3, 11, 1234, 2, 7, 0.5, 0.25)
+    m = P.unpack(P.pack_section_start(P.with_type(hdr, P.SECTION_START), "eval", None))
+    assert m.name == "eval" and m.timeout is None
+    m = P.unpack(P.pack_section_end(P.with_type(hdr, P.SECTION_END), "é" * 1000, 1.5))
+    assert m.seconds == 1.5 and len(m.name.encode()) <= P.MAX_PACKET
+    m = P.unpack(P.pack_hello(P.with_type(hdr, P.HELLO), 8, 4, 100))
+    assert (m.world_size, m.local_world_size, m.step) == (8, 4, 100)
+    assert P.unpack(b"\x02") is None and P.unpack(b"\x02\x09" + bytes(30)) is None  # short, wrong version
+    assert P.unpack(P.pack_step(hdr, 1, math.nan, math.nan)).compute != 0
+    assert P.socket_address("@x") == b"\0x" and P.socket_address("/tmp/s") == "/tmp/s"
+
+
+@pytest.mark.timeout(60)
+def test_one_step_event_per_step_and_section_events_from_rank_0(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=5.0)
+    a.spawn(2, {"T_STEPS": "12", "T_SECTION": "eval", "T_SECTION_AT": "3", "T_SECTION_SLEEP": "0.01"}, script=LIGHT)
+    a.pump(lambda ev: a.all_exited(), 30)
+    a.pump(lambda ev: True, 0.2)
+    assert [p.returncode for p in a.procs] == [0, 0]
+    evs = list(read_events(a.run_dir))
+    steps = kinds(evs, EventKind.STEP)
+    assert [e.details["step"] for e in steps] == list(range(12))
+    assert {e.rank for e in steps} == {0} and all(e.attempt == 0 and e.details["seconds"] > 0 for e in steps)
+    (sec,) = kinds(evs, EventKind.SECTION)
+    assert sec.details["name"] == "eval" and sec.details["seconds"] >= 0.01 and sec.rank == 0
+    assert len(kinds(evs, EventKind.WORKERS_READY)) == 1
+    assert not kinds(evs, EventKind.HANG)  # finished ranks are not watched
+
+
+@pytest.mark.timeout(60)
+def test_on_scale_runs_before_training_when_the_world_changed(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=5.0)
+    log = tmp_path / "scale.log"
+    env = {"T_STEPS": "3", "T_SCALE_LOG": str(log)}
+    a.spawn(2, env, script=LIGHT)
+    a.pump(lambda ev: a.all_exited(), 30)
+    assert read_world(a.run_dir).world_size == 2 and not log.exists()  # nothing to compare with yet
+    a.stop()
+    a.spawn(1, env, script=LIGHT)  # one rank lost
+    a.pump(lambda ev: a.all_exited(), 30)
+    assert log.read_text().split("\n")[0] == "0 2 1 2 1"
+    a.stop()
+    a.spawn(1, dict(env, T_DP="1"), script=LIGHT)  # same world again: no callback
+    a.pump(lambda ev: a.all_exited(), 30)
+    assert log.read_text().count("\n") == 1
+    (sc,) = kinds(list(read_events(a.run_dir)), EventKind.SCALE)
+    assert sc.details == {"old_world_size": 2, "new_world_size": 1, "old_dp": 2, "new_dp": 1} and sc.attempt == 1
+
+
+def test_record_world_is_atomic_and_validated(tmp_path):
+    record_world(tmp_path, 8, 4, attempt=3)
+    rec = read_world(tmp_path)
+    assert (rec.world_size, rec.dp_size, rec.attempt) == (8, 4, 3)
+    assert json.loads((tmp_path / "world.json").read_text())["dp_size"] == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["world.json"]
+    with pytest.raises(ValueError, match="world_size"):
+        record_world(tmp_path, 0)
+    (tmp_path / "world.json").write_text("{not json")
+    assert read_world(tmp_path) is None
+
+
+def test_config_errors_name_the_field():
+    from resilient.signals.api import MonitorConfig
+
+    with pytest.raises(ValueError, match="straggler_threshold"):
+        MonitorConfig(socket_path="@x", straggler_threshold=1.5)
+    with pytest.raises(ValueError, match="socket_path"):
+        MonitorConfig(socket_path="@")
+    with pytest.raises(ValueError, match="heartbeat timeout"):
+        MonitorConfig(socket_path="@x", heartbeat_timeout=0)
+
+
+def test_malformed_packets_are_ignored(make_agent):
+    a = make_agent()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(P.socket_address(a.config.socket_path))
+    s.send(b"garbage that is not a packet")
+    a.pump(lambda ev: True, 0.2)  # malformed input is ignored
+    s.close()

@@ -1,0 +1,85 @@
+"""Straggler detection: real gloo ranks, one slowed by a sleep, on a hand-written loop and on DDP."""
+import random
+
+import pytest
+
+from resilient.events.api import EventKind
+from resilient.signals.straggler import StragglerConfig, StragglerScorer
+from tests.signals.harness import kinds
+
+
+def run(a, nproc, env, timeout=120):
+    a.spawn(nproc, env)
+    a.pump(lambda ev: a.all_exited(), timeout)
+    a.pump(lambda ev: True, 0.3)
+    assert [p.returncode for p in a.procs] == [0] * nproc
+    return kinds(a.events, EventKind.STRAGGLER)
+
+
+@pytest.mark.timeout(150)
+def test_slow_rank_flagged_in_allreduce_loop_and_healthy_ranks_never(make_agent):
+    # three ranks on two shared cores (noisy), rank 2 made 2x slower from step 10
+    a = make_agent(heartbeat_timeout=30.0)
+    found = run(a, 3, {"T_STEPS": "40", "T_MODE": "allreduce", "T_WORK": "0.03", "T_SLOW_RANK": "2",
+                       "T_SLOW_EXTRA": "0.03", "T_SLOW_FROM": "10"})
+    assert {e.rank for e in found} == {2}, [(e.rank, e.details) for e in found]
+    first = min(found, key=lambda e: e.details["step"])
+    assert first.details["reference"] == "peers" and first.details["step"] <= 10 + 20
+    assert first.details["score"] < 0.75 and first.details["local_rank"] == 2
+
+
+@pytest.mark.timeout(150)
+def test_slow_rank_flagged_in_unmodified_ddp_script(make_agent):
+    a = make_agent(heartbeat_timeout=30.0)
+    found = run(a, 2, {"T_STEPS": "35", "T_MODE": "ddp", "T_WORK": "0.03", "T_SLOW_RANK": "1",
+                       "T_SLOW_EXTRA": "0.03", "T_SLOW_FROM": "5"})
+    assert {e.rank for e in found} == {1}, [(e.rank, e.details) for e in found]
+    assert min(e.details["step"] for e in found) <= 5 + 20
+
+
+@pytest.mark.timeout(150)
+def test_no_straggler_among_equal_ranks_under_cpu_contention(make_agent):
+    a = make_agent(heartbeat_timeout=30.0)
+    found = run(a, 3, {"T_STEPS": "50", "T_MODE": "ddp", "T_WORK": "0.02"})
+    assert not found, [(e.rank, e.details) for e in found]
+
+
+def _feed(scorer, series):
+    out = []
+    for step, row in enumerate(series):
+        for rank, x in enumerate(row):
+            out += scorer.add(rank, step, x)
+    return out
+
+
+def test_scores_against_peers_and_own_history():
+    cfg = StragglerConfig(window=5, confirm=2, min_gap=0.001, warmup=1)
+    rng = random.Random(0)
+    sc = StragglerScorer(cfg)
+    sc.reset({0, 1})
+    # 20 healthy steps with +-20% noise, then rank 1 doubles its work
+    series = [[0.1 * rng.uniform(0.8, 1.2), 0.1 * rng.uniform(0.8, 1.2)] for _ in range(20)]
+    assert _feed(sc, series) == []
+    slow = [[0.1 * rng.uniform(0.8, 1.2), 0.2 * rng.uniform(0.8, 1.2)] for _ in range(10)]
+    found = _feed(sc, slow)
+    refs = {(f.rank, f.reference) for f in found}
+    assert refs == {(1, "peers"), (1, "history")}
+    assert all(f.step < 20 + 8 for f in found)
+    peers, hist = sc.scores()[1]
+    assert peers < 0.75 and hist < 0.75
+    # flagged once per episode
+    assert _feed(sc, slow) == []
+
+
+def test_whole_node_slowdown_shows_in_history_only():
+    sc = StragglerScorer(StragglerConfig(window=4, confirm=2, min_gap=0.001, warmup=0))
+    sc.reset({0})
+    found = _feed(sc, [[0.1]] * 10 + [[0.3]] * 10)
+    assert [(f.rank, f.reference) for f in found] == [(0, "history")]
+    assert found[0].history_score == pytest.approx(1 / 3)
+
+
+def test_below_min_gap_is_noise():
+    sc = StragglerScorer(StragglerConfig(window=4, confirm=1, min_gap=0.01, warmup=0))
+    sc.reset({0, 1})
+    assert _feed(sc, [[0.001, 0.004]] * 20) == []  # 4x slower, but by 3 ms only
