@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 from resilient.launcher.api import LaunchError
 
@@ -23,6 +24,8 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # nvidia-resiliency-ext pulls in the deprecated pynvml wrapper; torch warns about it on import
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     from resilient.launcher.args import parse
 
     argv = sys.argv[1:] if argv is None else argv

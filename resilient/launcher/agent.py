@@ -39,15 +39,17 @@ class _Streams:
     """Tee'd worker output: read from pipes, written to the log file and (filtered) to the console."""
 
     def __init__(self) -> None:
-        self.pipes: dict[int, tuple[int, object, str, bool]] = {}  # rfd → (log fd, console, prefix, show)
+        # rfd → [log fd, console, prefix, show, at start of a line]
+        self.pipes: dict[int, list] = {}
 
     def add(self, rfd: int, log_path: Path, console: object, prefix: str, show: bool) -> None:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.pipes[rfd] = (log_fd, console, prefix, show)
+        self.pipes[rfd] = [log_fd, console, prefix, show, True]
 
     def pump(self, rfd: int) -> bool:
         """Copy what is readable; False at end of stream."""
-        log_fd, console, prefix, show = self.pipes[rfd]
+        st = self.pipes[rfd]
+        log_fd, console, prefix, show, at_start = st
         try:
             data = os.read(rfd, 65536)
         except BlockingIOError:
@@ -59,9 +61,13 @@ class _Streams:
             return False
         os.write(log_fd, data)
         if show:
-            text = data.decode(errors="replace")
-            lines = text.splitlines(keepends=True)
-            console.write("".join(f"{prefix}{ln}" for ln in lines))  # type: ignore[attr-defined]
+            # unbuffered workers write a line in pieces: prefix only where a line starts
+            out = []
+            for piece in data.decode(errors="replace").splitlines(keepends=True):
+                out.append(f"{prefix}{piece}" if at_start else piece)
+                at_start = piece.endswith("\n")
+            st[4] = at_start
+            console.write("".join(out))  # type: ignore[attr-defined]
             console.flush()  # type: ignore[attr-defined]
         return True
 
@@ -117,7 +123,7 @@ class Agent:
             self.starter = SpawnStarter()
             return
         try:
-            self.starter = ForkServer(self.cfg.preload)
+            self.starter = ForkServer(self.cfg.preload, tag=f"run={self.run_dir.resolve()}")
         except (ForkServerError, OSError) as e:
             logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
             self.starter = SpawnStarter()
@@ -385,7 +391,7 @@ class Agent:
             self.sel.register(self.starter.fileno(), selectors.EVENT_READ, "exit")
             logger.debug("worker starter ready in %.2fs", time.monotonic() - t0)
             if self._signal is not None:
-                return 128 + self._signal
+                return 1
             self.store, self.group_rank, self.group_world_size = self._rendezvous()
             self._assign_ranks()
             self._start_monitor()
@@ -451,7 +457,8 @@ class Agent:
                 logger.warning("received %s: forwarding to workers", signal.Signals(sig).name)
                 self._stop_workers(sig, c.term_timeout)
                 self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=f"signal {signal.Signals(sig).name}")
-                return 128 + sig, f"signal {signal.Signals(sig).name}"
+                # torchrun exits 1 when stopped by a signal; schedulers and wrappers rely on it
+                return 1, f"signal {signal.Signals(sig).name}"
             # failure of some kind: survivors are killed at once — their collectives can't complete anyway
             self._stop_workers(signal.SIGKILL, 10.0)
             if self.monitor is not None:

@@ -144,9 +144,6 @@ def parse(argv: list[str]) -> AgentConfig:
 
     run_id = rdzv_id if rdzv_id not in ("none", "") else f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / run_id
-    _writable_dir(run_dir, "--run-dir")
-    if args.ckpt_local:
-        _writable_dir(Path(args.ckpt_local), "--ckpt-local")
 
     ranks_filter = None
     if args.local_ranks_filter:
@@ -162,7 +159,7 @@ def parse(argv: list[str]) -> AgentConfig:
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
 
     try:
-        return AgentConfig(
+        cfg = AgentConfig(
             command=command, nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_configs=rdzv_configs,
             node_rank=int(args.node_rank), master_addr=args.master_addr,
@@ -179,3 +176,8 @@ def parse(argv: list[str]) -> AgentConfig:
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None
+    # directories last: a rejected command line leaves nothing behind
+    _writable_dir(run_dir, "--run-dir")
+    if args.ckpt_local:
+        _writable_dir(Path(args.ckpt_local), "--ckpt-local")
+    return cfg

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -39,7 +40,8 @@ class WorkerProc:
 
 
 class WorkerStarter(Protocol):
-    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None: ...
+    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
+        """Start the workers; the caller keeps ownership of (and closes) their output fds."""
 
     def fileno(self) -> int: ...
 
@@ -67,7 +69,7 @@ class ForkServerError(RuntimeError):
 class ForkServer:
     """Client of :mod:`resilient.launcher.zygote`."""
 
-    def __init__(self, preload: tuple[str, ...] = (), *, start_timeout: float = 120.0):
+    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", start_timeout: float = 120.0):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = parent
         self._buf = b""
@@ -76,7 +78,7 @@ class ForkServer:
         env = dict(os.environ)
         # the zygote's own imports must not start OpenMP/MKL pools before forking
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), ",".join(preload)],
+            [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), ",".join(preload), tag],
             pass_fds=[child.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -201,18 +203,11 @@ class SpawnStarter:
     """One fresh interpreter per worker; exits are seen through pidfds."""
 
     def __init__(self) -> None:
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._r, False)
         self._pidfds: dict[int, WorkerProc] = {}
-        import selectors
-
-        self._sel = selectors.DefaultSelector()
         # one fd for the agent to watch: an epoll fd is itself selectable
-        self._epfd = self._sel
+        self._sel = selectors.DefaultSelector()
 
     def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
-        import selectors
-
         for w in workers:
             if cmd.kind == "exec":
                 argv = [cmd.target, *cmd.args]
@@ -229,9 +224,6 @@ class SpawnStarter:
             pidfd = os.pidfd_open(p.pid)
             self._pidfds[pidfd] = w
             self._sel.register(pidfd, selectors.EVENT_READ)
-            for fd in (w.stdout_fd, w.stderr_fd):
-                if fd is not None:
-                    os.close(fd)
 
     def fileno(self) -> int:
         return self._sel.fileno()  # type: ignore[attr-defined]
@@ -254,5 +246,3 @@ class SpawnStarter:
             os.close(fd)
         self._pidfds.clear()
         self._sel.close()
-        os.close(self._r)
-        os.close(self._w)

@@ -201,6 +201,9 @@ class Zygote:
 
 def preload(modules: list[str]) -> None:
     import importlib
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
     import torch  # noqa: F401  - the point of this process
     import torch.distributed  # noqa: F401
@@ -212,6 +215,7 @@ def preload(modules: list[str]) -> None:
 
 def main() -> None:
     fd = int(sys.argv[1])
+    # argv[3], when given, only labels the process for people reading ps
     preload_modules = [m for m in sys.argv[2].split(",")] if len(sys.argv) > 2 else []
     set_pdeathsig(signal.SIGKILL)
     sock = socket.socket(fileno=fd)

@@ -1,0 +1,48 @@
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "resilient.run", *args]
+
+
+def run_launcher(args, cwd, timeout=120, env=None):
+    e = dict(os.environ)
+    e.pop("OMP_NUM_THREADS", None)
+    if env:
+        e.update(env)
+    return subprocess.run(launcher_cmd(*args), cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(pred, timeout, what):
+    """Poll a condition on real files/processes; fails with a message instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def leftovers(marker: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            if any(marker in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+@pytest.fixture
+def scripts():
+    return SCRIPTS
