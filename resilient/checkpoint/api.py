@@ -1,0 +1,216 @@
+"""Contract of the multi-tier checkpointer: configuration, on-disk layout records, tier protocol, errors.
+
+A checkpoint of step ``s`` on a tier is a plain ``torch.distributed.checkpoint`` directory
+``<tier root>/step_<s:08d>/`` holding DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files, one
+``manifest-rank<r>.json`` per rank (size and crc32c of that rank's files and of ``.metadata``) and a
+``COMMITTED`` marker written last. A step without ``COMMITTED`` is invisible to restore and is removed
+by retention. ``dcp.load`` reads any tier's copy without this package.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+STEP_PREFIX = "step_"
+COMMIT_MARKER = "COMMITTED"
+DCP_METADATA = ".metadata"
+MANIFEST_FMT = "manifest-rank{rank}.json"
+PEER_SUBDIR = "peer"  # <local>/peer/step_*/ holds the partner node's replicated files
+PER_RANK_PREFIX = "__rank{rank}__"  # per-rank values are saved under "__rank<r>__.<fqn>"
+
+
+class TierName(str, enum.Enum):
+    LOCAL = "local"
+    PEER = "peer"
+    PERSISTENT = "persistent"
+
+
+# restore prefers the earlier tier: cheaper to read
+TIER_ORDER = (TierName.LOCAL, TierName.PEER, TierName.PERSISTENT)
+
+
+class CheckpointError(RuntimeError):
+    """Base class of the checkpointer's errors."""
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """A configuration value is invalid; the message names the field and what to do."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not fit the state (another model, wrong shapes); names the keys."""
+
+    def __init__(self, step: int, missing: list[str], unexpected: list[str],
+                 shape_mismatch: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]):
+        self.step, self.missing, self.unexpected, self.shape_mismatch = step, missing, unexpected, shape_mismatch
+        parts = []
+        if missing:
+            parts.append(f"keys in the state but not in the checkpoint: {_short(missing)}")
+        if shape_mismatch:
+            shapes = ", ".join(f"{k}: checkpoint {list(c)} vs state {list(s)}"
+                               for k, (c, s) in list(shape_mismatch.items())[:10])
+            parts.append(f"shape mismatch: {shapes}")
+        if unexpected:
+            parts.append(f"keys in the checkpoint but not in the state: {_short(unexpected)}")
+        super().__init__(f"checkpoint step {step} does not match the state ({'; '.join(parts)}); "
+                         "is it from another model or configuration? Point the manager at the right "
+                         "directory or start from an empty one.")
+
+
+class CorruptFileError(CheckpointError):
+    """A file's size or crc32c differs from its manifest entry."""
+
+
+class NoRestorableStepError(CheckpointError):
+    """Committed steps exist but none could be assembled from verified files on any tier."""
+
+
+def _short(keys: list[str], n: int = 10) -> str:
+    return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    crc32c: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"size": self.size, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FileEntry":
+        return cls(size=int(d["size"]), crc32c=int(d["crc32c"]))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest-rank<r>.json``: the files rank ``rank`` wrote for ``step``, plus ``.metadata``."""
+
+    step: int
+    rank: int
+    world_size: int
+    files: dict[str, FileEntry]  # this rank's .distcp files
+    metadata: FileEntry  # DCP's .metadata (identical on every rank)
+    per_rank_keys: tuple[str, ...] = ()  # fqns saved per rank under "__rank<r>__.<fqn>"
+    wall: float = 0.0
+
+    def all_files(self) -> dict[str, FileEntry]:
+        return {**self.files, DCP_METADATA: self.metadata}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "world_size": self.world_size,
+                "files": {k: v.to_json() for k, v in self.files.items()},
+                "metadata": self.metadata.to_json(), "per_rank_keys": list(self.per_rank_keys),
+                "wall": self.wall}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        return cls(step=int(d["step"]), rank=int(d["rank"]), world_size=int(d["world_size"]),
+                   files={k: FileEntry.from_json(v) for k, v in d["files"].items()},
+                   metadata=FileEntry.from_json(d["metadata"]),
+                   per_rank_keys=tuple(d.get("per_rank_keys", ())), wall=float(d.get("wall", 0.0)))
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one tier holds of one step (``resilient ckpt ls``)."""
+
+    step: int
+    committed: bool
+    ranks: tuple[int, ...]  # ranks whose manifests are present
+    world_size: int | None
+    bytes: int
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What :meth:`CheckpointManager.restore` did on this rank."""
+
+    step: int | None  # restored step, None when nothing was restorable
+    tier: str | None  # slowest tier that served one of this rank's files
+    seconds: float
+    bytes: int
+    sources: dict[str, str] = field(default_factory=dict)  # file name -> tier that served it
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place holding step directories. Every implementation passes ``tests/checkpoint/test_tiers.py``.
+
+    Methods that touch remote storage may raise ``OSError``; callers retry (see ``tiers.retry``).
+    """
+
+    name: str
+
+    def url(self, step: int | None = None) -> str: ...
+    def steps(self) -> dict[int, bool]: ...  # step -> committed
+    def list_files(self, step: int) -> dict[str, int]: ...  # name -> size
+    def put_file(self, step: int, name: str, local_path: str) -> None: ...
+    def get_file(self, step: int, name: str, local_path: str) -> None: ...
+    def write_bytes(self, step: int, name: str, data: bytes) -> None: ...
+    def read_bytes(self, step: int, name: str) -> bytes: ...
+    def delete_file(self, step: int, name: str) -> None: ...
+    def delete_step(self, step: int) -> None: ...
+
+
+@dataclass
+class CheckpointConfig:
+    """Validated configuration of :class:`~resilient.checkpoint.manager.CheckpointManager`.
+
+    ``local`` may contain ``{node}`` / ``{rank}`` / ``{local_rank}``, expanded per process, which lets one
+    machine stand in for several nodes (each "node" with its own local directory).
+    """
+
+    local: str | None = None
+    persistent: str | None = None
+    interval: int | str = 10  # steps between saves, or "auto"
+    persistent_every: int | str = 5  # every N-th local save is uploaded; "auto" follows the tuner
+    peer: bool = True
+    overlap: bool = False  # stage behind the next forward/backward instead of inside save()
+    keep_local: int = 2
+    keep_peer: int = 2
+    keep_persistent: int = 3
+    upload_retries: int = 6
+    upload_backoff_s: float = 0.5
+    upload_backoff_max_s: float = 8.0
+    collective_timeout_s: float = 600.0
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.local and not self.persistent:
+            raise CheckpointConfigError(
+                "CheckpointManager needs at least one tier: pass local='/path' (fast node-local disk) "
+                "and/or persistent='gs://bucket/run' (or set RESILIENT_CKPT_LOCAL / RESILIENT_CKPT_PERSISTENT)")
+        if isinstance(self.interval, str):
+            s = self.interval.strip().lower()
+            if s == "auto":
+                self.interval = "auto"
+            elif s.isdigit():
+                self.interval = int(s)
+            else:
+                raise CheckpointConfigError(f"interval={self.interval!r}: give a number of steps (>= 1) or 'auto'")
+        if isinstance(self.interval, bool) or (isinstance(self.interval, int) and self.interval < 1):
+            raise CheckpointConfigError(f"interval={self.interval!r}: must be >= 1 step, or 'auto'")
+        if isinstance(self.persistent_every, str):
+            s = self.persistent_every.strip().lower()
+            if s == "auto":
+                self.persistent_every = "auto"
+            elif s.isdigit():
+                self.persistent_every = int(s)
+            else:
+                raise CheckpointConfigError(
+                    f"persistent_every={self.persistent_every!r}: give a number of local saves (>= 1) or 'auto'")
+        if isinstance(self.persistent_every, int) and self.persistent_every < 1:
+            raise CheckpointConfigError(f"persistent_every={self.persistent_every}: must be >= 1 "
+                                        "(1 uploads every save)")
+        for name in ("keep_local", "keep_peer", "keep_persistent"):
+            if int(getattr(self, name)) < 1:
+                raise CheckpointConfigError(f"{name}={getattr(self, name)}: must keep at least 1 step")
+        if self.upload_retries < 0 or self.upload_backoff_s < 0 or not math.isfinite(self.upload_backoff_max_s):
+            raise CheckpointConfigError("upload_retries and upload_backoff_s must be >= 0")
+        if self.local is not None:
+            self.local = os.fspath(self.local)

@@ -1,0 +1,969 @@
+"""``CheckpointManager``: stage → local → peer → persistent, and restore from the fastest verified tier.
+
+Threads: ``save()`` runs on the training thread and only stages (or, in overlapped mode, arms the
+mutation guard); one *save worker* thread does everything collective for saves in FIFO order on the
+manager's own gloo group (``dcp.save``, manifests, commit, peer replication, retention); one *upload*
+thread copies committed local steps to the persistent tier on a second group of its own. Every rank
+issues the same sequence of saves, so the collective sequences match across ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import logging
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from resilient import env as _env
+from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, PER_RANK_PREFIX, TIER_ORDER, CheckpointConfig,
+                                      CheckpointError, CheckpointMismatchError, CorruptFileError, FileEntry,
+                                      Manifest, NoRestorableStepError, RestoreResult, TierName)
+from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_stateful, leaf_nbytes, plain_state,
+                                        set_path)
+from resilient.checkpoint.tiers import (DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
+                                        retry, verify_file)
+from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
+from resilient.events.api import EventKind
+from resilient.events.ledger import Ledger
+
+logger = logging.getLogger(__name__)
+
+_SMALL = 1 << 20  # leaves up to this size are compared across ranks to find per-rank values
+DEFAULT_AUTO_FALLBACK = 10
+
+
+def _quiet(fn: Any, *args: Any, **kw: Any) -> Any:
+    """DCP warns on every single-process call that it "assumes" single-process intent; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        return fn(*args, **kw)
+
+
+def _rmdir_quiet(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass  # not empty (another rank of this node still uses it) or gone
+
+
+def _per_rank_key(rank: int, fqn: str) -> str:
+    return f"{PER_RANK_PREFIX.format(rank=rank)}.{fqn}"
+
+
+def _digest(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        t = v.detach().cpu().contiguous().reshape(-1)
+        # no hash(): string hashes differ between processes
+        return crc_bytes(t.view(torch.uint8).numpy().tobytes(), crc_bytes(f"{tuple(v.shape)}{v.dtype}".encode()))
+    try:
+        return crc_bytes(pickle.dumps(v, protocol=4))
+    except Exception:  # unpicklable: treat as per-rank, DCP would fail on it anyway
+        return id(v)
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    objects: dict[str, Any]
+    tensors: dict[str, Any]  # staged buffers, or live tensors to stage (overlap mode)
+    upload: bool
+    staged: threading.Event = field(default_factory=threading.Event)  # buffers filled
+    written: threading.Event = field(default_factory=threading.Event)  # buffers free again
+    decided: threading.Event = field(default_factory=threading.Event)  # interval for the next save known
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
+class _Interval:
+    """When to save: a fixed number of steps, or ``auto`` from goodput's IntervalTuner on rank 0."""
+
+    def __init__(self, interval: int | str, persistent_every: int | str, rank: int):
+        self.auto = interval == "auto"
+        self.auto_persistent = persistent_every == "auto"
+        self.tuner: Any = None
+        self.steps = interval if isinstance(interval, int) else DEFAULT_AUTO_FALLBACK
+        self.persistent_every = persistent_every if isinstance(persistent_every, int) else 5
+        if self.auto or self.auto_persistent:
+            try:
+                from resilient.goodput.interval import IntervalTuner
+
+                self.tuner = IntervalTuner()
+                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+                    self.tuner.observe_interruption()
+                if self.auto:
+                    self.steps = max(1, int(self.tuner.interval_steps()))
+                if self.auto_persistent:
+                    self.persistent_every = max(1, int(self.tuner.persistent_every()))
+            except Exception as e:  # ImportError while goodput is not there yet, or a tuner bug
+                if rank == 0:
+                    warnings.warn(f"interval='auto' unavailable ({e}); saving every {DEFAULT_AUTO_FALLBACK} steps",
+                                  stacklevel=3)
+                self.tuner = None
+        self.next_save: int | None = None
+        self._last_call: float | None = None
+
+    def observe_call(self) -> None:
+        now = time.perf_counter()
+        if self.tuner is not None and self._last_call is not None:
+            try:
+                self.tuner.observe_step(now - self._last_call)
+            except Exception as e:
+                logger.debug("tuner.observe_step failed: %s", e)
+        self._last_call = now
+
+    def due(self, step: int) -> bool:
+        if not self.auto:
+            return (step + 1) % self.steps == 0
+        if self.next_save is None:
+            self.next_save = step + self.steps - 1
+        return step >= self.next_save
+
+
+class CheckpointManager:
+    """Multi-tier asynchronous checkpointing for a training loop (see the issue's public API).
+
+    Construction, ``save`` at a due step, ``restore``, ``wait`` and ``close`` are collective when a
+    process group is initialised: every rank calls them in the same order.
+    """
+
+    def __init__(self, local: str | os.PathLike[str] | None = None, persistent: str | None = None,
+                 interval: int | str = 10, persistent_every: int | str = 5, peer: bool = True, *,
+                 overlap: bool = False, keep_local: int = 2, keep_peer: int = 2, keep_persistent: int = 3,
+                 storage_options: dict[str, Any] | None = None, upload_retries: int = 6,
+                 upload_backoff_s: float = 0.5, upload_backoff_max_s: float = 8.0,
+                 collective_timeout_s: float = 600.0):
+        self.config = CheckpointConfig(
+            local=os.fspath(local) if local is not None else None, persistent=persistent, interval=interval,
+            persistent_every=persistent_every, peer=peer, overlap=overlap, keep_local=keep_local,
+            keep_peer=keep_peer, keep_persistent=keep_persistent, upload_retries=upload_retries,
+            upload_backoff_s=upload_backoff_s, upload_backoff_max_s=upload_backoff_max_s,
+            collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}))
+        cfg = self.config
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._dist else 0
+        self.world_size = dist.get_world_size() if self._dist else 1
+        lws = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size) or self.world_size) if self._dist else 1
+        if lws < 1 or self.world_size % lws:
+            lws = self.world_size
+        self.local_world_size = lws
+        self.node = self.rank // lws
+        self.nnodes = self.world_size // lws
+        self.local_rank = self.rank % lws
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
+        # groups of our own: async DCP on the user's default group can hang, and the save worker and
+        # the uploader must not interleave collectives on one group
+        self._pg = dist.new_group(backend="gloo", timeout=timeout) if self._dist else None
+        self._pg_up = (dist.new_group(backend="gloo", timeout=timeout)
+                       if self._dist and cfg.persistent else None)
+
+        self.local = None
+        self.peer = None
+        self._scratch: Path
+        if cfg.local:
+            root = cfg.local.format(node=self.node, rank=self.rank, local_rank=self.local_rank)
+            self.local = DirTier(root, name=TierName.LOCAL.value)
+            self.local.root.mkdir(parents=True, exist_ok=True)
+            self._scratch = self.local.root
+            if cfg.peer and self.nnodes > 1:
+                self.peer = DirTier(self.local.root / "peer", name=TierName.PEER.value)
+            elif cfg.peer and self.rank == 0 and self.nnodes == 1 and self._dist:
+                logger.info("peer tier off: one node (LOCAL_WORLD_SIZE=%d = WORLD_SIZE)", lws)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="resilient-ckpt-")
+            self._scratch = Path(self._tmp.name)
+        self.persistent = (make_tier(cfg.persistent, TierName.PERSISTENT.value, cfg.storage_options)
+                           if cfg.persistent else None)
+
+        self._ledger = Ledger.from_env()
+        self._interval = _Interval(cfg.interval, cfg.persistent_every, self.rank)
+        self._stager = Stager()
+        self._guard = MutationGuard(timeout_s=cfg.collective_timeout_s)
+        self._last_job: _SaveJob | None = None
+        self._saves_since_upload = 0
+        self._guard_wait_reported = 0.0
+        self._closed = False
+        self._error_lock = threading.Lock()
+        self.last_restore: RestoreResult | None = None
+        self.last_saved_step: int | None = None
+
+        self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._save_loop, name="resilient-ckpt-save", daemon=True)
+        self._worker.start()
+        self._up_cv = threading.Condition()
+        self._up_pending: list[int] = []
+        self._up_busy = False
+        self._up_closing = False
+        self._uploader = None
+        if self.persistent is not None:
+            self._uploader = threading.Thread(target=self._upload_loop, name="resilient-ckpt-upload", daemon=True)
+            self._uploader.start()
+
+    # ------------------------------------------------------------------ construction from env
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "CheckpointManager":
+        """Tiers and intervals from the ``RESILIENT_CKPT_*`` variables ``resilient-run`` exports."""
+        kw: dict[str, Any] = {
+            "local": os.environ.get(_env.CKPT_LOCAL) or None,
+            "persistent": os.environ.get(_env.CKPT_PERSISTENT) or None,
+        }
+        if os.environ.get(_env.CKPT_INTERVAL):
+            kw["interval"] = os.environ[_env.CKPT_INTERVAL]
+        if os.environ.get(_env.CKPT_PERSISTENT_EVERY):
+            kw["persistent_every"] = os.environ[_env.CKPT_PERSISTENT_EVERY]
+        kw.update(overrides)
+        if not kw.get("local") and not kw.get("persistent"):
+            raise CheckpointError(f"no checkpoint tier configured: set {_env.CKPT_LOCAL} and/or "
+                                  f"{_env.CKPT_PERSISTENT} (resilient-run --ckpt-local/--ckpt-persistent)")
+        return cls(**kw)
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, kind: EventKind, **details: Any) -> None:
+        if self._ledger is not None:
+            self._ledger.emit(kind, rank=self.rank, **details)
+
+    # ------------------------------------------------------------------ collectives helpers
+    def _gather(self, obj: Any, group: Any) -> list[Any]:
+        if not self._dist:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    def _bcast(self, obj: Any, group: Any) -> Any:
+        if not self._dist:
+            return obj
+        lst = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(lst, src=0, group=group)
+        return lst[0]
+
+    # ------------------------------------------------------------------ save
+    @property
+    def interval(self) -> int:
+        return self._interval.steps
+
+    def save(self, step: int, state: Mapping[str, Any], force: bool = False) -> bool:
+        """Save ``state`` as step ``step`` if the interval says so (or ``force``). Returns whether it did.
+
+        Blocks only to copy the state to host memory (default mode) or not at all (``overlap=True``:
+        the copy runs behind the next forward/backward while hooks keep the optimizer from stepping
+        before it is done). The state may be changed as soon as this returns.
+        """
+        if self._closed:
+            raise CheckpointError("save() after close()")
+        self._interval.observe_call()
+        if not (force or self._interval.due(step)):
+            return False
+        t0 = time.perf_counter()
+        prev = self._last_job
+        if prev is not None:
+            # one set of staging buffers: the previous step must be on disk before we overwrite them
+            self._wait_event(prev.written, "previous checkpoint write")
+            if self._interval.auto:
+                self._wait_event(prev.decided, "interval decision")
+        if self._interval.auto:
+            self._interval.next_save = step + self._interval.steps
+        plain = plain_state(state)
+        leaves = {fqn: v for fqn, (_, v) in flatten(plain).items()}
+        objects = self._stager.stage(leaves, tensors=False)
+        tensors_in = {k: v for k, v in leaves.items() if isinstance(v, torch.Tensor)}
+        if self.config.overlap:
+            self._guard.arm()
+            tensors = tensors_in
+        else:
+            tensors = self._stager.stage(tensors_in, objects=False)
+            self._stager.synchronize()
+        self._saves_since_upload += 1
+        upload = self.persistent is not None and self._saves_since_upload >= self._interval.persistent_every
+        if upload:
+            self._saves_since_upload = 0
+        job = _SaveJob(step=step, objects=objects, tensors=tensors, upload=upload)
+        if not self.config.overlap:
+            job.staged.set()
+        self._last_job = job
+        self._jobs.put(job)
+        blocking = time.perf_counter() - t0
+        hook_wait = self._guard.waited_s - self._guard_wait_reported
+        self._guard_wait_reported = self._guard.waited_s
+        nbytes = sum(leaf_nbytes(v) for v in tensors_in.values())
+        if self._interval.tuner is not None and self.rank == 0:
+            try:
+                self._interval.tuner.observe_save(blocking + hook_wait)
+            except Exception as e:
+                logger.debug("tuner.observe_save failed: %s", e)
+        if self.rank == 0:
+            self._emit(EventKind.CKPT_SAVE, step=step, blocking_seconds=blocking + hook_wait, bytes=nbytes,
+                       mode="overlap" if self.config.overlap else "default", hook_wait_seconds=hook_wait)
+        return True
+
+    def _wait_event(self, ev: threading.Event, what: str) -> None:
+        if not ev.wait(self.config.collective_timeout_s):
+            raise CheckpointError(f"{what} did not finish within {self.config.collective_timeout_s:.0f} s; "
+                                  "is a rank stuck or its disk hung?")
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._do_save(job)
+            except Exception as e:  # fail static: a failed save is reported, training goes on
+                logger.exception("checkpoint of step %d failed", job.step)
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.LOCAL.value,
+                           error=f"{type(e).__name__}: {e}")
+            finally:
+                if not job.staged.is_set():
+                    job.staged.set()
+                    self._guard.release()
+                job.written.set()
+                job.decided.set()
+                job.done.set()
+
+    def _do_save(self, job: _SaveJob) -> None:
+        t0 = time.perf_counter()
+        if not job.staged.is_set():
+            try:
+                job.tensors = self._stager.stage(job.tensors, objects=False)
+                self._stager.synchronize()
+            finally:
+                job.staged.set()
+                self._guard.release()
+        if self._interval.auto or self._interval.auto_persistent:
+            self._decide_interval(job)
+        job.decided.set()
+        flat: dict[str, Any] = {**job.objects, **job.tensors}
+        per_rank = self._per_rank_keys(flat)
+        for k in per_rank:
+            flat[_per_rank_key(self.rank, k)] = flat[k]
+        if self.local is None:
+            self._save_without_local(job, flat, per_rank, t0)
+            return
+        tier = self.local
+        d = tier.path(job.step)
+        if self.local_rank == 0:
+            tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
+        error = None
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            writer = FileSystemWriter(d, sync_files=True, thread_count=1, overwrite=True)
+            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+        except Exception as e:
+            error = e
+            logger.error("local save of step %d failed: %s", job.step, e)
+        finally:
+            job.tensors = {}
+            job.written.set()  # staging buffers are free: the next save may stage
+        ok = error is None
+        try:
+            if ok and self.nnodes > 1:
+                self._spread_metadata(d)
+            if ok:
+                m = self._write_manifest(tier, job.step, per_rank)
+        except Exception as e:
+            ok, error = False, e
+        results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor()), self._pg)
+        all_ok = all(r[0] for r in results)
+        if not all_ok:
+            if error is not None:
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier.name,
+                           error=f"{type(error).__name__}: {error}")
+            return
+        if self.local_rank == 0:
+            self._commit(tier, job.step, ranks=self._node_ranks(self.node))
+        self.last_saved_step = job.step
+        seconds = time.perf_counter() - t0
+        if self.rank == 0:
+            self._emit(EventKind.CKPT_TIER_DONE, step=job.step, tier=tier.name, seconds=seconds,
+                       bytes=sum(r[1] for r in results))
+        if self.peer is not None:
+            self._replicate(job.step, m)
+        floor = min((r[2] for r in results if r[2] is not None), default=None)
+        if self.local_rank == 0:
+            self._retain(tier, self.config.keep_local, pinned_from=floor)
+            if self.peer is not None:
+                self._retain(self.peer, self.config.keep_peer, pinned_from=None)
+        job.ok = True
+        if job.upload:
+            self._request_upload(job.step)
+
+    def _save_without_local(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str], t0: float) -> None:
+        """No local tier: write the persistent tier directly (still in the background)."""
+        assert self.persistent is not None
+        error = None
+        staging = self._scratch / f"direct-{self.rank}"
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            writer = FileSystemWriter(staging, sync_files=False, thread_count=1)
+            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+        except Exception as e:
+            error = e
+        finally:
+            job.tensors = {}
+            job.written.set()
+        tmp_tier = DirTier(staging.parent, name="staging")
+        # DCP wrote into `staging` itself; give it the step layout for the uploader
+        step_dir = tmp_tier.path(job.step)
+        if error is None:
+            shutil.rmtree(step_dir, ignore_errors=True)
+            os.replace(staging, step_dir)
+        ok = error is None
+        try:
+            if ok and self._dist:
+                self._spread_metadata(step_dir, shared_by_node=False)
+            if ok:
+                self._write_manifest(tmp_tier, job.step, per_rank)
+        except Exception as e:
+            ok, error = False, e
+        results = self._gather(ok, self._pg)
+        if not all(results):
+            self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.PERSISTENT.value,
+                       error=f"{type(error).__name__}: {error}" if error else "another rank failed")
+            shutil.rmtree(step_dir, ignore_errors=True)
+            return
+        self._upload_step(job.step, tmp_tier, group=self._pg)
+        shutil.rmtree(step_dir, ignore_errors=True)
+        job.ok = True
+
+    def _node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
+
+    def _my_files(self, d: Path) -> list[str]:
+        pre = f"__{self.rank}_"
+        try:
+            return sorted(n for n in os.listdir(d) if n.startswith(pre) and n.endswith(".distcp"))
+        except FileNotFoundError:
+            return []
+
+    def _my_bytes(self, d: Path) -> int:
+        return sum((d / n).stat().st_size for n in self._my_files(d))
+
+    def _spread_metadata(self, d: Path, shared_by_node: bool = True) -> None:
+        """DCP writes ``.metadata`` on rank 0 only; every node's copy of the step needs it."""
+        data = (d / DCP_METADATA).read_bytes() if self.rank == 0 else None
+        data = self._bcast(data, self._pg)
+        if self.rank != 0 and (self.local_rank == 0 or not shared_by_node):
+            tmp = d / ".metadata.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, d / DCP_METADATA)
+        elif self.rank != 0:
+            # another rank of this node writes it; wait for it to appear (same dir, same node)
+            deadline = time.monotonic() + self.config.collective_timeout_s
+            while not (d / DCP_METADATA).exists():
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{d / DCP_METADATA} did not appear")
+                time.sleep(0.01)
+
+    def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str]) -> Manifest:
+        d = tier.path(step)
+        files = {n: file_entry(d / n) for n in self._my_files(d)}
+        m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files,
+                     metadata=file_entry(d / DCP_METADATA), per_rank_keys=tuple(per_rank), wall=time.time())
+        tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
+        return m
+
+    def _commit(self, tier: Any, step: int, ranks: list[int]) -> None:
+        body = {"step": step, "world_size": self.world_size, "ranks": ranks, "wall": time.time()}
+        tier.write_bytes(step, COMMIT_MARKER, json.dumps(body).encode())
+
+    def _per_rank_keys(self, flat: dict[str, Any]) -> list[str]:
+        """Leaves whose values differ across ranks; DCP would keep one rank's value for all of them."""
+        if not self._dist or self.world_size == 1:
+            return []
+        small = {k: _digest(v) for k, v in flat.items()
+                 if not isinstance(v, torch.Tensor) or leaf_nbytes(v) <= _SMALL}
+        everyone = self._gather(small, self._pg)
+        keys = set().union(*(set(g) for g in everyone))
+        return sorted(k for k in keys if len({g.get(k) for g in everyone}) > 1)
+
+    def _decide_interval(self, job: _SaveJob) -> None:
+        iv = self._interval
+        if iv.tuner is None:
+            return
+        proposal = None
+        if self.rank == 0:
+            try:
+                proposal = (max(1, int(iv.tuner.interval_steps())) if iv.auto else iv.steps,
+                            max(1, int(iv.tuner.persistent_every())) if iv.auto_persistent else iv.persistent_every,
+                            iv.tuner.inputs())
+            except Exception as e:
+                logger.warning("interval tuner failed (%s); keeping %d steps", e, iv.steps)
+                proposal = (iv.steps, iv.persistent_every, {})
+        steps, every, inputs = self._bcast(proposal, self._pg)
+        changed = (steps, every) != (iv.steps, iv.persistent_every)
+        iv.steps, iv.persistent_every = steps, every
+        if changed and self.rank == 0:
+            self._emit(EventKind.CKPT_INTERVAL, interval=steps, persistent_every=every, inputs=inputs)
+
+    # ------------------------------------------------------------------ peer replication
+    def _partner(self, offset: int) -> int:
+        return (self.rank + offset * self.local_world_size) % self.world_size
+
+    def _replicate(self, step: int, m: Manifest) -> None:
+        """Send this rank's files to the same local rank on the next node; receive the previous node's."""
+        assert self.local is not None and self.peer is not None
+        t0 = time.perf_counter()
+        d = self.local.path(step)
+        names = list(m.files) + [manifest_name(self.rank)]
+        if self.local_rank == 0:
+            names.append(DCP_METADATA)
+        specs = [FileSpec(n, (d / n).stat().st_size) for n in names]
+        everyone = self._gather(specs, self._pg)
+        src, dst = self._partner(-1), self._partner(+1)
+        ok, error = True, None
+        out = self.peer.path(step)
+        try:
+            if self.local_rank == 0:
+                self.peer.delete_file(step, COMMIT_MARKER)
+            ring_exchange(self._pg, send_to=dst, send_paths=[d / n for n in names], send_files=specs,
+                          recv_from=src, recv_files=everyone[src], out_dir=out)
+            got = read_manifest(self.peer, step, src)
+            for n, fe in got.all_files().items():
+                if any(s.name == n for s in everyone[src]):
+                    verify_file(out / n, fe)
+        except Exception as e:
+            ok, error = False, e
+            logger.error("peer replication of step %d from rank %d failed: %s", step, src, e)
+        results = self._gather(ok, self._pg)
+        if not all(results):
+            if error is not None:
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PEER.value,
+                           error=f"{type(error).__name__}: {error}")
+            return
+        if self.local_rank == 0:
+            self._commit(self.peer, step, ranks=self._node_ranks((self.node - 1) % self.nnodes))
+        if self.rank == 0:
+            self._emit(EventKind.CKPT_TIER_DONE, step=step, tier=TierName.PEER.value,
+                       seconds=time.perf_counter() - t0, bytes=sum(s.size for s in specs) * self.world_size)
+
+    # ------------------------------------------------------------------ retention
+    def _retain(self, tier: Any, keep: int, pinned_from: int | None, drop_newer_partial: bool = False) -> None:
+        """Keep the newest ``keep`` committed steps; drop older ones and abandoned partial steps.
+
+        ``pinned_from``: steps >= this are still to be uploaded by some rank and stay.
+        """
+        try:
+            steps = tier.steps()
+            committed = sorted(s for s, c in steps.items() if c)
+            if not committed:
+                if drop_newer_partial:
+                    for s in steps:
+                        tier.delete_step(s)
+                return
+            keep_set = set(committed[-keep:])
+            newest = committed[-1]
+            for s in sorted(steps):
+                if s in keep_set or (s >= newest and not (drop_newer_partial and not steps[s])):
+                    continue  # newer partial steps may be being written right now
+                if pinned_from is not None and s >= pinned_from:
+                    continue
+                tier.delete_step(s)
+        except Exception as e:
+            logger.warning("retention on %s failed: %s", tier, e)
+
+    # ------------------------------------------------------------------ persistent upload
+    def _upload_floor(self) -> int | None:
+        with self._up_cv:
+            pend = list(self._up_pending)
+            return min(pend) if pend else None
+
+    def _request_upload(self, step: int) -> None:
+        with self._up_cv:
+            self._up_pending.append(step)
+            self._up_cv.notify_all()
+
+    def _upload_loop(self) -> None:
+        while True:
+            step: int | None = None
+            with self._up_cv:
+                while not self._up_pending and not self._up_closing:
+                    self._up_cv.wait()
+                if not self._up_pending:
+                    return
+                newest = max(self._up_pending)
+                self._up_busy = True
+            try:
+                # ranks may have seen different numbers of requests: agree on one every rank has
+                step = min(self._gather(newest, self._pg_up))
+                with self._up_cv:
+                    self._up_pending = [s for s in self._up_pending if s >= step]
+                assert self.local is not None
+                self._upload_step(step, self.local, group=self._pg_up)
+            except Exception as e:
+                logger.exception("upload loop error: %s", e)
+            finally:
+                with self._up_cv:
+                    if step is not None:
+                        self._up_pending = [s for s in self._up_pending if s > step]
+                    self._up_busy = False
+                    self._up_cv.notify_all()
+
+    def _upload_step(self, step: int, src: DirTier, group: Any) -> None:
+        """Copy this rank's files of ``step`` from ``src`` to the persistent tier; rank 0 commits."""
+        assert self.persistent is not None
+        cfg = self.config
+        t0 = time.perf_counter()
+        ok, error, nbytes = True, None, 0
+        try:
+            m = read_manifest(src, step, self.rank)
+            d = src.path(step)
+            names = list(m.files) + [manifest_name(self.rank)]
+            if self.rank == 0:
+                names.append(DCP_METADATA)
+            for n in names:
+                fe = m.all_files().get(n)
+                if fe is not None:
+                    verify_file(d / n, fe)  # never upload a copy that rotted on the local disk
+                retry(lambda n=n: self.persistent.put_file(step, n, str(d / n)),  # type: ignore[union-attr]
+                      what=f"upload {n} of step {step}", retries=cfg.upload_retries,
+                      backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
+                      should_stop=lambda: self._closed and self._up_abandon)
+                nbytes += (d / n).stat().st_size
+        except Exception as e:
+            ok, error = False, e
+            logger.error("upload of step %d failed: %s", step, e)
+        results = self._gather((ok, nbytes), group)
+        if all(r[0] for r in results) and self.rank == 0:
+            try:
+                retry(lambda: self._commit(self.persistent, step, ranks=list(range(self.world_size))),
+                      what=f"commit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                      backoff_max_s=cfg.upload_backoff_max_s)
+                self._emit(EventKind.CKPT_TIER_DONE, step=step, tier=TierName.PERSISTENT.value,
+                           seconds=time.perf_counter() - t0, bytes=sum(r[1] for r in results))
+                self._retain(self.persistent, cfg.keep_persistent, pinned_from=None)
+            except Exception as e:
+                ok, error = False, e
+        if not ok:
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
+                       error=f"{type(error).__name__}: {error}")
+
+    _up_abandon = False
+
+    # ------------------------------------------------------------------ wait / close
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for in-flight saves, replication and uploads. Returns False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = self._last_job
+        if job is not None:
+            if not job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        if self._uploader is None:
+            return True
+        with self._up_cv:
+            while self._up_pending or self._up_busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._up_cv.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish in-flight work (uploads included, up to ``timeout``) and stop the background threads."""
+        if self._closed:
+            return
+        finished = self.wait(timeout)
+        self._closed = True
+        if not finished:
+            self._up_abandon = True
+            logger.warning("close(): background checkpoint work still running after %s s; abandoning it", timeout)
+        self._jobs.put(None)
+        with self._up_cv:
+            self._up_closing = True
+            self._up_cv.notify_all()
+        if finished:
+            self._worker.join(self.config.collective_timeout_s)
+            if self._uploader is not None:
+                self._uploader.join(self.config.collective_timeout_s)
+        self._guard.disarm_hooks()
+        self._stager.drop()
+        if self._ledger is not None:
+            self._ledger.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore
+    def _tiers(self) -> list[Any]:
+        return [t for t in (self.local, self.peer, self.persistent) if t is not None]
+
+    def _scan(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for t in self._tiers():
+            try:
+                out[t.name] = sorted(s for s, c in t.steps().items() if c)
+            except Exception as e:
+                logger.warning("cannot list %s: %s", t, e)
+                out[t.name] = []
+        return out
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Load the newest step complete on some tier into ``state``; return the step to run next.
+
+        Each rank reads from the fastest tier holding a verified copy of each file, falling back
+        tier by tier (local → partner node over gloo → persistent) on a missing or corrupt file.
+        Returns 0 when there is nothing to restore.
+        """
+        if self._closed:
+            raise CheckpointError("restore() after close()")
+        self.wait()
+        t0 = time.perf_counter()
+        views = self._gather(self._scan(), self._pg)
+        candidates = sorted({s for v in views for steps in v.values() for s in steps}, reverse=True)
+        if self.local is not None and self.local_rank == 0:
+            # partial steps left by a crash are garbage now (nothing is writing before restore)
+            for tier in (self.local, self.peer):
+                if tier is not None:
+                    self._retain(tier, 10**9, pinned_from=None, drop_newer_partial=True)
+        if not candidates:
+            self.last_restore = RestoreResult(step=None, tier=None, seconds=time.perf_counter() - t0, bytes=0)
+            return 0
+        failures = []
+        for step in candidates:
+            res = self._try_restore(step, state, views, t0)
+            if res is not None:
+                self.last_restore = res
+                self.last_saved_step = step
+                self._emit(EventKind.CKPT_RESTORE, step=step, tier=res.tier, seconds=res.seconds, bytes=res.bytes,
+                           sources=sorted(set(res.sources.values())))
+                logger.info("rank %d restored step %d from %s in %.2f s", self.rank, step, res.tier, res.seconds)
+                if self._interval.auto:
+                    self._interval.next_save = step + self._interval.steps
+                return step + 1
+            failures.append(step)
+        raise NoRestorableStepError(f"committed steps {failures} exist but none could be assembled from verified "
+                                    "files on any tier; see the log for the corrupt or missing files")
+
+    def _local_copies(self, step: int) -> list[tuple[str, Path]]:
+        out = []
+        for t in (self.local, self.peer):
+            if t is not None and t.path(step).is_dir():
+                out.append((t.name, t.path(step)))
+        fetched = self._fetch_dir(step)
+        if fetched.is_dir():
+            out.append(("fetched", fetched))
+        return out
+
+    def _fetch_dir(self, step: int) -> Path:
+        return self._scratch / ".fetch" / f"rank{self.rank}" / f"step_{step:08d}"
+
+    def _try_restore(self, step: int, state: Mapping[str, Any], views: list[dict[str, list[int]]],
+                     t0: float) -> RestoreResult | None:
+        in_persistent = any(step in v.get(TierName.PERSISTENT.value, []) for v in views)
+        # 1. manifests: each rank contributes those it holds, the persistent tier fills gaps
+        mine: dict[int, dict[str, Any]] = {}
+        for _, d in self._local_copies(step):
+            for p in d.glob("manifest-rank*.json"):
+                try:
+                    m = Manifest.from_json(json.loads(p.read_bytes()))
+                    if m.step == step:
+                        mine.setdefault(m.rank, m.to_json())
+                except (OSError, ValueError, KeyError):
+                    logger.warning("unreadable manifest %s skipped", p)
+        manifests: dict[int, Manifest] = {}
+        for theirs in self._gather(mine, self._pg):
+            for r, mj in theirs.items():
+                manifests.setdefault(r, Manifest.from_json(mj))
+        world_old = next(iter(manifests.values())).world_size if manifests else None
+        if in_persistent and (world_old is None or len(manifests) < world_old):
+            missing = [r for r in range(world_old or 0) if r not in manifests] if world_old else None
+            try:
+                if missing is None:
+                    m0 = retry(lambda: read_manifest(self.persistent, step, 0), what="read manifest",  # type: ignore
+                               retries=2, backoff_s=0.5, backoff_max_s=2)
+                    manifests[0] = m0
+                    world_old = m0.world_size
+                    missing = [r for r in range(world_old) if r not in manifests]
+                for r in missing:
+                    manifests[r] = retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
+                                         what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2)
+            except Exception as e:
+                logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
+        ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
+        if not self._all(ok_manifests):
+            logger.warning("step %d: manifests of some ranks are on no tier; trying an older step", step)
+            return None
+        assert world_old is not None
+        files: dict[str, FileEntry] = {DCP_METADATA: manifests[0].metadata}
+        for m in manifests.values():
+            files.update(m.files)
+        per_rank_keys = set(manifests[0].per_rank_keys)
+
+        # 2. verified local copies (local dir, partner replica, earlier fetch)
+        have: dict[str, tuple[str, Path]] = {}
+        for tier_name, d in self._local_copies(step):
+            for n, fe in files.items():
+                if n in have or not (d / n).exists():
+                    continue
+                try:
+                    verify_file(d / n, fe)
+                    have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
+                except CorruptFileError as e:
+                    logger.warning("rank %d: %s copy of step %d skipped: %s", self.rank, tier_name, step, e)
+        everyone = self._gather(sorted(have), self._pg)
+
+        # 3. plan: missing files come from another rank that has them, else from the persistent tier
+        transfers: list[Transfer] = []
+        downloads: list[str] = []
+        load_count = [0] * self.world_size
+        feasible = True
+        for r in range(self.world_size):
+            theirs = set(everyone[r])
+            for n in sorted(files):
+                if n in theirs:
+                    continue
+                providers = [q for q in range(self.world_size) if n in everyone[q] and q != r]
+                if providers:
+                    # nearest node first (a partner replica), then the least loaded sender
+                    q = min(providers, key=lambda q: (load_count[q], q))
+                    load_count[q] += 1
+                    transfers.append(Transfer(src=q, dst=r, name=n, size=files[n].size))
+                elif in_persistent:
+                    if r == self.rank:
+                        downloads.append(n)
+                else:
+                    feasible = False
+        if not feasible:
+            logger.warning("step %d: some files are on no tier; trying an older step", step)
+            return None
+
+        # 4. move the bytes
+        fetch = self._fetch_dir(step)
+        ok = True
+        sources = {n: t for n, (t, _) in have.items()}
+        paths = {n: p for n, (_, p) in have.items()}
+        try:
+            if transfers:
+                received = run_transfers(self._pg, self.rank, transfers, src_path={n: str(p) for n, p in paths.items()},
+                                         out_dir=fetch)
+                for p in received:
+                    verify_file(p, files[p.name])
+                    sources[p.name] = TierName.PEER.value
+                    paths[p.name] = p
+            for n in downloads:
+                fetch.mkdir(parents=True, exist_ok=True)
+                dst = fetch / n
+                retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst)),  # type: ignore[union-attr]
+                      what=f"download {n} of step {step}", retries=self.config.upload_retries,
+                      backoff_s=self.config.upload_backoff_s, backoff_max_s=self.config.upload_backoff_max_s)
+                verify_file(dst, files[n])
+                sources[n] = TierName.PERSISTENT.value
+                paths[n] = dst
+        except Exception as e:
+            ok = False
+            logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
+        if not self._all(ok):
+            return None
+
+        # 5. a plain DCP directory of links to the verified files; load it on this rank alone
+        view = self._scratch / ".restore" / f"rank{self.rank}"
+        shutil.rmtree(view, ignore_errors=True)
+        view.mkdir(parents=True)
+        for n, p in paths.items():
+            os.symlink(os.path.abspath(p), view / n)
+        try:
+            self._load(step, state, view, per_rank_keys, world_old)
+        finally:
+            shutil.rmtree(view, ignore_errors=True)
+            _rmdir_quiet(view.parent)
+        used = {sources[n] for n in files}
+        tier = max(used, key=lambda t: [x.value for x in TIER_ORDER].index(t)) if used else None
+        nbytes = sum(fe.size for fe in files.values())
+        res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes, sources=sources)
+        self._gather(None, self._pg)  # everyone loaded before fetched copies go
+        shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
+        _rmdir_quiet(self._scratch / ".fetch")
+        return res
+
+    def _all(self, ok: bool) -> bool:
+        return all(self._gather(bool(ok), self._pg))
+
+    def _load(self, step: int, state: Mapping[str, Any], view: Path, per_rank_keys: set[str],
+              world_old: int) -> None:
+        reader = FileSystemReader(view)
+        md = reader.read_metadata().state_dict_metadata
+        plain = plain_state(state)
+        leaves = flatten(plain)
+        load_sd: dict[str, Any] = {}
+        key_of: dict[str, str] = {}
+        expand: dict[str, list[str]] = {}
+        missing, shape_mismatch = [], {}
+        for fqn, (path, v) in leaves.items():
+            key = fqn
+            if fqn in per_rank_keys:
+                pk = _per_rank_key(self.rank, fqn)
+                if pk in md or any(k.startswith(pk + ".") for k in md):
+                    key = pk
+                elif self.rank == 0 or self.rank >= world_old:
+                    logger.warning("per-rank value %r has no entry for rank %d (saved with %d ranks); "
+                                   "using the shared one", fqn, self.rank, world_old)
+            key_of[fqn] = key
+            if isinstance(v, Mapping) and not v:
+                # an empty container (a fresh optimizer's state) is filled from what the checkpoint holds
+                sub = [k for k in md if k.startswith(key + ".")]
+                expand[fqn] = sub
+                for k in sub:
+                    m = md[k]
+                    if isinstance(m, TensorStorageMetadata):
+                        load_sd[k] = torch.empty(m.size, dtype=m.properties.dtype)
+                    else:
+                        load_sd[k] = None
+                continue
+            if key not in md and not any(k.startswith(key + ".") for k in md):
+                missing.append(fqn)
+                continue
+            m = md.get(key)
+            if isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata):
+                if tuple(m.size) != tuple(v.shape):
+                    shape_mismatch[fqn] = (tuple(m.size), tuple(v.shape))
+                    continue
+            elif isinstance(v, torch.Tensor) and isinstance(m, BytesStorageMetadata):
+                shape_mismatch[fqn] = ((), tuple(v.shape))
+                continue
+            load_sd[key] = v
+        if missing or shape_mismatch:
+            known = set(leaves)
+            unexpected = sorted(k for k in md if not k.startswith("__rank") and
+                                not any(k == f or k.startswith(f + ".") for f in known))
+            raise CheckpointMismatchError(step, sorted(missing), unexpected, shape_mismatch)
+        _quiet(dcp.load, load_sd, storage_reader=reader, no_dist=True)
+        for fqn, (path, v) in leaves.items():
+            if fqn in expand:
+                prefix = key_of[fqn] + "."
+                value: dict[Any, Any] = {}
+                for k in expand[fqn]:
+                    parts = [int(p) if p.isdigit() else p for p in k[len(prefix):].split(".")]
+                    cur = value
+                    for p in parts[:-1]:
+                        cur = cur.setdefault(p, {})
+                    cur[parts[-1]] = load_sd[k]
+                new = value
+            else:
+                new = load_sd[key_of[fqn]]
+            if path:
+                set_path(plain, path, new)
+        for k, v in state.items():
+            if is_stateful(v):
+                v.load_state_dict(plain[k])
+            elif isinstance(state, dict) and plain[k] is not v:
+                state[k] = plain[k]

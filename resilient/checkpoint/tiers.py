@@ -1,0 +1,331 @@
+"""Tier implementations (a directory on this node; any fsspec URL) and the checksum/manifest helpers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import crc32c as _crc
+
+from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, MANIFEST_FMT, STEP_PREFIX, CorruptFileError,
+                                      FileEntry, Manifest, StepInfo, Tier)
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 8 << 20
+T = TypeVar("T")
+
+
+def step_dirname(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+        return int(name[len(STEP_PREFIX):])
+    return None
+
+
+def manifest_name(rank: int) -> str:
+    return MANIFEST_FMT.format(rank=rank)
+
+
+def crc_bytes(data: bytes | memoryview, value: int = 0) -> int:
+    return _crc.crc32c(data, value)
+
+
+def file_entry(path: str | os.PathLike[str]) -> FileEntry:
+    """Size and crc32c of a local file, read in chunks."""
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = _crc.crc32c(view[:n], crc)
+            size += n
+    return FileEntry(size=size, crc32c=crc)
+
+
+def verify_file(path: str | os.PathLike[str], expected: FileEntry) -> None:
+    """Raise :class:`CorruptFileError` unless the file's size and crc32c match ``expected``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        raise CorruptFileError(f"{path}: missing") from e
+    if st.st_size != expected.size:
+        raise CorruptFileError(f"{path}: size {st.st_size} != manifest {expected.size} (torn or truncated write)")
+    got = file_entry(path)
+    if got.crc32c != expected.crc32c:
+        raise CorruptFileError(f"{path}: crc32c {got.crc32c:#010x} != manifest {expected.crc32c:#010x}")
+
+
+def retry(fn: Callable[[], T], *, what: str, retries: int, backoff_s: float, backoff_max_s: float,
+          should_stop: Callable[[], bool] | None = None) -> T:
+    """Call ``fn`` until it succeeds, at most ``retries`` extra times, with jittered exponential backoff."""
+    delay = backoff_s
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except (OSError, RuntimeError, ValueError, TimeoutError) as e:  # remote stores raise all of these
+            if attempt >= retries or (should_stop is not None and should_stop()):
+                raise
+            logger.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(e).__name__, e,
+                           attempt + 1, retries, delay)
+            time.sleep(delay * (0.8 + 0.4 * random.random()))
+            delay = min(delay * 2, backoff_max_s)
+    raise AssertionError("unreachable")
+
+
+class DirTier:
+    """A tier in a directory of this machine (node-local SSD, RAM disk, or the peer replica area)."""
+
+    def __init__(self, root: str | os.PathLike[str], name: str = "local"):
+        self.root = Path(root)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"DirTier({str(self.root)!r}, name={self.name!r})"
+
+    def path(self, step: int) -> Path:
+        return self.root / step_dirname(step)
+
+    def url(self, step: int | None = None) -> str:
+        return str(self.root if step is None else self.path(step))
+
+    def steps(self) -> dict[int, bool]:
+        out: dict[int, bool] = {}
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return out
+        for n in names:
+            s = parse_step(n)
+            if s is not None:
+                out[s] = os.path.exists(self.root / n / COMMIT_MARKER)
+        return out
+
+    def list_files(self, step: int) -> dict[str, int]:
+        d = self.path(step)
+        try:
+            return {e.name: e.stat().st_size for e in os.scandir(d) if e.is_file()}
+        except FileNotFoundError:
+            return {}
+
+    def put_file(self, step: int, name: str, local_path: str) -> None:
+        d = self.path(step)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{name}.tmp"
+        shutil.copyfile(local_path, tmp)
+        os.replace(tmp, d / name)
+
+    def get_file(self, step: int, name: str, local_path: str) -> None:
+        shutil.copyfile(self.path(step) / name, local_path)
+
+    def write_bytes(self, step: int, name: str, data: bytes) -> None:
+        d = self.path(step)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / name)
+
+    def read_bytes(self, step: int, name: str) -> bytes:
+        return (self.path(step) / name).read_bytes()
+
+    def delete_file(self, step: int, name: str) -> None:
+        try:
+            os.unlink(self.path(step) / name)
+        except FileNotFoundError:
+            pass
+
+    def delete_step(self, step: int) -> None:
+        d = self.path(step)
+        # the marker goes first so a half-deleted step is never taken for a complete one
+        try:
+            os.unlink(d / COMMIT_MARKER)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _fs_for(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    import fsspec
+
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    opts = dict(storage_options)
+    if protocol in ("gs", "gcs"):
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        if emulator:
+            # gcsfs probes the bucket type over gRPC unless told not to; against an emulator that
+            # probe waits a minute per call
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            opts.setdefault("token", "anon")
+            opts.setdefault("endpoint_url", emulator)
+        opts.setdefault("use_listings_cache", False)
+        opts.setdefault("skip_instance_cache", True)
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+    return fs, path.rstrip("/")
+
+
+class FsspecTier:
+    """A tier at any fsspec URL (``gs://`` through gcsfs, ``s3://``, ``file://``)."""
+
+    def __init__(self, url: str, name: str = "persistent", storage_options: dict[str, Any] | None = None):
+        self._url = url.rstrip("/")
+        self.name = name
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = _fs_for(self._url, self.storage_options)
+
+    def __repr__(self) -> str:
+        return f"FsspecTier({self._url!r}, name={self.name!r})"
+
+    def _p(self, step: int, name: str | None = None) -> str:
+        d = f"{self.root}/{step_dirname(step)}"
+        return d if name is None else f"{d}/{name}"
+
+    def url(self, step: int | None = None) -> str:
+        return self._url if step is None else f"{self._url}/{step_dirname(step)}"
+
+    def _invalidate(self) -> None:
+        try:
+            self.fs.invalidate_cache()
+        except Exception:  # some filesystems keep no cache
+            pass
+
+    def steps(self) -> dict[int, bool]:
+        self._invalidate()
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[int, bool] = {}
+        for e in entries:
+            s = parse_step(e.rstrip("/").rsplit("/", 1)[-1])
+            if s is not None:
+                out[s] = False
+        if out:
+            # one listing per step would be N round trips; COMMITTED files are found with one glob
+            for m in self.fs.glob(f"{self.root}/{STEP_PREFIX}*/{COMMIT_MARKER}"):
+                s = parse_step(m.rstrip("/").split("/")[-2])
+                if s is not None:
+                    out[s] = True
+        return out
+
+    def list_files(self, step: int) -> dict[str, int]:
+        self._invalidate()
+        try:
+            entries = self.fs.ls(self._p(step), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+                for e in entries if e.get("type") == "file"}
+
+    def put_file(self, step: int, name: str, local_path: str) -> None:
+        self.fs.put_file(local_path, self._p(step, name))
+
+    def get_file(self, step: int, name: str, local_path: str) -> None:
+        self.fs.get_file(self._p(step, name), local_path)
+
+    def write_bytes(self, step: int, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self._p(step, name), data)
+
+    def read_bytes(self, step: int, name: str) -> bytes:
+        return self.fs.cat_file(self._p(step, name))
+
+    def delete_file(self, step: int, name: str) -> None:
+        try:
+            self.fs.rm_file(self._p(step, name))
+        except FileNotFoundError:
+            pass
+
+    def delete_step(self, step: int) -> None:
+        self.delete_file(step, COMMIT_MARKER)
+        try:
+            self.fs.rm(self._p(step), recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def make_tier(url: str, name: str, storage_options: dict[str, Any] | None = None) -> Tier:
+    """A :class:`DirTier` for a plain path, else an :class:`FsspecTier`."""
+    if "://" not in url:
+        return DirTier(url, name=name)
+    return FsspecTier(url, name=name, storage_options=storage_options)
+
+
+def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
+    return Manifest.from_json(json.loads(tier.read_bytes(step, manifest_name(rank))))
+
+
+def read_commit(tier: Tier, step: int) -> dict[str, Any]:
+    return json.loads(tier.read_bytes(step, COMMIT_MARKER))
+
+
+def manifest_ranks(files: dict[str, int]) -> list[int]:
+    out = []
+    for n in files:
+        if n.startswith("manifest-rank") and n.endswith(".json"):
+            r = n[len("manifest-rank"):-len(".json")]
+            if r.isdigit():
+                out.append(int(r))
+    return sorted(out)
+
+
+def step_info(tier: Tier, step: int, committed: bool) -> StepInfo:
+    files = tier.list_files(step)
+    ranks = manifest_ranks(files)
+    world = None
+    if committed:
+        try:
+            world = int(read_commit(tier, step).get("world_size"))
+        except (OSError, ValueError, TypeError, KeyError):
+            world = None
+    return StepInfo(step=step, committed=committed, ranks=tuple(ranks), world_size=world,
+                    bytes=sum(v for k, v in files.items() if k != COMMIT_MARKER))
+
+
+def verify_step(tier: Tier, step: int, scratch: str | os.PathLike[str],
+                progress: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Re-check every file of a step against its manifests: name -> "ok" or the problem."""
+    result: dict[str, str] = {}
+    files = tier.list_files(step)
+    entries: dict[str, FileEntry] = {}
+    for r in manifest_ranks(files):
+        try:
+            m = read_manifest(tier, step, r)
+        except (OSError, ValueError, KeyError) as e:
+            result[manifest_name(r)] = f"unreadable manifest: {e}"
+            continue
+        for n, fe in m.files.items():
+            entries[n] = fe
+        entries.setdefault(DCP_METADATA, m.metadata)
+    for n, fe in sorted(entries.items()):
+        if n not in files:
+            result[n] = "missing"
+            continue
+        try:
+            if isinstance(tier, DirTier):
+                verify_file(tier.path(step) / n, fe)
+            else:
+                tmp = Path(scratch) / f"verify-{os.getpid()}-{n}"
+                try:
+                    tier.get_file(step, n, str(tmp))
+                    verify_file(tmp, fe)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            result[n] = "ok"
+        except CorruptFileError as e:
+            result[n] = str(e).split(": ", 1)[-1]
+        if progress is not None:
+            progress(fe.size)
+    return result

@@ -1,0 +1,176 @@
+"""Moving checkpoint files between ranks over the manager's own gloo group.
+
+Two patterns: a ring (every rank sends its files to its partner and receives its other neighbour's,
+all at once with isend/irecv) for replication, and a list of point-to-point transfers executed in one
+global order (each rank does only the ones it takes part in, so the earliest unfinished transfer
+always has both ends ready: no deadlock) for restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 32 << 20
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    name: str
+    size: int
+
+
+def _chunks(files: Sequence[FileSpec]) -> list[tuple[int, int, int]]:
+    """(file index, offset, length) pieces of at most CHUNK bytes; empty files have none."""
+    out = []
+    for i, f in enumerate(files):
+        off = 0
+        while off < f.size:
+            n = min(CHUNK, f.size - off)
+            out.append((i, off, n))
+            off += n
+    return out
+
+
+class _Reader:
+    def __init__(self, paths: Sequence[str | os.PathLike[str]]):
+        self._paths = list(paths)
+        self._open: dict[int, Any] = {}
+
+    def read(self, i: int, off: int, n: int) -> torch.Tensor:
+        f = self._open.get(i)
+        if f is None:
+            f = self._open[i] = open(self._paths[i], "rb", buffering=0)
+        buf = bytearray(n)
+        f.seek(off)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = f.readinto(view[got:])
+            if not k:
+                raise OSError(f"{self._paths[i]}: file shorter than announced ({off + got} < {off + n})")
+            got += k
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+
+
+class _Writer:
+    """Writes received pieces to ``<dir>/.<name>.part`` and renames to ``<name>`` once complete."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], files: Sequence[FileSpec]):
+        self._dir = Path(out_dir)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._files = list(files)
+        self._open: dict[int, Any] = {}
+
+    def _part(self, i: int) -> Path:
+        return self._dir / f".{self._files[i].name}.part"
+
+    def write(self, i: int, off: int, data: torch.Tensor) -> None:
+        f = self._open.get(i)
+        if f is None:
+            f = self._open[i] = open(self._part(i), "wb")
+        f.seek(off)
+        f.write(data.numpy().tobytes())
+
+    def finish(self) -> list[Path]:
+        out = []
+        for i, spec in enumerate(self._files):
+            f = self._open.pop(i, None)
+            if f is None:
+                open(self._part(i), "wb").close()  # empty file
+            else:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+            dst = self._dir / spec.name
+            os.replace(self._part(i), dst)
+            out.append(dst)
+        return out
+
+    def abort(self) -> None:
+        for i, f in list(self._open.items()):
+            f.close()
+            Path(self._part(i)).unlink(missing_ok=True)
+        self._open.clear()
+
+
+def ring_exchange(group: Any, *, send_to: int, send_paths: Sequence[str | os.PathLike[str]],
+                  send_files: Sequence[FileSpec], recv_from: int, recv_files: Sequence[FileSpec],
+                  out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Send ``send_paths`` to ``send_to`` while receiving ``recv_files`` from ``recv_from`` into ``out_dir``.
+
+    Both sides know every size beforehand (exchanged by the caller), so pieces pair up one to one.
+    """
+    sc, rc = _chunks(send_files), _chunks(recv_files)
+    reader, writer = _Reader(send_paths), _Writer(out_dir, recv_files)
+    try:
+        for k in range(max(len(sc), len(rc))):
+            works = []
+            rbuf = None
+            if k < len(sc):
+                i, off, n = sc[k]
+                works.append(dist.isend(reader.read(i, off, n), dst=send_to, group=group))
+            if k < len(rc):
+                i, off, n = rc[k]
+                rbuf = torch.empty(n, dtype=torch.uint8)
+                works.append(dist.irecv(rbuf, src=recv_from, group=group))
+            for w in works:
+                w.wait()
+            if rbuf is not None:
+                i, off, _ = rc[k]
+                writer.write(i, off, rbuf)
+        return writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        reader.close()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    name: str
+    size: int
+
+
+def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
+                  src_path: dict[str, str], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Execute ``transfers`` (identical list on every rank) in order; returns the files received."""
+    received: list[Path] = []
+    for t in transfers:
+        if t.src == rank and t.dst != rank:
+            spec = [FileSpec(t.name, t.size)]
+            reader = _Reader([src_path[t.name]])
+            try:
+                for i, off, n in _chunks(spec):
+                    dist.send(reader.read(i, off, n), dst=t.dst, group=group)
+            finally:
+                reader.close()
+        elif t.dst == rank and t.src != rank:
+            spec = [FileSpec(t.name, t.size)]
+            writer = _Writer(out_dir, spec)
+            try:
+                for i, off, n in _chunks(spec):
+                    buf = torch.empty(n, dtype=torch.uint8)
+                    dist.recv(buf, src=t.src, group=group)
+                    writer.write(i, off, buf)
+                received.extend(writer.finish())
+            except BaseException:
+                writer.abort()
+                raise
+    return received

