@@ -5,8 +5,9 @@ Configured by environment (the tests set it; under resilient-run the launcher se
   T_MODE         "allreduce" (hand-written loop) or "ddp" (unmodified DDP training step)
   T_WORK         seconds of CPU work per step on every rank (default 0.02)
   T_SLOW_RANK    global rank that sleeps T_SLOW_EXTRA more seconds per step (from step T_SLOW_FROM)
-  T_MARK_STEP    at this step each rank creates T_MARK_DIR/rank<R>.step and waits for T_MARK_DIR/go
-                 (lets a test freeze a rank at a known point without sleeping)
+  T_MARK_STEP    at this step each rank writes its pid to T_MARK_DIR/rank<R>.step and waits for T_MARK_DIR/go
+                 (lets a test freeze a rank at a known point without sleeping); only in attempt
+                 T_MARK_ATTEMPT (default 0, from TORCHELASTIC_RESTART_COUNT)
   T_SECTION      if set, wrap every 5th step's extra work in resilient.section(T_SECTION)
   T_STUCK_RANK   this rank, at step T_STUCK_STEP, waits in dist.recv for a message no peer sends while
                  the others wait in their all_reduce: a deadlock inside communication
@@ -48,6 +49,8 @@ def main() -> None:
     slow_from = int(os.environ.get("T_SLOW_FROM", "0"))
     mark = int(os.environ.get("T_MARK_STEP", "-1"))
     mark_dir = os.environ.get("T_MARK_DIR", "")
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != os.environ.get("T_MARK_ATTEMPT", "0"):
+        mark = -1
     sect = os.environ.get("T_SECTION")
     stuck_rank = int(os.environ.get("T_STUCK_RANK", "-1"))
     stuck_step = int(os.environ.get("T_STUCK_STEP", "-1"))
@@ -63,7 +66,9 @@ def main() -> None:
     grad = torch.zeros(1)
     for step in resilient.steps(0, n):
         if step == mark and mark_dir:
-            open(os.path.join(mark_dir, f"rank{rank}.step"), "w").close()
+            with open(os.path.join(mark_dir, f".rank{rank}.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.path.join(mark_dir, f".rank{rank}.tmp"), os.path.join(mark_dir, f"rank{rank}.step"))
             wait_for(os.path.join(mark_dir, "go"))
         if rank == stuck_rank and step == stuck_step:
             dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
