@@ -1,0 +1,109 @@
+"""IntervalTuner: the Young/Daly arithmetic, bounds, re-evaluation, and seeding from a real run's ledger."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient.goodput.interval import IntervalTuner
+
+
+def test_young_daly_from_observations():
+    t = IntervalTuner(prior_mtbf_s=3600, prior_weight=1e9)  # prior dominates: M stays 3600 s
+    assert t.interval_steps() == 1  # nothing measured yet: the lower bound
+    for _ in range(10):
+        t.observe_step(1.0)
+    for _ in range(3):
+        t.observe_save(2.0)
+    expected = math.sqrt(2 * 2.0 * 3600) - 2.0
+    assert t.optimal_seconds() == pytest.approx(expected, rel=1e-6)
+    assert t.interval_steps() == round(expected)
+    inp = t.inputs()
+    for key in ("step_seconds", "save_blocking_seconds", "mtbf_seconds", "interruptions", "optimal_seconds",
+                "interval_steps", "prior_mtbf_seconds", "uptime_seconds"):
+        assert key in inp
+    assert inp["interval_steps"] == round(expected) and inp["save_blocking_seconds"] == 2.0
+
+
+def test_interruptions_shorten_the_interval_and_bounds_hold():
+    t = IntervalTuner(prior_mtbf_s=6 * 3600, min_steps=5, max_steps=400)
+    for _ in range(50):
+        t.observe_step(0.5)
+    t.observe_save(1.0)
+    before = t.interval_steps()
+    assert before == 400  # long prior MTBF: capped at max_steps
+    for _ in range(200):
+        t.observe_interruption()
+    after = t.interval_steps()
+    assert 5 <= after < before
+    assert t.mtbf_seconds() < 6 * 3600 / 100
+    for _ in range(10_000):
+        t.observe_interruption()
+    assert t.interval_steps() == 5
+
+
+def test_hysteresis_keeps_the_interval_steady():
+    t = IntervalTuner(prior_mtbf_s=3600, prior_weight=1e9, hysteresis=0.1)
+    for _ in range(100):
+        t.observe_step(1.0)
+    t.observe_save(2.0)
+    k = t.interval_steps()
+    t.observe_save(2.1)  # median 2.05: optimum moves ~1 %
+    assert t.interval_steps() == k
+    for _ in range(5):
+        t.observe_save(8.0)  # median jumps: optimum roughly doubles
+    assert t.interval_steps() > 1.5 * k
+
+
+def test_persistent_every_follows_upload_time():
+    t = IntervalTuner(prior_mtbf_s=3600, prior_weight=1e9, persistent_prior=7)
+    assert t.persistent_every() == 7
+    for _ in range(20):
+        t.observe_step(1.0)
+    t.observe_save(2.0)
+    k = t.interval_steps()  # ~ 118 s between saves
+    t.observe_upload(600.0)
+    assert t.persistent_every() == math.ceil(1.5 * 600.0 / k)
+    t2 = IntervalTuner(prior_mtbf_s=3600, prior_weight=1e9)
+    for _ in range(20):
+        t2.observe_step(1.0)
+    t2.observe_save(2.0)
+    t2.observe_upload(1.0)
+    assert t2.persistent_every() == 1  # uploads keep up: every local save goes up
+
+
+@pytest.mark.parametrize("kw, word", [({"prior_mtbf_s": 0}, "prior_mtbf_s"), ({"min_steps": 5, "max_steps": 2},
+                                                                                  "min_steps"),
+                                      ({"prior_weight": 0}, "prior_weight"), ({"hysteresis": 1.5}, "hysteresis")])
+def test_bad_config_names_the_problem(kw, word):
+    with pytest.raises(ValueError, match=word):
+        IntervalTuner(**kw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1e4, allow_nan=False), max_size=30), st.lists(st.floats(0, 1e4, allow_nan=False),
+                                                                            max_size=10),
+       st.integers(0, 50), st.integers(1, 50), st.integers(0, 5000))
+def test_property_always_within_bounds(steps, saves, interruptions, lo, span):
+    t = IntervalTuner(min_steps=lo, max_steps=lo + span)
+    for s in steps:
+        t.observe_step(s)
+    for s in saves:
+        t.observe_save(s)
+    for _ in range(interruptions):
+        t.observe_interruption()
+    assert lo <= t.interval_steps() <= lo + span
+    assert 1 <= t.persistent_every() <= 1000
+
+
+def test_seeded_from_a_real_runs_ledger(crashed_run):
+    t = IntervalTuner.from_run_dir(crashed_run)
+    inp = t.inputs()
+    assert inp["interruptions"] == 1  # the SIGKILL, counted once
+    assert inp["step_seconds"] and inp["save_blocking_seconds"] is not None
+    assert inp["uptime_seconds"] > 0
+    assert 1 <= t.interval_steps() <= 10000
+    assert IntervalTuner.from_run_dir(crashed_run / "nothing-here").inputs()["interruptions"] == 0
