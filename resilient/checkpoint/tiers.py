@@ -185,6 +185,9 @@ class FsspecTier:
         self.name = name
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = _fs_for(self._url, self.storage_options)
+        from fsspec.implementations.local import LocalFileSystem
+
+        self._needs_dirs = isinstance(self.fs, LocalFileSystem)  # object stores have no directories
 
     def __repr__(self) -> str:
         return f"FsspecTier({self._url!r}, name={self.name!r})"
@@ -230,13 +233,19 @@ class FsspecTier:
         return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
                 for e in entries if e.get("type") == "file"}
 
+    def _mkdir(self, step: int) -> None:
+        if self._needs_dirs:
+            self.fs.makedirs(self._p(step), exist_ok=True)
+
     def put_file(self, step: int, name: str, local_path: str) -> None:
+        self._mkdir(step)
         self.fs.put_file(local_path, self._p(step, name))
 
     def get_file(self, step: int, name: str, local_path: str) -> None:
         self.fs.get_file(self._p(step, name), local_path)
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
+        self._mkdir(step)
         self.fs.pipe_file(self._p(step, name), data)
 
     def read_bytes(self, step: int, name: str) -> bytes:

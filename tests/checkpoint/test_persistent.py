@@ -1,0 +1,153 @@
+"""Persistent tier through fsspec: a real GCS API server (fake-gcs-server), outages, fallback."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from resilient.checkpoint import tiers
+from resilient.checkpoint.manager import CheckpointManager
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
+
+from .conftest import GCS
+
+
+def state(v: float) -> dict:
+    return {"w": torch.full((256, 256), v), "meta": {"v": v}}
+
+
+def restored(ck: CheckpointManager) -> tuple[int, dict]:
+    st = state(-1.0)
+    return ck.restore(st), st
+
+
+@pytest.mark.timeout(60)
+def test_upload_every_nth_save_and_restore_from_gcs_after_wiping_local(tmp_path: Path, gcs: GCS) -> None:
+    gcs.make_bucket("ckpt")
+    url = f"gs://ckpt/{tmp_path.name}"
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=2)
+    for s in range(4):
+        ck.save(s, state(float(s)))
+    assert ck.wait(30)
+    ck.close()
+    assert ck.persistent is not None
+    assert ck.persistent.steps() == {1: True, 3: True}
+    shutil.rmtree(tmp_path / "local")
+    ck2 = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1)
+    start, st = restored(ck2)
+    ck2.close()
+    assert start == 4 and torch.equal(st["w"], torch.full((256, 256), 3.0)) and st["meta"] == {"v": 3.0}
+    assert ck2.last_restore is not None and ck2.last_restore.tier == "persistent"
+    # a plain DCP read of the bucket's copy, without this package
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    target = {"w": torch.zeros(256, 256)}
+    dcp.load(target, storage_reader=FsspecReader(f"{url}/step_00000003", token="anon",
+                                                 endpoint_url=gcs.url), no_dist=True)
+    assert torch.equal(target["w"], torch.full((256, 256), 3.0))
+
+
+@pytest.mark.timeout(60)
+def test_persistent_only(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    ck = CheckpointManager(persistent=url, interval=1, persistent_every=1)
+    ck.save(0, state(1.0))
+    ck.save(1, state(2.0))
+    ck.close()
+    start, st = restored(CheckpointManager(persistent=url, interval=1))
+    assert start == 2 and torch.equal(st["w"], torch.full((256, 256), 2.0))
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_local_copy_falls_back_to_persistent(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck.save(0, state(5.0))
+    ck.close()
+    f = tmp_path / "local" / "step_00000000" / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    ck2 = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1)
+    start, st = restored(ck2)
+    assert start == 1 and torch.equal(st["w"], torch.full((256, 256), 5.0))
+    assert ck2.last_restore.sources["__0_0.distcp"] == "persistent"  # type: ignore[union-attr]
+    assert ck2.last_restore.sources[".metadata"] == "local"  # type: ignore[union-attr]
+    ck2.close()
+
+
+@pytest.mark.timeout(120)
+def test_store_outage_mid_upload_never_blocks_training(tmp_path: Path, gcs: GCS, monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """The server dies after the first file of an upload and comes back later: training goes on at full
+    speed meanwhile, the upload is retried and completes, and the failure is reported if retries run out."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    gcs.make_bucket("ckpt")
+    url = f"gs://ckpt/{tmp_path.name}"
+    outage = threading.Event()
+    back = threading.Event()
+    orig_put = tiers.FsspecTier.put_file
+
+    def put(self, step, name, local_path):  # type: ignore[no-untyped-def]
+        orig_put(self, step, name, local_path)
+        if step == 1 and not outage.is_set():
+            outage.set()
+            gcs.stop()  # the store goes away in the middle of this step's upload
+
+    monkeypatch.setattr(tiers.FsspecTier, "put_file", put)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=2,
+                           upload_retries=30, upload_backoff_s=0.1, upload_backoff_max_s=0.5)
+    blocking = []
+    for s in range(2):
+        t0 = time.perf_counter()
+        ck.save(s, state(float(s)))
+        blocking.append(time.perf_counter() - t0)
+    assert outage.wait(30)
+    # training continues while the store is down: saves return, local checkpoints land
+    for s in range(2, 5):
+        ck.save(s, state(float(s)))
+    assert ck.local is not None
+    deadline = time.monotonic() + 30
+    while 4 not in ck.local.steps() or not ck.local.steps()[4]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ck.persistent is not None
+    gcs.start()
+    back.set()
+    assert ck.wait(60)
+    ck.close()
+    steps = ck.persistent.steps()
+    assert steps.get(1) is True or steps.get(3) is True
+    start, st = restored(CheckpointManager(persistent=url, interval=1))
+    assert start - 1 in (1, 3) and torch.equal(st["w"], torch.full((256, 256), float(start - 1)))
+    evs = list(read_events(tmp_path / "run"))
+    done = [e.details["step"] for e in evs if e.kind == EventKind.CKPT_TIER_DONE and e.details["tier"] == "persistent"]
+    assert done
+
+
+@pytest.mark.timeout(60)
+def test_dead_store_gives_up_and_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that never answers: the upload fails after its retries, reported in the ledger, no exception."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    url = f"file://{tmp_path}/bucket"
+
+    def broken(self, step, name, local_path):  # type: ignore[no-untyped-def]
+        raise OSError("store unreachable")
+
+    monkeypatch.setattr(tiers.FsspecTier, "put_file", broken)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+                           upload_retries=2, upload_backoff_s=0.01)
+    ck.save(0, state(1.0))
+    assert ck.wait(30)
+    ck.save(1, state(2.0))
+    ck.close()
+    failed = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_FAILED]
+    assert failed and failed[0].details["tier"] == "persistent" and "unreachable" in failed[0].details["error"]
+    assert ck.local is not None and ck.local.steps() == {0: True, 1: True}
