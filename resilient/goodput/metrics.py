@@ -1,0 +1,177 @@
+"""Live Prometheus metrics of a run, computed from its ledger at scrape time.
+
+The node agent on node 0 runs one :class:`MetricsServer` when ``--metrics-port`` is given. It has its own
+registry (never the process-global one, so it adds nothing to a user's own exporter) and reads the ledger
+incrementally: each scrape parses only the lines appended since the previous one.
+
+TensorBoard export is not offered: ``torch.utils.tensorboard`` needs the ``tensorboard`` package, which
+is not a dependency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from resilient.events.api import Event, EventKind
+from resilient.goodput.api import CATEGORIES, GoodputError
+from resilient.goodput.calculator import compute_report
+from resilient.goodput.tail import LedgerTail
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "resilient"
+
+
+class LedgerCollector(Collector):
+    """Turns the ledger into metric families; every scrape reads what was appended since the last."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]):
+        self.run_dir = str(run_dir)
+        self._tail = LedgerTail(run_dir)
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self._kinds: Counter[str] = Counter()
+        self._last: dict[EventKind, Event] = {}
+        self._tier_done: dict[str, Event] = {}
+
+    def _update(self) -> None:
+        for ev in self._tail.read_new():
+            self._events.append(ev)
+            self._kinds[ev.kind.value] += 1
+            prev = self._last.get(ev.kind)
+            if prev is None or ev.wall >= prev.wall:
+                self._last[ev.kind] = ev
+            if ev.kind is EventKind.CKPT_TIER_DONE:
+                tier = str(ev.details.get("tier"))
+                p = self._tier_done.get(tier)
+                if p is None or ev.wall >= p.wall:
+                    self._tier_done[tier] = ev
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # scrapes may overlap; the tail and the event list are not thread-safe
+            try:
+                self._update()
+            except OSError as e:
+                logger.warning("cannot read the ledger in %s: %s", self.run_dir, e)
+            now = time.time()
+            yield from self._families(now)
+
+    def _families(self, now: float) -> Iterator[Metric]:
+        p = PREFIX
+        ev_total = CounterMetricFamily(f"{p}_ledger_events", "Events in the run's ledger, by kind", labels=["kind"])
+        for kind, n in sorted(self._kinds.items()):
+            ev_total.add_metric([kind], n)
+        yield ev_total
+        if not self._events:
+            return
+        try:
+            rep = compute_report(self._events, now=now)
+        except GoodputError as e:
+            logger.debug("no goodput yet: %s", e)
+            return
+        yield _gauge(f"{p}_goodput_ratio", "Productive time / wall time of the run so far (0..1)", rep.goodput)
+        yield _gauge(f"{p}_wall_seconds", "Wall time of the run so far", rep.wall_seconds)
+        yield _gauge(f"{p}_productive_seconds", "Productive training time so far", rep.productive_seconds)
+        bad = GaugeMetricFamily(f"{p}_badput_seconds", "Non-productive time by category", labels=["category"])
+        for c in CATEGORIES:
+            bad.add_metric([c], rep.badput_seconds[c])
+        yield bad
+        yield _counter(f"{p}_restarts", "Worker restarts", rep.restarts)
+        yield _counter(f"{p}_disruptions", "Disruptions (faults that ended an attempt)", rep.disruptions)
+        yield _gauge(f"{p}_in_progress", "1 while the run has not ended", float(rep.in_progress))
+        if rep.attempts:
+            cur = rep.attempts[-1]
+            yield _gauge(f"{p}_attempt", "Current attempt number (restart count)", cur.attempt)
+            if cur.world_size is not None:
+                yield _gauge(f"{p}_world_size", "World size of the current attempt", cur.world_size)
+        step = self._last.get(EventKind.STEP)
+        if step is not None:
+            yield _gauge(f"{p}_last_step", "Last step recorded", _f(step.details.get("step")))
+            yield _gauge(f"{p}_step_seconds", "Wall time of the last recorded step", _f(step.details.get("seconds")))
+            yield _gauge(f"{p}_last_step_age_seconds", "Seconds since the last step was recorded", now - step.wall)
+        save = self._last.get(EventKind.CKPT_SAVE)
+        if save is not None:
+            yield _gauge(f"{p}_checkpoint_save_blocking_seconds", "Blocking time of the last save",
+                         _f(save.details.get("blocking_seconds")))
+        if self._tier_done:
+            age = GaugeMetricFamily(f"{p}_checkpoint_age_seconds", "Seconds since the newest complete checkpoint "
+                                    "on each tier", labels=["tier"])
+            cstep = GaugeMetricFamily(f"{p}_checkpoint_step", "Step of the newest complete checkpoint on each tier",
+                                      labels=["tier"])
+            for tier, ev in sorted(self._tier_done.items()):
+                age.add_metric([tier], now - ev.wall)
+                cstep.add_metric([tier], _f(ev.details.get("step")))
+            yield age
+            yield cstep
+        interval = self._last.get(EventKind.CKPT_INTERVAL)
+        if interval is not None:
+            yield _gauge(f"{p}_checkpoint_interval_steps", "Current checkpoint interval (steps)",
+                         _f(interval.details.get("interval")))
+            yield _gauge(f"{p}_checkpoint_persistent_every", "Every N-th local save is uploaded",
+                         _f(interval.details.get("persistent_every")))
+
+
+def _f(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value))
+
+
+class MetricsServer:
+    """``MetricsServer(port, run_dir).start()`` serves ``/metrics``; ``close()`` stops it. Port 0 picks a free
+    port (see :attr:`port`)."""
+
+    def __init__(self, port: int, run_dir: str, *, addr: str = "0.0.0.0"):
+        if not (0 <= int(port) <= 65535):
+            raise ValueError(f"metrics port must be in 0..65535, got {port}")
+        self.requested_port = int(port)
+        self.addr = addr
+        self.run_dir = run_dir
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = LedgerCollector(run_dir)
+        self.registry.register(self.collector)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    def start(self) -> "MetricsServer":
+        if self._server is not None:
+            return self
+        self._server, self._thread = start_http_server(self.requested_port, addr=self.addr, registry=self.registry)
+        self.port = int(self._server.server_address[1])
+        logger.info("Prometheus metrics of %s on http://%s:%d/metrics", self.run_dir, self.addr, self.port)
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "MetricsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

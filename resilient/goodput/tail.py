@@ -1,0 +1,57 @@
+"""Incremental reading of a growing ledger: each call returns only the events appended since the last."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from resilient.events.api import Event
+from resilient.events.ledger import ledger_path
+
+logger = logging.getLogger(__name__)
+
+
+class LedgerTail:
+    """Follows ``RUN_DIR/events.jsonl``; a line still being written stays buffered until its newline."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, chunk: int = 1 << 20):
+        self.path: Path = ledger_path(run_dir)
+        self._offset = 0
+        self._partial = b""
+        self._chunk = chunk
+        self._ino: int | None = None
+
+    def read_new(self, max_bytes: int = 64 << 20) -> list[Event]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return []
+        out: list[Event] = []
+        try:
+            st = os.fstat(fd)
+            if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
+                logger.warning("%s was replaced or truncated; reading it again from the start", self.path)
+                self._offset, self._partial = 0, b""
+            self._ino = st.st_ino
+            read = 0
+            while read < max_bytes:
+                buf = os.pread(fd, self._chunk, self._offset)
+                if not buf:
+                    break
+                self._offset += len(buf)
+                read += len(buf)
+                data = self._partial + buf
+                lines = data.split(b"\n")
+                self._partial = lines.pop()  # b"" after a complete line, else the unfinished one
+                for raw in lines:
+                    if not raw.strip():
+                        continue
+                    try:
+                        out.append(Event.from_json(json.loads(raw)))
+                    except (ValueError, KeyError, TypeError) as e:
+                        logger.debug("unreadable ledger line skipped (%s)", e)
+        finally:
+            os.close(fd)
+        return out
