@@ -67,12 +67,33 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path: Path, workers: Workers, refer
 
 
 @pytest.mark.timeout(120)
-def test_three_ranks_resume_onto_wiped_partial_state(tmp_path: Path, workers: Workers) -> None:
-    """Any group size: 3 ranks, resumed from step 7 after a kill, equal to a 3-rank uninterrupted run."""
+def test_peer_tier_restores_a_node_that_lost_its_disk(tmp_path: Path, workers: Workers, reference: list[dict]
+                                                     ) -> None:
+    """Two "nodes" (LOCAL_WORLD_SIZE=1, one local dir each); node 1's disk is wiped after a kill: its files
+    come back from node 0's replica over the manager's gloo group."""
+    args = [*ARGS, "--local", str(tmp_path / "node{node}"), "--out", str(tmp_path / "out")]
+    workers.run(TRAIN, args, 2, local_world_size=1, env={"CKPT_TRAIN_FAULT": "between:7"})
+    assert (tmp_path / "node0" / "peer" / "step_00000007" / "__1_0.distcp").exists()  # node 1's files on node 0
+    assert (tmp_path / "node1" / "peer" / "step_00000007" / "COMMITTED").exists()
+    shutil.rmtree(tmp_path / "node1")
+    ok(workers.run(TRAIN, args, 2, local_world_size=1))
+    res = final(tmp_path / "out", 2)
+    assert res[1]["restore"]["step"] == 7 and res[1]["restore"]["tier"] == "peer"
+    assert set(res[1]["restore"]["sources"].values()) == {"peer"}
+    assert res[0]["restore"]["sources"]["__0_0.distcp"] == "local"
+    assert_bit_exact(reference, res)
+
+
+@pytest.mark.timeout(150)
+def test_three_nodes_one_wiped_bit_exact(tmp_path: Path, workers: Workers) -> None:
+    """Any group size: 3 ranks as 3 nodes, rank 2 killed, node 1 wiped; equal to an uninterrupted run."""
     ref = tmp_path / "ref"
     ok(workers.run(TRAIN, [*ARGS, "--local", str(ref / "ckpt"), "--out", str(ref / "out")], 3))
-    args = [*ARGS, "--local", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
-    workers.run(TRAIN, args, 3, env={"CKPT_TRAIN_FAULT": "between:7", "CKPT_TRAIN_FAULT_RANK": "2"})
-    ok(workers.run(TRAIN, args, 3))
-    assert_bit_exact(final(ref / "out", 3), final(tmp_path / "out", 3))
-    shutil.rmtree(tmp_path / "ckpt")
+    args = [*ARGS, "--local", str(tmp_path / "node{node}"), "--out", str(tmp_path / "out")]
+    workers.run(TRAIN, args, 3, local_world_size=1,
+                env={"CKPT_TRAIN_FAULT": "between:7", "CKPT_TRAIN_FAULT_RANK": "2"})
+    shutil.rmtree(tmp_path / "node1")
+    ok(workers.run(TRAIN, args, 3, local_world_size=1))
+    res = final(tmp_path / "out", 3)
+    assert [r["restore"]["step"] for r in res] == [7, 7, 7]
+    assert_bit_exact(final(ref / "out", 3), res)
