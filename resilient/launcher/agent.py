@@ -87,6 +87,12 @@ def _std_map(spec: str, n: int) -> dict[int, int]:
     return {k: int(v.value) for k, v in to_map(Std.from_str(spec), n).items()}
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
@@ -106,6 +112,7 @@ class Agent:
             os.set_blocking(fd, False)
         self._attempt_store = None
         self.restart_count = 0
+        self._interruptible = False
 
     # ---------------------------------------------------------------- set-up
     def _install_signals(self) -> None:
@@ -114,6 +121,9 @@ class Agent:
         def handler(signum: int, _frame: object) -> None:
             if self._signal is None:
                 self._signal = signum
+            if self._interruptible:
+                # a blocking rendezvous has no wake-up fd: leave it the way torchrun does
+                raise _Stopped(signum)
 
         for s in HANDLED_SIGNALS:
             signal.signal(s, handler)
@@ -124,9 +134,17 @@ class Agent:
             return
         try:
             self.starter = ForkServer(self.cfg.preload, tag=f"run={self.run_dir.resolve()}")
-        except (ForkServerError, OSError) as e:
+        except OSError as e:
             logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
             self.starter = SpawnStarter()
+
+    def _await_starter(self) -> None:
+        if isinstance(self.starter, ForkServer):
+            try:
+                self.starter.wait_ready()
+            except ForkServerError as e:
+                logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
+                self.starter = SpawnStarter()
 
     def _rendezvous(self) -> tuple[object, int, int]:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -386,14 +404,23 @@ class Agent:
         reason = "failed"
         try:
             t0 = time.monotonic()
-            self._start_workers_backend()
+            self._start_workers_backend()  # the fork server imports torch while we rendezvous
+            self._interruptible = True
+            try:
+                self.store, self.group_rank, self.group_world_size = self._rendezvous()
+                self._await_starter()
+                self._assign_ranks()
+            except _Stopped as e:
+                logger.warning("%s before workers started", e)
+                reason = str(e)
+                return exit_code
+            finally:
+                self._interruptible = False
             assert self.starter is not None
             self.sel.register(self.starter.fileno(), selectors.EVENT_READ, "exit")
             logger.debug("worker starter ready in %.2fs", time.monotonic() - t0)
             if self._signal is not None:
                 return 1
-            self.store, self.group_rank, self.group_world_size = self._rendezvous()
-            self._assign_ranks()
             self._start_monitor()
             exit_code, reason = self._attempts()
         finally:

@@ -69,14 +69,17 @@ class ForkServerError(RuntimeError):
 class ForkServer:
     """Client of :mod:`resilient.launcher.zygote`."""
 
-    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", start_timeout: float = 120.0):
+    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = ""):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = parent
         self._buf = b""
         self._by_id: dict[str, WorkerProc] = {}
         self._events: list[dict] = []
         env = dict(os.environ)
-        # the zygote's own imports must not start OpenMP/MKL pools before forking
+        # numpy's OpenBLAS starts a thread pool at import, and forking a threaded process is unsafe.
+        # Workers get the user's environment back, but BLAS calls made from numpy in a forked worker
+        # stay single-threaded (torch's own intra-op threads are unaffected).
+        env["OPENBLAS_NUM_THREADS"] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), ",".join(preload), tag],
             pass_fds=[child.fileno()],
@@ -84,11 +87,19 @@ class ForkServer:
             stdin=subprocess.DEVNULL,
         )
         child.close()
-        msg = self._read_one(start_timeout)
+        self._ready = False
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the fork server has imported torch; it was started in the constructor so that
+        this import overlaps the rendezvous."""
+        if self._ready:
+            return
+        msg = self._read_one(timeout)
         if msg.get("ev") != "ready":
             self.close()
             raise ForkServerError(msg.get("why", f"unexpected first message {msg}"))
         self.sock.setblocking(False)
+        self._ready = True
 
     def _read_one(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout

@@ -162,3 +162,41 @@ def test_fork_server_refuses_unsafe_preload_and_falls_back(tmp_path, scripts):
     starts = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.ATTEMPT_START]
     assert {e.details["method"] for e in starts} == {"SpawnStarter"}
     assert json.loads((out / "a1_r1.json").read_text())["sum"] == 2.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_two_agents_on_one_rendezvous_restart_together(tmp_path, scripts):
+    """Two node agents over loopback (c10d rendezvous); a worker on one node dies, both nodes restart."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    e = dict(os.environ)
+    e.pop("OMP_NUM_THREADS", None)
+    agents = [subprocess.Popen(launcher_cmd("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+                                            "--max-restarts", "1", "--local-addr", "127.0.0.1",
+                                            "--run-dir", str(tmp_path / "run"),
+                                            str(scripts / "crash_once.py"), str(out)),
+                               cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    try:
+        results = [a.communicate(timeout=160) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], results
+    for rank in (0, 1):
+        assert json.loads((out / f"a1_r{rank}.json").read_text())["sum"] == 2.0
+    evs = list(read_events(tmp_path / "run"))
+    restarts = [e for e in evs if e.kind == EventKind.RESTART]
+    assert len(restarts) == 2 and {e.node for e in restarts} == {e.node for e in evs if e.kind == EventKind.RUN_START}
+    assert sorted(e.details["cause"] for e in restarts) == ["failed", "peer_failed"]
+    assert not leftovers(str(tmp_path))
