@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from resilient import env
-from resilient.events.api import EventKind
+from resilient.events.api import SCHEMA_VERSION, Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.signals import protocol as P
 from resilient.signals import scale as _scale
@@ -79,6 +80,13 @@ class _Client:
         self._next_connect = 0.0
         self.dropped = 0
         self.ledger = Ledger.from_env() if self.rank == 0 else None
+        self._step_prefix = b""
+        if self.ledger is not None:
+            # STEP lines are formatted here rather than through Event/asdict (~40 µs → a few): the hot path
+            # of rank 0. The prefix holds the fields that never change; the ledger parses them like any line.
+            proto = Event(kind=EventKind.STEP, rank=self.rank, attempt=self.ledger.attempt).to_json()
+            self._step_prefix = ('{"kind":"step","node":%s,"rank":%d,"attempt":%s,"details":{"step":'
+                                 % (json.dumps(proto["node"]), self.rank, json.dumps(proto["attempt"]))).encode()
         self._connect()
 
     def _connect(self) -> None:
@@ -121,6 +129,20 @@ class _Client:
 
     def done(self, step: int) -> None:
         self.send(P.pack_done(self._hdr[P.DONE], step))
+
+    def record_step(self, step: int, seconds: float, compute: float) -> None:
+        """One STEP event in the ledger (rank 0), formatted as ``Event.to_json`` would, one os.write."""
+        led = self.ledger
+        if led is None:
+            return
+        line = self._step_prefix + (
+            '%d,"seconds":%r,"compute_seconds":%r},"wall":%r,"mono":%r,"schema":%d}\n'
+            % (step, seconds, compute, time.time(), time.monotonic(), SCHEMA_VERSION)).encode()
+        try:
+            os.write(led._fd, line)  # the ledger's own O_APPEND descriptor: same atomic-append contract
+        except OSError as e:
+            self.ledger = None
+            logger.warning("ledger write failed (%s); step events are no longer recorded", e)
 
     def section_start(self, name: str, timeout: float | None) -> None:
         self.send(P.pack_section_start(self._hdr[P.SECTION_START], name, timeout))
@@ -251,11 +273,16 @@ def _ddp_forward_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+_active_loops = 0  # nested or successive steps() loops share one set of wrappers
+
+
 def _install_timers() -> None:
     """Wrap collectives of an already imported ``torch.distributed`` (never imports torch itself)."""
-    global _clock
-    _clock = _WaitClock()
+    global _clock, _active_loops
     with _patch_lock:
+        _active_loops += 1
+        if _clock is None:
+            _clock = _WaitClock()
         if _patched:
             return
         mods = [sys.modules.get("torch.distributed"), sys.modules.get("torch.distributed.distributed_c10d")]
@@ -276,13 +303,17 @@ def _install_timers() -> None:
 
 
 def _uninstall_timers() -> None:
-    """Restore the original functions (DDP hooks already registered stay: DDP cannot unregister them)."""
-    global _clock
+    """When the last loop ends, restore the original functions (DDP hooks already registered stay: DDP
+    cannot unregister them; they only time, and fall silent without a clock)."""
+    global _clock, _active_loops
     with _patch_lock:
+        _active_loops = max(0, _active_loops - 1)
+        if _active_loops:
+            return
         while _patched:
             obj, name, fn = _patched.pop()
             setattr(obj, name, fn)
-    _clock = None
+        _clock = None
 
 
 # --- steps / section ---------------------------------------------------------------------------------
@@ -324,7 +355,6 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
     clock = _clock
     assert clock is not None
     ledger = c.ledger
-    rank = c.rank
     recorded_world = ledger is None
     c.hello(start)
     last = start - 1
@@ -340,7 +370,7 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
                 compute = max(0.0, secs - clock.take())
                 c.step(s, secs, compute)
                 if ledger is not None:
-                    ledger.emit(EventKind.STEP, rank=rank, step=last, seconds=secs, compute_seconds=compute)
+                    c.record_step(last, secs, compute)
                     if not recorded_world:
                         recorded_world = True
                         _record_world(c, dp)
@@ -352,7 +382,7 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
             compute = max(0.0, secs - clock.take())
             c.step(last + 1, secs, compute)
             if ledger is not None:
-                ledger.emit(EventKind.STEP, rank=rank, step=last, seconds=secs, compute_seconds=compute)
+                c.record_step(last, secs, compute)
                 if not recorded_world:
                     _record_world(c, dp)
     finally:
