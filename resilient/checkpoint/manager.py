@@ -95,7 +95,8 @@ class _SaveJob:
 class _Interval:
     """When to save: a fixed number of steps, or ``auto`` from goodput's IntervalTuner on rank 0."""
 
-    def __init__(self, interval: int | str, persistent_every: int | str, rank: int):
+    def __init__(self, interval: int | str, persistent_every: int | str, rank: int,
+                 tuner_options: dict[str, Any] | None = None):
         self.auto = interval == "auto"
         self.auto_persistent = persistent_every == "auto"
         self.tuner: Any = None
@@ -105,9 +106,14 @@ class _Interval:
             try:
                 from resilient.goodput.interval import IntervalTuner
 
-                self.tuner = IntervalTuner()
-                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-                    self.tuner.observe_interruption()
+                run_dir = os.environ.get(_env.RUN_DIR)
+                if run_dir and rank == 0 and hasattr(IntervalTuner, "from_run_dir"):
+                    # remembers earlier attempts (restarts, save and step times) from the run's ledger
+                    self.tuner = IntervalTuner.from_run_dir(run_dir, **(tuner_options or {}))
+                else:
+                    self.tuner = IntervalTuner(**(tuner_options or {}))
+                    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+                        self.tuner.observe_interruption()
                 if self.auto:
                     self.steps = max(1, int(self.tuner.interval_steps()))
                 if self.auto_persistent:
@@ -119,12 +125,14 @@ class _Interval:
                 self.tuner = None
         self.next_save: int | None = None
         self._last_call: float | None = None
+        self.lock = threading.Lock()  # the tuner is fed from the training, save and upload threads
 
     def observe_call(self) -> None:
         now = time.perf_counter()
         if self.tuner is not None and self._last_call is not None:
             try:
-                self.tuner.observe_step(now - self._last_call)
+                with self.lock:
+                    self.tuner.observe_step(now - self._last_call)
             except Exception as e:
                 logger.debug("tuner.observe_step failed: %s", e)
         self._last_call = now
@@ -142,6 +150,12 @@ class CheckpointManager:
 
     Construction, ``save`` at a due step, ``restore``, ``wait`` and ``close`` are collective when a
     process group is initialised: every rank calls them in the same order.
+
+    ``local`` may hold ``{node}``/``{rank}``/``{local_rank}`` (one machine standing in for several
+    nodes); ``interval``/``persistent_every`` may be ``"auto"`` (goodput's ``IntervalTuner`` on rank 0,
+    built with ``tuner_options``, broadcast to all ranks); ``overlap=True`` stages behind the next
+    forward/backward. Per-rank values (RNG states, data positions: any small leaf whose value differs
+    across ranks at save time) are stored per rank and come back per rank.
     """
 
     def __init__(self, local: str | os.PathLike[str] | None = None, persistent: str | None = None,
@@ -149,7 +163,7 @@ class CheckpointManager:
                  overlap: bool = False, keep_local: int = 2, keep_peer: int = 2, keep_persistent: int = 3,
                  storage_options: dict[str, Any] | None = None, upload_retries: int = 6,
                  upload_backoff_s: float = 0.5, upload_backoff_max_s: float = 8.0,
-                 collective_timeout_s: float = 600.0):
+                 collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None):
         self.config = CheckpointConfig(
             local=os.fspath(local) if local is not None else None, persistent=persistent, interval=interval,
             persistent_every=persistent_every, peer=peer, overlap=overlap, keep_local=keep_local,
@@ -193,7 +207,11 @@ class CheckpointManager:
                            if cfg.persistent else None)
 
         self._ledger = Ledger.from_env()
-        self._interval = _Interval(cfg.interval, cfg.persistent_every, self.rank)
+        self._interval = _Interval(cfg.interval, cfg.persistent_every, self.rank, tuner_options)
+        if self._interval.auto or self._interval.auto_persistent:
+            # every rank must save on the same steps: rank 0's tuner decides
+            self._interval.steps, self._interval.persistent_every = self._bcast(
+                (self._interval.steps, self._interval.persistent_every), self._pg)
         self._stager = Stager()
         self._guard = MutationGuard(timeout_s=cfg.collective_timeout_s)
         self._last_job: _SaveJob | None = None
@@ -276,7 +294,8 @@ class CheckpointManager:
         if prev is not None:
             # one set of staging buffers: the previous step must be on disk before we overwrite them
             self._wait_event(prev.written, "previous checkpoint write")
-            if self._interval.auto:
+            if self._interval.auto or self._interval.auto_persistent:
+                # the tuner's answer is broadcast in the background; read it only once every rank has it
                 self._wait_event(prev.decided, "interval decision")
         if self._interval.auto:
             self._interval.next_save = step + self._interval.steps
@@ -305,7 +324,8 @@ class CheckpointManager:
         nbytes = sum(leaf_nbytes(v) for v in tensors_in.values())
         if self._interval.tuner is not None and self.rank == 0:
             try:
-                self._interval.tuner.observe_save(blocking + hook_wait)
+                with self._interval.lock:
+                    self._interval.tuner.observe_save(blocking + hook_wait)
             except Exception as e:
                 logger.debug("tuner.observe_save failed: %s", e)
         if self.rank == 0:
@@ -496,14 +516,15 @@ class CheckpointManager:
 
     def _decide_interval(self, job: _SaveJob) -> None:
         iv = self._interval
-        if iv.tuner is None:
-            return
-        proposal = None
-        if self.rank == 0:
+        # collective whatever this rank's tuner state: a rank without a tuner must still take part
+        proposal = (iv.steps, iv.persistent_every, {})
+        if self.rank == 0 and iv.tuner is not None:
             try:
-                proposal = (max(1, int(iv.tuner.interval_steps())) if iv.auto else iv.steps,
-                            max(1, int(iv.tuner.persistent_every())) if iv.auto_persistent else iv.persistent_every,
-                            iv.tuner.inputs())
+                with iv.lock:
+                    proposal = (max(1, int(iv.tuner.interval_steps())) if iv.auto else iv.steps,
+                                max(1, int(iv.tuner.persistent_every())) if iv.auto_persistent
+                                else iv.persistent_every,
+                                iv.tuner.inputs())
             except Exception as e:
                 logger.warning("interval tuner failed (%s); keeping %d steps", e, iv.steps)
                 proposal = (iv.steps, iv.persistent_every, {})
@@ -646,8 +667,16 @@ class CheckpointManager:
                 retry(lambda: self._commit(self.persistent, step, ranks=list(range(self.world_size))),
                       what=f"commit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                       backoff_max_s=cfg.upload_backoff_max_s)
+                seconds = time.perf_counter() - t0
                 self._emit(EventKind.CKPT_TIER_DONE, step=step, tier=TierName.PERSISTENT.value,
-                           seconds=time.perf_counter() - t0, bytes=sum(r[1] for r in results))
+                           seconds=seconds, bytes=sum(r[1] for r in results))
+                tuner = self._interval.tuner
+                if tuner is not None and hasattr(tuner, "observe_upload"):
+                    try:
+                        with self._interval.lock:
+                            tuner.observe_upload(seconds)
+                    except Exception as e:
+                        logger.debug("tuner.observe_upload failed: %s", e)
                 self._retain(self.persistent, cfg.keep_persistent, pinned_from=None)
             except Exception as e:
                 ok, error = False, e
