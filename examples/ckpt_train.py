@@ -10,11 +10,13 @@ its own data position, so a resumed run is bit-exact with an uninterrupted one o
 comes back per rank. At the end each rank writes ``<out>/rank<r>.pt`` with the model, the optimizer
 state, its RNG state and its data position.
 
-Fault injection for tests (``CKPT_TRAIN_FAULT=<point>:<step>``, acted on in the first attempt only,
-i.e. when ``<out>/fault-done`` does not exist yet; only rank ``CKPT_TRAIN_FAULT_RANK``, default 0, dies):
+Fault injection for tests: ``CKPT_TRAIN_FAULT=<point>:<step>[,<point>:<step>...]``; each fault fires
+once (marker ``<out>/fault-done-<i>``), the first not yet fired is armed in each attempt; only rank
+``CKPT_TRAIN_FAULT_RANK`` (default 0) dies:
   between:S     SIGKILL once the save at step S is complete (between saves)
   mid_write:S   SIGKILL while the local tier write of step S is half done
   mid_upload:S  SIGKILL after the first file of step S reached the persistent tier
+  wipe:S        once step S is saved everywhere, delete this node's local tier (a lost disk), SIGKILL
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ class DataPos:
         self.pos = int(sd["pos"])
 
 
+_MARK: list[Path] = []
+
+
 def _die(out: Path) -> None:
+    for m in _MARK:
+        m.touch()
     (out / "fault-done").touch()
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -65,7 +72,9 @@ def _install_fault(point: str, step: int, out: Path, state_step: list[int]) -> N
         orig = fs._write_item
 
         def write_half(transforms, stream, data, write_item, storage_key, fmt):  # type: ignore[no-untyped-def]
-            if state_step[0] == step and isinstance(data, torch.Tensor) and data.numel() > 64:
+            # the background writer may run while training is already steps ahead: match the file's step
+            if f"step_{step:08d}" in str(getattr(stream, "name", "")) and isinstance(data, torch.Tensor) \
+                    and data.numel() > 64:
                 raw = data.contiguous().view(torch.uint8).numpy().tobytes()
                 stream.write(raw[: len(raw) // 2])
                 stream.flush()
@@ -127,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     ck = CheckpointManager.from_env(**overrides)
     start = ck.restore(state)
 
-    fault = os.environ.get("CKPT_TRAIN_FAULT", "")
+    faults = [f.split(":") for f in os.environ.get("CKPT_TRAIN_FAULT", "").split(",") if f]
     fault_rank = int(os.environ.get("CKPT_TRAIN_FAULT_RANK", "0"))
-    point, fstep = (fault.split(":") + ["-1"])[:2] if fault else ("", "-1")
-    armed = bool(fault) and rank == fault_rank and not (out / "fault-done").exists()
+    pending = [(i, p, int(s)) for i, (p, s) in enumerate(faults) if not (out / f"fault-done-{i}").exists()]
+    armed = bool(pending) and rank == fault_rank
+    point, fstep = (pending[0][1], pending[0][2]) if pending else ("", -1)
     cur = [-1]
     if armed:
-        _install_fault(point, int(fstep), out, cur)
+        _MARK.append(out / f"fault-done-{pending[0][0]}")
+        _install_fault(point, fstep, out, cur)
 
     for step in range(start, args.steps):
         cur[0] = step
@@ -155,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                 off += g.numel()
         optim.step()
         ck.save(step, state)
-        if armed and point == "between" and step == int(fstep):
-            ck.wait()  # the save of this step is committed; die before the next one
+        if armed and point in ("between", "wipe") and step == fstep:
+            ck.wait()  # the save of this step is committed (and uploaded); die before the next one
+            if point == "wipe" and ck.local is not None:
+                import shutil
+
+                shutil.rmtree(ck.local.root)
             _die(out)
     ck.wait()
     ck.close()
