@@ -1,0 +1,74 @@
+"""``resilient ckpt ls|verify`` as a user runs it (a subprocess of the real CLI)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient.checkpoint.manager import CheckpointManager
+
+from .conftest import GCS, REPO, _child_env
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "resilient.cli", "ckpt", *args], cwd=REPO, env=_child_env(env),
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    ck = CheckpointManager(local=tmp_path / "ckpt", interval=1, keep_local=3)
+    for s in range(3):
+        ck.save(s, {"w": torch.full((1000,), float(s))})
+    ck.close()
+    (tmp_path / "ckpt" / "step_00000003").mkdir()  # a partial step
+    return tmp_path / "ckpt"
+
+
+def test_ls_json_and_table(ckpt_dir: Path) -> None:
+    r = cli("ls", str(ckpt_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["step"], x["complete"]) for x in rows] == [(0, True), (1, True), (2, True), (3, False)]
+    assert rows[0]["ranks"] == [0] and rows[0]["world_size"] == 1 and rows[0]["bytes"] > 4000
+    r = cli("ls", str(ckpt_dir))
+    assert r.returncode == 0 and "partial" in r.stdout and "step" in r.stdout
+
+
+def test_verify_finds_a_flipped_byte(ckpt_dir: Path) -> None:
+    r = cli("verify", str(ckpt_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step 2: 2 files, ok" in r.stdout
+    f = ckpt_dir / "step_00000001" / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[-20] ^= 0x10
+    f.write_bytes(bytes(data))
+    r = cli("verify", str(ckpt_dir))
+    assert r.returncode == 1
+    assert "step 1 __0_0.distcp: crc32c" in r.stdout
+    r = cli("verify", str(ckpt_dir / "step_00000002"), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["steps"][0]["step"] == 2
+
+
+def test_ls_and_verify_gcs(tmp_path: Path, gcs: GCS) -> None:
+    gcs.make_bucket("cli")
+    ck = CheckpointManager(local=tmp_path / "l", persistent="gs://cli/run", interval=1, persistent_every=1)
+    ck.save(0, {"w": torch.ones(100)})
+    ck.close()
+    r = cli("ls", "gs://cli/run", "--json", env=gcs.env())
+    assert r.returncode == 0, r.stderr
+    assert [(x["step"], x["complete"]) for x in json.loads(r.stdout)] == [(0, True)]
+    r = cli("verify", "gs://cli/run", env=gcs.env())
+    assert r.returncode == 0 and "1 files" not in r.stdout and "ok" in r.stdout
+
+
+def test_bad_target_is_reported() -> None:
+    r = cli("ls", "/nonexistent/dir")
+    assert r.returncode == 0 and "no checkpoint steps" in r.stdout
+    r = cli("verify", "/nonexistent/dir")
+    assert r.returncode == 1
