@@ -101,6 +101,11 @@ class _Nvml:
 
     def __init__(self) -> None:
         self.nvml: Any = None
+        self._tried = False
+
+    def _init(self) -> None:
+        # first use happens on the health thread: a wedged driver can block nvmlInit, never the agent
+        self._tried = True
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # pynvml warns about its own deprecation on import
@@ -114,6 +119,8 @@ class _Nvml:
             logger.info("NVML unavailable (%s): GPU health checks skipped", e)
 
     def checks(self, temp_threshold: float) -> list[tuple[int, str, Any, bool]]:
+        if not self._tried:
+            self._init()
         if self.nvml is None:
             return []
         nv, out = self.nvml, []
