@@ -328,7 +328,7 @@ def steps(start: int, stop: int | None = None, *, dp_size: int | None = None) ->
     """
     c = _client()
     if c is None:
-        return iter(range(start, stop)) if stop is not None else itertools.count(start)
+        return range(start, stop) if stop is not None else itertools.count(start)  # type: ignore[return-value]
     return _steps(c, start, stop, dp_size)
 
 

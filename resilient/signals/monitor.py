@@ -213,7 +213,24 @@ class SocketNodeMonitor:
         return self.config.initial_timeout, "initial"
 
     def straggler_scores(self) -> dict[int, tuple[float, float]]:
+        """global rank → (peers score, history score) over the current windows."""
         return self._straggler.scores()
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """A compact view of this node for a periodic report to the supervisor (which compares nodes:
+        this monitor only sees its own ranks): per global rank its step, heartbeat age, median own-work
+        seconds and scores, plus the heartbeat timeout in force."""
+        scores = self._straggler.scores()
+        medians = self._straggler.medians()
+        timeout, source = self.heartbeat_timeout()
+        ranks = {}
+        for r in self._ranks.values():
+            peers, hist = scores.get(r.rank, (None, None))
+            ranks[r.rank] = {"local_rank": r.local_rank, "step": r.step, "done": r.done,
+                             "heartbeat_age": None if r.last_seen is None else now - r.last_seen,
+                             "median_compute": medians.get(r.rank), "peers_score": peers, "history_score": hist}
+        return {"attempt": self.attempt, "active": self._active, "hung": self._hung,
+                "heartbeat_timeout": timeout, "timeout_source": source, "ranks": ranks}
 
     # --- internals ---------------------------------------------------------------------------------
 

@@ -89,10 +89,14 @@ class StragglerScorer:
         self._evaluated = rounds
         return self._evaluate()
 
+    def medians(self) -> dict[int, float]:
+        """rank → median own-work seconds over its current window (ranks with a full window)."""
+        return {r: statistics.median(self._ranks[r].samples) for r in self._members
+                if len(self._ranks[r].samples) >= self.config.window}
+
     def scores(self) -> dict[int, tuple[float, float]]:
         """rank → (peers score, history score) over the current windows (ranks with a full window)."""
-        meds = {r: statistics.median(self._ranks[r].samples) for r in self._members
-                if len(self._ranks[r].samples) >= self.config.window}
+        meds = self.medians()
         if not meds:
             return {}
         fastest = min(meds.values())

@@ -25,8 +25,7 @@ def no_agent(monkeypatch):
 
 
 def test_outside_resilient_run_steps_is_a_plain_range(no_agent):
-    it = resilient.steps(3, 7)
-    assert isinstance(it, type(iter(range(0)))) and list(it) == [3, 4, 5, 6]
+    assert resilient.steps(3, 7) == range(3, 7)
     unbounded = resilient.steps(5)
     assert [next(unbounded) for _ in range(3)] == [5, 6, 7]
     with resilient.section("eval"):

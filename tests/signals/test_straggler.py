@@ -1,5 +1,6 @@
 """Straggler detection: real gloo ranks, one slowed by a sleep, on a hand-written loop and on DDP."""
 import random
+import time
 
 import pytest
 
@@ -26,6 +27,11 @@ def test_slow_rank_flagged_in_allreduce_loop_and_healthy_ranks_never(make_agent)
     first = min(found, key=lambda e: e.details["step"])
     assert first.details["reference"] == "peers" and first.details["step"] <= 10 + 20
     assert first.details["score"] < 0.75 and first.details["local_rank"] == 2
+    # the node summary a supervisor would compare across nodes
+    summ = a.monitor.summary(time.monotonic())
+    assert summ["ranks"][2]["peers_score"] < 0.75 <= summ["ranks"][0]["peers_score"]
+    assert summ["ranks"][2]["median_compute"] > summ["ranks"][0]["median_compute"] > 0
+    assert summ["heartbeat_timeout"] == 30.0 and all(r["done"] for r in summ["ranks"].values())
 
 
 @pytest.mark.timeout(150)
