@@ -133,10 +133,20 @@ class Agent:
             self.starter = SpawnStarter()
             return
         try:
-            self.starter = ForkServer(self.cfg.preload, tag=f"run={self.run_dir.resolve()}")
+            self.starter = ForkServer(self._preload_modules(), tag=f"run={self.run_dir.resolve()}")
         except OSError as e:
             logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
             self.starter = SpawnStarter()
+
+    def _preload_modules(self) -> tuple[str, ...]:
+        """What the fork server imports ahead of time: what every resilient worker imports anyway
+        (soft: a failure only costs speed), then the user's ``--preload`` modules (hard)."""
+        # DistributedDataParallel imports torch._dynamo on construction: seconds per restart otherwise
+        soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.manager",
+                "resilient.signals.client"]
+        if (self.cfg.ckpt_persistent or "").startswith("gs://"):
+            soft.append("gcsfs")
+        return tuple(f"?{m}" for m in soft) + tuple(self.cfg.preload)
 
     def _await_starter(self) -> None:
         if isinstance(self.starter, ForkServer):
@@ -469,7 +479,8 @@ class Agent:
                                              {w.local_rank: w.pid for w in self.workers if w.pid})
             self.ledger.emit(EventKind.ATTEMPT_START, attempt=attempt, world_size=self.world_size,
                              local_world_size=c.nproc_per_node, group_rank=self.group_rank,
-                             method=type(self.starter).__name__, spawn_seconds=round(time.time() - t_spawn, 4))
+                             method=type(self.starter).__name__, spawn_seconds=round(time.time() - t_spawn, 4),
+                             pids={str(w.rank): w.pid for w in self.workers})
             outcome = self._watch(attempt)
             t_detect = time.time()
             if outcome == Outcome.SUCCEEDED:
@@ -495,9 +506,9 @@ class Agent:
                 self._print_failure_summary()
                 return 1, f"{outcome.value}, no restarts left ({c.max_restarts})"
             attempt += 1
+            fault_wall = self.failures[-1].wall if outcome == Outcome.FAILED and self.failures else t_detect
             self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=outcome.value,
-                             detect_seconds=round(max(0.0, t_detect - (self.first_failure.wall if self.first_failure
-                                                                       and outcome == Outcome.FAILED else t_detect)), 4))
+                             detect_seconds=round(max(0.0, t_detect - fault_wall), 4))
             logger.warning("%s; restarting workers (attempt %d of at most %d)", outcome.value, attempt,
                            c.max_restarts)
 

@@ -209,7 +209,14 @@ def preload(modules: list[str]) -> None:
     import torch.distributed  # noqa: F401
 
     for m in modules:
-        if m:
+        if not m:
+            continue
+        if m.startswith("?"):  # our own defaults: a speed-up, never a reason to fail
+            try:
+                importlib.import_module(m[1:])
+            except Exception:  # noqa: BLE001
+                pass
+        else:
             importlib.import_module(m)
 
 

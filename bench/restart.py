@@ -1,0 +1,119 @@
+"""Crash-restart benchmark: resilient-run against torchrun and nvidia-resiliency-ext's ft_launcher.
+
+The same unmodified 2-rank gloo script runs under each launcher with ``--max-restarts 1``: rank 1
+SIGKILLs itself right after its first all_reduce on attempt 0. A repetition succeeds when the launcher
+exits 0 and both ranks of attempt 1 completed an all_reduce. The restart time is from the kill to the
+end of the first collective after the restart (the latest rank). Launchers run interleaved, so machine
+noise hits all of them alike.
+
+    python bench/restart.py [--reps 5] [--timeout 90]
+
+Prints a table and writes bench/results/restart.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = r'''
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+out = sys.argv[1]
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+t = torch.ones(1)
+dist.all_reduce(t)
+done = time.time()
+with open(os.path.join(out, f"a{attempt}_r{rank}.json"), "w") as f:
+    json.dump({"sum": t.item(), "t": done}, f)
+if rank == 1 and attempt == 0:
+    with open(os.path.join(out, "kill.json"), "w") as f:
+        json.dump({"t": time.time()}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+BIN = Path(sys.executable).parent
+LAUNCHERS = {
+    "resilient-run": [sys.executable, "-m", "resilient.run"],
+    "resilient-run (spawn)": [sys.executable, "-m", "resilient.run", "--worker-launch", "spawn"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "ft_launcher": [str(BIN / "ft_launcher")],
+}
+
+
+def one(name: str, cmd: list[str], workdir: Path, timeout: float) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="out-", dir=workdir))
+    script = workdir / "crash.py"
+    args = [*cmd, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    if name.startswith("resilient"):
+        args += ["--run-dir", str(out / "run")]
+    args += [str(script), str(out)]
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    t0 = time.time()
+    try:
+        p = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+        code = p.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    wall = time.time() - t0
+    ok = code == 0 and all((out / f"a1_r{r}.json").exists() for r in (0, 1))
+    restart = None
+    if ok and (out / "kill.json").exists():
+        kill = json.loads((out / "kill.json").read_text())["t"]
+        restart = max(json.loads((out / f"a1_r{r}.json").read_text())["t"] for r in (0, 1)) - kill
+    return {"launcher": name, "ok": ok, "exit": code, "restart_s": restart, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=90.0, help="a run longer than this counts as a hang")
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "restart.json"))
+    a = ap.parse_args()
+    names = [n for n in a.launchers.split(",") if n]
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory() as d:
+        wd = Path(d)
+        (wd / "crash.py").write_text(SCRIPT)
+        for rep in range(a.reps):
+            for n in names:
+                r = one(n, LAUNCHERS[n], wd, a.timeout)
+                r["rep"] = rep
+                runs.append(r)
+                print(f"  rep {rep} {n:<22} ok={r['ok']!s:<5} restart={r['restart_s'] if r['restart_s'] is None else round(r['restart_s'], 3)}",
+                      file=sys.stderr, flush=True)
+    summary = {}
+    for n in names:
+        rs = [r for r in runs if r["launcher"] == n]
+        times = [r["restart_s"] for r in rs if r["restart_s"] is not None]
+        summary[n] = {"successes": sum(r["ok"] for r in rs), "reps": len(rs),
+                      "median_restart_s": statistics.median(times) if times else None,
+                      "min_restart_s": min(times) if times else None, "max_restart_s": max(times) if times else None}
+    base = summary.get("resilient-run", {}).get("median_restart_s")
+    print(f"\n{'launcher':<24}{'restarts ok':>12}{'median s':>10}{'min s':>9}{'max s':>9}{'÷ resilient-run':>17}")
+    for n, s in summary.items():
+        med = s["median_restart_s"]
+        ratio = f"{med / base:.1f}x" if med and base else "-"
+        fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+        print(f"{n:<24}{s['successes']:>5}/{s['reps']:<6}{fmt(med):>10}{fmt(s['min_restart_s']):>9}{fmt(s['max_restart_s']):>9}{ratio:>17}")
+        s["ratio_to_resilient_run"] = (med / base) if med and base else None
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"summary": summary, "runs": runs, "reps": a.reps,
+                                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
+    print(f"\nwrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

