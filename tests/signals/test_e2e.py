@@ -78,6 +78,25 @@ def test_frozen_rank_is_detected_restarted_and_training_resumes(tmp_path, procs)
 
 
 @pytest.mark.timeout(150)
+def test_rank_stuck_in_communication_is_detected_and_restarted(tmp_path, procs):
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    p = launch(tmp_path, ["--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "2",
+                          "--run-dir", str(run), WORKER],
+               {"T_STEPS": "12", "T_WORK": "0.01", "T_STUCK_RANK": "1", "T_STUCK_STEP": "4", "T_OUT": str(out)})
+    procs.append(p)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    evs = list(read_events(run))
+    hangs = of(evs, EventKind.HANG)
+    assert hangs and hangs[0].attempt == 0 and hangs[0].details["step"] == 4
+    assert hangs[0].details["process_state"] in ("S", "R")  # alive and waiting, not stopped
+    assert [e.details.get("cause") for e in of(evs, EventKind.RESTART)] == ["hung"]
+    assert [e.details["step"] for e in of(evs, EventKind.STEP) if e.attempt == 1] == list(range(12))
+    assert all((out / f"rank{r}.done").exists() for r in (0, 1))
+
+
+@pytest.mark.timeout(150)
 def test_slow_rank_shows_as_straggler_in_the_ledger(tmp_path, procs):
     run = tmp_path / "run"
     p = launch(tmp_path, ["--nproc-per-node", "2", "--run-dir", str(run), WORKER],

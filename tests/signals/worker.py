@@ -10,7 +10,8 @@ Configured by environment (the tests set it; under resilient-run the launcher se
                  T_MARK_ATTEMPT (default 0, from TORCHELASTIC_RESTART_COUNT)
   T_SECTION      if set, wrap every 5th step's extra work in resilient.section(T_SECTION)
   T_STUCK_RANK   this rank, at step T_STUCK_STEP, waits in dist.recv for a message no peer sends while
-                 the others wait in their all_reduce: a deadlock inside communication
+                 the others wait in their all_reduce: a deadlock inside communication (attempt
+                 T_MARK_ATTEMPT only)
   T_OUT          directory for rank<R>.done (written after the loop)
 """
 import os
@@ -49,11 +50,12 @@ def main() -> None:
     slow_from = int(os.environ.get("T_SLOW_FROM", "0"))
     mark = int(os.environ.get("T_MARK_STEP", "-1"))
     mark_dir = os.environ.get("T_MARK_DIR", "")
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != os.environ.get("T_MARK_ATTEMPT", "0"):
-        mark = -1
-    sect = os.environ.get("T_SECTION")
     stuck_rank = int(os.environ.get("T_STUCK_RANK", "-1"))
     stuck_step = int(os.environ.get("T_STUCK_STEP", "-1"))
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != os.environ.get("T_MARK_ATTEMPT", "0"):
+        mark = -1
+        stuck_rank = -1
+    sect = os.environ.get("T_SECTION")
     scale_log = os.environ.get("T_SCALE_LOG")
     if scale_log:
         resilient.on_scale(lambda ev: open(f"{scale_log}.{rank}", "a").write(f"{ev.old_world_size} {ev.new_world_size} {ev.old_dp_size} {ev.new_dp_size}\n"))
