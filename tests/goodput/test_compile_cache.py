@@ -36,6 +36,7 @@ def test_restarted_worker_reuses_the_compile_cache(tmp_path):
     assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
     assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert (run_dir / compile_cache.DIRNAME / "artifacts-rank0.bin").stat().st_size > 0
+    assert (run_dir / compile_cache.DIRNAME / "inductor-rank0.tar.gz").stat().st_size > 0
 
 
 def test_restore_of_nothing_and_of_garbage(tmp_path, monkeypatch):
