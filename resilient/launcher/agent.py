@@ -432,6 +432,7 @@ class Agent:
             if self._signal is not None:
                 return 1
             self._start_monitor()
+            self._start_metrics()
             exit_code, reason = self._attempts()
         finally:
             self._shutdown()
@@ -454,14 +455,17 @@ class Agent:
             logger.warning("node monitor unavailable (%s); hang and straggler detection are off", e)
             return
         self.sel.register(self.monitor.fileno(), selectors.EVENT_READ, "monitor")
-        if self.cfg.metrics_port is not None and self.group_rank == 0:
-            try:
-                from resilient.goodput.metrics import MetricsServer
 
-                self.metrics = MetricsServer(self.cfg.metrics_port, str(self.run_dir))
-                self.metrics.start()
-            except Exception as e:  # noqa: BLE001 - fail static
-                logger.warning("metrics endpoint unavailable: %s", e)
+    def _start_metrics(self) -> None:
+        if self.cfg.metrics_port is None or self.group_rank != 0:
+            return
+        try:
+            from resilient.goodput.metrics import MetricsServer
+
+            self.metrics = MetricsServer(self.cfg.metrics_port, str(self.run_dir))
+            self.metrics.start()
+        except Exception as e:  # noqa: BLE001 - fail static: training goes on without the endpoint
+            logger.warning("metrics endpoint on port %s unavailable: %s", self.cfg.metrics_port, e)
 
     def _attempts(self) -> tuple[int, str]:
         c = self.cfg

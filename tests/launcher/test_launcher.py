@@ -200,3 +200,30 @@ def test_two_agents_on_one_rendezvous_restart_together(tmp_path, scripts):
     assert len(restarts) == 2 and {e.node for e in restarts} == {e.node for e in evs if e.kind == EventKind.RUN_START}
     assert sorted(e.details["cause"] for e in restarts) == ["failed", "peer_failed"]
     assert not leftovers(str(tmp_path))
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_agent_takes_its_workers_along(tmp_path, scripts):
+    """A dead agent must not leave orphans: the fork server and its workers die with it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    e = dict(os.environ)
+    e.pop("OMP_NUM_THREADS", None)
+    p = subprocess.Popen(launcher_cmd("--standalone", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                                      str(scripts / "wait_term.py"), str(out), "obey"),
+                         cwd=tmp_path, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: all((out / f"ready_{r}").exists() for r in (0, 1)), 60, "workers ready")
+        worker_pids = [int((out / f"ready_{r}").read_text()) for r in (0, 1)]
+        p.kill()
+        p.wait(10)
+    finally:
+        p.kill()
+    import psutil
+
+    def gone() -> bool:
+        return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                       for pid in worker_pids)
+
+    wait_for(gone, 20, "workers to die with their agent")
+    wait_for(lambda: not leftovers(str(tmp_path)), 20, "the fork server to exit")
