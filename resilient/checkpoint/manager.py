@@ -39,7 +39,8 @@ from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, PER_RANK_PREF
 from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_stateful, leaf_nbytes, plain_state,
                                         set_path)
 from resilient.checkpoint.tiers import (DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
-                                        retry, verify_file)
+                                        retry, verify_bytes, verify_file)
+from resilient.checkpoint.memfs import MemoryFS
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
@@ -55,6 +56,16 @@ def _quiet(fn: Any, *args: Any, **kw: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         return fn(*args, **kw)
+
+
+def _memory_budget() -> int:
+    """Fetched files are kept in memory up to a quarter of the available RAM, else spilled to disk."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available * 0.25)
+    except Exception:
+        return 1 << 30
 
 
 def _rmdir_quiet(d: Path) -> None:
@@ -876,43 +887,62 @@ class CheckpointManager:
             logger.warning("step %d: some files are on no tier; trying an older step", step)
             return None
 
-        # 4. move the bytes
+        # 4. move the bytes; fetched files stay in memory when they fit (verified there, loaded from there)
         fetch = self._fetch_dir(step)
         ok = True
         sources = {n: t for n, (t, _) in have.items()}
-        paths = {n: p for n, (_, p) in have.items()}
+        paths: dict[str, Path] = {n: p for n, (_, p) in have.items()}
+        mem: dict[str, Any] = {}
+        incoming = sum(t.size for t in transfers if t.dst == self.rank) + sum(files[n].size for n in downloads)
+        in_memory = incoming <= _memory_budget()
         try:
             if transfers:
-                received = run_transfers(self._pg, self.rank, transfers, src_path={n: str(p) for n, p in paths.items()},
-                                         out_dir=fetch)
-                for p in received:
-                    verify_file(p, files[p.name])
-                    sources[p.name] = TierName.PEER.value
-                    paths[p.name] = p
+                received = run_transfers(self._pg, self.rank, transfers,
+                                         src_path={n: str(p) for n, p in paths.items()},
+                                         out_dir=None if in_memory else fetch, to_memory=in_memory)
+                for n, got in received.items():
+                    if in_memory:
+                        verify_bytes(got, files[n], what=f"{n} from a peer")
+                        mem[n] = got
+                    else:
+                        verify_file(got, files[n])
+                        paths[n] = got
+                    sources[n] = TierName.PEER.value
             for n in downloads:
-                fetch.mkdir(parents=True, exist_ok=True)
-                dst = fetch / n
-                retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst)),  # type: ignore[union-attr]
-                      what=f"download {n} of step {step}", retries=self.config.upload_retries,
-                      backoff_s=self.config.upload_backoff_s, backoff_max_s=self.config.upload_backoff_max_s)
-                verify_file(dst, files[n])
+                if in_memory:
+                    data = retry(lambda n=n: self.persistent.read_bytes(step, n),  # type: ignore[union-attr]
+                                 what=f"download {n} of step {step}", retries=self.config.upload_retries,
+                                 backoff_s=self.config.upload_backoff_s,
+                                 backoff_max_s=self.config.upload_backoff_max_s)
+                    verify_bytes(data, files[n], what=f"{n} from the persistent tier")
+                    mem[n] = data
+                else:
+                    fetch.mkdir(parents=True, exist_ok=True)
+                    dst = fetch / n
+                    retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst)),  # type: ignore
+                          what=f"download {n} of step {step}", retries=self.config.upload_retries,
+                          backoff_s=self.config.upload_backoff_s, backoff_max_s=self.config.upload_backoff_max_s)
+                    verify_file(dst, files[n])
+                    paths[n] = dst
                 sources[n] = TierName.PERSISTENT.value
-                paths[n] = dst
         except Exception as e:
             ok = False
             logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
         if not self._all(ok):
             return None
 
-        # 5. a plain DCP directory of links to the verified files; load it on this rank alone
+        # 5. a plain DCP directory of links to the verified files (plus the in-memory ones); load it on
+        # this rank alone
         view = self._scratch / ".restore" / f"rank{self.rank}"
         shutil.rmtree(view, ignore_errors=True)
         view.mkdir(parents=True)
         for n, p in paths.items():
-            os.symlink(os.path.abspath(p), view / n)
+            if n not in mem:
+                os.symlink(os.path.abspath(p), view / n)
         try:
-            self._load(step, state, view, per_rank_keys, world_old)
+            self._load(step, state, view, per_rank_keys, world_old, mem)
         finally:
+            mem.clear()
             shutil.rmtree(view, ignore_errors=True)
             _rmdir_quiet(view.parent)
         used = {sources[n] for n in files}
@@ -928,8 +958,10 @@ class CheckpointManager:
         return all(self._gather(bool(ok), self._pg))
 
     def _load(self, step: int, state: Mapping[str, Any], view: Path, per_rank_keys: set[str],
-              world_old: int) -> None:
+              world_old: int, mem: dict[str, Any] | None = None) -> None:
         reader = FileSystemReader(view)
+        if mem:
+            reader.fs = MemoryFS(mem)
         md = reader.read_metadata().state_dict_metadata
         plain = plain_state(state)
         leaves = flatten(plain)

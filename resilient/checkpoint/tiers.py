@@ -67,6 +67,16 @@ def verify_file(path: str | os.PathLike[str], expected: FileEntry) -> None:
         raise CorruptFileError(f"{path}: crc32c {got.crc32c:#010x} != manifest {expected.crc32c:#010x}")
 
 
+def verify_bytes(data: Any, expected: FileEntry, what: str) -> None:
+    """:func:`verify_file` for a file held in memory."""
+    n = memoryview(data).nbytes
+    if n != expected.size:
+        raise CorruptFileError(f"{what}: size {n} != manifest {expected.size}")
+    got = _crc.crc32c(data)
+    if got != expected.crc32c:
+        raise CorruptFileError(f"{what}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")
+
+
 def retry(fn: Callable[[], T], *, what: str, retries: int, backoff_s: float, backoff_max_s: float,
           should_stop: Callable[[], bool] | None = None) -> T:
     """Call ``fn`` until it succeeds, at most ``retries`` extra times, with jittered exponential backoff."""

@@ -85,7 +85,7 @@ class _Writer:
         f.seek(off)
         f.write(data.numpy().tobytes())
 
-    def finish(self) -> list[Path]:
+    def finish(self, durable: bool = True) -> list[Path]:
         out = []
         for i, spec in enumerate(self._files):
             f = self._open.pop(i, None)
@@ -93,7 +93,8 @@ class _Writer:
                 open(self._part(i), "wb").close()  # empty file
             else:
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
                 f.close()
             dst = self._dir / spec.name
             os.replace(self._part(i), dst)
@@ -149,9 +150,14 @@ class Transfer:
 
 
 def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
-                  src_path: dict[str, str], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Execute ``transfers`` (identical list on every rank) in order; returns the files received."""
-    received: list[Path] = []
+                  src_path: dict[str, str], out_dir: str | os.PathLike[str] | None,
+                  to_memory: bool = False) -> dict[str, Any]:
+    """Execute ``transfers`` (identical list on every rank) in order.
+
+    Returns name -> received file: a path under ``out_dir`` (scratch, not fsynced), or with
+    ``to_memory`` a ``bytearray`` holding the bytes.
+    """
+    received: dict[str, Any] = {}
     for t in transfers:
         if t.src == rank and t.dst != rank:
             spec = [FileSpec(t.name, t.size)]
@@ -161,7 +167,15 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
                     dist.send(reader.read(i, off, n), dst=t.dst, group=group)
             finally:
                 reader.close()
+        elif t.dst == rank and t.src != rank and to_memory:
+            data = bytearray(t.size)
+            if t.size:
+                view = torch.frombuffer(data, dtype=torch.uint8)
+                for _, off, n in _chunks([FileSpec(t.name, t.size)]):
+                    dist.recv(view[off:off + n], src=t.src, group=group)
+            received[t.name] = data
         elif t.dst == rank and t.src != rank:
+            assert out_dir is not None
             spec = [FileSpec(t.name, t.size)]
             writer = _Writer(out_dir, spec)
             try:
@@ -169,7 +183,7 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
                     buf = torch.empty(n, dtype=torch.uint8)
                     dist.recv(buf, src=t.src, group=group)
                     writer.write(i, off, buf)
-                received.extend(writer.finish())
+                received[t.name] = writer.finish(durable=False)[0]
             except BaseException:
                 writer.abort()
                 raise
