@@ -43,8 +43,11 @@ class MonitorConfig:
     gpu_temperature_threshold: float = 90.0
     # External notice: a file whose appearance means "preempted/maintenance soon". None: RUN_DIR/preempt.
     preempt_file: str | None = None
-    preempt_grace: float = 30.0  # deadline when the file names none: its mtime + this
+    preempt_grace: float = 30.0  # deadline when the notice names none: its time + this
     preempt_poll: float = 0.25
+    # HTTP notice endpoint (e.g. GCE metadata ".../instance/preempted"); None: $RESILIENT_PREEMPT_URL if set
+    preempt_url: str | None = None
+    preempt_url_poll: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket_path, str) or not self.socket_path or self.socket_path == "@":
@@ -53,7 +56,7 @@ class MonitorConfig:
             raise ValueError(f"heartbeat timeout must be > 0 seconds, got {self.heartbeat_timeout}")
         if self.initial_timeout <= 0:
             raise ValueError(f"initial timeout must be > 0 seconds, got {self.initial_timeout}")
-        for name in ("learn_factor", "min_learned_timeout", "health_interval", "preempt_poll",
+        for name in ("learn_factor", "min_learned_timeout", "health_interval", "preempt_poll", "preempt_url_poll",
                      "straggler_min_gap", "gpu_temperature_threshold"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MonitorConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -71,6 +74,8 @@ class MonitorConfig:
         if self.disk_min_free_bytes < 0 or not 0 <= self.disk_min_free_fraction < 1:
             raise ValueError("MonitorConfig.disk_min_free_bytes must be >= 0 and disk_min_free_fraction in [0, 1), "
                              f"got {self.disk_min_free_bytes} and {self.disk_min_free_fraction}")
+        if self.preempt_url is not None and not self.preempt_url.startswith(("http://", "https://")):
+            raise ValueError(f"MonitorConfig.preempt_url must be an http(s) URL, got {self.preempt_url!r}")
         if self.preempt_grace < 0:
             raise ValueError(f"MonitorConfig.preempt_grace must be >= 0 seconds, got {self.preempt_grace}")
 

@@ -4,8 +4,8 @@ Host and GPU checks run in a background thread (a statvfs on a stuck filesystem 
 failing GPU can block; the agent's loop must not). Each check reports a transition: an event when it
 turns unhealthy, nothing while it stays so, re-armed once it is healthy again.
 
-The preemption notice is a file (default ``RUN_DIR/preempt``) whose appearance means "this node goes away
-soon". Its content may name the deadline: empty (mtime + grace), a number (epoch seconds, or seconds from
+A preemption notice comes from a file (default ``RUN_DIR/preempt``) whose appearance means "this node goes
+away soon", or from an HTTP endpoint polled on a thread (:class:`NoticeURL`, e.g. the GCE metadata server). Its content may name the deadline: empty (mtime + grace), a number (epoch seconds, or seconds from
 the file's mtime when below 10^9), an ISO-8601 time, or JSON ``{"deadline": ..., "reason": ...}``. Write it
 atomically (tmp + rename); a rewrite with another content is a new notice.
 """
@@ -152,16 +152,18 @@ class _Nvml:
 
 
 class HealthThread:
-    """Runs :class:`HostChecks` every interval; hands events over through ``drain()``."""
+    """Runs a detector's ``run()`` (:class:`HostChecks`, :class:`NoticeURL`) every interval on its own thread;
+    hands events over through ``drain()`` and calls ``wake`` so the agent's loop picks them up at once."""
 
-    def __init__(self, checks: HostChecks, interval: float, wake: Callable[[], None]) -> None:
+    def __init__(self, checks: Any, interval: float, wake: Callable[[], None], name: str = "health") -> None:
         self.checks = checks
+        self.name = name
         self.interval = interval
         self._wake = wake
         self._events: list[Event] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="resilient-health", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"resilient-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -172,7 +174,7 @@ class HealthThread:
                 failing = False
             except Exception as e:  # noqa: BLE001 — fail static: a broken detector must not stop the agent
                 if not failing:
-                    logger.warning("host health check failed: %s", e, exc_info=True)
+                    logger.warning("%s check failed: %s", self.name, e, exc_info=True)
                 failing = True
                 evs = []
             if evs:
@@ -251,3 +253,49 @@ class NoticeFile:
         if reason:
             details["reason"] = reason
         return [self._event(EventKind.PREEMPTION_NOTICE, **details)]
+
+
+GCE_MAINTENANCE_URL = "http://metadata.google.internal/computeMetadata/v1/instance/maintenance-event"
+_QUIET = {"", "NONE", "FALSE", "0"}
+
+
+class NoticeURL:
+    """Polls an HTTP endpoint; any answer other than empty/NONE/FALSE is a notice (its text the reason).
+
+    Made for cloud metadata servers: GCE's ``instance/maintenance-event`` answers ``NONE`` or
+    ``TERMINATE_ON_HOST_MAINTENANCE``/``MIGRATE_ON_HOST_MAINTENANCE``; ``instance/preempted`` answers
+    ``FALSE`` or ``TRUE`` (about 30 s before a spot VM goes). The deadline is the answer's time + grace.
+    Unreachable endpoints are logged once and retried."""
+
+    def __init__(self, url: str, grace: float, make_event: Callable[..., Event], timeout: float = 2.0) -> None:
+        self.url = url
+        self.grace = grace
+        self.timeout = timeout
+        self._event = make_event
+        self._last = ""
+        self._failing = False
+
+    def run(self) -> list[Event]:
+        import urllib.request
+
+        req = urllib.request.Request(self.url, headers={"Metadata-Flavor": "Google"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                text = resp.read(4096).decode(errors="replace").strip()
+            self._failing = False
+        except OSError as e:
+            if not self._failing:
+                logger.info("preemption notice endpoint %s unreachable (%s); retrying quietly", self.url, e)
+            self._failing = True
+            return []
+        quiet = text.upper() in _QUIET
+        if quiet or text == self._last:
+            self._last = "" if quiet else text
+            return []
+        self._last = text
+        deadline = time.time() + self.grace
+        logger.warning("preemption notice from %s: %s", self.url, text)
+        return [self._event(EventKind.PREEMPTION_NOTICE, deadline=deadline, source=f"http:{self.url}", reason=text)]
+
+    def close(self) -> None:
+        pass

@@ -36,12 +36,13 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.signals import protocol as P
 from resilient.signals.api import MonitorConfig, NodeMonitor
-from resilient.signals.health import HealthConfig, HealthThread, HostChecks, NoticeFile
+from resilient.signals.health import HealthConfig, HealthThread, HostChecks, NoticeFile, NoticeURL
 from resilient.signals.straggler import StragglerConfig, StragglerScorer
 
 logger = logging.getLogger(__name__)
 
 PREEMPT_FILE = "preempt"
+PREEMPT_URL_ENV = "RESILIENT_PREEMPT_URL"  # read by the agent's monitor: an HTTP notice endpoint
 _MAX_PER_CONN = 4096  # packets read from one connection per on_readable: no worker can starve the others
 _PEERCRED = struct.Struct("3i")
 
@@ -126,6 +127,9 @@ class SocketNodeMonitor:
         notice = config.preempt_file or (str(self.run_dir / PREEMPT_FILE) if self.run_dir is not None else None)
         self._notice = NoticeFile(notice, config.preempt_grace, self._event) if notice else None
         self._next_notice = 0.0
+        url = config.preempt_url or os.environ.get(PREEMPT_URL_ENV) or None
+        self._notice_url = (HealthThread(NoticeURL(url, config.preempt_grace, self._event), config.preempt_url_poll,
+                                         self._wake, name="notice-url") if url else None)
 
     # --- NodeMonitor -------------------------------------------------------------------------------
 
@@ -164,11 +168,17 @@ class SocketNodeMonitor:
                     pass
             else:
                 out += self._read(fd, mask, now)
-        out += self._health.drain()
+        out += self._drain_threads()
+        return out
+
+    def _drain_threads(self) -> list[Event]:
+        out = self._health.drain()
+        if self._notice_url is not None:
+            out += self._notice_url.drain()
         return out
 
     def tick(self, now: float) -> list[Event]:
-        out = self._health.drain()
+        out = self._drain_threads()
         if self._notice is not None and now >= self._next_notice:
             self._next_notice = now + self.config.preempt_poll
             out += self._notice.poll()
@@ -189,6 +199,8 @@ class SocketNodeMonitor:
 
     def close(self) -> None:
         self._health.close()
+        if self._notice_url is not None:
+            self._notice_url.close()
         for c in self._conns.values():
             c.sock.close()
         self._conns.clear()

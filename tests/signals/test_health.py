@@ -112,3 +112,57 @@ def test_deadline_formats():
     assert parse_deadline("2026-11-22T05:00:00+00:00", 0, 30)[0] == pytest.approx(1795323600.0)
     assert parse_deadline('{"deadline": 12, "reason": "spot"}', 1000.0, 30) == (1012.0, "spot")
     assert parse_deadline("soon-ish", 1000.0, 30) == (1030.0, None)
+
+
+@pytest.fixture
+def metadata_server():
+    """A real HTTP server standing in for a cloud metadata endpoint; the answer is settable."""
+    import http.server
+    import threading
+
+    state = {"answer": "NONE", "headers": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 — http.server's naming
+            state["headers"].append(self.headers.get("Metadata-Flavor"))
+            body = state["answer"].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/computeMetadata/v1/instance/maintenance-event", state
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.timeout(30)
+def test_preemption_notice_from_http_endpoint(make_agent, metadata_server):
+    url, state = metadata_server
+    a = make_agent(preempt_url=url, preempt_url_poll=0.05, preempt_grace=60.0)
+    a.pump(lambda ev: len(state["headers"]) >= 3, 10)  # polled, quiet while it answers NONE
+    assert not kinds(a.events, EventKind.PREEMPTION_NOTICE) and state["headers"][0] == "Google"
+    state["answer"] = "TERMINATE_ON_HOST_MAINTENANCE"
+    t0 = time.time()
+    evs = a.pump(lambda ev: kinds(ev, EventKind.PREEMPTION_NOTICE), 10)
+    (e,) = kinds(evs, EventKind.PREEMPTION_NOTICE)
+    assert e.details["reason"] == "TERMINATE_ON_HOST_MAINTENANCE" and e.details["source"] == f"http:{url}"
+    assert e.details["deadline"] >= t0 + 60.0 - 1
+    n = len(state["headers"])
+    a.pump(lambda ev: len(state["headers"]) >= n + 3, 10)
+    assert len(kinds(a.events, EventKind.PREEMPTION_NOTICE)) == 1  # one notice while the answer stands
+
+
+def test_unreachable_endpoint_is_quiet(make_agent, caplog):
+    caplog.set_level(logging.INFO, logger="resilient.signals.health")
+    a = make_agent(preempt_url="http://127.0.0.1:9/none", preempt_url_poll=0.05)
+    a.pump(lambda ev: len([r for r in caplog.records if "unreachable" in r.getMessage()]) >= 1, 10)
+    a.pump(lambda ev: True, 0.3)
+    assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
+    assert not kinds(a.events, EventKind.PREEMPTION_NOTICE)
