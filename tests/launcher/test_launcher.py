@@ -227,3 +227,28 @@ def test_sigkilled_agent_takes_its_workers_along(tmp_path, scripts):
 
     wait_for(gone, 20, "workers to die with their agent")
     wait_for(lambda: not leftovers(str(tmp_path)), 20, "the fork server to exit")
+
+
+@pytest.mark.timeout(120)
+def test_nemo_run_argv_and_torchrun_shim(tmp_path):
+    """The exact argv NeMo-Run's run.Torchrun gives torchrun, through the recipe's PATH shim."""
+    from pathlib import Path
+
+    pkg = tmp_path / "fakerunner"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fdl_runner.py").write_text(
+        "import os, sys\nprint('runner', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    shim_dir = Path(__file__).resolve().parents[2] / "recipes" / "nemo"
+    env = {"PATH": f"{shim_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "RESILIENT_RUN_ARGS": f"--run-dir {tmp_path / 'run'} --max-restarts 1"}
+    argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "1234", "--nnodes", "1",
+            "--nproc_per_node", "2", "--node-rank", "0", "--tee", "3", "-m", "fakerunner.fdl_runner", "-n", "job",
+            "cfg.yaml"]
+    e = dict(os.environ, **env)
+    e.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run(["torchrun", *argv], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert f"[default{rank}]:runner {rank} 2 ['-n', 'job', 'cfg.yaml']" in r.stdout
+    assert any(e.kind == EventKind.RUN_START for e in read_events(tmp_path / "run"))
