@@ -78,26 +78,32 @@ class SocketNodeMonitor:
         self.node_rank = node_rank
         self.node = ledger.node if ledger is not None and ledger.node else None
         self.run_dir = ledger.path.parent if ledger is not None else None
-        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._path: str | None = None
         addr = P.socket_address(config.socket_path)
-        if isinstance(addr, str):
-            self._path = addr
-            try:
-                os.unlink(addr)  # a stale file from a dead agent
-            except FileNotFoundError:
-                pass
-        self._listen.bind(addr)
-        if self._path is not None:
-            os.chmod(self._path, 0o600)
-        self._listen.listen(1024)
-        self._listen.setblocking(False)
+        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         self._ep = select.epoll()
-        self._ep.register(self._listen.fileno(), select.EPOLLIN)
-        self._ep.register(self._wake_r.fileno(), select.EPOLLIN)
+        try:
+            if isinstance(addr, str):
+                self._path = addr
+                try:
+                    os.unlink(addr)  # a stale file from a dead agent
+                except FileNotFoundError:
+                    pass
+            self._listen.bind(addr)
+            if self._path is not None:
+                os.chmod(self._path, 0o600)
+            self._listen.listen(1024)
+            self._listen.setblocking(False)
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self._ep.register(self._listen.fileno(), select.EPOLLIN)
+            self._ep.register(self._wake_r.fileno(), select.EPOLLIN)
+        except OSError as e:
+            for obj in (self._listen, self._wake_r, self._wake_w, self._ep):
+                obj.close()
+            raise OSError(e.errno, f"cannot listen on the agent socket {config.socket_path!r}: {e.strerror}; "
+                          "pick another socket_path (an '@name' is per network namespace)") from e
         self._conns: dict[int, _Conn] = {}
         self._uid = os.getuid()
 

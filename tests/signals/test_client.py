@@ -1,7 +1,10 @@
 """The worker client: plain range outside resilient-run, ledger records, on_scale, an absent agent."""
 import json
 import math
+import os
+import select
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +143,38 @@ def test_malformed_packets_are_ignored(make_agent):
     s.send(b"garbage that is not a packet")
     a.pump(lambda ev: True, 0.2)  # malformed input is ignored
     s.close()
+
+
+def test_socket_in_use_is_a_clear_error(make_agent):
+    from resilient.signals.api import MonitorConfig
+    from resilient.signals.monitor import create_node_monitor
+
+    a = make_agent()
+    with pytest.raises(OSError, match="cannot listen on the agent socket"):
+        create_node_monitor(MonitorConfig(socket_path=a.config.socket_path), None, 0)
+
+
+def test_filesystem_socket_path(tmp_path, monkeypatch):
+    from resilient.signals.api import MonitorConfig
+    from resilient.signals.monitor import create_node_monitor
+
+    path = str(tmp_path / "agent.sock")
+    mon = create_node_monitor(MonitorConfig(socket_path=path, heartbeat_timeout=5.0), None, 0)
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        mon.attempt_started(0, {0: 0}, {0: os.getpid()})
+        monkeypatch.setenv("RESILIENT_AGENT_SOCKET", path)
+        monkeypatch.delenv("RESILIENT_RUN_DIR", raising=False)
+        monkeypatch.setattr(client, "_client_obj", None)
+        gen = resilient.steps(0, 3)
+        next(gen)
+        deadline = time.monotonic() + 10
+        while mon.summary(time.monotonic())["ranks"][0]["step"] != 0:
+            assert time.monotonic() < deadline, "the monitor never saw the step"
+            select.select([mon.fileno()], [], [], 0.1)
+            mon.on_readable(time.monotonic())
+        assert list(gen) == [1, 2]
+    finally:
+        mon.close()
+        monkeypatch.setattr(client, "_client_obj", None)
+    assert not os.path.exists(path)
