@@ -206,9 +206,11 @@ def _attempts(session: int, evs: list[Event]) -> list[_Attempt]:
         if ev.kind is EventKind.STEP:
             owner.steps.append(ev)
         elif ev.kind is EventKind.SCALE:
+            # an attempt's size is fixed at spawn; SCALE only fills it in when ATTEMPT_START did not say
+            target = by_num.get(ev.attempt) if ev.attempt is not None else None
             ws = ev.details.get("new_world_size")
-            if isinstance(ws, int):
-                owner.world_size = ws
+            if isinstance(ws, int) and target is not None and target.world_size is None:
+                target.world_size = ws
     return ordered
 
 

@@ -33,7 +33,7 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
     t0 = report.start_wall
     evs = sorted(events, key=lambda e: e.wall)
     fig, (ax_band, ax_step, ax_prog) = plt.subplots(
-        3, 1, figsize=(13, 8), sharex=True, gridspec_kw={"height_ratios": [1.1, 3, 2]})
+        3, 1, figsize=(14, 8.5), sharex=True, gridspec_kw={"height_ratios": [1.1, 3, 2]})
     gp = f"{report.goodput:.1%}"
     fig.suptitle(f"goodput {gp} of {report.wall_seconds:,.1f} s wall · {report.disruptions} disruption(s) · "
                  f"{len(report.attempts)} attempt(s){' · in progress' if report.in_progress else ''}", fontsize=12)
@@ -92,7 +92,7 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
             ax_step.plot(xs, [ymax * 0.8] * len(xs), marker, color=color, ms=8, label=kind.value)
     ax_step.set_ylim(0, ymax * (1.0 + 0.07 * (len(tiers) + 1.5)))
     ax_step.set_ylabel("step time (s)")
-    ax_step.legend(loc="upper left", fontsize=8, ncol=3, framealpha=0.8)
+    ax_step.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax_step.grid(alpha=0.3)
 
     # 3: progress (step number) and world size
@@ -116,7 +116,7 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
                Line2D([], [], color="gray", ls="--", label="attempt start (restart)")]
     if ws_x:
         handles.append(Line2D([], [], color="#ff7f0e", lw=2, label="world size"))
-    ax_prog.legend(handles=handles, loc="upper left", fontsize=8)
+    ax_prog.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize=8, frameon=False)
 
     for a in report.attempts[1:]:
         for ax in (ax_step, ax_prog):
