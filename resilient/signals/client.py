@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 _scale_callbacks: list[Callable[[ScaleEvent], Any]] = []
 _perf = time.perf_counter
 _RECONNECT_EVERY = 1.0  # seconds between reconnection attempts when the agent is unreachable
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 def on_scale(fn: Callable[[ScaleEvent], Any]) -> Callable[[ScaleEvent], Any]:
@@ -109,7 +110,7 @@ class _Client:
         s = self.sock
         if s is not None:
             try:
-                s.send(data)
+                s.send(data, _NOSIGNAL)  # a dead agent must not SIGPIPE a script that restored SIGPIPE
                 return
             except BlockingIOError:
                 self.dropped += 1

@@ -92,7 +92,7 @@ class Agent:
 
     def close(self) -> None:
         self.stop()
-        self.monitor.close()
+        self.monitor.close()  # idempotent: a test may have closed it already
         self.ledger.close()
 
 

@@ -2,7 +2,8 @@
   T_STEPS, T_STEP_SLEEP (seconds per step), T_MARK_STEP/T_MARK_DIR (create rank<R>.step, wait for go),
   T_SECTION/T_SECTION_AT/T_SECTION_TIMEOUT/T_SECTION_SLEEP (one section at a step),
   T_SCALE_LOG (file the on_scale callback appends to), T_DP (dp_size), T_OUT (rank<R>.done after the loop),
-  T_NO_CLIENT (never touch resilient: sleep T_STEP_SLEEP × T_STEPS and exit).
+  T_NO_CLIENT (never touch resilient: sleep T_STEP_SLEEP × T_STEPS and exit),
+  T_SIGPIPE_DFL (restore the default SIGPIPE action, which kills on a write to a closed socket).
 """
 import os
 import sys
@@ -25,6 +26,11 @@ def main() -> None:
         time.sleep(n * dt)
         return
     import resilient
+
+    if os.environ.get("T_SIGPIPE_DFL"):  # as scripts piping to `head` do: a write to a dead peer kills
+        import signal
+
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
     scale_log = os.environ.get("T_SCALE_LOG")
     if scale_log:

@@ -104,3 +104,16 @@ def test_start_up_watch_only_for_scripts_that_use_the_client(make_agent, tmp_pat
     evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
     (h,) = kinds(evs, EventKind.HANG)
     assert h.details["timeout_source"] == "initial" and h.details["step"] == -1 and h.attempt == 2
+
+
+@pytest.mark.timeout(60)
+def test_training_goes_on_when_the_monitor_goes_away(make_agent, tmp_path):
+    a = make_agent(heartbeat_timeout=5.0)
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    procs = a.spawn(1, {"T_STEPS": "50", "T_STEP_SLEEP": "0.002", "T_MARK_STEP": "5", "T_MARK_DIR": str(mark),
+                        "T_SIGPIPE_DFL": "1", "T_OUT": str(tmp_path)}, script=LIGHT)
+    a.pump(marks_reached(mark, 1), 30)
+    a.monitor.close()  # fail static: the helper dies, training does not
+    (mark / "go").touch()
+    assert procs[0].wait(30) == 0 and (tmp_path / "rank0.done").exists()
