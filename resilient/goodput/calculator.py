@@ -149,17 +149,28 @@ class _Painter:
         return out
 
 
+def _ended(evs: list[Event]) -> bool:
+    """A launch has ended when every node that announced RUN_START has written RUN_END (a node that left
+    early, e.g. scaled down, does not end the job)."""
+    started = {e.node for e in evs if e.kind is EventKind.RUN_START}
+    ended = {e.node for e in evs if e.kind is EventKind.RUN_END}
+    return bool(ended) and started <= ended
+
+
 def _sessions(evs: list[Event]) -> list[list[Event]]:
-    """Split at a RUN_START that follows a RUN_END: a separate launch into the same run directory."""
+    """Split at a RUN_START after the previous launch ended: a separate launch into the same run directory."""
     out: list[list[Event]] = [[]]
-    ended = False
+    started: set[str] = set()
+    ended: set[str] = set()
     for ev in evs:
-        if ev.kind is EventKind.RUN_START and ended and out[-1]:
+        if ev.kind is EventKind.RUN_START and ended and started <= ended and out[-1]:
             out.append([])
-            ended = False
+            started, ended = set(), set()
         out[-1].append(ev)
-        if ev.kind is EventKind.RUN_END:
-            ended = True
+        if ev.kind is EventKind.RUN_START:
+            started.add(ev.node)
+        elif ev.kind is EventKind.RUN_END:
+            ended.add(ev.node)
     return out
 
 
@@ -231,7 +242,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
         raise EmptyLedgerError("the ledger holds no events: is this the run directory, and has the run started?")
     sessions = _sessions(evs)
     last = sessions[-1]
-    in_progress = not any(e.kind is EventKind.RUN_END for e in last)
+    in_progress = not _ended(last)
     t0 = evs[0].wall
     t1 = evs[-1].wall
     if in_progress:
@@ -253,7 +264,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
     attempt_cuts: list[tuple[float, AttemptReport]] = []
     for si, sev in enumerate(sessions):
         s_start = sev[0].wall
-        s_ended = any(e.kind is EventKind.RUN_END for e in sev)
+        s_ended = _ended(sev)
         s_end = sev[-1].wall if s_ended else t1
         run_end = next((e for e in reversed(sev) if e.kind is EventKind.RUN_END), None)
         atts = _attempts(si, sev)

@@ -195,6 +195,31 @@ def test_relaunch_into_same_run_dir_is_a_new_session():
     assert_adds_up(rep)
 
 
+def test_two_nodes_job_level_view():
+    """Both nodes report the same attempt; a node leaving early does not end the run; world size per attempt."""
+    evs = [
+        ev(K.RUN_START, 0.0, node="a"), ev(K.RUN_START, 0.5, node="b"),
+        ev(K.ATTEMPT_START, 1.0, attempt=0, node="a", world_size=8),
+        ev(K.ATTEMPT_START, 1.2, attempt=0, node="b", world_size=8),
+        ev(K.STEP, 3.0, attempt=0, step=0, seconds=1.0),
+        ev(K.STEP, 4.0, attempt=0, step=1, seconds=1.0),
+        ev(K.WORKER_EXIT, 5.0, attempt=0, node="b", exit_code=1),
+        ev(K.RUN_END, 5.5, node="b", exit_code=1),  # node b is gone for good
+        ev(K.RESTART, 5.6, attempt=1, node="a", cause="failed"),
+        ev(K.SCALE, 5.7, node="a", old_world_size=8, new_world_size=4),
+        ev(K.ATTEMPT_START, 6.0, attempt=1, node="a", world_size=4),
+        ev(K.STEP, 8.0, attempt=1, step=2, seconds=1.0),
+    ]
+    rep = compute_report(evs, now=9.0)
+    assert rep.in_progress and rep.sessions == 1 and rep.wall_seconds == 9.0
+    assert [a.world_size for a in rep.attempts] == [8, 4]
+    assert rep.attempts[0].start == 0.0 and rep.attempts[1].start == 6.0
+    assert rep.disruptions == 1 and rep.restarts == 1
+    assert_adds_up(rep)
+    done = compute_report([*evs, ev(K.RUN_END, 9.0, node="a", exit_code=0)])
+    assert not done.in_progress and done.attempts[-1].end_reason == "completed"
+
+
 def test_empty_ledger(tmp_path):
     with pytest.raises(EmptyLedgerError):
         report_for_run(tmp_path)
