@@ -205,7 +205,7 @@ def peer_worker(total_mb: int, work: Path) -> None:
     if rank == 1:
         assert res is not None and res.tier == "peer", res
         (work / "peer.json").write_text(json.dumps({"bytes": nbytes, "raw_gloo_s": raw, "restore_s": restore,
-                                                    "throughput_ratio": raw / restore}))
+                                                    "throughput_ratio": raw / restore, "phases": res.phases}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -135,6 +135,7 @@ class RestoreResult:
     seconds: float
     bytes: int
     sources: dict[str, str] = field(default_factory=dict)  # file name -> tier that served it
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (scan, verify, fetch, load)
 
 
 @runtime_checkable

@@ -40,7 +40,7 @@ from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_state
                                         set_path)
 from resilient.checkpoint.tiers import (DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
                                         retry, verify_bytes, verify_file)
-from resilient.checkpoint.memfs import MemoryFS
+from resilient.checkpoint.reader import FastReader
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
@@ -850,6 +850,8 @@ class CheckpointManager:
         per_rank_keys = set(manifests[0].per_rank_keys)
 
         # 2. verified local copies (local dir, partner replica, earlier fetch)
+        phases = {"manifests": time.perf_counter() - t0}
+        t_phase = time.perf_counter()
         have: dict[str, tuple[str, Path]] = {}
         for tier_name, d in self._local_copies(step):
             for n, fe in files.items():
@@ -860,7 +862,9 @@ class CheckpointManager:
                     have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
                 except CorruptFileError as e:
                     logger.warning("rank %d: %s copy of step %d skipped: %s", self.rank, tier_name, step, e)
+        phases["verify_local"] = time.perf_counter() - t_phase
         everyone = self._gather(sorted(have), self._pg)
+        t_phase = time.perf_counter()
 
         # 3. plan: missing files come from another rank that has them, else from the persistent tier
         transfers: list[Transfer] = []
@@ -930,6 +934,8 @@ class CheckpointManager:
             logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
         if not self._all(ok):
             return None
+        phases["fetch"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
 
         # 5. a plain DCP directory of links to the verified files (plus the in-memory ones); load it on
         # this rank alone
@@ -945,10 +951,13 @@ class CheckpointManager:
             mem.clear()
             shutil.rmtree(view, ignore_errors=True)
             _rmdir_quiet(view.parent)
+        phases["load"] = time.perf_counter() - t_phase
         used = {sources[n] for n in files}
         tier = max(used, key=lambda t: [x.value for x in TIER_ORDER].index(t)) if used else None
         nbytes = sum(fe.size for fe in files.values())
-        res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes, sources=sources)
+        res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes, sources=sources,
+                            phases=phases)
+        logger.debug("rank %d restore of step %d phases: %s", self.rank, step, phases)
         self._gather(None, self._pg)  # everyone loaded before fetched copies go
         shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
         _rmdir_quiet(self._scratch / ".fetch")
@@ -959,9 +968,7 @@ class CheckpointManager:
 
     def _load(self, step: int, state: Mapping[str, Any], view: Path, per_rank_keys: set[str],
               world_old: int, mem: dict[str, Any] | None = None) -> None:
-        reader = FileSystemReader(view)
-        if mem:
-            reader.fs = MemoryFS(mem)
+        reader = FastReader(view, mem)
         md = reader.read_metadata().state_dict_metadata
         plain = plain_state(state)
         leaves = flatten(plain)
@@ -1008,6 +1015,8 @@ class CheckpointManager:
                                 not any(k == f or k.startswith(f + ".") for f in known))
             raise CheckpointMismatchError(step, sorted(missing), unexpected, shape_mismatch)
         _quiet(dcp.load, load_sd, storage_reader=reader, no_dist=True)
+        logger.debug("step %d: %d items read directly, %d through torch.load", step, reader.fast_items,
+                     reader.slow_items)
         for fqn, (path, v) in leaves.items():
             if fqn in expand:
                 prefix = key_of[fqn] + "."

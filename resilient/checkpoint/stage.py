@@ -97,12 +97,10 @@ class Stager:
 
     def _buffer(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(fqn)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride():
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            # contiguous whatever the source layout: copy_ handles strides, and restore reads it faster
             pin = t.device.type == "cuda" and torch.cuda.is_available()
-            if t.is_contiguous() or not t.is_non_overlapping_and_dense():
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            else:
-                buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[fqn] = buf
         return buf
 

@@ -215,3 +215,24 @@ def test_auto_interval_without_tuner_falls_back(tmp_path: Path, monkeypatch: pyt
     saved = [s for s in range(25) if ck.save(s, {"t": torch.ones(2)})]
     ck.close()
     assert saved == [9, 19]
+
+
+def test_fast_reader_reads_plain_dcp_checkpoints(tmp_path: Path) -> None:
+    """The direct read path takes whole contiguous tensors, DCP's path the rest; same values either way."""
+    from resilient.checkpoint.reader import FastReader
+
+    src = {"a": torch.randn(300, 7), "b": torch.arange(10, dtype=torch.int16), "obj": {"x": [1, 2]},
+           "bf": torch.randn(33).to(torch.bfloat16)}
+    dcp.save(src, checkpoint_id=str(tmp_path), no_dist=True)
+    dst = {"a": torch.zeros(7, 300).t(), "b": torch.zeros(10, dtype=torch.int16), "obj": {"x": []},
+           "bf": torch.zeros(33, dtype=torch.bfloat16)}
+    reader = FastReader(tmp_path)
+    dcp.load(dst, storage_reader=reader, no_dist=True)
+    assert torch.equal(dst["a"], src["a"]) and torch.equal(dst["b"], src["b"]) and torch.equal(dst["bf"], src["bf"])
+    assert dst["obj"] == {"x": [1, 2]}
+    assert reader.fast_items == 2  # b and bf; a's target is transposed, obj is bytes
+    mem = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    dst2 = {"a": torch.zeros(300, 7)}
+    reader = FastReader(tmp_path / "nowhere", mem)  # everything from memory
+    dcp.load(dst2, storage_reader=reader, no_dist=True)
+    assert torch.equal(dst2["a"], src["a"]) and reader.fast_items == 1
