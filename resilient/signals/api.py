@@ -24,9 +24,11 @@ class MonitorConfig:
     # Everything below has a default, so ``MonitorConfig(socket_path=...)`` stays valid.
     # Learned timeouts (heartbeat_timeout None, or sections without their own): safety factor × the
     # longest gap observed so far, never below ``min_learned_timeout``; ``initial_timeout`` until
-    # ``learn_after`` gaps have been seen (nvidia-resiliency-ext uses 5×).
+    # ``learn_after`` gaps have been seen (nvidia-resiliency-ext uses 5×). Learning happens online, so a
+    # rare long step (an unwrapped blocking save) can exceed it: the floor is generous, and each hang
+    # declared on a learned timeout doubles the learned timeouts, so a false alarm cannot repeat forever.
     learn_factor: float = 5.0
-    min_learned_timeout: float = 2.0
+    min_learned_timeout: float = 10.0
     learn_after: int = 3
     # Straggler scores (1.0 = as fast as the reference): "peers" compares a rank's median own-work
     # time with the fastest local rank's, "history" with the rank's own best median.

@@ -11,7 +11,8 @@ Hang rule, per local rank:
   that never imports ``resilient`` is never called hung;
 * inside a ``section``: section start + its timeout (given, else learned for that section name);
 * otherwise: last message + the heartbeat timeout (given, else learned: ``learn_factor`` × the longest
-  out-of-section gap seen, ``initial_timeout`` until ``learn_after`` gaps were seen);
+  out-of-section gap seen, at least ``min_learned_timeout``, ``initial_timeout`` until ``learn_after``
+  gaps were seen; doubled after every hang declared on a learned timeout);
 * after ``steps()`` finished: not watched (outside sections).
 
 Hangs are reported once per attempt, when the first deadline passes, with one HANG per rank that is
@@ -119,6 +120,7 @@ class SocketNodeMonitor:
         self._max_gap = 0.0
         self._gaps = 0
         self._section_max: dict[str, float] = {}
+        self._backoff = 1.0  # ×2 per hang declared on a learned timeout
 
         self._straggler = StragglerScorer(StragglerConfig(
             threshold=config.straggler_threshold, history_threshold=config.straggler_history_threshold,
@@ -227,8 +229,11 @@ class SocketNodeMonitor:
         if self.config.heartbeat_timeout is not None:
             return self.config.heartbeat_timeout, "configured"
         if self._gaps >= self.config.learn_after:
-            return max(self.config.min_learned_timeout, self.config.learn_factor * self._max_gap), "learned"
+            return self._learned(self._max_gap), "learned"
         return self.config.initial_timeout, "initial"
+
+    def _learned(self, longest: float) -> float:
+        return self._backoff * max(self.config.min_learned_timeout, self.config.learn_factor * longest)
 
     def straggler_scores(self) -> dict[int, tuple[float, float]]:
         """global rank → (peers score, history score) over the current windows."""
@@ -377,7 +382,7 @@ class SocketNodeMonitor:
             learned = self._section_max.get(name)
             if learned is None:
                 return start + cfg.initial_timeout, cfg.initial_timeout, f"section:{name}:initial"
-            t = max(cfg.min_learned_timeout, cfg.learn_factor * learned)
+            t = self._learned(learned)
             return start + t, t, f"section:{name}:learned"
         if r.done:
             return None
@@ -406,6 +411,11 @@ class SocketNodeMonitor:
         else:
             low = min(x[0].step for x in stalled)
             suspects = {x[0].local_rank for x in stalled if x[0].step == low}
+        if any(x[4].endswith("learned") for x in stalled):
+            # maybe a long step rather than a hang: if so, the next attempt must not trip on it again
+            self._backoff *= 2
+            logger.warning("hang declared on a learned timeout: learned timeouts doubled (×%g) from now on",
+                           self._backoff)
         # suspects first: an agent may act on the first HANG and not read the rest
         stalled.sort(key=lambda x: (x[0].local_rank not in suspects, x[0].local_rank))
         out = []

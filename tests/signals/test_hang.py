@@ -85,6 +85,9 @@ def test_learned_timeout_detects_a_stop(make_agent, tmp_path):
     evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
     (h,) = kinds(evs, EventKind.HANG)
     assert h.details["timeout_source"] == "learned" and h.details["process_state"] == "T"
+    assert h.details["timeout"] == timeout
+    # a hang on a learned timeout may have been a long step: the next attempt waits twice as long
+    assert a.monitor.heartbeat_timeout() == (2 * timeout, "learned")
 
 
 @pytest.mark.timeout(60)
