@@ -121,8 +121,8 @@ class IntervalTuner:
         step = self.step_seconds()
         if opt is None or step is None:
             return self.min_steps
-        raw = opt / step if step > 0 else float(self.max_steps)
-        target = int(min(self.max_steps, max(self.min_steps, round(raw))))
+        raw = opt / step if step > 0 else math.inf
+        target = int(round(min(float(self.max_steps), max(float(self.min_steps), raw))))
         cur = self._current
         if cur is None or abs(target - cur) > self.hysteresis * cur or target in (self.min_steps, self.max_steps):
             self._current = target

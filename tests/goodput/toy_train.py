@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import resilient
 from resilient.events import EventKind, Ledger
 
 
@@ -41,7 +42,10 @@ def main() -> None:
             ledger.emit(EventKind.CKPT_RESTORE, rank=rank, step=state["step"], tier="local",
                         seconds=time.perf_counter() - t, bytes=ckpt.stat().st_size)
     a = torch.randn(128, 128)
-    for step in range(start, steps):
+    # resilient.steps writes rank 0's STEP events (the real producer); TOY_OWN_STEPS=1 writes them here
+    own_steps = os.environ.get("TOY_OWN_STEPS") == "1"
+    loop = range(start, steps) if own_steps else resilient.steps(start, steps)
+    for step in loop:
         t = time.perf_counter()
         if rank == 1 and attempt == 0 and step == crash_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -61,7 +65,7 @@ def main() -> None:
             ledger.emit(EventKind.CKPT_TIER_DONE, rank=rank, step=step, tier="local", seconds=blocking,
                         bytes=ckpt.stat().st_size)
         dist.barrier()
-        if ledger:
+        if ledger and own_steps:
             ledger.emit(EventKind.STEP, rank=rank, step=step, seconds=time.perf_counter() - t)
         if wait_file and step + 1 == wait_after and attempt == 0:
             if rank == 0:
