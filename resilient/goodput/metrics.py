@@ -35,8 +35,14 @@ PREFIX = "resilient"
 class LedgerCollector(Collector):
     """Turns the ledger into metric families; every scrape reads what was appended since the last."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]):
+    def __init__(self, run_dir: str | os.PathLike[str], *, max_cpu_share: float = 0.05):
         self.run_dir = str(run_dir)
+        # the report is recomputed from all events; on a long run that costs ~1 s per 100k steps, and node 0's
+        # agent shares the CPU with training: reuse the last report while recomputing would exceed this share
+        self.max_cpu_share = max_cpu_share
+        self._report: Any = None
+        self._report_at = 0.0
+        self._report_cost = 0.0
         self._tail = LedgerTail(run_dir)
         self._events: list[Event] = []
         self._lock = threading.Lock()
@@ -74,11 +80,16 @@ class LedgerCollector(Collector):
         yield ev_total
         if not self._events:
             return
-        try:
-            rep = compute_report(self._events, now=now)
-        except GoodputError as e:
-            logger.debug("no goodput yet: %s", e)
-            return
+        rep = self._report
+        cheap = self._report_cost < 0.05
+        if rep is None or cheap or now - self._report_at >= self._report_cost / self.max_cpu_share:
+            t = time.perf_counter()
+            try:
+                rep = compute_report(self._events, now=now)
+            except GoodputError as e:
+                logger.debug("no goodput yet: %s", e)
+                return
+            self._report, self._report_at, self._report_cost = rep, now, time.perf_counter() - t
         yield _gauge(f"{p}_goodput_ratio", "Productive time / wall time of the run so far (0..1)", rep.goodput)
         yield _gauge(f"{p}_wall_seconds", "Wall time of the run so far", rep.wall_seconds)
         yield _gauge(f"{p}_productive_seconds", "Productive training time so far", rep.productive_seconds)
