@@ -252,7 +252,7 @@ def ledgers(draw):
             K.RUN_END: {"exit_code": draw(st.sampled_from([0, 1]))},
             K.ATTEMPT_START: {"world_size": draw(st.integers(1, 8))},
         }.get(kind, {})
-        out.append(ev(kind, wall, attempt=attempt, details=details))
+        out.append(ev(kind, wall, attempt=attempt, node=draw(st.sampled_from(["a", "b"])), details=details))
     return out
 
 
