@@ -49,6 +49,7 @@ Relation to ml-goodput-measurement (Google's JAX/TPU library), which this follow
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -211,7 +212,7 @@ def _attempts(session: int, evs: list[Event]) -> list[_Attempt]:
             owner = by_num.get(ev.attempt)
         if owner is None:
             # the latest attempt spawned at or before this event
-            i = max(0, _bisect_right(begins, ev.wall) - 1)
+            i = max(0, bisect.bisect_right(begins, ev.wall) - 1)
             owner = ordered[i]
         owner.events.append(ev)
         if ev.kind is EventKind.STEP:
@@ -223,12 +224,6 @@ def _attempts(session: int, evs: list[Event]) -> list[_Attempt]:
             if isinstance(ws, int) and target is not None and target.world_size is None:
                 target.world_size = ws
     return ordered
-
-
-def _bisect_right(xs: list[float], x: float) -> int:
-    import bisect
-
-    return bisect.bisect_right(xs, x)
 
 
 def compute_report(events: Iterable[Event], *, now: float | None = None,
@@ -387,7 +382,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
     for seg in segments:
         totals[seg.category].append(seg.seconds)
         if cut_walls:
-            i = max(0, _bisect_right(cut_walls, seg.start) - 1)
+            i = max(0, bisect.bisect_right(cut_walls, seg.start) - 1)
             per_attempt[starts_sorted[i]][seg.category].append(seg.seconds)
     # time between sessions is cut at the next session's start; give it to the earlier session's last attempt
     for idx, (_, rep) in enumerate(attempt_cuts):
