@@ -61,14 +61,15 @@ class HostChecks:
         self._bad: set[str] = set()
         self._gpu = _Nvml()
 
-    def _transition(self, check: str, bad: bool, kind: EventKind, **details: Any) -> list[Event]:
-        if bad and check not in self._bad:
-            self._bad.add(check)
-            logger.warning("%s: %s unhealthy: %s", kind.value, check, details)
-            return [self._event(kind, check=check, **details)]
-        if not bad and check in self._bad:
-            self._bad.discard(check)
-            logger.info("%s healthy again", check)
+    def _transition(self, key: str, bad: bool, kind: EventKind, **details: Any) -> list[Event]:
+        """``key`` names the check's state (one per GPU and metric); ``details`` go into the event."""
+        if bad and key not in self._bad:
+            self._bad.add(key)
+            logger.warning("%s: %s unhealthy: %s", kind.value, key, details)
+            return [self._event(kind, **details)]
+        if not bad and key in self._bad:
+            self._bad.discard(key)
+            logger.info("%s healthy again", key)
         return []
 
     def run(self) -> list[Event]:
@@ -77,7 +78,7 @@ class HostChecks:
         out: list[Event] = []
         mem = psutil.virtual_memory()
         out += self._transition("memory", mem.percent >= self.config.memory_threshold, EventKind.HOST_UNHEALTHY,
-                                value=mem.percent, threshold=self.config.memory_threshold,
+                                check="memory", value=mem.percent, threshold=self.config.memory_threshold,
                                 available_bytes=mem.available)
         if self.config.ckpt_local:
             d = _existing_dir(self.config.ckpt_local)
@@ -85,7 +86,7 @@ class HostChecks:
                 du = shutil.disk_usage(d)
                 need = min(self.config.disk_min_free_bytes, int(self.config.disk_min_free_fraction * du.total))
                 out += self._transition("disk_free", du.free < need, EventKind.HOST_UNHEALTHY,
-                                        value=du.free, threshold=need, path=self.config.ckpt_local,
+                                        check="disk_free", value=du.free, threshold=need, path=self.config.ckpt_local,
                                         total_bytes=du.total)
         for index, check, value, bad in self._gpu.checks(self.config.gpu_temperature_threshold):
             out += self._transition(f"gpu{index}:{check}", bad, EventKind.GPU_UNHEALTHY,
