@@ -356,7 +356,8 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
     clock = _clock
     assert clock is not None
     ledger = c.ledger
-    recorded_world = ledger is None
+    # local rank 0 of every node records the world, so each node's run dir has it (see scale.py)
+    recorded_world = c.local_rank != 0 or c.run_dir is None
     c.hello(start)
     last = start - 1
     t_prev = -1.0
@@ -372,9 +373,9 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
                 c.step(s, secs, compute)
                 if ledger is not None:
                     c.record_step(last, secs, compute)
-                    if not recorded_world:
-                        recorded_world = True
-                        _record_world(c, dp)
+                if not recorded_world:
+                    recorded_world = True
+                    _record_world(c, dp)
             last = s
             t_prev = _perf()  # our own send/ledger cost is not charged to the step
             yield s
@@ -384,8 +385,8 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
             c.step(last + 1, secs, compute)
             if ledger is not None:
                 c.record_step(last, secs, compute)
-                if not recorded_world:
-                    _record_world(c, dp)
+            if not recorded_world:
+                _record_world(c, dp)
     finally:
         c.done(last)
         _uninstall_timers()

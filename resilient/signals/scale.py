@@ -1,11 +1,15 @@
 """World-size record: how ``on_scale`` callbacks learn that the world changed between attempts.
 
-Global rank 0 writes ``RUN_DIR/world.json`` (world size, data-parallel size, attempt) once the first step of
-an attempt has completed; by then every rank of that attempt has passed the start of ``steps()``, where
-each rank reads the record and, when its own world differs, calls the registered callbacks before the
-first step. Writing only after a completed step is what keeps a slow-starting rank from reading its own
-attempt's record. The launcher or supervisor needs nothing else; it may call :func:`record_world` itself to
-state the "old" world explicitly (for example before relaunching with fewer nodes when no step completed).
+Local rank 0 of every node writes ``RUN_DIR/world.json`` (world size, data-parallel size, attempt) once the
+first step of an attempt has completed; by then every rank of that attempt has passed the start of
+``steps()`` (a synchronous step includes a collective), where each rank reads the record and, when its own
+world differs, calls the registered callbacks before the first step. Writing only after a completed step is
+what keeps a slow-starting rank from reading its own attempt's record; writing on every node is what gives
+each node's run directory (shared or not) the record.
+
+The launcher needs nothing else for nodes that trained before. A node that did not (a hot spare joining
+the job) has no record: the supervisor/agent calls :func:`record_world` with the *previous* world on that
+node's run directory before spawning its workers, so its ranks call the callbacks like everyone else.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +57,7 @@ def record_world(run_dir: str | os.PathLike[str], world_size: int, dp_size: int 
     rec = WorldRecord(world_size=world_size, dp_size=world_size if dp_size is None else dp_size,
                       attempt=attempt, wall=time.time())
     path = Path(run_dir) / WORLD_RECORD
-    tmp = path.with_name(f".{WORLD_RECORD}.{os.getpid()}.tmp")
+    # unique per writer: nodes sharing one run directory may write at the same moment
+    tmp = path.with_name(f".{WORLD_RECORD}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(asdict(rec)))
     os.replace(tmp, path)
