@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 off += g.numel()
         optim.step()
         ck.save(step, state)
+        if armed and point == "mid_upload" and step == fstep:
+            ck.wait()  # uploads trail training; wait here so the kill lands before later steps are saved
         if armed and point in ("between", "wipe") and step == fstep:
             ck.wait()  # the save of this step is committed (and uploaded); die before the next one
             if point == "wipe" and ck.local is not None:

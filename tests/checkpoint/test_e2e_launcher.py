@@ -67,6 +67,7 @@ def test_kill_mid_upload_then_lost_local_disk_restores_from_gcs(tmp_path: Path, 
                       [*STEPS, "--out", str(tmp_path / "out")],
                       {**gcs.env(), "CKPT_TRAIN_FAULT": "mid_upload:7,wipe:11"})
     assert r.returncode == 0, r.stderr[-4000:]
+    assert (tmp_path / "out" / "fault-done-0").exists() and (tmp_path / "out" / "fault-done-1").exists()
     assert_bit_exact(uninterrupted, final(tmp_path / "out", 2))
     got = restores(tmp_path / "run")
     last = [d for d in got if d["step"] == 11]
