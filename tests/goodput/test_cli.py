@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from resilient.events import read_events
 from resilient.goodput.api import CATEGORIES
 from resilient.goodput.calculator import report_for_run
+from tests.goodput.conftest import finish, kill_group
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,3 +72,29 @@ def test_report_mid_run_with_a_truncated_last_line(crashed_run, tmp_path):
 def test_missing_run_dir_is_a_clear_error(tmp_path):
     res = run_cli(str(tmp_path / "nope"))
     assert res.returncode == 2 and "no ledger" in res.stderr
+
+
+def test_report_of_a_run_with_the_real_checkpointer(tmp_path):
+    """resilient.steps + CheckpointManager under resilient-run, rank 1 SIGKILLed: the report must agree with
+    what the checkpointer says it restored."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, CRASH_AT="17", STEPS="30")
+    proc = subprocess.Popen([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "1", "--run-dir", str(run_dir), "--ckpt-local", str(run_dir / "ckpt"),
+                             "--ckpt-interval", "5", str(Path(__file__).parent / "ckpt_train.py")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out = finish(proc)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out
+    restored = [e for e in read_events(run_dir) if e.kind.value == "ckpt_restore"]
+    assert restored, "the checkpointer did not restore after the restart"
+    r_step = int(restored[0].details["step"])
+    rep = report_for_run(run_dir)
+    assert rep.disruptions == 1 and rep.restarts == 1 and not rep.in_progress
+    a0, a1 = rep.attempts
+    assert a0.last_step in (15, 16) and a1.first_step == r_step + 1 and a1.last_step == 29  # killed at 17
+    assert rep.steps_redone == a0.last_step - r_step
+    assert rep.badput_seconds["checkpoint_restore"] > 0 and rep.badput_seconds["checkpoint_save_stall"] > 0
+    assert rep.productive_seconds + rep.badput_total_seconds == pytest.approx(rep.wall_seconds)
