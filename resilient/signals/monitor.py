@@ -6,8 +6,8 @@ hang deadline falls, so a missed heartbeat is reported at the deadline, not a po
 
 Hang rule, per local rank:
 
-* before its first message: ``attempt start + initial_timeout`` — armed only once the job is known to use
-  the worker client (some rank of this node has said hello in this or an earlier attempt), so a script
+* before its first message: ``attempt start + initial_timeout`` (or ``learn_factor`` × the longest start-up
+  seen, if longer) — armed only once the job is known to use the worker client (some rank of this node has said hello in this or an earlier attempt), so a script
   that never imports ``resilient`` is never called hung;
 * inside a ``section``: section start + its timeout (given, else learned for that section name);
 * otherwise: last message + the heartbeat timeout (given, else learned: ``learn_factor`` × the longest
@@ -121,6 +121,7 @@ class SocketNodeMonitor:
         self._gaps = 0
         self._section_max: dict[str, float] = {}
         self._backoff = 1.0  # ×2 per hang declared on a learned timeout
+        self._max_startup = 0.0  # longest spawn → first message seen: a slow restore must not trip later attempts
 
         self._straggler = StragglerScorer(StragglerConfig(
             threshold=config.straggler_threshold, history_threshold=config.straggler_history_threshold,
@@ -325,7 +326,9 @@ class SocketNodeMonitor:
         if r is None:
             return []
         out: list[Event] = []
-        if r.last_seen is not None and not r.sections and not r.done:
+        if r.last_seen is None:
+            self._max_startup = max(self._max_startup, now - self._attempt_t0)
+        elif not r.sections and not r.done:
             gap = now - r.last_seen
             self._gaps += 1
             if gap > self._max_gap:
@@ -374,7 +377,8 @@ class SocketNodeMonitor:
         if r.last_seen is None:
             if not self._client_seen:
                 return None
-            return self._attempt_t0 + cfg.initial_timeout, cfg.initial_timeout, "initial"
+            t = max(cfg.initial_timeout, cfg.learn_factor * self._max_startup)
+            return self._attempt_t0 + t, t, "initial"
         if r.sections:
             name, start, timeout = r.sections[-1]
             if timeout is not None:
