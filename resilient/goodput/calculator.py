@@ -400,7 +400,9 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
     productive = math.fsum(totals.get(PRODUCTIVE, []))
     badput = {c: math.fsum(totals.get(c, [])) for c in CATEGORIES}
     goodput = min(1.0, max(0.0, productive / wall)) if wall > 0 else 0.0
-    restarts = len({(e.attempt, e.details.get("attempt")) for e in evs if e.kind is EventKind.RESTART})
+    # every node may report the same restart: count each (launch, new attempt) once
+    restarts = len({(si, e.attempt, e.details.get("attempt")) for si, sev in enumerate(sessions) for e in sev
+                    if e.kind is EventKind.RESTART})
     kept_steps = [e for e in steps_all if id(e) not in redone]
     return GoodputReport(
         goodput=goodput, wall_seconds=wall, productive_seconds=productive, badput_seconds=badput,
