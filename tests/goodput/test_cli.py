@@ -14,7 +14,7 @@ import pytest
 from resilient.events import read_events
 from resilient.goodput.api import CATEGORIES
 from resilient.goodput.calculator import report_for_run
-from tests.goodput.conftest import finish, kill_group
+from tests.goodput.conftest import finish, kill_group, launch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,4 +97,27 @@ def test_report_of_a_run_with_the_real_checkpointer(tmp_path):
     assert a0.last_step in (15, 16) and a1.first_step == r_step + 1 and a1.last_step == 29  # killed at 17
     assert rep.steps_redone == a0.last_step - r_step
     assert rep.badput_seconds["checkpoint_restore"] > 0 and rep.badput_seconds["checkpoint_save_stall"] > 0
+    assert rep.productive_seconds + rep.badput_total_seconds == pytest.approx(rep.wall_seconds)
+
+
+def test_report_of_a_real_hang(tmp_path):
+    """Rank 1 SIGSTOPs itself: the agent's hang detector fires, the job restarts; the silent time is detection."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, steps=20, save_every=5, extra_args=("--heartbeat-timeout", "2"),
+                  extra_env={"TOY_STOP_AT": "12"})
+    try:
+        out = finish(proc)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out
+    evs = list(read_events(run_dir))
+    hang = next(e for e in evs if e.kind.value == "hang")
+    rep = report_for_run(run_dir)
+    a0 = rep.attempts[0]
+    assert a0.end_reason == "fault:hang" and rep.disruptions == 1 and rep.restarts == 1
+    assert a0.detect_wall == pytest.approx(hang.wall)
+    assert rep.badput_seconds["detection"] == pytest.approx(a0.detect_wall - a0.fault_wall)
+    assert a0.detect_wall - a0.fault_wall <= hang.details["last_heartbeat_age"] + 1e-5  # wall-clock float precision
+    assert rep.badput_seconds["detection"] > 0
+    assert rep.attempts[1].first_step == 10 and rep.attempts[1].last_step == 19
     assert rep.productive_seconds + rep.badput_total_seconds == pytest.approx(rep.wall_seconds)

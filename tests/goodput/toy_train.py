@@ -2,7 +2,7 @@
 
 Runs under ``resilient-run`` or with the launcher's environment set by a test. Settings (environment):
 TOY_STEPS total steps; TOY_SAVE_EVERY save interval; TOY_CRASH_AT step at which rank 1 SIGKILLs itself
-in attempt 0; TOY_WAIT_FILE: after TOY_WAIT_AFTER steps rank 0 waits (at most 60 s) for this file to exist,
+in attempt 0; TOY_STOP_AT: the same with SIGSTOP (a hang); TOY_WAIT_FILE: after TOY_WAIT_AFTER steps rank 0 waits (at most 60 s) for this file to exist,
 so a test can look at the run while it is alive; TOY_READY_FILE is created then.
 """
 
@@ -27,6 +27,7 @@ def main() -> None:
     steps = int(os.environ.get("TOY_STEPS", "30"))
     save_every = int(os.environ.get("TOY_SAVE_EVERY", "5"))
     crash_at = int(os.environ.get("TOY_CRASH_AT", "-1"))
+    stop_at = int(os.environ.get("TOY_STOP_AT", "-1"))
     wait_file = os.environ.get("TOY_WAIT_FILE")
     wait_after = int(os.environ.get("TOY_WAIT_AFTER", "5"))
     ledger = Ledger.from_env() if rank == 0 else None
@@ -49,6 +50,8 @@ def main() -> None:
         t = time.perf_counter()
         if rank == 1 and attempt == 0 and step == crash_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1 and attempt == 0 and step == stop_at:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a hang: alive, silent, holding its peers in the collective
         for _ in range(20):
             a = torch.tanh(a @ a.T / 128)
         g = torch.ones(64) * (step + 1)
