@@ -92,7 +92,8 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
             ax_step.plot(xs, [ymax * 0.8] * len(xs), marker, color=color, ms=8, label=kind.value)
     ax_step.set_ylim(0, ymax * (1.0 + 0.07 * (len(tiers) + 1.5)))
     ax_step.set_ylabel("step time (s)")
-    ax_step.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if ax_step.get_legend_handles_labels()[0]:
+        ax_step.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax_step.grid(alpha=0.3)
 
     # 3: progress (step number) and world size

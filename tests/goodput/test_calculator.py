@@ -265,3 +265,13 @@ def test_property_categories_sum_to_wall(events, now):
     segs = rep.timeline
     assert all(s.end > s.start for s in segs)
     assert all(a.end == b.start for a, b in zip(segs, segs[1:]))
+
+
+@pytest.mark.parametrize("events", [crash_run(), steady_run()[:2], [ev(K.STEP, 5.0, step=0, seconds=1.0)]],
+                         ids=["crash", "no-steps", "steps-only"])
+def test_plot_any_ledger(tmp_path, events):
+    from resilient.goodput.plot import plot_timeline
+
+    rep = compute_report(events, now=20.0)
+    plot_timeline(events, rep, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
