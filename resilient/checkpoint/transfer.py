@@ -42,24 +42,29 @@ def _chunks(files: Sequence[FileSpec]) -> list[tuple[int, int, int]]:
 
 
 class _Reader:
+    """Reads pieces of files into one reused buffer: each piece is sent before the next is read."""
+
     def __init__(self, paths: Sequence[str | os.PathLike[str]]):
         self._paths = list(paths)
         self._open: dict[int, Any] = {}
+        self._buf = bytearray(0)
 
     def read(self, i: int, off: int, n: int) -> torch.Tensor:
         f = self._open.get(i)
         if f is None:
             f = self._open[i] = open(self._paths[i], "rb", buffering=0)
-        buf = bytearray(n)
+        if len(self._buf) < n:
+            self._buf = bytearray(max(n, min(CHUNK, 1 << 20)))
+        buf = self._buf
         f.seek(off)
-        view = memoryview(buf)
+        view = memoryview(buf)[:n]
         got = 0
         while got < n:
             k = f.readinto(view[got:])
             if not k:
                 raise OSError(f"{self._paths[i]}: file shorter than announced ({off + got} < {off + n})")
             got += k
-        return torch.frombuffer(buf, dtype=torch.uint8)
+        return torch.frombuffer(buf, dtype=torch.uint8)[:n]
 
     def close(self) -> None:
         for f in self._open.values():

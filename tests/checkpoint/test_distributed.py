@@ -97,3 +97,29 @@ def test_three_nodes_one_wiped_bit_exact(tmp_path: Path, workers: Workers) -> No
     res = final(tmp_path / "out", 3)
     assert [r["restore"]["step"] for r in res] == [7, 7, 7]
     assert_bit_exact(final(ref / "out", 3), res)
+
+
+@pytest.mark.timeout(150)
+def test_restore_onto_other_world_sizes(tmp_path: Path, workers: Workers) -> None:
+    """A 2-rank checkpoint restores into one process without a process group, and into 3 ranks (DCP
+    reshards replicated tensors; a per-rank value missing for the new rank 2 falls back to the shared one)."""
+    from resilient.checkpoint.manager import CheckpointManager
+
+    args = ["--steps", "8", "--interval", "4", "--local", str(tmp_path / "ckpt")]
+    ok(workers.run(TRAIN, [*args, "--out", str(tmp_path / "two")], 2))
+    two = final(tmp_path / "two", 2)
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = CheckpointManager(local=tmp_path / "ckpt", interval=4)
+    assert ck.restore({"model": model, "optim": optim}) == 8
+    ck.close()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, two[0]["model"][k]), k  # rank 0's view, per-rank BN statistics included
+
+    ok(workers.run(TRAIN, [*args[:1], "9", *args[2:], "--out", str(tmp_path / "three")], 3))
+    three = final(tmp_path / "three", 3)
+    assert [r["restore"]["step"] for r in three] == [7, 7, 7]
+    assert all(r["start"] == 8 for r in three)
