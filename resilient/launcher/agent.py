@@ -393,13 +393,16 @@ class Agent:
                     if not self.streams.pump(key.fd):
                         self.sel.unregister(key.fd)
             if self.monitor is not None:
+                hung = False
                 for ev in self.monitor.tick(time.monotonic()):
-                    self.ledger.write(ev)
+                    self.ledger.write(ev)  # every event of the tick: the suspect comes first, the rest matter too
                     if ev.kind == EventKind.HANG:
                         logger.error("rank %s hung: %s", ev.rank, ev.details)
-                        if multi:
-                            self.store.set(fail_key, f"{self.group_rank}:hang")
-                        return Outcome.HUNG
+                        hung = True
+                if hung:
+                    if multi:
+                        self.store.set(fail_key, f"{self.group_rank}:hang")
+                    return Outcome.HUNG
             if multi and self.store.check([fail_key]):
                 return Outcome.PEER_FAILED
 

@@ -28,9 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     base = get_args_parser()
     # Same arguments, our error handling and program name.
+    # allow_abbrev=False: a script's own flag (``script.py --worker x``) must never be taken for a prefix of
+    # one of ours; everything after the script goes to the script, as with torchrun.
     parser = _Parser(prog="resilient-run", description="torchrun, with restarts that work, checkpoint tiers "
                      "and goodput accounting. Every torchrun flag is accepted.", parents=[base], add_help=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     g = parser.add_argument_group("resilient")
     g.add_argument("--run-dir", "--run_dir", default=None,
                    help="directory for the run's ledger (events.jsonl) and logs (default ./runs/<run id>)")
@@ -88,7 +90,12 @@ def _writable_dir(path: Path, flag: str) -> None:
 
 
 def parse(argv: list[str]) -> AgentConfig:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except LaunchError as e:
+        if "training_script" in str(e):
+            raise LaunchError("no training script given: resilient-run [flags] SCRIPT [ARGS...]") from None
+        raise
     if not args.training_script:
         raise LaunchError("no training script given: resilient-run [flags] SCRIPT [ARGS...]")
 

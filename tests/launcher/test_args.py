@@ -1,0 +1,56 @@
+"""Command-line parsing: torchrun's flags in both spellings, PET_* variables, script flags passed through."""
+import pytest
+
+from resilient.launcher.api import LaunchError, WorkerLaunchMethod
+from resilient.launcher.args import parse
+from tests.launcher.conftest import SCRIPTS
+
+SCRIPT = str(SCRIPTS / "dump_env.py")
+
+
+def test_script_flags_pass_through_even_when_they_look_like_ours(tmp_path):
+    cfg = parse(["--standalone", "--run-dir", str(tmp_path / "r"), SCRIPT, "--worker", "x", "--run-dir", "y", "-m"])
+    assert cfg.command.args == ("--worker", "x", "--run-dir", "y", "-m")
+    assert cfg.run_dir == str(tmp_path / "r")
+
+
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc_per_node"])
+def test_both_spellings(tmp_path, spelling):
+    cfg = parse([spelling, "3", "--max_restarts", "2", "--run_dir", str(tmp_path / "r"), "--ckpt_interval", "auto",
+                 SCRIPT])
+    assert (cfg.nproc_per_node, cfg.max_restarts, cfg.ckpt_interval) == (3, 2, "auto")
+
+
+def test_pet_environment_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
+    cfg = parse(["--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert (cfg.nproc_per_node, cfg.max_restarts) == (4, 7)
+
+
+def test_elastic_nnodes_and_rendezvous(tmp_path):
+    cfg = parse(["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29500", "--rdzv-id", "job7",
+                 "--rdzv-conf", "join_timeout=30,read_timeout=60", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv_endpoint, cfg.run_id) == (2, 4, "head:29500", "job7")
+    assert cfg.rdzv_configs == {"join_timeout": "30", "read_timeout": "60"}
+
+
+def test_standalone_defaults(tmp_path):
+    cfg = parse(["--standalone", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert (cfg.rdzv_backend, cfg.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert cfg.launch_method == WorkerLaunchMethod.FORK_SERVER
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--nnodes", "3:2", SCRIPT], "--nnodes"),
+    (["--nnodes", "x", SCRIPT], "--nnodes"),
+    (["--heartbeat-timeout", "0", SCRIPT], "--heartbeat-timeout"),
+    (["--ckpt-persistent-every", "0", SCRIPT], "--ckpt-persistent-every"),
+    (["--rdzv-conf", "novalue", SCRIPT], "--rdzv-conf"),
+    (["--no-python", "-m", "x"], "--no-python and -m"),
+    ([], "no training script"),
+])
+def test_rejections_name_the_problem(tmp_path, argv, needle):
+    with pytest.raises(LaunchError, match=needle.replace("-", r"\-")):
+        parse(["--run-dir", str(tmp_path / "r"), *argv])
+    assert not (tmp_path / "r").exists()
