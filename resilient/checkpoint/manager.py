@@ -103,6 +103,15 @@ class _SaveJob:
     ok: bool = False
 
 
+@dataclass
+class _LoadPlan:
+    plain: dict[str, Any]
+    leaves: dict[str, tuple[tuple[Any, ...], Any]]
+    load_sd: dict[str, Any]  # checkpoint key -> target (tensor loaded in place, or a placeholder)
+    key_of: dict[str, str]  # state fqn -> checkpoint key
+    expand: dict[str, list[str]]  # empty containers filled from the checkpoint's keys under them
+
+
 class _Interval:
     """When to save: a fixed number of steps, or ``auto`` from goodput's IntervalTuner on rank 0."""
 
@@ -849,37 +858,111 @@ class CheckpointManager:
             files.update(m.files)
         per_rank_keys = set(manifests[0].per_rank_keys)
 
-        # 2. verified local copies (local dir, partner replica, earlier fetch)
+        # 2. DCP's .metadata first: it says which files hold the keys this rank loads
         phases = {"manifests": time.perf_counter() - t0}
         t_phase = time.perf_counter()
+        got = self._assemble(step, {DCP_METADATA}, files, in_persistent)
+        if got is None:
+            return None
+        paths, mem, sources = got
+        md = pickle.loads(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes())
+        phases["metadata"] = time.perf_counter() - t_phase
+        error: CheckpointError | None = None
+        plan = None
+        try:
+            plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
+        except CheckpointError as e:
+            error = e
+        if not self._all(error is None):  # every rank stops here, none is left waiting in a collective
+            raise error or CheckpointError(f"checkpoint step {step} does not match another rank's state; "
+                                           "see that rank's error")
+        assert plan is not None
+        keys = set(plan.load_sd)
+        need = {DCP_METADATA} | {info.relative_path for idx, info in md.storage_data.items() if idx.fqn in keys}
+        missing = sorted(n for n in need if n not in files)
+        if not self._all(not missing):
+            logger.warning("step %d: .metadata names files no manifest lists (%s); trying an older step",
+                           step, missing[:5])
+            return None
+
+        # 3. the data files, from the fastest tier holding a verified copy
+        t_phase = time.perf_counter()
+        got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources))
+        if got is None:
+            return None
+        paths, mem, sources = got
+        phases["fetch"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+
+        # 4. a plain DCP directory of links to the verified files (plus the in-memory ones); load it on
+        # this rank alone
+        view = self._scratch / ".restore" / f"rank{self.rank}"
+        shutil.rmtree(view, ignore_errors=True)
+        view.mkdir(parents=True)
+        for n, p in paths.items():
+            if n not in mem:
+                os.symlink(os.path.abspath(p), view / n)
+        try:
+            reader = FastReader(view, mem)
+            _quiet(dcp.load, plan.load_sd, storage_reader=reader, no_dist=True)
+            logger.debug("step %d: %d items read directly, %d through torch.load", step, reader.fast_items,
+                         reader.slow_items)
+            self._finish_load(state, plan)
+        finally:
+            mem.clear()
+            shutil.rmtree(view, ignore_errors=True)
+            _rmdir_quiet(view.parent)
+        phases["load"] = time.perf_counter() - t_phase
+        used = {sources[n] for n in need}
+        tier = max(used, key=lambda t: [x.value for x in TIER_ORDER].index(t)) if used else None
+        nbytes = sum(files[n].size for n in need)
+        res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes,
+                            sources={n: sources[n] for n in need}, phases=phases)
+        logger.debug("rank %d restore of step %d phases: %s", self.rank, step, phases)
+        self._gather(None, self._pg)  # everyone loaded before fetched copies go
+        shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
+        _rmdir_quiet(self._scratch / ".fetch")
+        return res
+
+    def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
+                  have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None
+                  ) -> tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None:
+        """Collective: make every file in ``need`` (this rank's; others pass theirs) available here, verified.
+
+        Sources, fastest first: a verified copy on this node (local dir, partner replica), another rank's
+        verified copy over gloo, the persistent tier. Returns (paths on disk, bytes in memory, name ->
+        tier), or None on every rank if some rank could not get some file.
+        """
+        paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
+        needs = self._gather(sorted(need), self._pg)
+        wanted = set().union(*(set(n) for n in needs))
+        # verified copies on this node of anything some rank needs (a sender checks what it sends)
         have: dict[str, tuple[str, Path]] = {}
         for tier_name, d in self._local_copies(step):
-            for n, fe in files.items():
-                if n in have or not (d / n).exists():
+            for n in sorted(wanted):
+                if n in have or n in mem or not (d / n).exists():
                     continue
                 try:
-                    verify_file(d / n, fe)
+                    verify_file(d / n, files[n])
                     have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
                 except CorruptFileError as e:
                     logger.warning("rank %d: %s copy of step %d skipped: %s", self.rank, tier_name, step, e)
-        phases["verify_local"] = time.perf_counter() - t_phase
-        everyone = self._gather(sorted(have), self._pg)
-        t_phase = time.perf_counter()
+        for n, p in paths.items():
+            have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
+        everyone = self._gather(sorted(set(have) | set(mem)), self._pg)
 
-        # 3. plan: missing files come from another rank that has them, else from the persistent tier
         transfers: list[Transfer] = []
         downloads: list[str] = []
         load_count = [0] * self.world_size
         feasible = True
         for r in range(self.world_size):
             theirs = set(everyone[r])
-            for n in sorted(files):
+            for n in needs[r]:
                 if n in theirs:
                     continue
-                providers = [q for q in range(self.world_size) if n in everyone[q] and q != r]
+                providers = [q for q in range(self.world_size) if q != r and n in everyone[q]]
                 if providers:
-                    # nearest node first (a partner replica), then the least loaded sender
-                    q = min(providers, key=lambda q: (load_count[q], q))
+                    q = min(providers, key=lambda q: (load_count[q], q))  # the least loaded sender
                     load_count[q] += 1
                     transfers.append(Transfer(src=q, dst=r, name=n, size=files[n].size))
                 elif in_persistent:
@@ -890,19 +973,20 @@ class CheckpointManager:
         if not feasible:
             logger.warning("step %d: some files are on no tier; trying an older step", step)
             return None
+        for n in need:
+            if n in have:
+                sources.setdefault(n, have[n][0])
+                paths.setdefault(n, have[n][1])
 
-        # 4. move the bytes; fetched files stay in memory when they fit (verified there, loaded from there)
         fetch = self._fetch_dir(step)
         ok = True
-        sources = {n: t for n, (t, _) in have.items()}
-        paths: dict[str, Path] = {n: p for n, (_, p) in have.items()}
-        mem: dict[str, Any] = {}
         incoming = sum(t.size for t in transfers if t.dst == self.rank) + sum(files[n].size for n in downloads)
         in_memory = incoming <= _memory_budget()
         try:
             if transfers:
-                received = run_transfers(self._pg, self.rank, transfers,
-                                         src_path={n: str(p) for n, p in paths.items()},
+                src_path = {n: str(p) for n, (_, p) in have.items()}
+                src_mem = {n: b for n, b in mem.items()}
+                received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
                                          out_dir=None if in_memory else fetch, to_memory=in_memory)
                 for n, got in received.items():
                     if in_memory:
@@ -934,42 +1018,14 @@ class CheckpointManager:
             logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
         if not self._all(ok):
             return None
-        phases["fetch"] = time.perf_counter() - t_phase
-        t_phase = time.perf_counter()
-
-        # 5. a plain DCP directory of links to the verified files (plus the in-memory ones); load it on
-        # this rank alone
-        view = self._scratch / ".restore" / f"rank{self.rank}"
-        shutil.rmtree(view, ignore_errors=True)
-        view.mkdir(parents=True)
-        for n, p in paths.items():
-            if n not in mem:
-                os.symlink(os.path.abspath(p), view / n)
-        try:
-            self._load(step, state, view, per_rank_keys, world_old, mem)
-        finally:
-            mem.clear()
-            shutil.rmtree(view, ignore_errors=True)
-            _rmdir_quiet(view.parent)
-        phases["load"] = time.perf_counter() - t_phase
-        used = {sources[n] for n in files}
-        tier = max(used, key=lambda t: [x.value for x in TIER_ORDER].index(t)) if used else None
-        nbytes = sum(fe.size for fe in files.values())
-        res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes, sources=sources,
-                            phases=phases)
-        logger.debug("rank %d restore of step %d phases: %s", self.rank, step, phases)
-        self._gather(None, self._pg)  # everyone loaded before fetched copies go
-        shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
-        _rmdir_quiet(self._scratch / ".fetch")
-        return res
+        return paths, mem, sources
 
     def _all(self, ok: bool) -> bool:
         return all(self._gather(bool(ok), self._pg))
 
-    def _load(self, step: int, state: Mapping[str, Any], view: Path, per_rank_keys: set[str],
-              world_old: int, mem: dict[str, Any] | None = None) -> None:
-        reader = FastReader(view, mem)
-        md = reader.read_metadata().state_dict_metadata
+    def _plan_load(self, step: int, state: Mapping[str, Any], md: dict[str, Any], per_rank_keys: set[str],
+                   world_old: int) -> "_LoadPlan":
+        """What this rank loads, under which checkpoint keys; raises if the state does not fit the checkpoint."""
         plain = plain_state(state)
         leaves = flatten(plain)
         load_sd: dict[str, Any] = {}
@@ -1014,14 +1070,16 @@ class CheckpointManager:
             unexpected = sorted(k for k in md if not k.startswith("__rank") and
                                 not any(k == f or k.startswith(f + ".") for f in known))
             raise CheckpointMismatchError(step, sorted(missing), unexpected, shape_mismatch)
-        _quiet(dcp.load, load_sd, storage_reader=reader, no_dist=True)
-        logger.debug("step %d: %d items read directly, %d through torch.load", step, reader.fast_items,
-                     reader.slow_items)
-        for fqn, (path, v) in leaves.items():
-            if fqn in expand:
-                prefix = key_of[fqn] + "."
+        return _LoadPlan(plain=plain, leaves=leaves, load_sd=load_sd, key_of=key_of, expand=expand)
+
+    def _finish_load(self, state: Mapping[str, Any], plan: "_LoadPlan") -> None:
+        """Put loaded values back where the state keeps them; hand Stateful objects their state dicts."""
+        plain, load_sd = plan.plain, plan.load_sd
+        for fqn, (path, v) in plan.leaves.items():
+            if fqn in plan.expand:
+                prefix = plan.key_of[fqn] + "."
                 value: dict[Any, Any] = {}
-                for k in expand[fqn]:
+                for k in plan.expand[fqn]:
                     parts = [int(p) if p.isdigit() else p for p in k[len(prefix):].split(".")]
                     cur = value
                     for p in parts[:-1]:
@@ -1029,7 +1087,7 @@ class CheckpointManager:
                     cur[parts[-1]] = load_sd[k]
                 new = value
             else:
-                new = load_sd[key_of[fqn]]
+                new = load_sd[plan.key_of[fqn]]
             if path:
                 set_path(plain, path, new)
         for k, v in state.items():

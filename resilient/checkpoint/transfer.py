@@ -156,7 +156,7 @@ class Transfer:
 
 def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
                   src_path: dict[str, str], out_dir: str | os.PathLike[str] | None,
-                  to_memory: bool = False) -> dict[str, Any]:
+                  to_memory: bool = False, src_mem: dict[str, Any] | None = None) -> dict[str, Any]:
     """Execute ``transfers`` (identical list on every rank) in order.
 
     Returns name -> received file: a path under ``out_dir`` (scratch, not fsynced), or with
@@ -164,7 +164,12 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
     """
     received: dict[str, Any] = {}
     for t in transfers:
-        if t.src == rank and t.dst != rank:
+        if t.src == rank and t.dst != rank and src_mem and t.name in src_mem:
+            data = torch.frombuffer(src_mem[t.name], dtype=torch.uint8) if t.size else None
+            for _, off, n in _chunks([FileSpec(t.name, t.size)]):
+                assert data is not None
+                dist.send(data[off:off + n].clone(), dst=t.dst, group=group)
+        elif t.src == rank and t.dst != rank:
             spec = [FileSpec(t.name, t.size)]
             reader = _Reader([src_path[t.name]])
             try:

@@ -123,3 +123,38 @@ def test_restore_onto_other_world_sizes(tmp_path: Path, workers: Workers) -> Non
     three = final(tmp_path / "three", 3)
     assert [r["restore"]["step"] for r in three] == [7, 7, 7]
     assert all(r["start"] == 8 for r in three)
+
+
+NARROW = '''
+import json, os, sys, torch, torch.distributed as dist
+from resilient.checkpoint.manager import CheckpointManager
+dist.init_process_group("gloo")
+r = dist.get_rank()
+state = {"mine": torch.full((1000,), float(r))}  # differs per rank: stored per rank
+ck = CheckpointManager(local=sys.argv[1], interval=1)
+if sys.argv[2] == "save":
+    ck.save(0, state)
+else:
+    state["mine"].zero_()
+    ck.restore(state)
+    assert torch.equal(state["mine"], torch.full((1000,), float(r)))
+    json.dump(ck.last_restore.sources, open(os.path.join(sys.argv[3], f"src{r}.json"), "w"))
+ck.close()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_fetches_only_the_files_it_loads(tmp_path: Path, workers: Workers) -> None:
+    script = tmp_path / "narrow.py"
+    script.write_text(NARROW)
+    local = str(tmp_path / "node{node}")
+    ok(workers.run(script, [local, "save"], 2, local_world_size=1))
+    shutil.rmtree(tmp_path / "node1")
+    ok(workers.run(script, [local, "restore", str(tmp_path)], 2, local_world_size=1))
+    import json
+
+    s0 = json.loads((tmp_path / "src0.json").read_text())
+    s1 = json.loads((tmp_path / "src1.json").read_text())
+    assert "__1_0.distcp" not in s0 and s0["__0_0.distcp"] == "local"
+    assert "__0_0.distcp" not in s1 and s1["__1_0.distcp"] == "peer"
