@@ -10,7 +10,6 @@ issues the same sequence of saves, so the collective sequences match across rank
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from resilient import env as _env

@@ -7,13 +7,12 @@ there: writing it to disk and reading it back would cost two more passes over th
 from __future__ import annotations
 
 import io
+import logging
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import logging
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
