@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
@@ -13,14 +12,12 @@ import warnings
 from resilient.launcher.api import LaunchError
 
 
-def _setup_logging() -> None:
+def _setup_logging(run_dir: str) -> None:
+    """JSON lines to RUN_DIR/logs/agent.jsonl for machines, readable lines on stderr for people."""
+    from resilient.logs import setup_logging
+
     level = os.environ.get("RESILIENT_LOG_LEVEL", os.environ.get("LOGLEVEL", "WARNING")).upper()
-    try:
-        from resilient.logs import setup_logging  # structured logs, when available
-    except ImportError:
-        logging.basicConfig(level=level, format="[resilient-run] %(levelname)s %(name)s: %(message)s")
-        return
-    setup_logging("agent", level=level)
+    setup_logging("agent", run_dir=run_dir, level=level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"resilient-run: error: {e}", file=sys.stderr)
         return 2
-    _setup_logging()
+    _setup_logging(cfg.run_dir)
     from resilient.launcher.agent import Agent
 
     return Agent(cfg).run()

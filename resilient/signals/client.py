@@ -349,9 +349,32 @@ def _check_scale(c: _Client, dp_size: int) -> None:
         fn(ev)
 
 
+def _compile_cache() -> Any:
+    """Restore the run's torch.compile caches before anything compiles (compilation is lazy, so the start of
+    ``steps()`` is early enough); ``RESILIENT_COMPILE_CACHE=0`` turns it off."""
+    if os.environ.get("RESILIENT_COMPILE_CACHE", "1") == "0":
+        return None
+    try:
+        from resilient.compile_cache import enable
+
+        return enable()
+    except Exception as e:  # noqa: BLE001 - a cache is a speed-up, never a reason to stop training
+        logger.warning("compile cache unavailable: %s", e)
+        return None
+
+
+def _save_compile_cache(cc: Any) -> None:
+    try:
+        cc.maybe_save()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("compile cache not saved: %s", e)
+
+
 def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Iterator[int]:
     dp = c.world_size if dp_size is None else dp_size
     _check_scale(c, dp)
+    cc = _compile_cache()
+    save_cc_at = start + 2  # by then the training step has been compiled, if it is compiled at all
     _install_timers()
     clock = _clock
     assert clock is not None
@@ -376,6 +399,8 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
                 if not recorded_world:
                     recorded_world = True
                     _record_world(c, dp)
+            if cc is not None and s == save_cc_at:
+                _save_compile_cache(cc)
             last = s
             t_prev = _perf()  # our own send/ledger cost is not charged to the step
             yield s
