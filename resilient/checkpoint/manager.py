@@ -935,16 +935,20 @@ class CheckpointManager:
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
         needs = self._gather(sorted(need), self._pg)
         wanted = set().union(*(set(n) for n in needs))
-        # verified copies on this node of anything some rank needs (a sender checks what it sends)
+        # copies on this node of anything some rank needs: verified when this rank loads them; a copy
+        # only sent to others is verified by its receiver (one read instead of two)
         have: dict[str, tuple[str, Path]] = {}
         for tier_name, d in self._local_copies(step):
             for n in sorted(wanted):
                 if n in have or n in mem or not (d / n).exists():
                     continue
                 try:
-                    verify_file(d / n, files[n])
+                    if n in need:
+                        verify_file(d / n, files[n])
+                    elif os.path.getsize(d / n) != files[n].size:
+                        raise CorruptFileError(f"{d / n}: size differs from the manifest")
                     have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
-                except CorruptFileError as e:
+                except (CorruptFileError, OSError) as e:
                     logger.warning("rank %d: %s copy of step %d skipped: %s", self.rank, tier_name, step, e)
         for n, p in paths.items():
             have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
@@ -988,13 +992,19 @@ class CheckpointManager:
                 received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
                                          out_dir=None if in_memory else fetch, to_memory=in_memory)
                 for n, got in received.items():
-                    if in_memory:
-                        verify_bytes(got, files[n], what=f"{n} from a peer")
-                        mem[n] = got
-                    else:
-                        verify_file(got, files[n])
-                        paths[n] = got
-                    sources[n] = TierName.PEER.value
+                    try:
+                        if in_memory:
+                            verify_bytes(got.data, files[n], what=f"{n} from a peer", crc=got.crc32c)
+                            mem[n] = got.data
+                        else:
+                            verify_file(got, files[n])
+                            paths[n] = got
+                        sources[n] = TierName.PEER.value
+                    except CorruptFileError as e:
+                        if not in_persistent:
+                            raise
+                        logger.warning("rank %d: %s; falling back to the persistent tier", self.rank, e)
+                        downloads.append(n)
             for n in downloads:
                 if in_memory:
                     data = retry(lambda n=n: self.persistent.read_bytes(step, n),  # type: ignore[union-attr]

@@ -67,12 +67,12 @@ def verify_file(path: str | os.PathLike[str], expected: FileEntry) -> None:
         raise CorruptFileError(f"{path}: crc32c {got.crc32c:#010x} != manifest {expected.crc32c:#010x}")
 
 
-def verify_bytes(data: Any, expected: FileEntry, what: str) -> None:
-    """:func:`verify_file` for a file held in memory."""
+def verify_bytes(data: Any, expected: FileEntry, what: str, crc: int | None = None) -> None:
+    """:func:`verify_file` for a file held in memory (``crc``: already computed while receiving)."""
     n = memoryview(data).nbytes
     if n != expected.size:
         raise CorruptFileError(f"{what}: size {n} != manifest {expected.size}")
-    got = _crc.crc32c(data)
+    got = _crc.crc32c(data) if crc is None else crc
     if got != expected.crc32c:
         raise CorruptFileError(f"{what}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")
 

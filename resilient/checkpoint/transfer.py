@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.checkpoint.tiers import crc_bytes
+
 logger = logging.getLogger(__name__)
 
 CHUNK = 32 << 20
@@ -42,20 +44,21 @@ def _chunks(files: Sequence[FileSpec]) -> list[tuple[int, int, int]]:
 
 
 class _Reader:
-    """Reads pieces of files into one reused buffer: each piece is sent before the next is read."""
+    """Reads pieces of files into reused buffers; ``slot`` alternates so one piece can be in flight
+    while the next is read."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]]):
         self._paths = list(paths)
         self._open: dict[int, Any] = {}
-        self._buf = bytearray(0)
+        self._bufs = [bytearray(0), bytearray(0)]
 
-    def read(self, i: int, off: int, n: int) -> torch.Tensor:
+    def read(self, i: int, off: int, n: int, slot: int = 0) -> torch.Tensor:
         f = self._open.get(i)
         if f is None:
             f = self._open[i] = open(self._paths[i], "rb", buffering=0)
-        if len(self._buf) < n:
-            self._buf = bytearray(max(n, min(CHUNK, 1 << 20)))
-        buf = self._buf
+        if len(self._bufs[slot]) < n:
+            self._bufs[slot] = bytearray(max(n, min(CHUNK, 1 << 20)))
+        buf = self._bufs[slot]
         f.seek(off)
         view = memoryview(buf)[:n]
         got = 0
@@ -147,6 +150,14 @@ def ring_exchange(group: Any, *, send_to: int, send_paths: Sequence[str | os.Pat
 
 
 @dataclass(frozen=True)
+class Received:
+    """A file received into memory, with the crc32c of its bytes."""
+
+    data: bytearray
+    crc32c: int
+
+
+@dataclass(frozen=True)
 class Transfer:
     src: int
     dst: int
@@ -160,30 +171,46 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
     """Execute ``transfers`` (identical list on every rank) in order.
 
     Returns name -> received file: a path under ``out_dir`` (scratch, not fsynced), or with
-    ``to_memory`` a ``bytearray`` holding the bytes.
+    ``to_memory`` a :class:`Received` (the bytes and their crc32c, computed while later pieces arrive).
     """
     received: dict[str, Any] = {}
     for t in transfers:
+        pieces = _chunks([FileSpec(t.name, t.size)])
         if t.src == rank and t.dst != rank and src_mem and t.name in src_mem:
-            data = torch.frombuffer(src_mem[t.name], dtype=torch.uint8) if t.size else None
-            for _, off, n in _chunks([FileSpec(t.name, t.size)]):
+            data = torch.frombuffer(bytearray(src_mem[t.name]), dtype=torch.uint8) if t.size else None
+            for _, off, n in pieces:
                 assert data is not None
-                dist.send(data[off:off + n].clone(), dst=t.dst, group=group)
+                dist.send(data[off:off + n], dst=t.dst, group=group)
         elif t.src == rank and t.dst != rank:
-            spec = [FileSpec(t.name, t.size)]
             reader = _Reader([src_path[t.name]])
             try:
-                for i, off, n in _chunks(spec):
-                    dist.send(reader.read(i, off, n), dst=t.dst, group=group)
+                inflight = None
+                for k, (i, off, n) in enumerate(pieces):
+                    work = dist.isend(reader.read(i, off, n, slot=k % 2), dst=t.dst, group=group)
+                    if inflight is not None:
+                        inflight.wait()  # frees the other slot for the next read
+                    inflight = work
+                if inflight is not None:
+                    inflight.wait()
             finally:
                 reader.close()
         elif t.dst == rank and t.src != rank and to_memory:
             data = bytearray(t.size)
+            crc = 0
             if t.size:
                 view = torch.frombuffer(data, dtype=torch.uint8)
-                for _, off, n in _chunks([FileSpec(t.name, t.size)]):
-                    dist.recv(view[off:off + n], src=t.src, group=group)
-            received[t.name] = data
+                mv = memoryview(data)
+                prev = None
+                for _, off, n in pieces:
+                    work = dist.irecv(view[off:off + n], src=t.src, group=group)
+                    if prev is not None:
+                        prev[0].wait()
+                        crc = crc_bytes(mv[prev[1]:prev[1] + prev[2]], crc)
+                    prev = (work, off, n)
+                assert prev is not None
+                prev[0].wait()
+                crc = crc_bytes(mv[prev[1]:prev[1] + prev[2]], crc)
+            received[t.name] = Received(data, crc)
         elif t.dst == rank and t.src != rank:
             assert out_dir is not None
             spec = [FileSpec(t.name, t.size)]

@@ -131,7 +131,8 @@ from resilient.checkpoint.manager import CheckpointManager
 dist.init_process_group("gloo")
 r = dist.get_rank()
 state = {"mine": torch.full((1000,), float(r))}  # differs per rank: stored per rank
-ck = CheckpointManager(local=sys.argv[1], interval=1)
+persistent = sys.argv[4] if len(sys.argv) > 4 else None
+ck = CheckpointManager(local=sys.argv[1], persistent=persistent, interval=1, persistent_every=1)
 if sys.argv[2] == "save":
     ck.save(0, state)
 else:
@@ -158,3 +159,24 @@ def test_each_rank_fetches_only_the_files_it_loads(tmp_path: Path, workers: Work
     s1 = json.loads((tmp_path / "src1.json").read_text())
     assert "__1_0.distcp" not in s0 and s0["__0_0.distcp"] == "local"
     assert "__0_0.distcp" not in s1 and s1["__1_0.distcp"] == "peer"
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_peer_replica_falls_back_to_persistent(tmp_path: Path, workers: Workers) -> None:
+    """Node 1 lost its disk and its replica on node 0 has a flipped byte: the receiver detects the
+    mismatch and takes that file from the persistent tier instead."""
+    import json
+
+    script = tmp_path / "narrow.py"
+    script.write_text(NARROW)
+    local, url = str(tmp_path / "node{node}"), f"file://{tmp_path}/bucket"
+    ok(workers.run(script, [local, "save", str(tmp_path), url], 2, local_world_size=1))
+    shutil.rmtree(tmp_path / "node1")
+    replica = tmp_path / "node0" / "peer" / "step_00000000" / "__1_0.distcp"
+    data = bytearray(replica.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    replica.write_bytes(bytes(data))
+    results = ok(workers.run(script, [local, "restore", str(tmp_path), url], 2, local_world_size=1))
+    s1 = json.loads((tmp_path / "src1.json").read_text())
+    assert s1["__1_0.distcp"] == "persistent"
+    assert "falling back to the persistent tier" in results[1].output
