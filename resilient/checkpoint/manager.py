@@ -9,6 +9,7 @@ issues the same sequence of saves, so the collective sequences match across rank
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +57,15 @@ def _quiet(fn: Any, *args: Any, **kw: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         return fn(*args, **kw)
+
+
+def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
+    ck = ref()
+    if ck is not None and not ck._closed:
+        try:
+            ck.close(timeout=min(120.0, ck.config.collective_timeout_s))
+        except Exception as e:  # exit goes on whatever happens here
+            logger.warning("finishing checkpoints at exit failed: %s", e)
 
 
 def _memory_budget() -> int:
@@ -252,6 +263,8 @@ class CheckpointManager:
         if self.persistent is not None:
             self._uploader = threading.Thread(target=self._upload_loop, name="resilient-ckpt-upload", daemon=True)
             self._uploader.start()
+        # a script that ends right after its last save() must not lose it with the daemon threads
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ construction from env
     @classmethod

@@ -236,3 +236,15 @@ def test_fast_reader_reads_plain_dcp_checkpoints(tmp_path: Path) -> None:
     reader = FastReader(tmp_path / "nowhere", mem)  # everything from memory
     dcp.load(dst2, storage_reader=reader, no_dist=True)
     assert torch.equal(dst2["a"], src["a"]) and reader.fast_items == 1
+
+
+def test_exit_without_close_finishes_the_last_save(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom resilient.checkpoint.manager import CheckpointManager\n"
+            f"ck = CheckpointManager(local={str(tmp_path)!r}, interval=1)\n"
+            "ck.save(0, {'w': torch.ones(1 << 22)}, force=True)\n")  # and exit at once
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "step_00000000" / "COMMITTED").exists()
