@@ -28,6 +28,7 @@ import io
 import logging
 import os
 import tarfile
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -210,6 +211,8 @@ def save(directory: str | os.PathLike[str], *, rank: int | None = None) -> str |
 
 def _compiled_so_far() -> int:
     """How many cache entries this process has produced or loaded — changes when something new compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return 0  # nothing compiles without dynamo, and importing it just to ask costs seconds
     try:
         from torch._dynamo.utils import counters
     except ImportError:
