@@ -236,6 +236,14 @@ class Agent:
             renv.NODE: self.node,
             renv.NODE_RANK: str(self.group_rank),
         })
+        if c.virtual_local_rank:
+            # as torchrun: each worker sees only its own GPU, as device 0
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            devices = visible.split(",") if visible is not None else [str(i) for i in range(c.nproc_per_node)]
+            if local_rank >= len(devices):
+                raise ValueError(f"local rank {local_rank} exceeds the GPUs in CUDA_VISIBLE_DEVICES={visible}")
+            env["LOCAL_RANK"] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
         if self.monitor is not None:
             env[renv.AGENT_SOCKET] = self.monitor_socket
         optional = {

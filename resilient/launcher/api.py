@@ -96,6 +96,7 @@ class AgentConfig:
     spare_nodes: int = 0
     metrics_port: int | None = None
     rendezvous_timeout: float = 900.0
+    virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:

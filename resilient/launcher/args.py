@@ -180,6 +180,7 @@ def parse(argv: list[str]) -> AgentConfig:
             policy=args.policy, ckpt_local=args.ckpt_local, ckpt_persistent=args.ckpt_persistent,
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
+            virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None

@@ -54,3 +54,16 @@ def test_rejections_name_the_problem(tmp_path, argv, needle):
     with pytest.raises(LaunchError, match=needle.replace("-", r"\-")):
         parse(["--run-dir", str(tmp_path / "r"), *argv])
     assert not (tmp_path / "r").exists()
+
+
+def test_virtual_local_rank_env_like_torchrun(tmp_path, monkeypatch):
+    """--virtual-local-rank: LOCAL_RANK=0 and one visible device per worker (no GPU needed to check the env)."""
+    from resilient.launcher.agent import Agent
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    cfg = parse(["--nproc-per-node", "2", "--virtual-local-rank", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    agent = Agent(cfg)
+    agent.base_rank, agent.world_size, agent.group_rank, agent.group_world_size = 0, 2, 0, 1
+    envs = [agent._worker_env(lr, 0, ("127.0.0.1", 1234)) for lr in (0, 1)]
+    assert [(e["LOCAL_RANK"], e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "4"), ("0", "1", "5")]
+    agent.ledger.close()
