@@ -40,7 +40,7 @@ from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, PER_RANK_PREF
 from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_stateful, leaf_nbytes, plain_state,
                                         set_path)
 from resilient.checkpoint.tiers import (DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
-                                        retry, verify_bytes, verify_file)
+                                        map_verified, retry, verify_bytes, verify_file)
 from resilient.checkpoint.reader import FastReader
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
 from resilient.events.api import EventKind
@@ -877,7 +877,7 @@ class CheckpointManager:
         if got is None:
             return None
         paths, mem, sources = got
-        md = pickle.loads(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes())
+        md = pickle.loads(memoryview(mem[DCP_METADATA]) if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes())
         phases["metadata"] = time.perf_counter() - t_phase
         error: CheckpointError | None = None
         plan = None
@@ -957,7 +957,8 @@ class CheckpointManager:
                     continue
                 try:
                     if n in need:
-                        verify_file(d / n, files[n])
+                        # verified and loaded from one mapping of the file: one pass over its bytes
+                        mem[n] = map_verified(d / n, files[n])
                     elif os.path.getsize(d / n) != files[n].size:
                         raise CorruptFileError(f"{d / n}: size differs from the manifest")
                     have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)

@@ -6,11 +6,15 @@ there: writing it to disk and reading it back would cost two more passes over th
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 import os
+import pickle
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +116,56 @@ class _Slice(io.RawIOBase):
         return got
 
 
+class _MetaUnpickler(pickle.Unpickler):
+    """Reads a ``torch.save``d plain tensor's pickle without building the tensor: the C unpickler with
+    only the globals such a pickle uses; anything else raises (the item then takes DCP's own path)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuilt
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage") and name != "UntypedStorage":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TypedStorage is deprecated; we only read its dtype
+                dtype = getattr(getattr(torch, name, None), "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return _StorageType(dtype)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType):
+            return ("storage", pid[1].dtype, str(pid[2]), int(pid[4]))
+        raise pickle.UnpicklingError("unexpected persistent id")
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: Any
+
+
+def _rebuilt(storage: Any, storage_offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any,
+             metadata: Any = None) -> Any:
+    if hooks or metadata:
+        raise pickle.UnpicklingError("tensor with hooks or metadata")
+    return ("tensor", storage, int(storage_offset), tuple(int(x) for x in size), tuple(int(x) for x in stride))
+
+
+def _tensor_record(pkl: bytes) -> tuple[Any, str, int, int, tuple[int, ...], tuple[int, ...]] | None:
+    """(dtype, storage key, storage numel, storage offset, shape, stride) of a pickled plain tensor, or None."""
+    try:
+        out = _MetaUnpickler(io.BytesIO(pkl)).load()
+    except Exception:
+        return None
+    if not (isinstance(out, tuple) and len(out) == 5 and out[0] == "tensor" and isinstance(out[1], tuple)
+            and out[1][0] == "storage"):
+        return None
+    _, (_, dtype, key, numel), offset, shape, stride = out
+    return dtype, key, numel, offset, shape, stride
+
+
 def _read_exact(stream: Any, dst: memoryview) -> None:
     got = 0
     while got < len(dst):
@@ -137,6 +191,8 @@ class FastReader(FileSystemReader):
             self.fs = MemoryFS(files)
         self.fast_items = 0
         self.slow_items = 0
+        self._copier: Any = None
+        self._pending: list[Any] = []
 
     def _fast(self, stream: Any, item_md: Any, req: Any, planner: Any) -> bool:
         import zipfile
@@ -146,23 +202,34 @@ class FastReader(FileSystemReader):
         if item_md.transform_descriptors:
             return False
         view = _Slice(stream, item_md.offset, item_md.length)
-        meta = torch.load(view, map_location="meta", weights_only=True)
-        if not isinstance(meta, torch.Tensor) or type(meta) is not torch.Tensor:
+        zf = zipfile.ZipFile(view)
+        infos = zf.infolist()
+        pkls = [i for i in infos if i.filename.endswith("/data.pkl")]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if len(pkls) != 1 or (order and zf.read(order[0]).strip() != b"little"):
             return False
-        if meta.storage_offset() != 0 or not meta.is_contiguous():
+        prefix = pkls[0].filename[:-len("data.pkl")]
+        meta = _tensor_record(zf.read(pkls[0]))
+        if meta is None:
             return False
-        if any(o != 0 for o in req.storage_offsets) or list(req.lengths) != list(meta.shape):
+        dtype, key, storage_numel, offset, shape, stride = meta
+        expect_stride, acc = [], 1
+        for d in reversed(shape):
+            expect_stride.append(acc)
+            acc *= d
+        numel = acc
+        if offset != 0 or storage_numel != numel or tuple(reversed(expect_stride)) != stride and numel > 1:
+            return False
+        if any(o != 0 for o in req.storage_offsets) or tuple(req.lengths) != shape:
             return False
         target = planner.resolve_tensor(req).detach()
-        if target.dtype != meta.dtype or target.shape != meta.shape or not target.is_contiguous() \
+        if target.dtype != dtype or tuple(target.shape) != shape or not target.is_contiguous() \
                 or target.device.type != "cpu":
             return False
-        view.seek(0)
-        zf = zipfile.ZipFile(view)
-        records = [i for i in zf.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")
-                   and "/.data/" not in i.filename]
-        nbytes = meta.numel() * meta.element_size()
-        if len(records) != 1 or records[0].compress_type != 0 or records[0].file_size != nbytes:
+        records = [i for i in infos if i.filename.startswith(prefix + "data/") and not i.filename.endswith(".pkl")]
+        nbytes = numel * target.element_size()
+        if len(records) != 1 or records[0].filename != f"{prefix}data/{key}" or records[0].compress_type != 0 \
+                or records[0].file_size != nbytes:
             return False
         view.seek(records[0].header_offset)
         header = view.read(30)
@@ -170,6 +237,18 @@ class FastReader(FileSystemReader):
             return False
         start = records[0].header_offset + 30 + int.from_bytes(header[26:28], "little") \
             + int.from_bytes(header[28:30], "little")
+        if nbytes and isinstance(stream, MemoryStream) and self._copier is not None:
+            # bytes already in memory (a verified file mapping, a received file): copied on a worker
+            # thread (torch's copy releases the GIL) while this one parses the next item's header
+            src_off = item_md.offset + start
+            if src_off + nbytes > len(stream._mv):
+                raise OSError(f"checkpoint item shorter than recorded ({len(stream._mv) - src_off} < {nbytes})")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*non-writable.*")
+                src = torch.frombuffer(stream._mv, dtype=torch.uint8, count=nbytes, offset=src_off)
+            dst = target.reshape(-1).view(torch.uint8)
+            self._pending.append((self._copier.submit(dst.copy_, src), req, target))
+            return True
         view.seek(start)
         if nbytes:
             _read_exact(view, memoryview(target.reshape(-1).view(torch.uint8).numpy()))
@@ -179,6 +258,23 @@ class FastReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> Any:
         from torch.futures import Future
 
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt-copy")
+        try:
+            self._read_all(plan, planner)
+            for fut_copy, req, target in self._pending:
+                fut_copy.result()
+                planner.commit_tensor(req, target)
+        finally:
+            self._copier.shutdown(wait=True)  # never leave a copy running into a state being returned
+            self._copier = None
+            self._pending = []
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_all(self, plan: Any, planner: Any) -> None:
         import torch
         from torch.distributed.checkpoint.filesystem import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
@@ -219,6 +315,3 @@ class FastReader(FileSystemReader):
                                              f"{tensor.size()}")
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
