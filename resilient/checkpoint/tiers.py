@@ -146,8 +146,18 @@ def map_verified(path: str | os.PathLike[str], expected: FileEntry) -> Any:
         else:
             # read-only and shared: the page cache's own pages, mapped in bulk (a private writable
             # mapping would be populated by copying every page)
-            data = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                             prot=mmap.PROT_READ)
+            try:
+                data = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 prot=mmap.PROT_READ)
+            except (OSError, ValueError):  # a filesystem without mmap: one read into memory instead
+                data = bytearray(size)
+                view = memoryview(data)
+                got = 0
+                while got < size:
+                    k = f.readinto(view[got:])
+                    if not k:
+                        raise CorruptFileError(f"{path}: shorter than its size while reading ({got} < {size})")
+                    got += k
     got = crc_parallel(data)
     if got != expected.crc32c:
         raise CorruptFileError(f"{path}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")
