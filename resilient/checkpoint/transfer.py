@@ -9,7 +9,6 @@ always has both ends ready: no deadlock) for restore.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import warnings
 from collections.abc import Sequence
@@ -152,16 +151,10 @@ def ring_exchange(group: Any, *, send_to: int, send_paths: Sequence[str | os.Pat
 
 
 def receive_buffer(n: int) -> Any:
-    """A writable buffer of ``n`` bytes for a received file, backed by huge pages where the kernel
-    allows: faulting in fresh memory 4 KiB at a time costs several times the transfer itself."""
-    if n < (4 << 20):
-        return bytearray(n)
-    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError, ValueError):
-        pass  # no THP here: plain pages, as slow as any fresh buffer
-    return buf
+    """A writable buffer of ``n`` bytes for a received file, left untouched: its pages fault in while
+    gloo writes the pieces (``bytearray(n)`` would zero-fill all of them before the first piece).
+    Not huge pages: on a host short of free huge pages their allocation stalls in compaction."""
+    return torch.empty(n, dtype=torch.uint8).numpy()
 
 
 def _as_tensor(buf: Any) -> torch.Tensor:
