@@ -303,7 +303,7 @@ def bench_gcs_restore(state: dict[str, Any], work: Path) -> dict[str, Any]:
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
         restore = statistics.median(times)
         return {"bytes": nbytes, "raw_gcsfs_read_s": raw_s, "restore_s": restore, "throughput_ratio": raw_s / restore,
-                "upload_s": upload, "phases": phases}
+                "upload_s": upload, "phases": phases, "restore_all_s": times}
     finally:
         srv.kill()
         srv.wait()
