@@ -51,6 +51,24 @@ LAUNCHERS = {
 }
 
 
+def reap(p: subprocess.Popen) -> None:
+    """Kill the launcher and every process it started: a hung launcher's workers (some in sessions of
+    their own) must not outlive the repetition and slow down the next ones."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for q in procs:
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    p.wait(timeout=10)
+
+
 def one(name: str, cmd: list[str], workdir: Path, timeout: float) -> dict:
     out = Path(tempfile.mkdtemp(prefix="out-", dir=workdir))
     script = workdir / "crash.py"
@@ -61,12 +79,13 @@ def one(name: str, cmd: list[str], workdir: Path, timeout: float) -> dict:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     t0 = time.time()
+    p = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        p = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
-        code = p.returncode
+        code: int | str = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = "timeout"
     wall = time.time() - t0
+    reap(p)
     ok = code == 0 and all((out / f"a1_r{r}.json").exists() for r in (0, 1))
     restart = None
     if ok and (out / "kill.json").exists():
