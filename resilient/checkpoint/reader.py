@@ -23,13 +23,11 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 logger = logging.getLogger(__name__)
 
 
-class MemoryStream(io.RawIOBase):
-    """Read-only seekable stream over a buffer, without copying it."""
+class _Window(io.RawIOBase):
+    """Seek/tell bookkeeping shared by the read-only in-memory streams below: a position in ``[0, _len]``."""
 
-    def __init__(self, data: Any):
-        super().__init__()
-        self._mv = memoryview(data).cast("B")
-        self._pos = 0
+    _len: int
+    _pos: int = 0
 
     def readable(self) -> bool:
         return True
@@ -41,9 +39,19 @@ class MemoryStream(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
-        self._pos = max(0, base + offset)
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = min(max(0, base + offset), self._len)
         return self._pos
+
+
+class MemoryStream(_Window):
+    """Read-only seekable stream over a buffer, without copying it."""
+
+    def __init__(self, data: Any):
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self._len = len(self._mv)
+        self._pos = 0
 
     def read(self, size: int | None = -1) -> bytes:
         end = len(self._mv) if size is None or size < 0 else min(len(self._mv), self._pos + size)
@@ -79,26 +87,12 @@ class MemoryFS(FileSystem):
         return Path(path).name in self.files or super().exists(path)
 
 
-class _Slice(io.RawIOBase):
+class _Slice(_Window):
     """A window ``[offset, offset + length)`` of a seekable stream, itself a seekable stream."""
 
     def __init__(self, base: Any, offset: int, length: int):
         super().__init__()
         self._b, self._off, self._len, self._pos = base, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = min(max(0, base + offset), self._len)
-        return self._pos
 
     def read(self, size: int | None = -1) -> bytes:
         n = self._len - self._pos if size is None or size < 0 else min(size, self._len - self._pos)

@@ -21,6 +21,17 @@ from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, MANIFEST_FMT,
 
 logger = logging.getLogger(__name__)
 
+
+def readinto_exactly(f: Any, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; returns the bytes read, fewer only at end of file."""
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
+
 _CHUNK = 8 << 20
 T = TypeVar("T")
 
@@ -151,13 +162,9 @@ def map_verified(path: str | os.PathLike[str], expected: FileEntry) -> Any:
                                  prot=mmap.PROT_READ)
             except (OSError, ValueError):  # a filesystem without mmap: one read into memory instead
                 data = bytearray(size)
-                view = memoryview(data)
-                got = 0
-                while got < size:
-                    k = f.readinto(view[got:])
-                    if not k:
-                        raise CorruptFileError(f"{path}: shorter than its size while reading ({got} < {size})")
-                    got += k
+                got = readinto_exactly(f, memoryview(data))
+                if got < size:
+                    raise CorruptFileError(f"{path}: shorter than its size while reading ({got} < {size})")
     got = crc_parallel(data)
     if got != expected.crc32c:
         raise CorruptFileError(f"{path}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")

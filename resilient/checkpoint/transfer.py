@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.checkpoint.tiers import crc_bytes
+from resilient.checkpoint.tiers import crc_bytes, readinto_exactly
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,9 @@ class _Reader:
             self._bufs[slot] = bytearray(max(n, min(CHUNK, 1 << 20)))
         buf = self._bufs[slot]
         f.seek(off)
-        view = memoryview(buf)[:n]
-        got = 0
-        while got < n:
-            k = f.readinto(view[got:])
-            if not k:
-                raise OSError(f"{self._paths[i]}: file shorter than announced ({off + got} < {off + n})")
-            got += k
+        got = readinto_exactly(f, memoryview(buf)[:n])
+        if got < n:
+            raise OSError(f"{self._paths[i]}: file shorter than announced ({off + got} < {off + n})")
         return torch.frombuffer(buf, dtype=torch.uint8)[:n]
 
     def close(self) -> None:
