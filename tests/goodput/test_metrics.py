@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from resilient.goodput.metrics import MetricsServer
 from tests.goodput.conftest import finish, kill_group, launch
+from resilient.testing.gcs import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,11 +106,6 @@ def test_scrape_follows_a_growing_ledger(tmp_path, writer):
     with pytest.raises(OSError):
         scrape(srv.port)  # closed
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(150)

@@ -9,6 +9,7 @@ import pytest
 
 from resilient.events import EventKind, read_events
 from tests.launcher.conftest import launcher_cmd, leftovers, run_launcher, wait_for
+from resilient.testing.gcs import free_port as _free_port
 
 TORCHRUN_ENV = [
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -163,13 +164,6 @@ def test_fork_server_refuses_unsafe_preload_and_falls_back(tmp_path, scripts):
     assert {e.details["method"] for e in starts} == {"SpawnStarter"}
     assert json.loads((out / "a1_r1.json").read_text())["sum"] == 2.0
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(180)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,11 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.signals.api import MonitorConfig
 from resilient.signals.monitor import create_node_monitor
+from resilient.testing.gcs import free_port
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 REPO = str(Path(__file__).resolve().parents[2])
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Agent:
