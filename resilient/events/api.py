@@ -33,7 +33,9 @@ class EventKind(str, enum.Enum):
     HOST_UNHEALTHY = "host_unhealthy"  # details: check, value, threshold
     GPU_UNHEALTHY = "gpu_unhealthy"  # details: index, check, value
     PREEMPTION_NOTICE = "preemption_notice"  # details: deadline (wall seconds), source
-    AGENT_LOST = "agent_lost"  # details: peer node
+    AGENT_LOST = "agent_lost"  # node lost (event.node): details: reason ("timeout" | "disconnected"), last_seen_age
+    NODE_JOINED = "node_joined"  # an agent joined (event.node); details: nproc, spare (bool)
+    FAULT_INJECTED = "fault_injected"  # a drill's fault (--inject); details: fault, target, at
 
     # actions (agent built-in reaction, later the supervisor's policy)
     ACTION = "action"  # details: action ("restart", "stop", "hot_swap", ...), cause (event kind), reason

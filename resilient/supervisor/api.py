@@ -1,0 +1,186 @@
+"""Contract of the supervisor: the actions a policy can take, the read-only view it decides on, and the
+``Policy`` protocol.
+
+A decision is a pure function of an event and a :class:`JobView`; carrying it out is the control loop's
+job (:mod:`resilient.supervisor.loop`) and the agents'. Nothing here touches a process, a socket or a file,
+so a policy is tested by feeding it events (see ``tests/supervisor/scenarios.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from resilient.events.api import Event
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be used (syntax error, no ``decide``): refused before anything starts."""
+
+
+# --------------------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Action:
+    """Base of every action. ``reason`` is free text for people; it goes to the ledger with the action."""
+
+    kind: ClassVar[str] = "action"
+    reason: str = field(default="", kw_only=True)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"action": self.kind}
+        for k, v in self.__dict__.items():
+            d[k] = list(v) if isinstance(v, tuple) else v
+        return d
+
+
+@dataclass(frozen=True)
+class Restart(Action):
+    """Restart every worker of the active nodes in place (same nodes, same ranks), from the newest checkpoint."""
+
+    kind: ClassVar[str] = "restart"
+
+
+@dataclass(frozen=True)
+class HotSwap(Action):
+    """Give ``spare`` the group rank of ``node`` (lost or cordoned); its workers restore that node's shards."""
+
+    kind: ClassVar[str] = "hot_swap"
+    node: str
+    spare: str
+
+
+@dataclass(frozen=True)
+class ScaleDown(Action):
+    """Continue without ``nodes`` (data parallelism shrinks), within ``--nnodes MIN:MAX``."""
+
+    kind: ClassVar[str] = "scale_down"
+    nodes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+
+
+@dataclass(frozen=True)
+class ScaleUp(Action):
+    """Grow onto ``spares`` at the next checkpoint boundary (save, restart at the larger size, restore)."""
+
+    kind: ClassVar[str] = "scale_up"
+    spares: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spares", tuple(self.spares))
+
+
+@dataclass(frozen=True)
+class Cordon(Action):
+    """Never use ``node`` again in this job (it stays out of the active set and of the spares)."""
+
+    kind: ClassVar[str] = "cordon"
+    node: str
+
+
+@dataclass(frozen=True)
+class Ignore(Action):
+    """Do nothing (the event is recorded all the same)."""
+
+    kind: ClassVar[str] = "ignore"
+
+
+@dataclass(frozen=True)
+class Stop(Action):
+    """End the job: workers are stopped and every agent exits with a failure."""
+
+    kind: ClassVar[str] = "stop"
+
+
+ACTIONS: tuple[type[Action], ...] = (Restart, HotSwap, ScaleDown, ScaleUp, Cordon, Ignore, Stop)
+
+
+# --------------------------------------------------------------------------------------------- the view
+class NodeState(str, enum.Enum):
+    ACTIVE = "active"  # holds a group rank in the current assignment
+    SPARE = "spare"  # joined and warm (fork server ready), no workers
+    LOST = "lost"  # stopped reporting for --node-timeout, or its connection dropped
+    CORDONED = "cordoned"  # excluded by a Cordon action
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    state: NodeState
+    group_rank: int | None = None  # set while ACTIVE
+    nproc: int = 1  # workers it runs when active
+    healthy: bool = True  # False after a host/GPU-unhealthy event, until it reports healthy again
+    failures: int = 0  # failures attributed to this node within the view's failure window
+    stragglers: int = 0  # straggler events attributed to this node within the window
+    last_seen: float = 0.0  # monotonic time of its last report, as seen by the supervisor
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What a policy knows when it decides. Frozen; mappings are read-only proxies."""
+
+    nodes: Mapping[str, NodeView]
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    restarts_left: int  # what remains of --max-restarts (every restart, swap or scale counts one)
+    attempt: int = 0
+    ckpt_steps: Mapping[str, int] = field(default_factory=dict)  # tier → newest complete step
+    recent: tuple[Event, ...] = ()  # newest last, bounded
+    failure_window: float = 3600.0  # seconds over which ``NodeView.failures`` is counted
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
+        object.__setattr__(self, "ckpt_steps", MappingProxyType(dict(self.ckpt_steps)))
+        object.__setattr__(self, "recent", tuple(self.recent))
+
+    def _in(self, state: NodeState) -> tuple[str, ...]:
+        return tuple(n for n, v in self.nodes.items() if v.state == state)
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        """Active nodes in group-rank order."""
+        act = [v for v in self.nodes.values() if v.state == NodeState.ACTIVE]
+        return tuple(v.name for v in sorted(act, key=lambda v: (v.group_rank is None, v.group_rank or 0)))
+
+    @property
+    def spares(self) -> tuple[str, ...]:
+        """Healthy spares, oldest first."""
+        return tuple(n for n in self._in(NodeState.SPARE) if self.nodes[n].healthy)
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        return self._in(NodeState.LOST)
+
+    @property
+    def cordoned(self) -> tuple[str, ...]:
+        return self._in(NodeState.CORDONED)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.nodes[n].nproc for n in self.active)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: every rank is a replica (the launcher knows no model parallelism)."""
+        return self.world_size
+
+    @property
+    def newest_checkpoint(self) -> int | None:
+        return max(self.ckpt_steps.values(), default=None)
+
+    def node_of(self, event: Event) -> NodeView | None:
+        return self.nodes.get(event.node)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """``decide(event, view) -> Action``. Called once per event that can need a decision; must be quick
+    (``--policy-timeout``), must not block, and must not change the view."""
+
+    def decide(self, event: Event, view: JobView) -> Action: ...
