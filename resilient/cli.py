@@ -10,6 +10,7 @@ COMMANDS = {
     "run": ("resilient.run", "launch a training script (same as resilient-run)"),
     "ckpt": ("resilient.checkpoint.cli", "list and verify checkpoints: ckpt ls|verify URL_OR_DIR"),
     "goodput": ("resilient.goodput.cli", "goodput report of a run: goodput RUN_DIR [--json] [--plot F]"),
+    "policy": ("resilient.supervisor.cli", "check a supervisor policy offline: policy check FILE [--ledger EVENTS]"),
 }
 
 

@@ -111,7 +111,7 @@ class NodeState(str, enum.Enum):
 class NodeView:
     name: str
     state: NodeState
-    group_rank: int | None = None  # set while ACTIVE
+    group_rank: int | None = None  # set while ACTIVE, and while LOST until the decision that replaces it
     nproc: int = 1  # workers it runs when active
     healthy: bool = True  # False after a host/GPU-unhealthy event, until it reports healthy again
     failures: int = 0  # failures attributed to this node within the view's failure window
@@ -133,11 +133,13 @@ class JobView:
     recent: tuple[Event, ...] = ()  # newest last, bounded
     failure_window: float = 3600.0  # seconds over which ``NodeView.failures`` is counted
     now: float = 0.0
+    pending_scale_up: tuple[str, ...] = ()  # spares of a ScaleUp decided, waiting for a checkpoint boundary
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
         object.__setattr__(self, "ckpt_steps", MappingProxyType(dict(self.ckpt_steps)))
         object.__setattr__(self, "recent", tuple(self.recent))
+        object.__setattr__(self, "pending_scale_up", tuple(self.pending_scale_up))
 
     def _in(self, state: NodeState) -> tuple[str, ...]:
         return tuple(n for n, v in self.nodes.items() if v.state == state)
@@ -147,6 +149,14 @@ class JobView:
         """Active nodes in group-rank order."""
         act = [v for v in self.nodes.values() if v.state == NodeState.ACTIVE]
         return tuple(v.name for v in sorted(act, key=lambda v: (v.group_rank is None, v.group_rank or 0)))
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Nodes holding a group rank in the current assignment, in group-rank order: the active ones and a
+        just-lost one that the decision being made has to replace or drop."""
+        mem = [v for v in self.nodes.values() if v.group_rank is not None
+               and v.state in (NodeState.ACTIVE, NodeState.LOST)]
+        return tuple(v.name for v in sorted(mem, key=lambda v: v.group_rank or 0))
 
     @property
     def spares(self) -> tuple[str, ...]:

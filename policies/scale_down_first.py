@@ -1,0 +1,38 @@
+"""Scale down first: keep going on fewer nodes rather than wait for, or spend, spares.
+
+* node lost: ``ScaleDown`` without it when ``--nnodes MIN`` allows; else ``Stop``.
+* worker exit / hang: ``Restart``; after 3 failures of one node within the window, ``ScaleDown`` without it
+  when MIN allows, else keep restarting in place.
+* spares are never swapped in; they are only used to grow back: a spare joining while the job runs below
+  MAX gives ``ScaleUp`` at the next checkpoint boundary (as the default).
+* everything else: the default policy.
+
+Suits jobs whose spares are shared or slow to warm, and models that tolerate a changing world size.
+"""
+
+from resilient.events.api import EventKind
+from resilient.supervisor.api import Action, HotSwap, JobView, Restart, ScaleDown, Stop
+from resilient.supervisor.default_policy import DefaultPolicy
+
+
+class ScaleDownFirst(DefaultPolicy):
+    def decide(self, event, view: JobView) -> Action:
+        node = view.nodes.get(event.node)
+        if event.kind is EventKind.AGENT_LOST and view.restarts_left > 0 and event.node in view.members:
+            if self.can_scale_down(view):
+                return ScaleDown((event.node,), reason=f"node {event.node} lost: continuing on "
+                                                       f"{len(view.members) - 1} node(s)")
+            return Stop(reason=f"node {event.node} lost and --nnodes min {view.min_nodes} forbids scaling down")
+        if (event.kind in (EventKind.WORKER_EXIT, EventKind.HANG) and view.restarts_left > 0 and node is not None
+                and node.failures >= self.failures_to_swap):
+            why = f"{event.node} failed {node.failures} times within {view.failure_window:g} s"
+            if self.can_scale_down(view):
+                return ScaleDown((event.node,), reason=f"{why}: continuing without it")
+            return Restart(reason=f"{why}; at --nnodes min: restarting")
+        action = super().decide(event, view)
+        if isinstance(action, HotSwap):  # never spend a spare on a replacement
+            return Restart(reason=action.reason + " (spares only grow the job)")
+        return action
+
+
+policy = ScaleDownFirst()

@@ -1,0 +1,613 @@
+"""The supervisor's decision core: a pure state machine from events to decisions.
+
+No I/O and no threads except the one a user's policy runs in (so that a hung policy is abandoned after
+``policy_timeout``). Time is passed in (``now``, monotonic seconds), which makes every decision a
+function of the inputs: the control loop feeds it joins, reports, events and ticks, and carries out the
+:class:`Decision` s it returns; tests feed it the scenario table.
+
+The core enforces the rules that keep the job sound whatever the policy says: only events of the current
+attempt and of active nodes decide anything (several reports of one failure decide once), every action is
+validated against the view, the restart budget is spent by every assignment change, and no assignment
+ever holds fewer than ``min_nodes`` or more than ``max_nodes`` nodes, a node twice, or a lost or cordoned
+node.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+from resilient.supervisor.api import (
+    Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy, Restart, ScaleDown, ScaleUp, Stop,
+)
+from resilient.supervisor.default_policy import DefaultPolicy
+
+logger = logging.getLogger(__name__)
+
+# events that may need a decision (when they come from an active node of the current attempt)
+DECIDING_KINDS = frozenset({
+    EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST, EventKind.NODE_JOINED, EventKind.STRAGGLER,
+    EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY, EventKind.PREEMPTION_NOTICE,
+})
+_FAILURES = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST})
+_CHANGING = (Restart, HotSwap, ScaleDown, ScaleUp)
+LOCAL_TIER = "local"
+
+
+@dataclass
+class SupervisorConfig:
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int = 3  # the budget: every Restart/HotSwap/ScaleDown/ScaleUp spends one
+    node_timeout: float = 10.0  # seconds without a report before a node is lost
+    failure_window: float = 3600.0
+    policy_timeout: float = 1.0
+    scale_up_wait: float = 60.0  # how long a ScaleUp waits for a checkpoint boundary before it goes anyway
+    recent_events: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SupervisorConfig.{name} must be an integer >= 1, got {v!r}")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"SupervisorConfig.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})")
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ValueError(f"SupervisorConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    round: int  # increases by one with every new assignment (first is 0)
+    attempt: int  # == round (kept separate for clarity in the ledger)
+    members: tuple[str, ...]  # active nodes in group-rank order (node i has group rank i)
+    spares: tuple[str, ...]
+    nproc: Mapping[str, int]  # workers per member
+    world_size: int
+    previous_world_size: int | None  # world size of the previous assignment (for on_scale), None at start
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple(self.members))
+        object.__setattr__(self, "spares", tuple(self.spares))
+        object.__setattr__(self, "nproc", MappingProxyType(dict(self.nproc)))
+
+    def group_rank(self, node: str) -> int | None:
+        try:
+            return self.members.index(node)
+        except ValueError:
+            return None
+
+    def base_rank(self, node: str) -> int:
+        """Global rank of ``node``'s local rank 0."""
+        gr = self.group_rank(node)
+        if gr is None:
+            raise KeyError(f"{node} is not a member of round {self.round}")
+        return sum(self.nproc[m] for m in self.members[:gr])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "attempt": self.attempt, "members": list(self.members),
+                "spares": list(self.spares), "nproc": dict(self.nproc), "world_size": self.world_size,
+                "previous_world_size": self.previous_world_size}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Assignment":
+        return cls(round=int(d["round"]), attempt=int(d.get("attempt", d["round"])), members=tuple(d["members"]),
+                   spares=tuple(d.get("spares", ())), nproc={k: int(v) for k, v in d["nproc"].items()},
+                   world_size=int(d["world_size"]), previous_world_size=d.get("previous_world_size"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    id: int  # unique, increasing: agents acknowledge actions by id
+    action: Action
+    cause: Event | None  # the event that caused it (None for timer-driven ones)
+    assignment: Assignment | None  # the new assignment when membership/round changes, else None
+    fallback: str | None = None  # why the user's policy was overruled (traceback text), None if it decided
+    pending: bool = False  # a ScaleUp recorded now and carried out by a later decision (checkpoint boundary)
+
+    def to_event(self, node: str) -> Event:
+        """The ledger's ``action`` event. ``action`` stays the kind string (the ledger's contract);
+        ``action_args`` holds the whole action."""
+        c = self.cause
+        details: dict[str, Any] = {
+            "action": self.action.kind, "action_args": self.action.to_json(), "reason": self.action.reason,
+            "cause": c.kind.value if c is not None else None, "cause_node": c.node if c is not None else None,
+            "cause_rank": c.rank if c is not None else None, "id": self.id,
+            "round": self.assignment.round if self.assignment is not None else None,
+        }
+        if self.assignment is not None:
+            details["assignment"] = self.assignment.to_json()
+        if self.fallback is not None:
+            details["fallback"] = self.fallback
+        if self.pending:
+            details["pending"] = True
+        attempt = self.assignment.attempt if self.assignment is not None else (c.attempt if c else None)
+        return Event(kind=EventKind.ACTION, node=node, attempt=attempt, details=details)
+
+
+@dataclass
+class _Node:
+    name: str
+    nproc: int
+    joined: float
+    last_seen: float
+    state: NodeState | None = None  # None before the first assignment
+    healthy: bool = True
+    failures: collections.deque = field(default_factory=collections.deque)  # times
+    stragglers: collections.deque = field(default_factory=collections.deque)
+
+
+@dataclass
+class _PendingScaleUp:
+    action: ScaleUp
+    spares: list[str]
+    decided: float
+    local_step: int | None  # newest local step known when decided: the boundary is a newer one
+    decision_id: int
+
+
+class _Invalid(Exception):
+    pass
+
+
+class SupervisorCore:
+    def __init__(self, cfg: SupervisorConfig, policy: Policy | None = None) -> None:
+        self.cfg = cfg
+        self._default = DefaultPolicy()
+        self._policy = policy
+        self._nodes: dict[str, _Node] = {}  # join order
+        self._assignment: Assignment | None = None
+        self._restarts_used = 0
+        self._stopped: str | None = None
+        self._finished: str | None = None
+        self._recent: collections.deque[Event] = collections.deque(maxlen=cfg.recent_events)
+        self._ckpt_steps: dict[str, int] = {}
+        self._pending: _PendingScaleUp | None = None
+        self._next_id = 1
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def assignment(self) -> Assignment | None:
+        return self._assignment
+
+    @property
+    def stopped(self) -> str | None:
+        return self._stopped
+
+    @property
+    def finished(self) -> str | None:
+        return self._finished
+
+    @property
+    def restarts_left(self) -> int:
+        return max(0, self.cfg.max_restarts - self._restarts_used)
+
+    def finish(self, reason: str = "done") -> None:
+        """The job ended by itself (training finished): no further decisions."""
+        self._finished = reason
+
+    def advance_ids(self, last_id: int) -> None:
+        """After a supervisor restart: the next decision id follows ``last_id`` (read from the ledger), so
+        agents never mistake a new action for one they already acknowledged."""
+        self._next_id = max(self._next_id, last_id + 1)
+
+    def adopt(self, assignment: Assignment, now: float) -> None:
+        """Rebuild from an assignment the agents report (supervisor restarted mid-run)."""
+        self._assignment = assignment
+        for n in (*assignment.members, *assignment.spares):
+            node = self._nodes.get(n)
+            if node is None:
+                node = self._nodes[n] = _Node(n, assignment.nproc.get(n, self.cfg.nproc_per_node), now, now)
+            node.state = NodeState.ACTIVE if n in assignment.members else NodeState.SPARE
+            node.last_seen = max(node.last_seen, now)
+        for n, node in self._nodes.items():
+            if node.state is None:
+                node.state = NodeState.SPARE
+
+    def view(self, now: float) -> JobView:
+        gr = {n: i for i, n in enumerate(self._assignment.members)} if self._assignment else {}
+        nodes = {}
+        for n, node in self._nodes.items():
+            self._prune(node, now)
+            state = node.state if node.state is not None else NodeState.SPARE
+            rank = gr.get(n) if state in (NodeState.ACTIVE, NodeState.LOST) else None
+            nodes[n] = NodeView(name=n, state=state, group_rank=rank, nproc=node.nproc, healthy=node.healthy,
+                                failures=len(node.failures), stragglers=len(node.stragglers),
+                                last_seen=node.last_seen)
+        return JobView(nodes=nodes, min_nodes=self.cfg.min_nodes, max_nodes=self.cfg.max_nodes,
+                       nproc_per_node=self.cfg.nproc_per_node, restarts_left=self.restarts_left,
+                       attempt=self._assignment.attempt if self._assignment else 0, ckpt_steps=self._ckpt_steps,
+                       recent=tuple(self._recent), failure_window=self.cfg.failure_window, now=now,
+                       pending_scale_up=tuple(self._pending.spares) if self._pending else ())
+
+    def _prune(self, node: _Node, now: float) -> None:
+        horizon = now - self.cfg.failure_window
+        for q in (node.failures, node.stragglers):
+            while q and q[0] < horizon:
+                q.popleft()
+
+    # ------------------------------------------------------------------------------------------ joining
+    def join(self, node: str, nproc: int, now: float) -> list[Decision]:
+        if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+            raise ValueError(f"join: nproc of {node} must be an integer >= 1, got {nproc!r}")
+        n = self._nodes.get(node)
+        ev = Event(kind=EventKind.NODE_JOINED, node=node, attempt=None, details={"nproc": nproc},
+                   mono=now, wall=time.time())
+        if self._assignment is None:
+            if n is None:
+                self._nodes[node] = _Node(node, nproc, now, now)
+            else:
+                n.nproc, n.last_seen = nproc, now
+            ev.details["spare"] = False
+            self._recent.append(ev)
+            return []
+        if n is None:
+            n = self._nodes[node] = _Node(node, nproc, now, now, state=NodeState.SPARE)
+        else:
+            n.last_seen = now
+            if n.state in (NodeState.ACTIVE, NodeState.SPARE):
+                # an agent that came back before it was declared lost: its peers report the failure
+                self._recent.append(ev)
+                return []
+            if n.state is NodeState.LOST:
+                n.state, n.nproc, n.healthy = NodeState.SPARE, nproc, True
+        ev.details["spare"] = n.state is NodeState.SPARE
+        self._recent.append(ev)
+        if n.state is not NodeState.SPARE or self._stopped or self._finished:
+            return []
+        return self._decide(ev, now)
+
+    def seen(self, node: str, now: float) -> None:
+        n = self._nodes.get(node)
+        if n is not None and now > n.last_seen:
+            n.last_seen = now
+
+    def ready(self, now: float, last_call: float) -> bool:
+        if len(self._nodes) >= self.cfg.max_nodes:
+            return True
+        if len(self._nodes) < self.cfg.min_nodes:
+            return False
+        nth = sorted(n.joined for n in self._nodes.values())[self.cfg.min_nodes - 1]
+        return now - nth >= last_call
+
+    def form(self, now: float) -> Assignment:
+        if self._assignment is not None:
+            raise RuntimeError("form: the job already has an assignment; changes go through handle()")
+        if len(self._nodes) < self.cfg.min_nodes:
+            raise RuntimeError(f"form: {len(self._nodes)} node(s) joined, min_nodes is {self.cfg.min_nodes}")
+        order = list(self._nodes)
+        members, spares = order[:self.cfg.max_nodes], order[self.cfg.max_nodes:]
+        for n in members:
+            self._nodes[n].state = NodeState.ACTIVE
+        for n in spares:
+            self._nodes[n].state = NodeState.SPARE
+        self._assignment = self._make(0, members, None)
+        return self._assignment
+
+    def _make(self, rnd: int, members: list[str] | tuple[str, ...], previous: int | None) -> Assignment:
+        nproc = {m: self._nodes[m].nproc for m in members}
+        spares = tuple(n for n, v in self._nodes.items() if v.state is NodeState.SPARE)
+        return Assignment(round=rnd, attempt=rnd, members=tuple(members), spares=spares, nproc=nproc,
+                          world_size=sum(nproc.values()), previous_world_size=previous)
+
+    # ------------------------------------------------------------------------------------------ events
+    def handle(self, event: Event, now: float) -> list[Decision]:
+        if event.kind is EventKind.NODE_JOINED:
+            n = self._nodes.get(event.node)
+            if n is None or n.state is NodeState.LOST:
+                nproc = event.details.get("nproc", self.cfg.nproc_per_node)
+                try:
+                    return self.join(event.node, int(nproc), now)
+                except (TypeError, ValueError) as e:
+                    logger.warning("node_joined from %s with a bad nproc (%r): ignored (%s)", event.node, nproc, e)
+                    return []
+        self._recent.append(event)
+        if event.kind is not EventKind.AGENT_LOST:
+            self.seen(event.node, now)
+        if event.kind is EventKind.CKPT_TIER_DONE:
+            return self._ckpt_done(event, now)
+        if self._assignment is None or self._stopped or self._finished:
+            return []
+        if event.kind not in DECIDING_KINDS or event.kind is EventKind.NODE_JOINED:
+            return []
+        node = self._nodes.get(event.node)
+        if node is None:
+            return []
+        if event.kind in (EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY):
+            node.healthy = False
+        current = event.attempt is None or event.attempt == self._assignment.attempt
+        member = node.state is NodeState.ACTIVE
+        if event.kind is EventKind.AGENT_LOST:
+            if node.state in (NodeState.ACTIVE, NodeState.SPARE):
+                node.state = NodeState.LOST
+            if not member:
+                return []  # a spare or an already-replaced node: nothing to decide
+            node.failures.append(now)
+            return self._decide(event, now)
+        if not (current and member):
+            return []  # a stale attempt's report, or a node outside the job
+        if event.kind is EventKind.WORKER_EXIT and not _nonzero_exit(event):
+            return []
+        if event.kind in _FAILURES:
+            node.failures.append(now)
+        elif event.kind is EventKind.STRAGGLER:
+            node.stragglers.append(now)
+        return self._decide(event, now)
+
+    def tick(self, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        if self._assignment is None or self._stopped or self._finished:
+            return out
+        for name, n in list(self._nodes.items()):
+            if n.state in (NodeState.ACTIVE, NodeState.SPARE) and now - n.last_seen > self.cfg.node_timeout:
+                ev = Event(kind=EventKind.AGENT_LOST, node=name, attempt=None,
+                           details={"reason": "timeout", "last_seen_age": round(now - n.last_seen, 3)},
+                           mono=now, wall=time.time())
+                out += self.handle(ev, now)
+                if self._stopped:
+                    return out
+        p = self._pending
+        if p is not None and now - p.decided >= self.cfg.scale_up_wait:
+            out += self._apply_scale_up(None, now, f"no checkpoint within {self.cfg.scale_up_wait:g} s")
+        return out
+
+    def _ckpt_done(self, event: Event, now: float) -> list[Decision]:
+        tier, step = event.details.get("tier"), event.details.get("step")
+        if not isinstance(tier, str) or isinstance(step, bool) or not isinstance(step, int):
+            return []
+        if step > self._ckpt_steps.get(tier, -1):
+            self._ckpt_steps[tier] = step
+        p = self._pending
+        if (tier == LOCAL_TIER and p is not None and (p.local_step is None or step > p.local_step)
+                and not self._stopped and not self._finished):
+            return self._apply_scale_up(event, now, f"checkpoint boundary (step {step})")
+        return []
+
+    # ------------------------------------------------------------------------------------------ deciding
+    def _ask(self, policy: Any, event: Event, view: JobView) -> Action:
+        """Run a user's policy in a daemon thread; on timeout the thread is abandoned, never joined."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["action"] = policy.decide(event, view)
+            except BaseException as e:  # noqa: BLE001 - anything a policy raises is the policy's failure
+                box["error"] = e
+                box["tb"] = traceback.format_exc()
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run, name="resilient-policy", daemon=True)
+        t.start()
+        if not done.wait(self.cfg.policy_timeout):
+            raise _Invalid(f"the policy did not decide within {self.cfg.policy_timeout:g} s "
+                           f"(--policy-timeout); its thread is abandoned")
+        if "error" in box:
+            raise _Invalid(f"the policy raised:\n{box['tb']}")
+        action = box.get("action")
+        if not isinstance(action, Action) or type(action) is Action:
+            raise _Invalid(f"the policy returned {action!r:.200}, not an action (Restart, HotSwap, ScaleDown, "
+                           "ScaleUp, Cordon, Ignore or Stop)")
+        return action
+
+    def _decide(self, event: Event, now: float) -> list[Decision]:
+        view = self.view(now)
+        fallback: str | None = None
+        action: Action | None = None
+        if self._policy is not None:
+            try:
+                action = self._ask(self._policy, event, view)
+                action = self._validate(action, event, view)
+            except _Invalid as e:
+                fallback = str(e)
+                logger.warning("policy overruled on %s from %s, the default policy decides: %s",
+                               event.kind.value, event.node, fallback)
+                action = None
+        if action is None:
+            try:
+                action = self._default.decide(event, view)
+                action = self._validate(action, event, view)
+            except _Invalid as e:
+                action = Stop(reason=f"no valid action for {event.kind.value} on {event.node}: {e}")
+            except Exception:  # noqa: BLE001 - the default failing must still end in a decision
+                logger.exception("the default policy failed on %s", event)
+                action = Stop(reason=f"the default policy failed on {event.kind.value} on {event.node}")
+        return self._apply(action, event, now, fallback)
+
+    def _validate(self, a: Action, event: Event, view: JobView) -> Action:
+        """Return the action to carry out (a budget Stop, or a Cordon resolved) or raise :class:`_Invalid`."""
+        members = list(view.members)
+        lost_members = [m for m in members if view.nodes[m].state is NodeState.LOST]
+        nodes = view.nodes
+
+        def left_lost(remaining: list[str]) -> None:
+            bad = [m for m in remaining if m in lost_members]
+            if bad:
+                raise _Invalid(f"{a.kind} leaves lost node(s) {', '.join(bad)} in the job (it would wait forever)")
+
+        def spare_ok(s: str) -> None:
+            v = nodes.get(s)
+            if v is None or v.state is not NodeState.SPARE or not v.healthy:
+                raise _Invalid(f"{a.kind}: {s!r} is not a healthy spare (spares: {', '.join(view.spares) or 'none'})")
+
+        def budget() -> None:
+            if view.restarts_left <= 0:
+                raise _Budget(a)
+
+        try:
+            if isinstance(a, Stop):
+                return a
+            if isinstance(a, Ignore):
+                left_lost(members)
+                return a
+            if isinstance(a, Restart):
+                left_lost(members)
+                budget()
+                return a
+            if isinstance(a, HotSwap):
+                if a.node not in members:
+                    raise _Invalid(f"hot_swap: {a.node!r} holds no group rank (members: {', '.join(members)})")
+                spare_ok(a.spare)
+                left_lost([m for m in members if m != a.node])
+                budget()
+                return a
+            if isinstance(a, ScaleDown):
+                if not a.nodes or len(set(a.nodes)) != len(a.nodes):
+                    raise _Invalid(f"scale_down needs distinct nodes, got {list(a.nodes)}")
+                out = [n for n in a.nodes if n not in members]
+                if out:
+                    raise _Invalid(f"scale_down: {', '.join(out)} hold no group rank")
+                if len(members) - len(a.nodes) < view.min_nodes:
+                    raise _Invalid(f"scale_down to {len(members) - len(a.nodes)} node(s) is below --nnodes min "
+                                   f"{view.min_nodes}")
+                left_lost([m for m in members if m not in a.nodes])
+                budget()
+                return a
+            if isinstance(a, ScaleUp):
+                if not a.spares or len(set(a.spares)) != len(a.spares):
+                    raise _Invalid(f"scale_up needs distinct spares, got {list(a.spares)}")
+                for s in a.spares:
+                    spare_ok(s)
+                grown = set(view.pending_scale_up) | set(a.spares)
+                if len(members) + len(grown) > view.max_nodes:
+                    raise _Invalid(f"scale_up to {len(members) + len(grown)} node(s) is above --nnodes max "
+                                   f"{view.max_nodes}")
+                left_lost(members)
+                if view.restarts_left <= 0:  # growing is optional: never stop a healthy job for it
+                    raise _Invalid("scale_up needs a restart and the restart budget is spent")
+                return a
+            if isinstance(a, Cordon):
+                if a.node not in nodes:
+                    raise _Invalid(f"cordon: unknown node {a.node!r}")
+                if a.node not in members:
+                    left_lost(members)
+                    return a
+                why = a.reason or f"cordon {a.node}"
+                spares = [s for s in view.spares if s not in view.pending_scale_up] or list(view.spares)
+                if spares:
+                    inner: Action = HotSwap(a.node, spares[0], reason=f"{why}: spare {spares[0]} takes its place")
+                elif len(members) - 1 >= view.min_nodes:
+                    inner = ScaleDown((a.node,), reason=f"{why}: no spare, scaling down")
+                else:
+                    return Stop(reason=f"{why}: no spare, and --nnodes min {view.min_nodes} forbids scaling down")
+                left_lost([m for m in members if m != a.node])
+                budget()
+                return _Cordoning(inner)
+        except _Budget:
+            return Stop(reason=f"restart budget spent (--max-restarts {self.cfg.max_restarts}): {a.kind} "
+                               f"for {event.kind.value} on {event.node} not possible")
+        raise _Invalid(f"unknown action {a!r:.200}")
+
+    # ------------------------------------------------------------------------------------------ effects
+    def _id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    def _new_round(self, members: list[str]) -> Assignment:
+        old = self._assignment
+        assert old is not None
+        self._restarts_used += 1
+        for m in members:
+            self._nodes[m].state = NodeState.ACTIVE
+        self._assignment = self._make(old.round + 1, members, old.world_size)
+        return self._assignment
+
+    def _apply(self, a: Action, event: Event | None, now: float, fallback: str | None) -> list[Decision]:
+        assert self._assignment is not None
+        members = list(self._assignment.members)
+        cordon = isinstance(a, _Cordoning)
+        if cordon:
+            a = a.inner  # type: ignore[attr-defined]
+
+        def out_of_job(n: str) -> None:
+            node = self._nodes[n]
+            if cordon or node.state is NodeState.ACTIVE:
+                node.state = NodeState.CORDONED
+            # a lost node stays LOST: it may come back as a spare
+
+        if isinstance(a, Restart):
+            return [Decision(self._id(), a, event, self._new_round(members), fallback)]
+        if isinstance(a, HotSwap):
+            out_of_job(a.node)
+            members[members.index(a.node)] = a.spare
+            if self._pending is not None and a.spare in self._pending.spares:
+                self._pending.spares.remove(a.spare)
+                if not self._pending.spares:
+                    self._pending = None
+            return [Decision(self._id(), a, event, self._new_round(members), fallback)]
+        if isinstance(a, ScaleDown):
+            for n in a.nodes:
+                out_of_job(n)
+            members = [m for m in members if m not in a.nodes]
+            return [Decision(self._id(), a, event, self._new_round(members), fallback)]
+        if isinstance(a, ScaleUp):
+            d = Decision(self._id(), a, event, None, fallback, pending=True)
+            if self._pending is None:
+                self._pending = _PendingScaleUp(a, list(a.spares), now, self._ckpt_steps.get(LOCAL_TIER), d.id)
+            else:
+                self._pending.spares += [s for s in a.spares if s not in self._pending.spares]
+            return [d]
+        if isinstance(a, Cordon):
+            self._nodes[a.node].state = NodeState.CORDONED
+            if self._pending is not None and a.node in self._pending.spares:
+                self._pending.spares.remove(a.node)
+                if not self._pending.spares:
+                    self._pending = None
+            return [Decision(self._id(), a, event, None, fallback)]
+        if isinstance(a, Stop):
+            self._stopped = a.reason or "stopped by the policy"
+            self._pending = None
+            logger.error("job stopped: %s", self._stopped)
+            return [Decision(self._id(), a, event, None, fallback)]
+        return [Decision(self._id(), a, event, None, fallback)]  # Ignore
+
+    def _apply_scale_up(self, event: Event | None, now: float, why: str) -> list[Decision]:
+        p = self._pending
+        assert p is not None and self._assignment is not None
+        self._pending = None
+        members = list(self._assignment.members)
+        room = self.cfg.max_nodes - len(members)
+        grow = [s for s in p.spares if (n := self._nodes.get(s)) is not None and n.state is NodeState.SPARE
+                and n.healthy][:max(0, room)]
+        if not grow:
+            logger.info("scale-up %d dropped at %s: none of %s is still a healthy spare, or no room",
+                        p.decision_id, why, p.spares)
+            return []
+        if self.restarts_left <= 0:
+            logger.info("scale-up %d dropped: the restart budget is spent", p.decision_id)
+            return []
+        a = ScaleUp(tuple(grow), reason=f"{p.action.reason}; carried out at {why}".lstrip("; "))
+        return [Decision(self._id(), a, event, self._new_round(members + grow))]
+
+
+class _Budget(Exception):
+    def __init__(self, action: Action) -> None:
+        self.action = action
+
+
+@dataclass(frozen=True)
+class _Cordoning(Action):
+    """A Cordon of a member, resolved to the swap or scale-down that takes it out."""
+
+    inner: Action = field(default_factory=Ignore)
+    kind = "cordon"
+
+
+def _nonzero_exit(ev: Event) -> bool:
+    code = ev.details.get("exit_code")
+    return not (code == 0 and not ev.details.get("signal"))

@@ -1,0 +1,429 @@
+"""The scenario table: sequences of joins, events and clock ticks fed to a :class:`SupervisorCore`, with
+the decisions each shipped policy must take. The same table runs against every ``policies/*.py`` in the
+tests, and through any user policy in ``resilient policy check FILE``.
+
+A scenario's ``expect`` is what the default policy does; ``overrides`` maps a policy's name (its file's
+stem) to its own expectation where it differs. ``wrap`` names a deliberately broken policy
+(:data:`BROKEN`) put in front of the policy under test: the core must overrule it and let the default
+decide, recording why.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+from resilient.supervisor.api import Cordon, HotSwap, Policy, ScaleDown
+from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore
+
+CURRENT = "current"  # an event of the attempt running when it is fed
+
+
+# --------------------------------------------------------------------------------------------- steps
+@dataclass(frozen=True)
+class Join:
+    node: str
+    at: float = 0.0
+    nproc: int = 2
+
+
+@dataclass(frozen=True)
+class Form:
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class On:
+    """An event fed to ``handle``."""
+
+    kind: str
+    node: str
+    at: float
+    rank: int | None = None
+    attempt: int | str | None = CURRENT
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """Reports (summaries) from these nodes, so that they do not time out."""
+
+    nodes: tuple[str, ...]
+    at: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    at: float
+
+
+Step = Join | Form | On | Seen | Tick
+
+
+@dataclass(frozen=True)
+class Expect:
+    action: str  # the action kind
+    fields: Mapping[str, Any] = field(default_factory=dict)  # e.g. {"node": "b", "spare": "s"}
+    members: tuple[str, ...] | None = None  # the new assignment's members (None: no assignment)
+    fallback: bool = False  # the policy was overruled
+    pending: bool = False  # a ScaleUp recorded, carried out later
+
+    def describe(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in self.fields.items())
+        mem = f" → {list(self.members)}" if self.members is not None else ""
+        return f"{self.action}{extra}{mem}{' (fallback)' if self.fallback else ''}{' (pending)' if self.pending else ''}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    doc: str
+    cfg: Mapping[str, Any]
+    steps: tuple[Step, ...]
+    expect: tuple[Expect, ...]
+    overrides: Mapping[str, tuple[Expect, ...]] = field(default_factory=dict)
+    wrap: str | None = None
+
+    def expected(self, policy_name: str) -> tuple[Expect, ...]:
+        return self.overrides.get(policy_name, self.expect)
+
+
+def joins(*names: str, at: float = 0.0) -> tuple[Step, ...]:
+    return tuple(Join(n, at) for n in names) + (Form(at),)
+
+
+def crash(node: str, at: float, rank: int = 0, attempt: int | str | None = CURRENT, code: int = 1) -> On:
+    return On("worker_exit", node, at, rank=rank, attempt=attempt, details={"exit_code": code, "signal": None})
+
+
+def restart(*members: str, **kw: Any) -> Expect:
+    return Expect("restart", members=members, **kw)
+
+
+# --------------------------------------------------------------------------------------------- broken policies
+class _Wrapper:
+    """Broken on worker exits (and on node loss for ``invalid``); the policy under test decides the rest."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+
+    def broken(self, event: Event, view: Any) -> Any:
+        raise NotImplementedError
+
+    def decide(self, event: Event, view: Any) -> Any:
+        if event.kind in (EventKind.WORKER_EXIT, EventKind.AGENT_LOST):
+            return self.broken(event, view)
+        return self.inner.decide(event, view)
+
+    def release(self) -> None:
+        pass
+
+
+class Raises(_Wrapper):
+    def broken(self, event: Event, view: Any) -> Any:
+        raise RuntimeError(f"policy bug on {event.kind.value}")
+
+
+class Hangs(_Wrapper):
+    """Blocks far past ``policy_timeout`` (released when the scenario ends, so no thread outlives it)."""
+
+    def __init__(self, inner: Policy) -> None:
+        super().__init__(inner)
+        self._gate = threading.Event()
+
+    def broken(self, event: Event, view: Any) -> Any:
+        self._gate.wait(60.0)
+        return self.inner.decide(event, view)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+class Nonsense(_Wrapper):
+    def broken(self, event: Event, view: Any) -> Any:
+        return "restart please"
+
+
+class Invalid(_Wrapper):
+    def broken(self, event: Event, view: Any) -> Any:
+        if event.kind is EventKind.AGENT_LOST:
+            return ScaleDown((event.node,), reason="below min on purpose")
+        return HotSwap(event.node, "no-such-spare")
+
+
+class Cordons(_Wrapper):
+    def broken(self, event: Event, view: Any) -> Any:
+        return Cordon(event.node, reason=f"{event.node} is suspect")
+
+
+BROKEN: dict[str, type[_Wrapper]] = {"raises": Raises, "hangs": Hangs, "nonsense": Nonsense, "invalid": Invalid,
+                                     "cordons": Cordons}
+
+
+# --------------------------------------------------------------------------------------------- the table
+_TWO = {"min_nodes": 1, "max_nodes": 2, "nproc_per_node": 2}
+_TWO_AT_MIN = {"min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2}
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "worker_crash_restart", "a worker exits with an error: restart in place",
+        _TWO, joins("a", "b") + (crash("b", 5, rank=2),),
+        (restart("a", "b"),),
+        overrides={"hot_swap_first": (restart("a", "b"),)},
+    ),
+    Scenario(
+        "clean_exit_ignored", "a worker exiting with code 0 is not a failure",
+        _TWO, joins("a", "b") + (crash("b", 5, rank=2, code=0),),
+        (),
+    ),
+    Scenario(
+        "repeated_crash_swap", "the third crash of one node within the window swaps it for the spare",
+        _TWO, joins("a", "b", "s") + (crash("b", 5), crash("b", 6), crash("b", 7)),
+        (restart("a", "b"), restart("a", "b"), Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"))),
+        overrides={
+            "hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),),
+            "scale_down_first": (restart("a", "b"), restart("a", "b"), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+        },
+    ),
+    Scenario(
+        "repeated_crash_no_spare", "repeated crashes and no spare: scale down without the node",
+        _TWO, joins("a", "b") + (crash("b", 5), crash("b", 6), crash("b", 7)),
+        (restart("a", "b"), restart("a", "b"), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+    ),
+    Scenario(
+        "repeated_crash_at_min", "repeated crashes, no spare, at --nnodes min: keep restarting in place",
+        _TWO_AT_MIN, joins("a", "b") + (crash("b", 5), crash("b", 6), crash("b", 7)),
+        (restart("a", "b"), restart("a", "b"), restart("a", "b")),
+    ),
+    Scenario(
+        "failures_outside_window", "crashes further apart than the failure window never escalate",
+        {**_TWO, "failure_window": 10.0, "max_restarts": 5},
+        joins("a", "b", "s") + (Seen(("a", "b", "s"), 1), crash("b", 5), Seen(("a", "b", "s"), 12), crash("b", 20),
+                                Seen(("a", "b", "s"), 28), crash("b", 35)),
+        (restart("a", "b"), restart("a", "b"), restart("a", "b")),
+        overrides={"hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),)},
+    ),
+    Scenario(
+        "node_lost_with_spare", "a node stops reporting: the spare takes its group rank",
+        _TWO, joins("a", "b", "s") + (Seen(("a", "s"), 8), Tick(11)),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),),
+        overrides={"scale_down_first": (Expect("scale_down", {"nodes": ["b"]}, ("a",)),)},
+    ),
+    Scenario(
+        "node_lost_no_spare", "a node stops reporting and there is no spare: scale down",
+        _TWO, joins("a", "b") + (Seen(("a",), 8), Tick(11)),
+        (Expect("scale_down", {"nodes": ["b"]}, ("a",)),),
+    ),
+    Scenario(
+        "node_lost_at_min", "a node is lost, no spare, at --nnodes min: stop with a reason",
+        _TWO_AT_MIN, joins("a", "b") + (Seen(("a",), 8), Tick(11)),
+        (Expect("stop"),),
+    ),
+    Scenario(
+        "node_lost_reported_twice", "a dropped connection and the timeout of one node decide once",
+        _TWO, joins("a", "b", "s") + (On("agent_lost", "b", 3, attempt=None, details={"reason": "disconnected"}),
+                                      Seen(("a", "s"), 8), Tick(11), Seen(("a", "s"), 12), Tick(14)),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),),
+        overrides={"scale_down_first": (Expect("scale_down", {"nodes": ["b"]}, ("a",)),)},
+    ),
+    Scenario(
+        "scale_down_bounded_by_min", "losing nodes one by one shrinks the job down to min, then stops",
+        {"min_nodes": 2, "max_nodes": 3, "nproc_per_node": 2},
+        joins("a", "b", "c") + (Seen(("a", "b"), 8), Tick(11), Seen(("a",), 20), Tick(22)),
+        (Expect("scale_down", {"nodes": ["c"]}, ("a", "b")), Expect("stop")),
+    ),
+    Scenario(
+        "budget_spent_stop", "the restart budget is spent: stop",
+        {**_TWO, "max_restarts": 1}, joins("a", "b") + (crash("b", 5), crash("a", 6)),
+        (restart("a", "b"), Expect("stop")),
+    ),
+    Scenario(
+        "spare_lost_no_decision", "a spare that stops reporting is lost without disturbing the job",
+        _TWO, joins("a", "b", "s") + (Seen(("a", "b"), 8), Tick(11)),
+        (),
+    ),
+    Scenario(
+        "scale_up_at_checkpoint", "a spare joins below max: scale up at the next local checkpoint, not before",
+        _TWO,
+        joins("a", "b") + (
+            On("ckpt_tier_done", "a", 2, rank=0, details={"step": 5, "tier": "local"}),
+            Seen(("a",), 8), Tick(11),  # b lost → scale down
+            Join("c", 12),
+            On("ckpt_tier_done", "a", 13, rank=1, details={"step": 5, "tier": "local"}),  # a late report: not newer
+            On("ckpt_tier_done", "a", 14, rank=0, details={"step": 10, "tier": "persistent"}),  # not the local tier
+            On("ckpt_tier_done", "a", 15, rank=1, details={"step": 10, "tier": "local"}),
+        ),
+        (Expect("scale_down", {"nodes": ["b"]}, ("a",)), Expect("scale_up", {"spares": ["c"]}, pending=True),
+         Expect("scale_up", {"spares": ["c"]}, ("a", "c"))),
+    ),
+    Scenario(
+        "scale_up_after_wait", "a spare joins below max and no checkpoint comes: scale up after scale_up_wait",
+        {**_TWO, "scale_up_wait": 30.0},
+        joins("a", "b") + (Seen(("a",), 8), Tick(11), Join("c", 12), Seen(("a", "c"), 20), Tick(21),
+                           Seen(("a", "c"), 35), Tick(42)),
+        (Expect("scale_down", {"nodes": ["b"]}, ("a",)), Expect("scale_up", {"spares": ["c"]}, pending=True),
+         Expect("scale_up", {"spares": ["c"]}, ("a", "c"))),
+    ),
+    Scenario(
+        "lost_node_rejoins", "a lost node that comes back is a spare and grows the job back",
+        {**_TWO, "scale_up_wait": 5.0},
+        joins("a", "b") + (Seen(("a",), 8), Tick(11), Join("b", 12), Seen(("a", "b"), 16), Tick(17)),
+        (Expect("scale_down", {"nodes": ["b"]}, ("a",)), Expect("scale_up", {"spares": ["b"]}, pending=True),
+         Expect("scale_up", {"spares": ["b"]}, ("a", "b"))),
+    ),
+    Scenario(
+        "spare_joins_at_max", "a spare joining a full job waits warm, before and after formation",
+        _TWO, (Join("a"), Join("b"), Join("s1"), Form(0), Join("s2", 5), crash("a", 6)),
+        (Expect("ignore"), restart("a", "b")),
+        overrides={"hot_swap_first": (Expect("ignore"), Expect("hot_swap", {"node": "a", "spare": "s1"}, ("s1", "b")))},
+    ),
+    Scenario(
+        "duplicate_reports_decided_once", "one failure reported by several nodes and ranks: one restart",
+        _TWO, joins("a", "b") + (crash("b", 5, rank=2, attempt=0), crash("a", 5.1, rank=0, attempt=0),
+                                 On("hang", "a", 5.2, rank=1, attempt=0), crash("b", 5.3, rank=3, attempt=0)),
+        (restart("a", "b"),),
+    ),
+    Scenario(
+        "stale_attempt_ignored", "events of an older (or unknown) attempt are recorded, not acted on",
+        _TWO, joins("a", "b") + (crash("b", 5, attempt=0), crash("a", 6, attempt=0), crash("a", 7, attempt=9),
+                                 On("hang", "a", 8, rank=0, attempt=1)),
+        (restart("a", "b"), restart("a", "b")),
+    ),
+    Scenario(
+        "straggler_eviction", "a node flagged straggler three times is swapped (evict_stragglers)",
+        _TWO, joins("a", "b", "s") + tuple(On("straggler", "b", 5 + i, rank=2, details={"score": 0.3})
+                                           for i in range(3)),
+        (Expect("ignore"), Expect("ignore"), Expect("ignore")),
+        overrides={"evict_stragglers": (Expect("ignore"), Expect("ignore"),
+                                        Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")))},
+    ),
+    Scenario(
+        "unhealthy_node", "a GPU reported unhealthy: recorded (hot_swap_first swaps it)",
+        _TWO, joins("a", "b", "s") + (On("gpu_unhealthy", "b", 5, details={"index": 0, "check": "xid"}),),
+        (Expect("ignore"),),
+        overrides={"hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),)},
+    ),
+    Scenario(
+        "preemption_notice_ignored", "a preemption notice: the agents save; no action",
+        _TWO, joins("a", "b") + (On("preemption_notice", "a", 5, details={"deadline": 30.0}),),
+        (Expect("ignore"),),
+    ),
+    Scenario(
+        "policy_raises", "a policy that raises: the default decides, the traceback is kept",
+        _TWO, joins("a", "b") + (crash("b", 5),),
+        (restart("a", "b", fallback=True),), wrap="raises",
+    ),
+    Scenario(
+        "policy_hangs", "a policy that blocks past policy_timeout: abandoned, the default decides",
+        {**_TWO, "policy_timeout": 0.2}, joins("a", "b") + (crash("b", 5),),
+        (restart("a", "b", fallback=True),), wrap="hangs",
+    ),
+    Scenario(
+        "policy_returns_nonsense", "a policy that returns a string: the default decides",
+        _TWO, joins("a", "b") + (crash("b", 5),),
+        (restart("a", "b", fallback=True),), wrap="nonsense",
+    ),
+    Scenario(
+        "policy_invalid_action", "a swap to an unknown spare, a scale-down below min: the default decides",
+        _TWO_AT_MIN, joins("a", "b", "s") + (crash("b", 5), Seen(("a", "s"), 12), Tick(16)),
+        (restart("a", "b", fallback=True), Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"), fallback=True)),
+        wrap="invalid",
+    ),
+    Scenario(
+        "policy_invalid_no_way_out", "an invalid action where the default can only stop: stop, fallback kept",
+        _TWO_AT_MIN, joins("a", "b") + (Seen(("a",), 8), Tick(11)),
+        (Expect("stop", fallback=True),), wrap="invalid",
+    ),
+    Scenario(
+        "cordon_active_node", "cordoning an active node swaps in a spare, or scales down without one",
+        {**_TWO, "max_nodes": 3}, joins("a", "b", "c", "s") + (crash("b", 5), crash("c", 6)),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s", "c")),
+         Expect("scale_down", {"nodes": ["c"]}, ("a", "s"))),
+        wrap="cordons",
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------- running
+@dataclass(frozen=True)
+class Outcome:
+    scenario: Scenario
+    decisions: tuple[tuple[Step, Decision], ...]  # each decision with the step that produced it
+
+    @property
+    def actions(self) -> tuple[Decision, ...]:
+        return tuple(d for _, d in self.decisions)
+
+
+def make_event(step: On, core: SupervisorCore) -> Event:
+    attempt = step.attempt
+    if attempt == CURRENT:
+        attempt = core.assignment.attempt if core.assignment is not None else None
+    return Event(kind=EventKind(step.kind), node=step.node, rank=step.rank, attempt=attempt,  # type: ignore[arg-type]
+                 details=dict(step.details), mono=step.at, wall=1.7e9 + step.at)
+
+
+def run_scenario(sc: Scenario, policy: Policy | None) -> Outcome:
+    """Feed the scenario to a fresh core deciding with ``policy`` (behind ``sc.wrap`` if set)."""
+    if sc.wrap is not None:
+        from resilient.supervisor.default_policy import DefaultPolicy
+
+        policy = BROKEN[sc.wrap](policy if policy is not None else DefaultPolicy())
+    core = SupervisorCore(SupervisorConfig(**sc.cfg), policy)
+    out: list[tuple[Step, Decision]] = []
+    try:
+        for step in sc.steps:
+            if isinstance(step, Join):
+                ds = core.join(step.node, step.nproc, step.at)
+            elif isinstance(step, Form):
+                core.form(step.at)
+                ds = []
+            elif isinstance(step, Seen):
+                for n in step.nodes:
+                    core.seen(n, step.at)
+                ds = []
+            elif isinstance(step, Tick):
+                ds = core.tick(step.at)
+            else:
+                ds = core.handle(make_event(step, core), step.at)
+            out += [(step, d) for d in ds]
+    finally:
+        if isinstance(policy, _Wrapper):
+            policy.release()
+    return Outcome(sc, tuple(out))
+
+
+def _matches(e: Expect, d: Decision) -> list[str]:
+    bad = []
+    got = d.action.to_json()
+    if d.action.kind != e.action:
+        bad.append(f"action {d.action.kind} (expected {e.action})")
+    for k, v in e.fields.items():
+        if got.get(k) != v:
+            bad.append(f"{k}={got.get(k)!r} (expected {v!r})")
+    members = d.assignment.members if d.assignment is not None else None
+    if members != e.members:
+        bad.append(f"members {members} (expected {e.members})")
+    if (d.fallback is not None) != e.fallback:
+        bad.append(f"fallback {'set' if d.fallback else 'not set'} (expected {'set' if e.fallback else 'none'})")
+    if d.pending != e.pending:
+        bad.append(f"pending {d.pending} (expected {e.pending})")
+    return bad
+
+
+def check(outcome: Outcome, policy_name: str) -> list[str]:
+    """Differences between what happened and what ``policy_name`` should do; empty when it matches."""
+    exp = outcome.scenario.expected(policy_name)
+    got = outcome.actions
+    problems = []
+    for i in range(max(len(exp), len(got))):
+        if i >= len(got):
+            problems.append(f"decision {i + 1}: missing, expected {exp[i].describe()}")
+        elif i >= len(exp):
+            problems.append(f"decision {i + 1}: unexpected {got[i].action.kind} ({got[i].action.reason})")
+        else:
+            problems += [f"decision {i + 1}: {p}" for p in _matches(exp[i], got[i])]
+    return problems
