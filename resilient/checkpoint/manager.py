@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from resilient import env as _env
@@ -43,10 +44,15 @@ from resilient.checkpoint.tiers import (DirTier, crc_bytes, file_entry, make_tie
                                         map_verified, retry, verify_bytes, verify_file)
 from resilient.checkpoint.reader import FastReader
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
+from resilient.checkpoint.writer import MemoryWriter
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
 
 logger = logging.getLogger(__name__)
+
+# DCP raises CheckpointException, a BaseException: `except Exception` alone lets a failed write (a full
+# disk) kill the thread that runs it
+FAILURES: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 
 _SMALL = 1 << 20  # leaves up to this size are compared across ranks to find per-rank values
 DEFAULT_AUTO_FALLBACK = 10
@@ -59,12 +65,25 @@ def _quiet(fn: Any, *args: Any, **kw: Any) -> Any:
         return fn(*args, **kw)
 
 
+def _one_line(e: BaseException) -> str:
+    """An error for the ledger and a warning: DCP's CheckpointException carries whole tracebacks; keep the
+    underlying error of the first failed rank."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _) = next(iter(e.failures.items()))
+        return f"{type(inner).__name__}: {inner} (rank {rank})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _bytes_entry(data: bytes) -> FileEntry:
+    return FileEntry(size=len(data), crc32c=crc_bytes(data))
+
+
 def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
     ck = ref()
     if ck is not None and not ck._closed:
         try:
             ck.close(timeout=min(120.0, ck.config.collective_timeout_s))
-        except Exception as e:  # exit goes on whatever happens here
+        except FAILURES as e:  # exit goes on whatever happens here
             logger.warning("finishing checkpoints at exit failed: %s", e)
 
 
@@ -257,6 +276,7 @@ class CheckpointManager:
         self._worker.start()
         self._up_cv = threading.Condition()
         self._up_pending: list[int] = []
+        self._up_mem: dict[int, dict[str, bytes]] = {}  # steps the local tier could not hold
         self._up_busy = False
         self._up_closing = False
         self._uploader = None
@@ -358,7 +378,7 @@ class CheckpointManager:
             try:
                 with self._interval.lock:
                     self._interval.tuner.observe_save(blocking + hook_wait)
-            except Exception as e:
+            except FAILURES as e:
                 logger.debug("tuner.observe_save failed: %s", e)
         if self.rank == 0:
             self._emit(EventKind.CKPT_SAVE, step=step, blocking_seconds=blocking + hook_wait, bytes=nbytes,
@@ -377,7 +397,8 @@ class CheckpointManager:
                 return
             try:
                 self._do_save(job)
-            except Exception as e:  # fail static: a failed save is reported, training goes on
+            except BaseException as e:  # fail static: a failed save is reported, training goes on; the
+                # worker survives whatever the save raised, or every later save() would wait on it
                 logger.exception("checkpoint of step %d failed", job.step)
                 self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.LOCAL.value,
                            error=f"{type(e).__name__}: {e}")
@@ -410,42 +431,49 @@ class CheckpointManager:
             return
         tier = self.local
         d = tier.path(job.step)
-        if self.local_rank == 0:
-            tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
-        error = None
+        error: BaseException | None = None
         try:
+            if self.local_rank == 0:
+                tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
             d.mkdir(parents=True, exist_ok=True)
             writer = FileSystemWriter(d, sync_files=True, thread_count=1, overwrite=True)
             _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
-        except Exception as e:
+        except FAILURES as e:
             error = e
-            logger.error("local save of step %d failed: %s", job.step, e)
-        finally:
-            job.tensors = {}
-            job.written.set()  # staging buffers are free: the next save may stage
         ok = error is None
+        m = None
         try:
             if ok and self.nnodes > 1:
                 self._spread_metadata(d)
             if ok:
                 m = self._write_manifest(tier, job.step, per_rank)
-        except Exception as e:
+        except FAILURES as e:
             ok, error = False, e
-        results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor()), self._pg)
+        try:
+            results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor()), self._pg)
+        except FAILURES:
+            job.tensors = {}
+            job.written.set()
+            raise
         all_ok = all(r[0] for r in results)
         if not all_ok:
-            if error is not None:
-                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier.name,
-                           error=f"{type(error).__name__}: {error}")
+            self._local_failed(job, flat, per_rank, error)
             return
+        job.tensors = {}
+        job.written.set()  # staging buffers are free: the next save may stage
         if self.local_rank == 0:
-            self._commit(tier, job.step, ranks=self._node_ranks(self.node))
+            try:
+                self._commit(tier, job.step, ranks=self._node_ranks(self.node))
+            except FAILURES as e:  # the files are there: peers and the persistent tier still get them
+                logger.warning("local tier: commit of step %d failed (%s); the step is not complete on this "
+                               "node's local tier", job.step, _one_line(e))
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier.name, error=_one_line(e))
         self.last_saved_step = job.step
         seconds = time.perf_counter() - t0
         if self.rank == 0:
             self._emit(EventKind.CKPT_TIER_DONE, step=job.step, tier=tier.name, seconds=seconds,
                        bytes=sum(r[1] for r in results))
-        if self.peer is not None:
+        if self.peer is not None and m is not None:
             self._replicate(job.step, m)
         floor = min((r[2] for r in results if r[2] is not None), default=None)
         if self.local_rank == 0:
@@ -455,6 +483,56 @@ class CheckpointManager:
         job.ok = True
         if job.upload:
             self._request_upload(job.step)
+
+    def _local_failed(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str],
+                      error: BaseException | None) -> None:
+        """Collective (every rank, after agreeing the local write failed somewhere): report it, drop the
+        partial step, and still give the persistent tier this step from the staged host copy."""
+        assert self.local is not None
+        try:
+            if error is not None:
+                logger.warning("local tier: save of step %d failed, skipping the tier for this step (retried at "
+                               "the next save): %s", job.step, _one_line(error))
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=self.local.name,
+                           error=_one_line(error))
+            self._gather(None, self._pg)  # nobody writes into the step any more
+            if self.local_rank == 0:
+                self.local.delete_step(job.step)  # free the space a partial write took
+            if job.upload and self.persistent is not None:
+                files = self._save_to_memory(job.step, flat, per_rank)
+                if files is not None:
+                    self._request_upload(job.step, files)
+        finally:
+            job.tensors = {}
+            job.written.set()
+
+    def _save_to_memory(self, step: int, flat: dict[str, Any], per_rank: list[str]) -> dict[str, bytes] | None:
+        """Collective: this rank's DCP files of ``step`` (plus its manifest; ``.metadata`` on rank 0) as
+        bytes in memory, for an upload that cannot read them from the local tier."""
+        files: dict[str, bytes] = {}
+        ok, error = True, None
+        try:
+            writer = MemoryWriter(f"memory-step-{step}")
+            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+            files = writer.files
+        except FAILURES as e:
+            ok, error = False, e
+        md_entry = self._bcast(_bytes_entry(files[DCP_METADATA]).to_json() if ok and self.rank == 0 else None,
+                               self._pg)
+        if not self._all(ok and md_entry is not None):
+            logger.warning("step %d: in-memory copy for the persistent tier failed too: %s", step,
+                           _one_line(error) if error else "on another rank")
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
+                       error=_one_line(error) if error else "in-memory copy failed on another rank")
+            return None
+        mine = {n: b for n, b in files.items() if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")}
+        m = Manifest(step=step, rank=self.rank, world_size=self.world_size,
+                     files={n: _bytes_entry(b) for n, b in mine.items()},
+                     metadata=FileEntry.from_json(md_entry), per_rank_keys=tuple(per_rank), wall=time.time())
+        mine[manifest_name(self.rank)] = json.dumps(m.to_json()).encode()
+        if self.rank == 0:
+            mine[DCP_METADATA] = files[DCP_METADATA]
+        return mine
 
     def _save_without_local(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str], t0: float) -> None:
         """No local tier: write the persistent tier directly (still in the background)."""
@@ -466,7 +544,7 @@ class CheckpointManager:
             staging.mkdir(parents=True)
             writer = FileSystemWriter(staging, sync_files=False, thread_count=1)
             _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
-        except Exception as e:
+        except FAILURES as e:
             error = e
         finally:
             job.tensors = {}
@@ -483,7 +561,7 @@ class CheckpointManager:
                 self._spread_metadata(step_dir, shared_by_node=False)
             if ok:
                 self._write_manifest(tmp_tier, job.step, per_rank)
-        except Exception as e:
+        except FAILURES as e:
             ok, error = False, e
         results = self._gather(ok, self._pg)
         if not all(results):
@@ -557,7 +635,7 @@ class CheckpointManager:
                                 max(1, int(iv.tuner.persistent_every())) if iv.auto_persistent
                                 else iv.persistent_every,
                                 iv.tuner.inputs())
-            except Exception as e:
+            except FAILURES as e:
                 logger.warning("interval tuner failed (%s); keeping %d steps", e, iv.steps)
                 proposal = (iv.steps, iv.persistent_every, {})
         steps, every, inputs = self._bcast(proposal, self._pg)
@@ -592,7 +670,7 @@ class CheckpointManager:
             for n, fe in got.all_files().items():
                 if any(s.name == n for s in everyone[src]):
                     verify_file(out / n, fe)
-        except Exception as e:
+        except FAILURES as e:
             ok, error = False, e
             logger.error("peer replication of step %d from rank %d failed: %s", step, src, e)
         results = self._gather(ok, self._pg)
@@ -629,7 +707,7 @@ class CheckpointManager:
                 if pinned_from is not None and s >= pinned_from:
                     continue
                 tier.delete_step(s)
-        except Exception as e:
+        except FAILURES as e:
             logger.warning("retention on %s failed: %s", tier, e)
 
     # ------------------------------------------------------------------ persistent upload
@@ -638,10 +716,19 @@ class CheckpointManager:
             pend = list(self._up_pending)
             return min(pend) if pend else None
 
-    def _request_upload(self, step: int) -> None:
+    def _request_upload(self, step: int, files: dict[str, bytes] | None = None) -> None:
+        """Queue ``step`` for upload, from the local tier or (``files``) from memory."""
         with self._up_cv:
             self._up_pending.append(step)
+            if files is not None:
+                self._up_mem[step] = files
             self._up_cv.notify_all()
+
+    def _drop_pending(self, keep: Any) -> None:
+        """(under _up_cv) keep only pending steps for which ``keep(step)``; their in-memory copies too."""
+        self._up_pending = [s for s in self._up_pending if keep(s)]
+        for s in [s for s in self._up_mem if not keep(s)]:
+            del self._up_mem[s]
 
     def _upload_loop(self) -> None:
         while True:
@@ -657,40 +744,53 @@ class CheckpointManager:
                 # ranks may have seen different numbers of requests: agree on one every rank has
                 step = min(self._gather(newest, self._pg_up))
                 with self._up_cv:
-                    self._up_pending = [s for s in self._up_pending if s >= step]
+                    self._drop_pending(lambda s: s >= step)
+                    mem = self._up_mem.get(step)
                 assert self.local is not None
-                self._upload_step(step, self.local, group=self._pg_up)
-            except Exception as e:
+                self._upload_step(step, self.local, group=self._pg_up, mem=mem)
+            except BaseException as e:  # the uploader must outlive any one upload
                 logger.exception("upload loop error: %s", e)
             finally:
                 with self._up_cv:
                     if step is not None:
-                        self._up_pending = [s for s in self._up_pending if s > step]
+                        self._drop_pending(lambda s: s > step)
                     self._up_busy = False
                     self._up_cv.notify_all()
 
-    def _upload_step(self, step: int, src: DirTier, group: Any) -> None:
-        """Copy this rank's files of ``step`` from ``src`` to the persistent tier; rank 0 commits."""
+    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> None:
+        """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
+        persistent tier; rank 0 commits."""
         assert self.persistent is not None
         cfg = self.config
         t0 = time.perf_counter()
         ok, error, nbytes = True, None, 0
         try:
-            m = read_manifest(src, step, self.rank)
+            if mem is not None:
+                m = Manifest.from_json(json.loads(mem[manifest_name(self.rank)]))
+            else:
+                m = read_manifest(src, step, self.rank)
             d = src.path(step)
             names = list(m.files) + [manifest_name(self.rank)]
             if self.rank == 0:
                 names.append(DCP_METADATA)
             for n in names:
                 fe = m.all_files().get(n)
-                if fe is not None:
-                    verify_file(d / n, fe)  # never upload a copy that rotted on the local disk
-                retry(lambda n=n: self.persistent.put_file(step, n, str(d / n)),  # type: ignore[union-attr]
-                      what=f"upload {n} of step {step}", retries=cfg.upload_retries,
+                if mem is not None:
+                    data = mem[n]
+                    if fe is not None:
+                        verify_bytes(data, fe, what=f"{n} of step {step} in memory")
+                    put = (lambda n=n, data=data: self.persistent.write_bytes(step, n, data))  # type: ignore
+                    size = len(data)
+                else:
+                    if fe is not None:
+                        verify_file(d / n, fe)  # never upload a copy that rotted on the local disk
+                    put = (lambda n=n: self.persistent.put_file(step, n, str(d / n)))  # type: ignore
+                    size = (d / n).stat().st_size
+                retry(put, what=f"upload {n} of step {step}", retries=cfg.upload_retries,
                       backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
                       should_stop=lambda: self._closed and self._up_abandon)
-                nbytes += (d / n).stat().st_size
-        except Exception as e:
+                nbytes += size
+        except FAILURES as e:
             ok, error = False, e
             logger.error("upload of step %d failed: %s", step, e)
         results = self._gather((ok, nbytes), group)
@@ -707,10 +807,10 @@ class CheckpointManager:
                     try:
                         with self._interval.lock:
                             tuner.observe_upload(seconds)
-                    except Exception as e:
+                    except FAILURES as e:
                         logger.debug("tuner.observe_upload failed: %s", e)
                 self._retain(self.persistent, cfg.keep_persistent, pinned_from=None)
-            except Exception as e:
+            except FAILURES as e:
                 ok, error = False, e
         if not ok:
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
@@ -773,7 +873,7 @@ class CheckpointManager:
         for t in self._tiers():
             try:
                 out[t.name] = sorted(s for s, c in t.steps().items() if c)
-            except Exception as e:
+            except FAILURES as e:
                 logger.warning("cannot list %s: %s", t, e)
                 out[t.name] = []
         return out
@@ -858,7 +958,7 @@ class CheckpointManager:
                 for r in missing:
                     manifests[r] = retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
                                          what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2)
-            except Exception as e:
+            except FAILURES as e:
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
         if not self._all(ok_manifests):
@@ -1036,7 +1136,7 @@ class CheckpointManager:
                     verify_file(dst, files[n])
                     paths[n] = dst
                 sources[n] = TierName.PERSISTENT.value
-        except Exception as e:
+        except FAILURES as e:
             ok = False
             logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
         if not self._all(ok):

@@ -1,0 +1,84 @@
+"""Faults of the checkpoint tiers under the real ``resilient-run``: a full local disk, a dead persistent store.
+
+Each test is a fault scenario: the job must train through it, report it in the ledger, and a restart
+must still restore bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
+
+from .test_distributed import assert_bit_exact, final
+from .test_e2e_launcher import resilient_run
+
+# hidden=50000: one checkpoint (model + AdamW state, deduplicated across the 2 ranks) is about 14 MB, so a
+# 20 MB disk holds the first save and no second one
+BIG = ["--steps", "16", "--hidden", "50000"]
+
+
+@pytest.fixture
+def tiny_disk() -> Iterator[Path]:
+    """A real 20 MB filesystem (tmpfs): writes past its size fail with ENOSPC."""
+    d = Path(tempfile.mkdtemp(prefix="tiny-disk-"))
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a 20 MB tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        d.rmdir()
+
+
+@pytest.fixture(scope="module")
+def big_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    base = tmp_path_factory.mktemp("big-ref")
+    r = resilient_run(base, ["--ckpt-local", str(base / "ckpt"), "--ckpt-interval", "4"],
+                      [*BIG, "--out", str(base / "out")], {})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return final(base / "out", 2)
+
+
+def tier_events(run_dir: Path, kind: EventKind, tier: str) -> list[dict]:
+    return [e.details | {"rank": e.rank, "attempt": e.attempt} for e in read_events(run_dir)
+            if e.kind == kind and e.details.get("tier") == tier]
+
+
+@pytest.mark.timeout(300)
+def test_full_local_disk_training_goes_on_persistent_gets_every_step(
+        tmp_path: Path, tiny_disk: Path, big_reference: list[dict]) -> None:
+    persistent = tmp_path / "bucket"
+    r = resilient_run(tmp_path, ["--max-restarts", "2", "--ckpt-local", str(tiny_disk),
+                                 "--ckpt-persistent", f"file://{persistent}", "--ckpt-interval", "4",
+                                 "--ckpt-persistent-every", "1"],
+                      [*BIG, "--out", str(tmp_path / "out")],
+                      # a crash after step 11 was saved: the restart must restore it from the persistent tier
+                      {"CKPT_TRAIN_FAULT": "between:11", "CKPT_TRAIN_FAULT_RANK": "1"}, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (tmp_path / "out" / "fault-done-0").exists()
+    run = tmp_path / "run"
+    failed = tier_events(run, EventKind.CKPT_TIER_FAILED, "local")
+    # torch's zip writer reports a full disk as "unexpected pos" (its write came up short), DCP's own
+    # writes as ENOSPC
+    assert failed and all(d["error"] for d in failed), failed
+    assert {d["step"] for d in failed} >= {7, 15}
+    done = {d["step"] for d in tier_events(run, EventKind.CKPT_TIER_DONE, "persistent")}
+    assert {3, 7, 11, 15} <= done, done
+    restored = [e.details for e in read_events(run) if e.kind == EventKind.CKPT_RESTORE]
+    assert restored and all(d["step"] == 11 and d["tier"] == "persistent" for d in restored), restored
+    assert_bit_exact(big_reference, final(tmp_path / "out", 2))
+    steps = sorted(p.name for p in persistent.iterdir() if (p / "COMMITTED").exists())
+    assert steps[-1] == "step_00000015"
+    assert "local tier: save of step 7 failed, skipping the tier" in r.stderr  # the warning a user sees
+    # the disk holds nothing half-written: every step directory left on it is complete
+    assert all((p / "COMMITTED").exists() for p in tiny_disk.iterdir() if p.name.startswith("step_"))
