@@ -12,20 +12,172 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from resilient import env as renv
 
-__all__ = ["setup_logging", "JsonFormatter", "AppendHandler"]
+__all__ = ["setup_logging", "JsonFormatter", "AppendHandler", "RateLimitedLog", "ScrubFilter", "is_secret_name",
+           "scrub_argv", "scrub_env", "scrub_text", "REDACTED"]
 
 _MARK = "_resilient_handler"
 # attributes every LogRecord has; anything else came from ``extra=`` and is kept
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+REDACTED = "***"
+
+# Name parts (split on - _ . and case) that mark a flag or variable as holding a secret. Whole parts, so that
+# ``--tokenizer`` or ``--max-tokens`` keep their values while ``--hf-token`` or ``AWS_SECRET_ACCESS_KEY`` lose them.
+_SECRET_PARTS = frozenset({"secret", "secrets", "token", "password", "passwd", "pwd", "passphrase", "key", "apikey",
+                           "credential", "credentials", "auth", "cookie", "sas", "signature"})
+_SECRET_SUFFIXES = ("secret", "token", "password", "apikey")  # hftoken, dbpassword, ...
+_NAME = r"[A-Za-z][A-Za-z0-9_.-]*"
+# --flag=value, --flag value, NAME=value inside free text (log messages, argv joined by a shell)
+_FLAG_RE = re.compile(r"(?P<name>--?" + _NAME + r")(?P<sep>=|\s+)(?P<value>\"[^\"]*\"|'[^']*'|[^\s'\",]+)")
+_ASSIGN_RE = re.compile(r"(?<![-\w])(?P<name>" + _NAME + r")(?P<sep>=)(?P<value>\"[^\"]*\"|'[^']*'|[^\s'\",]+)")
+_URL_CRED_RE = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
+_BEARER_RE = re.compile(r"(?i)\b(?P<kind>bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
+
+
+def is_secret_name(name: str) -> bool:
+    """True for flag or variable names that hold secrets: ``--api-key``, ``HF_TOKEN``, ``db_password``..."""
+    bare = name.lstrip("-")
+    parts = [p for p in re.split(r"[-_.]|(?<=[a-z0-9])(?=[A-Z])", bare) if p]
+    for p in parts:
+        low = p.lower()
+        if low in _SECRET_PARTS or low.endswith(_SECRET_SUFFIXES):
+            return True
+    return False
+
+
+def _scrub_value(value: str) -> str:
+    """Credentials embedded in a value itself (``https://user:pw@host``)."""
+    return _URL_CRED_RE.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
+
+
+def scrub_argv(argv: Iterable[str]) -> list[str]:
+    """A command line with the values of secret-looking flags (``--x-token V``, ``--x-token=V``) and
+    assignments (``API_KEY=V``) replaced by ``***``; credentials inside URLs go too."""
+    out: list[str] = []
+    hide_next = False
+    for item in argv:
+        item = str(item)
+        if hide_next:
+            hide_next = False
+            if not item.startswith("-"):
+                out.append(REDACTED)
+                continue
+        if item.startswith("-") and len(item) > 1:
+            name, eq, _value = item.partition("=")
+            if is_secret_name(name):
+                if eq:
+                    out.append(f"{name}={REDACTED}")
+                else:
+                    out.append(item)
+                    hide_next = True
+                continue
+        elif "=" in item and not item.startswith("="):
+            name, _, _value = item.partition("=")
+            if re.fullmatch(_NAME, name) and is_secret_name(name):
+                out.append(f"{name}={REDACTED}")
+                continue
+        out.append(_scrub_value(item))
+    return out
+
+
+def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of an environment with the values of secret-looking variables replaced by ``***``."""
+    return {k: (REDACTED if is_secret_name(k) else _scrub_value(str(v))) for k, v in env.items()}
+
+
+def scrub_text(text: str) -> str:
+    """Free text (a log message) with secret-looking ``--flag value``, ``NAME=value``, URL credentials and
+    ``Bearer``/``Basic`` tokens replaced by ``***``. Values of other names are left alone."""
+    if not text:
+        return text
+
+    def flag(m: re.Match[str]) -> str:
+        return f"{m['name']}{m['sep']}{REDACTED}" if is_secret_name(m["name"]) else m[0]
+
+    text = _FLAG_RE.sub(flag, text)
+    text = _ASSIGN_RE.sub(flag, text)
+    text = _BEARER_RE.sub(lambda m: f"{m['kind']} {REDACTED}", text)
+    return _scrub_value(text)
+
+
+class ScrubFilter(logging.Filter):
+    """Scrubs every record's message (and traceback) before any handler formats it (see :func:`scrub_text`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is the handler's to report
+            return True
+        clean = scrub_text(msg)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = scrub_text("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        return True
+
+
+class RateLimitedLog:
+    """At most one record per ``interval`` seconds (per ``key``) through ``logger``; the records held back are
+    counted, and the next one that goes out (or :meth:`flush`) says how many there were. For messages an
+    outside party can trigger at will (refused connections, malformed input), so that they cannot flood the log.
+    Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not interval > 0:
+            raise ValueError(f"RateLimitedLog interval must be > 0 seconds, got {interval}")
+        self.logger = logger
+        self.interval = float(interval)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next: dict[object, float] = {}
+        self._held: dict[object, tuple[int, int, str, tuple[Any, ...]]] = {}  # key → (count, level, msg, args)
+        self.total = 0  # every call, emitted or not
+
+    def log(self, level: int, msg: str, *args: Any, key: object = None) -> bool:
+        """Log now if this key's interval has passed, else count it; True when a line was written."""
+        key = msg if key is None else key
+        now = self._clock()
+        with self._lock:
+            self.total += 1
+            if now < self._next.get(key, -float("inf")):
+                n = self._held.get(key, (0,))[0]
+                self._held[key] = (n + 1, level, msg, args)
+                return False
+            self._next[key] = now + self.interval
+            held = self._held.pop(key, None)
+        if held is not None:
+            self.logger.log(level, msg + " (and %d more like it in the last %.0f s)", *args, held[0], self.interval)
+        else:
+            self.logger.log(level, msg, *args)
+        return True
+
+    def warning(self, msg: str, *args: Any, key: object = None) -> bool:
+        return self.log(logging.WARNING, msg, *args, key=key)
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write the count of records held back for keys whose interval has passed (all keys if ``force``)."""
+        now = self._clock()
+        with self._lock:
+            due = [k for k in self._held if force or now >= self._next.get(k, 0.0)]
+            items = [(k, self._held.pop(k)) for k in due]
+            for k in due:
+                self._next[k] = now + self.interval
+        for _k, (n, level, msg, args) in items:
+            self.logger.log(level, "%d more like this in the last %.0f s; last: " + msg, n, self.interval, *args)
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,7 +196,7 @@ class JsonFormatter(logging.Formatter):
             "pid": record.process,
         }
         if record.exc_info:
-            d["exc"] = "".join(traceback.format_exception(*record.exc_info))
+            d["exc"] = record.exc_text or "".join(traceback.format_exception(*record.exc_info))
         for k, v in vars(record).items():
             if k not in _STANDARD and k not in d and not k.startswith("_"):
                 d[k] = v
@@ -150,8 +302,10 @@ def setup_logging(role: str, *, run_dir: str | os.PathLike[str] | None = None, n
             ch = logging.StreamHandler(sys.stderr)
             ch.setFormatter(logging.Formatter(f"[{role}] %(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(ch)
+    scrub = ScrubFilter()
     for h in handlers:
         setattr(h, _MARK, True)
+        h.addFilter(scrub)  # secrets never reach a log file or a terminal
         root.addHandler(h)
     logging.captureWarnings(True)
     return path

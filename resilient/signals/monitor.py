@@ -15,6 +15,13 @@ Hang rule, per local rank:
   gaps were seen; doubled after every hang declared on a learned timeout);
 * after ``steps()`` finished: not watched (outside sections).
 
+Who may speak: the kernel's word only. Each connection is bound at accept to the worker whose pid
+``SO_PEERCRED`` reports (or whose descendant it is: a ``--no-python`` wrapper's python child), and every
+message on it counts for that worker's rank, whatever pid, rank or attempt its header claims. A connection
+from any other process, of any user, is closed at once, before the agent keeps its descriptor; so is one
+beyond ``_CONNS_PER_WORKER`` per worker. Refusals are logged at most once per ``_REFUSED_LOG_INTERVAL``
+with a count, so no outside process can flood the agent's log or exhaust its descriptors.
+
 Hangs are reported once per attempt, when the first deadline passes, with one HANG per rank that is
 silent for at least half its timeout; ``suspect`` marks the likely culprit (a stopped process, else the
 ranks furthest behind). Nothing more is reported until the next attempt.
@@ -22,6 +29,7 @@ ranks furthest behind). Nothing more is reported until the next attempt.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -35,6 +43,7 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
+from resilient.logs import RateLimitedLog
 from resilient.signals import protocol as P
 from resilient.signals.api import MonitorConfig, NodeMonitor
 from resilient.signals.health import HealthConfig, HealthThread, HostChecks, NoticeFile, NoticeURL
@@ -46,6 +55,12 @@ PREEMPT_FILE = "preempt"
 PREEMPT_URL_ENV = "RESILIENT_PREEMPT_URL"  # read by the agent's monitor: an HTTP notice endpoint
 _MAX_PER_CONN = 4096  # packets read from one connection per on_readable: no worker can starve the others
 _PEERCRED = struct.Struct("3i")
+# A worker holds one connection; a reconnect briefly holds two; a wrapper and its python child one each.
+_CONNS_PER_WORKER = 4
+_ACCEPTS_PER_CALL = 256  # then back to the agent loop: a connect flood cannot starve exit and hang watching
+_REFUSED_LOG_INTERVAL = 10.0
+_ANCESTRY_DEPTH = 8  # parent links followed from a sender to a worker (wrapper → python is 1)
+_ANCESTRY_CACHE = 4096
 
 
 def create_node_monitor(config: MonitorConfig, ledger: Ledger | None, node_rank: int) -> NodeMonitor:
@@ -70,7 +85,9 @@ class _Rank:
 @dataclass
 class _Conn:
     sock: socket.socket
-    pid: int
+    pid: int  # the sender, as the kernel reported it at connect time
+    local_rank: int  # the worker it is bound to
+    attempt: int | None
 
 
 class SocketNodeMonitor:
@@ -107,6 +124,14 @@ class SocketNodeMonitor:
                           "pick another socket_path (an '@name' is per network namespace)") from e
         self._conns: dict[int, _Conn] = {}
         self._uid = os.getuid()
+        self._me = os.getpid()
+        self._per_rank: dict[int, int] = {}  # local rank → connections held
+        self._ancestry: dict[tuple[int, int], int | None] = {}  # (pid, start time) → worker pid it descends from
+        self._refused = RateLimitedLog(logger, _REFUSED_LOG_INTERVAL)
+        self.refused = 0  # connections refused since start (tests, summary)
+        # one descriptor kept in reserve: when the process is out of descriptors, it is freed to accept and
+        # close the pending connection, so a full backlog cannot keep the socket readable forever
+        self._reserve: int | None = _open_reserve()
 
         self.attempt: int | None = None
         self._active = False
@@ -154,11 +179,14 @@ class SocketNodeMonitor:
         self._ranks = {lr: _Rank(local_rank=lr, rank=gr, pid=pids.get(lr)) for lr, gr in ranks.items()}
         self._by_global = {r.rank: r for r in self._ranks.values()}
         self._by_pid = {r.pid: r for r in self._ranks.values() if r.pid is not None}
+        self._ancestry.clear()
         self._straggler.reset(set(self._by_global))
+        self._close_conns()  # anything still open belongs to the previous attempt's processes
 
     def attempt_stopped(self) -> None:
         self._active = False
         self._ranks, self._by_global, self._by_pid = {}, {}, {}
+        self._close_conns()
 
     def on_readable(self, now: float) -> list[Event]:
         out: list[Event] = []
@@ -187,6 +215,7 @@ class SocketNodeMonitor:
         return out
 
     def tick(self, now: float) -> list[Event]:
+        self._refused.flush()
         out = self._drain_threads()
         if self._notice is not None and now >= self._next_notice:
             self._next_notice = now + self.config.preempt_poll
@@ -210,9 +239,11 @@ class SocketNodeMonitor:
         self._health.close()
         if self._notice_url is not None:
             self._notice_url.close()
-        for c in self._conns.values():
-            c.sock.close()
-        self._conns.clear()
+        self._refused.flush(force=True)
+        self._close_conns()
+        if self._reserve is not None:
+            os.close(self._reserve)
+            self._reserve = None
         self._ep.close()
         self._listen.close()
         self._wake_r.close()
@@ -269,28 +300,104 @@ class SocketNodeMonitor:
             pass  # already pending, or closing
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(_ACCEPTS_PER_CALL):
             try:
                 sock, _ = self._listen.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                logger.warning("agent socket accept failed: %s", e)
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._shed_one():
+                    self._refused.warning("agent socket: out of file descriptors (%s); refused a pending connection",
+                                          e, key="emfile")
+                    continue
+                self._refused.warning("agent socket accept failed: %s", e, key="accept")
                 return
-            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            if uid not in (self._uid, 0):
-                logger.warning("refused a connection from uid %d (pid %d) on the agent socket", uid, pid)
+            try:
+                pid, uid, _gid = _PEERCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError as e:
                 sock.close()
+                self._refused.warning("agent socket: no peer credentials (%s); connection refused", e, key="cred")
+                continue
+            r = self._worker_for(pid) if uid == self._uid and self._active else None
+            if r is None:
+                sock.close()
+                self.refused += 1
+                why = ("another user" if uid != self._uid else "no attempt running" if not self._active
+                       else "not a worker of this attempt")
+                self._refused.warning("refused a connection on the agent socket from pid %d (uid %d): %s",
+                                      pid, uid, why, key="refused")
+                continue
+            if self._per_rank.get(r.local_rank, 0) >= _CONNS_PER_WORKER:
+                sock.close()
+                self.refused += 1
+                self._refused.warning("refused a connection on the agent socket from pid %d: local rank %d "
+                                      "already holds %d", pid, r.local_rank, _CONNS_PER_WORKER, key="per-rank")
                 continue
             sock.setblocking(False)
-            self._conns[sock.fileno()] = _Conn(sock, pid)
+            self._conns[sock.fileno()] = _Conn(sock, pid, r.local_rank, self.attempt)
+            self._per_rank[r.local_rank] = self._per_rank.get(r.local_rank, 0) + 1
             self._ep.register(sock.fileno(), select.EPOLLIN)
+
+    def _shed_one(self) -> bool:
+        """Out of descriptors: accept the pending connection on the reserve descriptor and close it."""
+        if self._reserve is None:
+            return False
+        os.close(self._reserve)
+        self._reserve = None
+        try:
+            sock, _ = self._listen.accept()
+            sock.close()
+            self.refused += 1
+        except OSError:
+            pass
+        self._reserve = _open_reserve()
+        return self._reserve is not None
+
+    def _worker_for(self, pid: int) -> _Rank | None:
+        """The rank of this attempt that ``pid`` is, or descends from; None for any other process."""
+        r = self._by_pid.get(pid)
+        if r is not None:
+            return r
+        st = _stat(pid)
+        if st is None:
+            return None
+        key = (pid, st[1])
+        if key in self._ancestry:
+            found = self._ancestry[key]
+            return self._by_pid.get(found) if found is not None else None
+        found: int | None = None
+        ppid = st[0]
+        for _ in range(_ANCESTRY_DEPTH):
+            if ppid <= 1 or ppid == self._me:
+                break
+            if ppid in self._by_pid:
+                found = ppid
+                break
+            up = _stat(ppid)
+            if up is None:
+                break
+            ppid = up[0]
+        if len(self._ancestry) >= _ANCESTRY_CACHE:
+            self._ancestry.clear()
+        self._ancestry[key] = found
+        return self._by_pid.get(found) if found is not None else None
 
     def _drop(self, fd: int) -> None:
         c = self._conns.pop(fd, None)
         if c is not None:
             self._ep.unregister(fd)
             c.sock.close()
+            n = self._per_rank.get(c.local_rank, 0) - 1
+            if n > 0:
+                self._per_rank[c.local_rank] = n
+            else:
+                self._per_rank.pop(c.local_rank, None)
+
+    def _close_conns(self) -> None:
+        for fd in list(self._conns):
+            self._drop(fd)
+        self._per_rank.clear()
 
     def _read(self, fd: int, mask: int, now: float) -> list[Event]:
         c = self._conns.get(fd)
@@ -313,13 +420,10 @@ class SocketNodeMonitor:
         return out
 
     def _rank_for(self, c: _Conn, msg: P.Message) -> _Rank | None:
-        if not self._active:
+        # the connection's binding, never the header: any process can write any pid, rank or attempt there
+        if not self._active or c.attempt != self.attempt:
             return None
-        r = self._by_pid.get(c.pid) or self._by_pid.get(msg.pid)
-        if r is None and msg.attempt == self.attempt:
-            # the agent may know a wrapper's pid rather than the worker's; trust the attempt number
-            r = self._by_global.get(msg.rank)
-        return r
+        return self._ranks.get(c.local_rank)
 
     def _handle(self, c: _Conn, msg: P.Message, now: float) -> list[Event]:
         r = self._rank_for(c, msg)
@@ -436,6 +540,24 @@ class SocketNodeMonitor:
                          now - since, timeout, source)
             out.append(self._event(EventKind.HANG, rank=r.rank, **details))
         return out
+
+
+def _open_reserve() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process; the start time tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _process_state(pid: int | None) -> str | None:
