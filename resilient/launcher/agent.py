@@ -417,7 +417,9 @@ class Agent:
         self._install_signals()
         self.sel = selectors.DefaultSelector()
         self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
-        self.ledger.emit(EventKind.RUN_START, argv=sys.argv, run_id=c.run_id, nproc_per_node=c.nproc_per_node,
+        from resilient.logs import scrub_argv  # tokens passed as flags must not land in the ledger
+
+        self.ledger.emit(EventKind.RUN_START, argv=scrub_argv(sys.argv), run_id=c.run_id, nproc_per_node=c.nproc_per_node,
                          nnodes=f"{c.min_nodes}:{c.max_nodes}", launch=c.launch_method.value)
         exit_code = 1
         reason = "failed"
@@ -471,7 +473,7 @@ class Agent:
         try:
             from resilient.goodput.metrics import MetricsServer
 
-            self.metrics = MetricsServer(self.cfg.metrics_port, str(self.run_dir))
+            self.metrics = MetricsServer(self.cfg.metrics_port, str(self.run_dir), addr=self.cfg.metrics_addr)
             self.metrics.start()
         except Exception as e:  # noqa: BLE001 - fail static: training goes on without the endpoint
             logger.warning("metrics endpoint on port %s unavailable: %s", self.cfg.metrics_port, e)

@@ -95,6 +95,7 @@ class AgentConfig:
     heartbeat_timeout: float | None = None
     spare_nodes: int = 0
     metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"  # loopback: the endpoint tells anyone who can reach it about the run
     rendezvous_timeout: float = 900.0
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
 
@@ -107,12 +108,11 @@ class AgentConfig:
             )
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.monitor_interval <= 0:
-            raise LaunchError(f"--monitor-interval must be > 0 seconds, got {self.monitor_interval}")
-        if self.term_timeout < 0:
-            raise LaunchError(f"--term-timeout must be >= 0 seconds, got {self.term_timeout}")
-        if self.heartbeat_timeout is not None and self.heartbeat_timeout <= 0:
-            raise LaunchError(f"--heartbeat-timeout must be > 0 seconds, got {self.heartbeat_timeout}")
+        # nan compares false with everything and inf never expires: both would switch a watchdog off silently
+        for flag, v in (("--monitor-interval", self.monitor_interval), ("--term-timeout", self.term_timeout),
+                        ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout)):
+            if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise LaunchError(f"{flag} must be a positive, finite number of seconds, got {v}")
         if self.spare_nodes < 0:
             raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
         if self.ckpt_persistent_every is not None and self.ckpt_persistent_every < 1:
@@ -122,6 +122,9 @@ class AgentConfig:
                 raise LaunchError(f"--ckpt-interval must be a positive number of steps or 'auto', got {self.ckpt_interval!r}")
         if self.metrics_port is not None and not (0 <= self.metrics_port < 65536):
             raise LaunchError(f"--metrics-port must be a TCP port number, got {self.metrics_port}")
+        if not self.metrics_addr or any(ch.isspace() or ch in "/[]" for ch in self.metrics_addr):
+            raise LaunchError(f"--metrics-addr must be an IP address or host name (0.0.0.0 for every interface), "
+                              f"got {self.metrics_addr!r}")
 
     @property
     def single_node(self) -> bool:

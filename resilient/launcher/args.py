@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a heartbeat before a rank counts as hung (default: learned)")
     g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
     g.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (node 0)")
+                   help="serve Prometheus metrics on this port (node 0), on loopback unless --metrics-addr")
+    g.add_argument("--metrics-addr", "--metrics_addr", default="127.0.0.1",
+                   help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0: every interface)")
     g.add_argument("--term-timeout", "--term_timeout", type=float, default=30.0,
                    help="seconds between forwarding SIGTERM/SIGINT to workers and SIGKILL")
     g.add_argument("--worker-launch", "--worker_launch", choices=[m.value for m in WorkerLaunchMethod],
@@ -180,6 +182,7 @@ def parse(argv: list[str]) -> AgentConfig:
             policy=args.policy, ckpt_local=args.ckpt_local, ckpt_persistent=args.ckpt_persistent,
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
+            metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
         )
     except (ValueError, TypeError) as e:

@@ -93,7 +93,11 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
         try:
             return classes[0]()
         except Exception as e:  # noqa: BLE001
-            raise PolicyError(f"{_where(p, e)}: the policy class {classes[0].__name__} cannot be created "
+            where = _where(p, e)
+            code = getattr(classes[0].__init__, "__code__", None)
+            if where == str(p) and code is not None and os.path.abspath(code.co_filename) == os.path.abspath(p):
+                where = f"{p}:{code.co_firstlineno}"  # the signature is what is wrong
+            raise PolicyError(f"{where}: the policy class {classes[0].__name__} cannot be created "
                               f"without arguments ({type(e).__name__}: {e}); or set policy = "
                               f"{classes[0].__name__}(...)") from None
     if len(classes) > 1:
