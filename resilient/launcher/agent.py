@@ -25,14 +25,52 @@ from datetime import timedelta
 from pathlib import Path
 
 from resilient import env as renv
-from resilient.events import EventKind, Ledger
-from resilient.launcher.api import AgentConfig, Outcome, WorkerExit, WorkerLaunchMethod
+from resilient.events import Event, EventKind, Ledger
+from resilient.launcher.api import AgentConfig, LaunchError, Outcome, WorkerExit, WorkerLaunchMethod
 from resilient.launcher.workers import ForkServer, ForkServerError, SpawnStarter, WorkerProc, signal_workers
 
 logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-KEY = "resilient"
+
+
+class _StoreLost(Exception):
+    """The job's store (and with it the supervisor) stayed unreachable while this node had nothing to run."""
+
+
+def _conf_bool(v: object) -> bool | None:
+    if v is None:
+        return None
+    if str(v).lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise LaunchError(f"--rdzv-conf is_host must be true or false, got {v!r}")
+
+
+def _describe(action: dict) -> str:
+    kind = action.get("action", "?")
+    rest = {k: v for k, v in action.items() if k not in ("action", "reason") and v not in (None, "", [])}
+    reason = action.get("reason")
+    return f"{kind}{' ' + str(rest) if rest else ''}{': ' + reason if reason else ''}"
+
+
+def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):
+    """The default place of the supervisor: a thread of the agent that hosts the job's store."""
+    from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+    from resilient.supervisor.loop import LoopConfig, SupervisorLoop
+    from resilient.supervisor.policy import load_policy
+
+    core_cfg = SupervisorConfig(min_nodes=c.min_nodes, max_nodes=c.max_nodes, nproc_per_node=c.nproc_per_node,
+                                max_restarts=c.max_restarts, node_timeout=c.node_timeout,
+                                policy_timeout=c.policy_timeout)
+    policy = load_policy(c.policy) if c.policy else None
+    last_call = float(c.rdzv_configs.get("last_call_timeout", 30.0))  # type: ignore[arg-type]
+    loop = SupervisorLoop(LoopConfig(core=core_cfg, advertise_addr=addr, tick=min(0.05, c.monitor_interval),
+                                     last_call=last_call, store_timeout=c.rendezvous_timeout),
+                          store, signer, ledger, SupervisorCore(core_cfg, policy))
+    loop.start()
+    return loop
 
 
 class _Streams:
@@ -110,9 +148,23 @@ class Agent:
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
             os.set_blocking(fd, False)
-        self._attempt_store = None
         self.restart_count = 0
         self._interruptible = False
+        # the supervised job: this node's part of the current assignment
+        self.store = None
+        self.chan = None
+        self.sup_loop = None  # the supervisor's loop, when this agent hosts the job's store
+        self.round = -1
+        self.active = False
+        self.group_rank = 0
+        self.group_world_size = 1
+        self.base_rank = 0
+        self.world_size = cfg.nproc_per_node
+        self._ran = False
+        self._t_join = time.monotonic()
+        self._last_hb = 0.0
+        self._hb_interval = min(1.0, cfg.node_timeout / 4)
+        self._store_lost_at: float | None = None
 
     # ---------------------------------------------------------------- set-up
     def _install_signals(self) -> None:
@@ -156,58 +208,104 @@ class Agent:
                 logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
                 self.starter = SpawnStarter()
 
-    def _rendezvous(self) -> tuple[object, int, int]:
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
-        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+    def _join(self) -> None:
+        """Reach the job's store (hosting it, and the supervisor, when the endpoint is this machine's and the
+        port is free, as torch's c10d rendezvous decides its host), then announce this node.
+
+        Membership is the supervisor's: it answers with assignments (members and their group ranks, spares,
+        a fresh store per round). torch's dynamic rendezvous closes at ``--nnodes`` MAX and a late agent
+        then kills the job (nvidia-resiliency-ext#348); a spare must be able to arrive at any moment.
+        """
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+        from resilient.supervisor import transport as T
 
         c = self.cfg
-        params = RendezvousParameters(
-            backend=c.rdzv_backend, endpoint=c.rdzv_endpoint, run_id=c.rdzv_id,
-            min_nodes=c.min_nodes, max_nodes=c.max_nodes, local_addr=c.local_addr, **c.rdzv_configs,
-        )
-        self.rdzv_handler = get_rendezvous_handler(params)
         t0 = time.monotonic()
-        info = self.rdzv_handler.next_rendezvous()
-        self.ledger.emit(EventKind.RENDEZVOUS_DONE, group_rank=info.rank, group_world_size=info.world_size,
-                         seconds=round(time.monotonic() - t0, 4))
-        return info.store, info.rank, info.world_size
-
-    def _assign_ranks(self) -> None:
-        """Global ranks by node rank order; one role, so role ranks equal global ranks."""
-        n = self.cfg.nproc_per_node
-        if self.group_world_size == 1:
-            self.base_rank, self.world_size = 0, n
-            return
-        self.store.set(f"{KEY}/lws/{self.group_rank}", str(n))
-        keys = [f"{KEY}/lws/{i}" for i in range(self.group_world_size)]
-        self.store.wait(keys, timedelta(seconds=self.cfg.rendezvous_timeout))
-        sizes = [int(v) for v in self.store.multi_get(keys)]
-        self.base_rank = sum(sizes[: self.group_rank])
-        self.world_size = sum(sizes)
+        host, port = parse_rendezvous_endpoint(c.rdzv_endpoint, default_port=29400)
+        is_host = _conf_bool(c.rdzv_configs.get("is_host"))
+        store = None
+        if is_host is not False and (is_host or port == 0 or _matches_machine_hostname(host)):
+            try:
+                store = T.connect_store(host, port, c.rendezvous_timeout, is_master=True)
+            except (RuntimeError, ValueError) as e:  # the port is taken: another agent or a supervisor hosts it
+                if is_host:
+                    raise LaunchError(f"cannot host the rendezvous store on {host}:{port}: {e}") from None
+                logger.debug("not hosting %s:%s (%s); joining as a client", host, port, e)
+        hosting = store is not None
+        if store is None:
+            store = T.connect_store(host, port, c.rendezvous_timeout)
+        secret = T.load_secret(c.job_secret_file)
+        if secret is None:
+            # without a configured secret the store itself is the only guard (single host, or trusted network)
+            if hosting:
+                secret = T.new_secret()
+                store.set(T.SECRET_KEY, secret)
+            else:
+                store.wait([T.SECRET_KEY], timedelta(seconds=c.rendezvous_timeout))
+                secret = store.get(T.SECRET_KEY)
+        self.store = store
+        self.signer = T.Signer(secret)
+        self.chan = T.AgentChannel(store, self.signer, self.node)
+        if hosting:
+            self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
+        self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
+        self._last_hb = time.monotonic()
+        logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
 
     def _advertised_addr(self) -> str:
         if self.cfg.local_addr:
             return self.cfg.local_addr
-        if self.group_world_size == 1:
+        if self.cfg.single_node and not self.cfg.spare_nodes:
             return "127.0.0.1"
         return socket.getfqdn()
 
-    def _attempt_master(self, attempt: int) -> tuple[str, int]:
-        """A fresh store per attempt, hosted by node 0's agent: no stale key can reach a new attempt."""
-        import torch.distributed as dist
+    def _kick(self) -> None:
+        """Run the in-process supervisor's pass now: a decision then costs no polling period."""
+        if self.sup_loop is not None:
+            self.sup_loop.step(time.monotonic())
 
-        key = f"{KEY}/master/{attempt}"
-        if self.group_rank == 0:
-            store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=self.cfg.rendezvous_timeout))
-            self._attempt_store = store  # the previous attempt's server closes with its last reference
-            addr = self._advertised_addr()
-            if self.group_world_size > 1:
-                self.store.set(key, f"{addr}:{store.port}")
-            return addr, store.port
-        self.store.wait([key], timedelta(seconds=self.cfg.rendezvous_timeout))
-        addr, port = self.store.get(key).decode().rsplit(":", 1)
-        return addr, int(port)
+    def _report(self, ev: Event) -> None:
+        """Tell the supervisor (never raises: a lost supervisor must not stop training)."""
+        from resilient.supervisor.transport import MessageKind
+
+        try:
+            self.chan.send(MessageKind.EVENT, event=ev.to_json())
+        except Exception as e:  # noqa: BLE001 - DistStoreError and friends
+            self._store_trouble(e)
+            return
+        self._kick()
+
+    def _heartbeat(self, force: bool = False) -> None:
+        from resilient.supervisor.transport import MessageKind
+
+        now = time.monotonic()
+        if not force and now - self._last_hb < self._hb_interval:
+            return
+        self._last_hb = now
+        try:
+            self.chan.send(MessageKind.HB, round=self.round, active=self.active)
+        except Exception as e:  # noqa: BLE001
+            self._store_trouble(e)
+
+    def _store_trouble(self, e: Exception) -> None:
+        if self._store_lost_at is None:
+            self._store_lost_at = time.monotonic()
+            logger.error("the job's store is unreachable (%s); workers keep training", e)
+
+    def _new_plan(self) -> dict | None:
+        """The newest plan if one newer than the current round exists (bounded store calls)."""
+        try:
+            if not self.chan.has_round(self.round + 1):
+                self._store_lost_at = None
+                return None
+            latest = self.chan.latest_round()
+            plan = self.chan.plan(latest) if latest > self.round else None
+        except Exception as e:  # noqa: BLE001
+            self._store_trouble(e)
+            return None
+        self._store_lost_at = None
+        return plan if plan is not None and int(plan.get("round", -1)) > self.round else None
 
     # ---------------------------------------------------------------- workers
     def _worker_env(self, local_rank: int, attempt: int, master: tuple[str, int]) -> dict[str, str]:
@@ -361,56 +459,104 @@ class Agent:
 
     # ---------------------------------------------------------------- the attempt loop
     def _watch(self, attempt: int) -> Outcome:
-        multi = self.group_world_size > 1
-        fail_key = f"{KEY}/fail/{attempt}"
+        """Run one attempt until its workers finish, one fails or hangs, a new plan arrives, or a signal."""
         while True:
             if self._signal is not None:
                 return Outcome.STOPPED
-            timeout = None
+            timeout = self.cfg.monitor_interval
             if self.monitor is not None:
                 nd = self.monitor.next_deadline()
                 if nd is not None:
-                    timeout = max(0.0, nd - time.monotonic())
-            if multi:
-                timeout = self.cfg.monitor_interval if timeout is None else min(timeout, self.cfg.monitor_interval)
+                    timeout = min(timeout, max(0.0, nd - time.monotonic()))
+            failed = False
             for key, _ in self.sel.select(timeout=timeout):
                 if key.data == "exit":
+                    # every failing worker of the batch is recorded: simultaneous failures all matter
                     for w in self._collect_exits():
                         if w.exit_code != 0:
-                            ex = WorkerExit(w.local_rank, w.rank, w.pid or -1, w.exit_code or 0,
-                                            w.exit_wall or time.time(), w.error_file)
-                            self.failures.append(ex)
-                            if self.first_failure is None:
-                                self.first_failure = ex
-                            self.ledger.emit(EventKind.WORKER_EXIT, rank=w.rank, attempt=attempt, pid=w.pid,
-                                             exit_code=w.exit_code, signal=ex.signal_name, local_rank=w.local_rank,
-                                             detect_seconds=round(max(0.0, time.time() - ex.wall), 4))
-                            if multi:
-                                self.store.set(fail_key, f"{self.group_rank}:worker_exit")
-                            return Outcome.FAILED
-                    if all(w.exit_code == 0 for w in self.workers):
+                            self._record_failure(w, attempt)
+                            failed = True
+                    if not failed and all(w.exit_code == 0 for w in self.workers):
                         return Outcome.SUCCEEDED
                 elif key.data == "signal":
                     self._read_signal()
                 elif key.data == "monitor" and self.monitor is not None:
                     for ev in self.monitor.on_readable(time.monotonic()):
-                        self.ledger.write(ev)
+                        self._observe(ev)
                 elif isinstance(key.data, tuple) and key.data[0] == "log":
                     if not self.streams.pump(key.fd):
                         self.sel.unregister(key.fd)
+            if failed:
+                return Outcome.FAILED
             if self.monitor is not None:
                 hung = False
                 for ev in self.monitor.tick(time.monotonic()):
-                    self.ledger.write(ev)  # every event of the tick: the suspect comes first, the rest matter too
+                    self._observe(ev)  # every event of the tick: the suspect comes first, the rest matter too
                     if ev.kind == EventKind.HANG:
                         logger.error("rank %s hung: %s", ev.rank, ev.details)
                         hung = True
                 if hung:
-                    if multi:
-                        self.store.set(fail_key, f"{self.group_rank}:hang")
                     return Outcome.HUNG
-            if multi and self.store.check([fail_key]):
+            self._heartbeat()
+            self._kick()
+            if self._has_new_plan():
                 return Outcome.PEER_FAILED
+
+    def _record_failure(self, w: WorkerProc, attempt: int) -> None:
+        ex = WorkerExit(w.local_rank, w.rank, w.pid or -1, w.exit_code or 0, w.exit_wall or time.time(), w.error_file)
+        self.failures.append(ex)
+        if self.first_failure is None:
+            self.first_failure = ex
+        ev = self.ledger.emit(EventKind.WORKER_EXIT, rank=w.rank, attempt=attempt, pid=w.pid, exit_code=w.exit_code,
+                              signal=ex.signal_name, local_rank=w.local_rank,
+                              detect_seconds=round(max(0.0, time.time() - ex.wall), 4))
+        what = f"exit code {ex.exit_code}" if ex.exit_code > 0 else f"signal {ex.signal_name}"
+        logger.warning("worker rank %d (local rank %d, pid %d) failed: %s", ex.rank, ex.local_rank, ex.pid, what)
+        self._report(ev)
+
+    def _observe(self, ev: Event) -> None:
+        """A detector's event: into the node's ledger, and to the supervisor when it may need a decision."""
+        from resilient.supervisor.loop import FORWARDED
+
+        self.ledger.write(ev)
+        if ev.kind in FORWARDED:
+            self._report(ev)
+
+    def _has_new_plan(self) -> bool:
+        try:
+            return bool(self.chan.has_round(self.round + 1))
+        except Exception as e:  # noqa: BLE001
+            self._store_trouble(e)
+            return False
+
+    def _pump(self, timeout: float) -> None:
+        """Serve the descriptors while no workers run (a spare, or between rounds)."""
+        for key, _ in self.sel.select(timeout=timeout):
+            if key.data == "signal":
+                self._read_signal()
+            elif key.data == "exit":
+                self._collect_exits()
+            elif key.data == "monitor" and self.monitor is not None:
+                for ev in self.monitor.on_readable(time.monotonic()):
+                    self._observe(ev)
+            elif isinstance(key.data, tuple) and key.data[0] == "log":
+                if not self.streams.pump(key.fd):
+                    self.sel.unregister(key.fd)
+
+    def _await_plan(self) -> dict | None:
+        """Wait for a plan newer than the current round; None when a signal came first or the job's store
+        stayed unreachable for ``--rendezvous-timeout`` while this node had nothing running."""
+        while True:
+            if self._signal is not None:
+                return None
+            self._heartbeat()
+            self._kick()
+            plan = self._new_plan()
+            if plan is not None:
+                return plan
+            if self._store_lost_at is not None and time.monotonic() - self._store_lost_at > self.cfg.rendezvous_timeout:
+                raise _StoreLost(f"the job's store stayed unreachable for {self.cfg.rendezvous_timeout:.0f}s")
+            self._pump(self.cfg.monitor_interval)
 
     def run(self) -> int:
         c = self.cfg
@@ -425,12 +571,11 @@ class Agent:
         reason = "failed"
         try:
             t0 = time.monotonic()
-            self._start_workers_backend()  # the fork server imports torch while we rendezvous
+            self._start_workers_backend()  # the fork server imports torch while we join
             self._interruptible = True
             try:
-                self.store, self.group_rank, self.group_world_size = self._rendezvous()
+                self._join()
                 self._await_starter()
-                self._assign_ranks()
             except _Stopped as e:
                 logger.warning("%s before workers started", e)
                 reason = str(e)
@@ -444,7 +589,10 @@ class Agent:
                 return 1
             self._start_monitor()
             self._start_metrics()
-            exit_code, reason = self._attempts()
+            exit_code, reason = self._follow()
+        except _StoreLost as e:
+            logger.error("%s; giving up", e)
+            reason = str(e)
         finally:
             self._shutdown()
             self.ledger.emit(EventKind.RUN_END, exit_code=exit_code, reason=reason)
@@ -468,7 +616,7 @@ class Agent:
         self.sel.register(self.monitor.fileno(), selectors.EVENT_READ, "monitor")
 
     def _start_metrics(self) -> None:
-        if self.cfg.metrics_port is None or self.group_rank != 0:
+        if self.cfg.metrics_port is None or (self.sup_loop is None and not self.cfg.single_node):
             return
         try:
             from resilient.goodput.metrics import MetricsServer
@@ -478,73 +626,152 @@ class Agent:
         except Exception as e:  # noqa: BLE001 - fail static: training goes on without the endpoint
             logger.warning("metrics endpoint on port %s unavailable: %s", self.cfg.metrics_port, e)
 
-    def _attempts(self) -> tuple[int, str]:
+    def _follow(self) -> tuple[int, str]:
+        """Carry out the supervisor's plans until the final one: run the workers of each round this node is a
+        member of, wait as a warm spare otherwise. Decisions are the supervisor's; this only executes."""
+        from resilient.supervisor.core import Assignment
+        from resilient.supervisor.transport import MessageKind
+
         c = self.cfg
-        attempt = 0
+        last: tuple[str, float] | None = None  # (cause, detect seconds) of this node's last disruption
         while True:
+            plan = self._await_plan()
+            if plan is None:
+                sig = self._signal or signal.SIGTERM
+                self._leave(f"signal {signal.Signals(sig).name}")
+                return 1, f"signal {signal.Signals(sig).name}"
+            self.round = int(plan["round"])
+            self._ack()
+            if plan.get("final"):
+                return self._final(plan)
+            a = Assignment.from_json(plan["assignment"])
+            was_active, self.active = self.active, self.node in a.members
+            if not self.active:
+                if was_active:
+                    logger.warning("this node left the active set (%s); waiting as a spare", plan["action"])
+                else:
+                    logger.info("waiting as a spare (round %d)", self.round)
+                continue
+            self.group_rank = a.members.index(self.node)
+            self.group_world_size = len(a.members)
+            self.base_rank = a.base_rank(self.node)
+            self.world_size = a.world_size
+            attempt = a.attempt
             self.restart_count = attempt
-            master = self._attempt_master(attempt)
-            t_spawn = time.time()
-            self._spawn(attempt, master)
-            for rfd in self.streams.pipes:
-                if rfd not in self.sel.get_map():
-                    self.sel.register(rfd, selectors.EVENT_READ, ("log", rfd))
-            if self.monitor is not None:
-                self.monitor.attempt_started(attempt, {w.local_rank: w.rank for w in self.workers},
-                                             {w.local_rank: w.pid for w in self.workers if w.pid})
-            self.ledger.emit(EventKind.ATTEMPT_START, attempt=attempt, world_size=self.world_size,
-                             local_world_size=c.nproc_per_node, group_rank=self.group_rank,
-                             method=type(self.starter).__name__, spawn_seconds=round(time.time() - t_spawn, 4),
-                             pids={str(w.rank): w.pid for w in self.workers})
-            outcome = self._watch(attempt)
+            if not self._ran:
+                self.ledger.emit(EventKind.RENDEZVOUS_DONE, group_rank=self.group_rank,
+                                 group_world_size=self.group_world_size, seconds=round(time.monotonic() - self._t_join, 4))
+            if a.previous_world_size is not None and a.previous_world_size != a.world_size:
+                self._record_previous_world(a)
+            if self._ran:
+                cause, lag = last or ("peer_failed", 0.0)
+                self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=cause, detect_seconds=round(lag, 4),
+                                 action=plan["action"].get("action"))
+                logger.warning("%s; restarting workers (attempt %d, %s)", cause, attempt, _describe(plan["action"]))
+            self._ran = True
+            host, port = plan["master"].rsplit(":", 1)
+            outcome = self._run_attempt(attempt, (host, int(port)))
             t_detect = time.time()
             if outcome == Outcome.SUCCEEDED:
-                self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=outcome.value)
-                self._exit_barrier()
-                return 0, "succeeded"
-            if outcome == Outcome.STOPPED:
-                sig = self._signal or signal.SIGTERM
-                if sig == signal.SIGTERM:
-                    self.ledger.emit(EventKind.PREEMPTION_NOTICE, attempt=attempt, source="SIGTERM",
-                                     deadline=time.time() + c.term_timeout)
-                logger.warning("received %s: forwarding to workers", signal.Signals(sig).name)
-                self._stop_workers(sig, c.term_timeout)
-                self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=f"signal {signal.Signals(sig).name}")
-                # torchrun exits 1 when stopped by a signal; schedulers and wrappers rely on it
-                return 1, f"signal {signal.Signals(sig).name}"
-            # failure of some kind: survivors are killed at once — their collectives can't complete anyway
-            self._stop_workers(signal.SIGKILL, 10.0)
-            if self.monitor is not None:
-                self.monitor.attempt_stopped()
-            self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=outcome.value)
-            if attempt >= c.max_restarts:
-                self._print_failure_summary()
-                return 1, f"{outcome.value}, no restarts left ({c.max_restarts})"
-            attempt += 1
-            fault_wall = self.failures[-1].wall if outcome == Outcome.FAILED and self.failures else t_detect
-            self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=outcome.value,
-                             detect_seconds=round(max(0.0, t_detect - fault_wall), 4))
-            logger.warning("%s; restarting workers (attempt %d of at most %d)", outcome.value, attempt,
-                           c.max_restarts)
-
-    def _exit_barrier(self) -> None:
-        """Node 0's agent hosts the stores: it stays until every node's workers are done (as torchrun's 300 s)."""
-        if self.group_world_size == 1:
-            return
-        try:
-            self.store.add(f"{KEY}/done", 1)
-            deadline = time.monotonic() + 300
-            while int(self.store.add(f"{KEY}/done", 0)) < self.group_world_size:
-                if time.monotonic() > deadline or self._signal is not None:
-                    break
+                last = None
                 try:
-                    self.store.wait([f"{KEY}/all_done"], timedelta(seconds=1))
-                    break
-                except Exception:  # noqa: BLE001 - store.wait timeouts are RuntimeError subclasses
-                    continue
-            self.store.set(f"{KEY}/all_done", "1")
-        except Exception as e:  # noqa: BLE001 - a peer or the store went away after success: nothing to lose
-            logger.debug("exit barrier: %s", e)
+                    self.chan.send(MessageKind.DONE, round=self.round)
+                except Exception as e:  # noqa: BLE001
+                    self._store_trouble(e)
+                self._kick()
+                continue
+            if outcome == Outcome.STOPPED:
+                return self._on_stopped(attempt)
+            fault_wall = self.failures[-1].wall if outcome == Outcome.FAILED and self.failures else t_detect
+            last = (outcome.value, max(0.0, t_detect - fault_wall))
+
+    def _run_attempt(self, attempt: int, master: tuple[str, int]) -> Outcome:
+        c = self.cfg
+        t_spawn = time.time()
+        self._spawn(attempt, master)
+        for rfd in self.streams.pipes:
+            if rfd not in self.sel.get_map():
+                self.sel.register(rfd, selectors.EVENT_READ, ("log", rfd))
+        if self.monitor is not None:
+            self.monitor.attempt_started(attempt, {w.local_rank: w.rank for w in self.workers},
+                                         {w.local_rank: w.pid for w in self.workers if w.pid})
+        self.ledger.emit(EventKind.ATTEMPT_START, attempt=attempt, world_size=self.world_size,
+                         local_world_size=c.nproc_per_node, group_rank=self.group_rank,
+                         method=type(self.starter).__name__, spawn_seconds=round(time.time() - t_spawn, 4),
+                         pids={str(w.rank): w.pid for w in self.workers})
+        outcome = self._watch(attempt)
+        if outcome in (Outcome.SUCCEEDED, Outcome.STOPPED):
+            if outcome == Outcome.SUCCEEDED:
+                self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=outcome.value)
+            return outcome
+        # failure of some kind, or a new plan: survivors are killed at once — their collectives can't complete
+        self._stop_workers(signal.SIGKILL, 10.0)
+        if self.monitor is not None:
+            self.monitor.attempt_stopped()
+        self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=outcome.value)
+        return outcome
+
+    def _on_stopped(self, attempt: int) -> tuple[int, str]:
+        """A signal to the agent (the scheduler's preemption notice, or Ctrl-C): forward it, then leave."""
+        c = self.cfg
+        sig = self._signal or signal.SIGTERM
+        if sig == signal.SIGTERM:
+            self.ledger.emit(EventKind.PREEMPTION_NOTICE, attempt=attempt, source="SIGTERM",
+                             deadline=time.time() + c.term_timeout)
+        logger.warning("received %s: forwarding to workers", signal.Signals(sig).name)
+        self._stop_workers(sig, c.term_timeout)
+        self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=f"signal {signal.Signals(sig).name}")
+        self._leave(f"signal {signal.Signals(sig).name}")
+        # torchrun exits 1 when stopped by a signal; schedulers and wrappers rely on it
+        return 1, f"signal {signal.Signals(sig).name}"
+
+    def _final(self, plan: dict) -> tuple[int, str]:
+        stop = plan.get("stop")
+        if stop is None:
+            self._wait_settled()
+            return 0, "succeeded"
+        if self.failures or self.first_failure:
+            self._print_failure_summary()
+        else:
+            print(f"resilient-run: the supervisor stopped the job: {stop}", file=sys.stderr)
+        self._wait_settled()
+        return 1, f"stopped by the supervisor: {stop}"
+
+    def _wait_settled(self) -> None:
+        """The agent hosting the store stays until every agent read the final plan (torchrun's exit barrier)."""
+        if self.sup_loop is not None:
+            deadline = time.monotonic() + self.sup_loop.cfg.linger
+            while not self.sup_loop.settled.is_set() and time.monotonic() < deadline and self._signal is None:
+                self.sup_loop.step(time.monotonic())
+                self.sup_loop.settled.wait(self.cfg.monitor_interval)
+
+    def _ack(self) -> None:
+        from resilient.supervisor.transport import MessageKind
+
+        try:
+            self.chan.send(MessageKind.ACK, round=self.round)
+        except Exception as e:  # noqa: BLE001
+            self._store_trouble(e)
+        self._kick()
+
+    def _leave(self, reason: str) -> None:
+        from resilient.supervisor.transport import MessageKind
+
+        try:
+            self.chan.send(MessageKind.LEAVE, reason=reason)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("could not say goodbye: %s", e)
+
+    def _record_previous_world(self, a: object) -> None:
+        """A node that did not train before has no world record: give it the previous world, so its ranks run
+        the ``on_scale`` callbacks like everyone else's."""
+        from resilient.signals.scale import read_world, record_world
+
+        if read_world(self.run_dir) is None:
+            try:
+                record_world(self.run_dir, a.previous_world_size)  # type: ignore[attr-defined]
+            except (OSError, ValueError) as e:
+                logger.warning("cannot record the previous world size: %s", e)
 
     def _print_failure_summary(self) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -570,11 +797,7 @@ class Agent:
                     part.close()
                 except Exception as e:  # noqa: BLE001
                     logger.debug("closing %s: %s", type(part).__name__, e)
-        handler = getattr(self, "rdzv_handler", None)
-        if handler is not None:
-            try:
-                handler.shutdown()
-            except Exception as e:  # noqa: BLE001
-                logger.debug("rendezvous shutdown: %s", e)
-        self._attempt_store = None
+        if self.sup_loop is not None:
+            self.sup_loop.close()
+        self.store = None
         signal.set_wakeup_fd(-1)

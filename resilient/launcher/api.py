@@ -98,6 +98,10 @@ class AgentConfig:
     metrics_addr: str = "127.0.0.1"  # loopback: the endpoint tells anyone who can reach it about the run
     rendezvous_timeout: float = 900.0
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
+    # supervisor
+    node_timeout: float = 10.0  # seconds without a report from a node's agent before it counts as lost
+    policy_timeout: float = 1.0  # a policy's decide() running longer is overruled by the default policy
+    job_secret_file: str | None = None  # file holding the per-job secret (else RESILIENT_JOB_SECRET, else generated)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -110,7 +114,8 @@ class AgentConfig:
             raise LaunchError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         # nan compares false with everything and inf never expires: both would switch a watchdog off silently
         for flag, v in (("--monitor-interval", self.monitor_interval), ("--term-timeout", self.term_timeout),
-                        ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout)):
+                        ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout),
+                        ("--node-timeout", self.node_timeout), ("--policy-timeout", self.policy_timeout)):
             if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
                 raise LaunchError(f"{flag} must be a positive, finite number of seconds, got {v}")
         if self.spare_nodes < 0:

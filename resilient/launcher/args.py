@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
                    help="seconds without a heartbeat before a rank counts as hung (default: learned)")
     g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
+    g.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
+                   help="seconds without a report from a node's agent before the supervisor counts it lost")
+    g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
+                   help="seconds a policy's decide() may take before the default policy decides instead")
+    g.add_argument("--job-secret-file", "--job_secret_file", default=None,
+                   help="file with the per-job secret that signs agent/supervisor messages (else the "
+                        "RESILIENT_JOB_SECRET variable; else one is generated and shared through the store)")
     g.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
                    help="serve Prometheus metrics on this port (node 0), on loopback unless --metrics-addr")
     g.add_argument("--metrics-addr", "--metrics_addr", default="127.0.0.1",
@@ -184,6 +191,7 @@ def parse(argv: list[str]) -> AgentConfig:
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
+            node_timeout=args.node_timeout, policy_timeout=args.policy_timeout, job_secret_file=args.job_secret_file,
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None

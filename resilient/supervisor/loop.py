@@ -1,0 +1,199 @@
+"""The supervisor's control loop: the only part that executes decisions.
+
+It drains the agents' messages, folds them into :class:`~resilient.supervisor.core.SupervisorCore` (which
+decides, purely), and carries decisions out by publishing assignments: a new round with its members, their
+group ranks, a fresh per-round TCPStore for the workers (hosted here, so no training node is special when
+this loop runs on its own host), or a stop. Agents execute and acknowledge.
+
+It runs as a thread inside the agent that hosts the rendezvous store (the default), or as its own process
+(``resilient supervisor``, see :mod:`resilient.supervisor.cli`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+from resilient.events.ledger import Ledger
+from resilient.supervisor.api import NodeState
+from resilient.supervisor.core import Assignment, Decision, SupervisorConfig, SupervisorCore
+from resilient.supervisor.transport import MessageKind, Signer, SupervisorChannel, connect_store
+
+logger = logging.getLogger(__name__)
+
+# Events an agent forwards for a decision; everything else stays in the node's ledger.
+FORWARDED = frozenset({
+    EventKind.WORKER_EXIT, EventKind.HANG, EventKind.STRAGGLER, EventKind.HOST_UNHEALTHY,
+    EventKind.GPU_UNHEALTHY, EventKind.PREEMPTION_NOTICE, EventKind.CKPT_TIER_DONE, EventKind.FAULT_INJECTED,
+})
+
+
+@dataclass
+class LoopConfig:
+    """How the loop runs; what it decides is in :class:`SupervisorConfig`."""
+
+    core: SupervisorConfig
+    #: host name or address the agents' workers use to reach the per-round stores hosted here
+    advertise_addr: str = "127.0.0.1"
+    #: seconds between two passes (message drain, timers); the latency floor of every decision
+    tick: float = 0.05
+    #: once ``--nnodes`` MIN have joined, wait this long for more (up to MAX) before the first assignment
+    last_call: float = 1.0
+    #: bound on every store call of the loop
+    store_timeout: float = 30.0
+    #: seconds the loop keeps serving after the job ended, for agents to read the final plan
+    linger: float = 10.0
+    name: str = field(default_factory=lambda: f"supervisor@{socket.gethostname()}")
+
+    def __post_init__(self) -> None:
+        for f in ("tick", "last_call", "store_timeout", "linger"):
+            v = getattr(self, f)
+            if not (v == v and 0 <= v < float("inf")):
+                raise ValueError(f"LoopConfig.{f} must be a finite number >= 0, got {v}")
+        if self.tick <= 0:
+            raise ValueError(f"LoopConfig.tick must be > 0, got {self.tick}")
+
+
+class SupervisorLoop:
+    def __init__(self, cfg: LoopConfig, store: Any, signer: Signer, ledger: Ledger | None,
+                 core: SupervisorCore):
+        self.cfg, self.core, self.ledger = cfg, core, ledger
+        self.chan = SupervisorChannel(store, signer)
+        self._round_stores: dict[int, Any] = {}
+        self._done: set[str] = set()
+        self._acks: dict[int, set[str]] = {}
+        self._final_round: int | None = None
+        self._final_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.decisions: list[Decision] = []
+        self.finished = threading.Event()  # the final plan is published
+        self.settled = threading.Event()  # every live agent acknowledged it
+        self._lock = threading.Lock()
+        self.result: str | None = None  # "succeeded" or the stop reason
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="resilient-supervisor", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._round_stores.clear()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step(time.monotonic())
+            except Exception:  # noqa: BLE001 - fail static: a loop bug must not take the job down
+                logger.exception("supervisor pass failed; going on")
+            if self.settled.is_set() or (self._final_at is not None
+                                         and time.monotonic() - self._final_at > self.cfg.linger):
+                break
+            self._stop.wait(self.cfg.tick)
+
+    # ------------------------------------------------------------------ one pass
+    def step(self, now: float) -> list[Decision]:
+        """One pass. Thread-safe: the hosting agent calls it right after reporting a fault, so an in-process
+        decision costs no polling period."""
+        with self._lock:
+            return self._step(now)
+
+    def _step(self, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        for msg in self.chan.drain():
+            out += self._on_message(msg, now)
+        out += self.core.tick(now)
+        if self.core.assignment is None and self.core.stopped is None and self.core.ready(now, self.cfg.last_call):
+            a = self.core.form(now)
+            self._publish(a, action={"action": "start"}, decision_id=0)
+        for d in out:
+            self._carry_out(d)
+        self._check_finished(now)
+        return out
+
+    def _on_message(self, msg: dict[str, Any], now: float) -> list[Decision]:
+        kind, node = msg.get("type"), msg.get("node")
+        if not isinstance(node, str):
+            return []
+        if kind == MessageKind.JOIN:
+            nproc = int(msg.get("nproc", 1))
+            logger.info("node %s joined (%d workers)", node, nproc)
+            return self.core.join(node, nproc, now)
+        self.core.seen(node, now)
+        if kind == MessageKind.EVENT:
+            try:
+                ev = Event.from_json(msg["event"])
+            except (KeyError, ValueError, TypeError) as e:
+                logger.warning("unreadable event from %s: %s", node, e)
+                return []
+            return self.core.handle(ev, now)
+        if kind == MessageKind.ACK:
+            self._acks.setdefault(int(msg.get("round", -1)), set()).add(node)
+        elif kind == MessageKind.DONE:
+            a = self.core.assignment
+            if a is not None and int(msg.get("round", -1)) == a.round:
+                self._done.add(node)
+        elif kind == MessageKind.LEAVE:
+            logger.info("node %s left: %s", node, msg.get("reason"))
+            return self.core.handle(Event(EventKind.AGENT_LOST, node=node, details={"reason": "left"}), now)
+        return []
+
+    def _carry_out(self, d: Decision) -> None:
+        self.decisions.append(d)
+        if d.cause is not None and d.cause.kind in (EventKind.AGENT_LOST, EventKind.NODE_JOINED):
+            self._write(d.cause)  # synthesised here: no agent wrote it
+        self._write(d.to_event(self.cfg.name))
+        logger.warning("supervisor: %s (%s)", d.action.kind, d.action.reason or (d.fallback or "").splitlines()[-1:])
+        if self.core.stopped is not None and self._final_round is None:
+            self._finish(self.core.stopped, stop=True, decision_id=d.id)
+        elif d.assignment is not None:
+            self._publish(d.assignment, action=d.action.to_json(), decision_id=d.id)
+
+    def _write(self, ev: Event) -> None:
+        if self.ledger is not None:
+            self.ledger.write(ev)
+
+    # ------------------------------------------------------------------ plans
+    def _round_store(self, round_: int) -> tuple[str, int]:
+        """A fresh store per round: nothing of an earlier attempt can reach a new one (pytorch#135712)."""
+        store = connect_store("0.0.0.0", 0, self.cfg.store_timeout, is_master=True)
+        self._round_stores[round_] = store
+        for r in [r for r in self._round_stores if r < round_ - 1]:
+            del self._round_stores[r]  # the one before stays: its workers may still be tearing down
+        return self.cfg.advertise_addr, store.port
+
+    def _publish(self, a: Assignment, *, action: dict[str, Any], decision_id: int) -> None:
+        addr, port = self._round_store(a.round)
+        self._done.clear()
+        plan = {"round": a.round, "assignment": a.to_json(), "master": f"{addr}:{port}", "action": action,
+                "id": decision_id}
+        self.chan.publish(a.round, plan)
+        logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
+                    a.world_size)
+
+    def _finish(self, reason: str, *, stop: bool, decision_id: int = 0) -> None:
+        a = self.core.assignment
+        round_ = (a.round if a is not None else -1) + 1
+        self.chan.publish(round_, {"round": round_, "final": True, "stop": reason if stop else None,
+                                   "id": decision_id})
+        self._final_round, self._final_at = round_, time.monotonic()
+        self.result = reason
+        self.finished.set()
+
+    def _check_finished(self, now: float) -> None:
+        a = self.core.assignment
+        if self._final_round is None and a is not None and self.core.stopped is None and self._done >= set(a.members):
+            self._finish("succeeded", stop=False)
+        if self._final_round is not None and not self.settled.is_set():
+            view = self.core.view(now)
+            live = {n for n, v in view.nodes.items() if v.state in (NodeState.ACTIVE, NodeState.SPARE)}
+            if self._acks.get(self._final_round, set()) >= live:
+                self.settled.set()

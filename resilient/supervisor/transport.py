@@ -1,0 +1,186 @@
+"""Agent ↔ supervisor messages over the job's rendezvous store, signed with the per-job secret.
+
+Agents → supervisor: one store queue (``resilient/sv/q``) of signed messages — ``join``, ``hb`` (a periodic
+summary: heartbeats themselves stay on the node), ``event`` (a fault or state change worth a decision),
+``ack`` (an assignment carried out), ``done`` (this node's workers all finished). Supervisor → agents: one
+write-once key per assignment round (``resilient/sv/plan/<round>``) plus ``resilient/sv/latest``; agents
+check for the next round every ``--monitor-interval`` and jump to the latest.
+
+Every message carries an HMAC-SHA256 of its body under the job secret: a message without a valid one
+triggers nothing and is logged (rate-limited). Checkpoint data never passes through here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from resilient import env as renv
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "resilient/sv"
+QUEUE = f"{PREFIX}/q"
+LATEST = f"{PREFIX}/latest"
+SECRET_KEY = f"{PREFIX}/secret"  # only when no secret was configured: store access is then the only guard
+
+
+def plan_key(round_: int) -> str:
+    return f"{PREFIX}/plan/{round_}"
+
+
+def master_key(round_: int) -> str:
+    return f"{PREFIX}/master/{round_}"
+
+
+class MessageKind:
+    JOIN = "join"
+    HB = "hb"
+    EVENT = "event"
+    ACK = "ack"
+    DONE = "done"
+    LEAVE = "leave"
+
+
+class BadMessage(ValueError):
+    """A message that is not ours: unsigned, wrongly signed, or not JSON."""
+
+
+def load_secret(secret_file: str | None = None) -> bytes | None:
+    """The job secret: ``--job-secret-file`` (e.g. a mounted Kubernetes Secret) or ``RESILIENT_JOB_SECRET``."""
+    if secret_file:
+        try:
+            data = open(secret_file, "rb").read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the job secret file {secret_file!r}: {e.strerror or e}") from None
+        if len(data) < 16:
+            raise ValueError(f"the job secret in {secret_file!r} is shorter than 16 bytes; generate one with "
+                             "`python -c 'import secrets; print(secrets.token_hex(32))'`")
+        return data
+    env = os.environ.get(renv.JOB_SECRET)
+    if env:
+        if len(env) < 16:
+            raise ValueError(f"{renv.JOB_SECRET} is shorter than 16 characters")
+        return env.encode()
+    return None
+
+
+def new_secret() -> bytes:
+    return secrets.token_hex(32).encode()
+
+
+@dataclass
+class Signer:
+    secret: bytes
+
+    def seal(self, body: dict[str, Any]) -> bytes:
+        raw = json.dumps(body, separators=(",", ":"), sort_keys=True, default=str)
+        mac = hmac.new(self.secret, raw.encode(), hashlib.sha256).hexdigest()
+        return json.dumps({"b": raw, "m": mac}, separators=(",", ":")).encode()
+
+    def open(self, data: bytes) -> dict[str, Any]:
+        try:
+            outer = json.loads(data)
+            raw, mac = outer["b"], outer["m"]
+        except (ValueError, KeyError, TypeError):
+            raise BadMessage("not a resilient control message") from None
+        if not isinstance(raw, str) or not isinstance(mac, str):
+            raise BadMessage("malformed control message")
+        want = hmac.new(self.secret, raw.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, mac):
+            raise BadMessage("bad signature (wrong or missing job secret)")
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise BadMessage("malformed control message body")
+        return body
+
+
+class RateLimitedLog:
+    """At most one line per ``every`` seconds, with the count of what was suppressed: a flood of forged or
+    garbage messages must not become a flood of log lines."""
+
+    def __init__(self, log: logging.Logger, every: float = 10.0):
+        self.log, self.every, self._last, self._suppressed = log, every, -1e18, 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every:
+            self._suppressed += 1
+            return
+        extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
+        self._last, self._suppressed = now, 0
+        self.log.warning(msg + extra, *args)
+
+
+def connect_store(host: str, port: int, timeout: float, *, is_master: bool = False):
+    """A TCPStore client (or server) with a bounded connect; every later call is bounded by ``timeout``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout), use_libuv=True)
+
+
+class AgentChannel:
+    """The agent's end: sends signed messages, reads assignments. Every call is bounded by the store timeout;
+    a store that went away raises (the agent keeps its workers and reconnects — fail static)."""
+
+    def __init__(self, store: Any, signer: Signer, node: str):
+        self.store, self.signer, self.node = store, signer, node
+        self._bad = RateLimitedLog(logger)
+
+    def send(self, kind: str, **body: Any) -> None:
+        body.update(type=kind, node=self.node, t=time.time())
+        self.store.queue_push(QUEUE, self.signer.seal(body))
+
+    def latest_round(self) -> int:
+        if not self.store.check([LATEST]):
+            return -1
+        return int(self.store.get(LATEST))
+
+    def has_round(self, round_: int) -> bool:
+        return bool(self.store.check([plan_key(round_)]))
+
+    def plan(self, round_: int) -> dict[str, Any] | None:
+        """The signed plan of a round; a forged one is refused (None) and logged."""
+        try:
+            return self.signer.open(self.store.get(plan_key(round_)))
+        except BadMessage as e:
+            self._bad.warning("refused the plan of round %d: %s", round_, e)
+            return None
+
+
+class SupervisorChannel:
+    """The supervisor's end: drains the queue, publishes plans."""
+
+    def __init__(self, store: Any, signer: Signer, *, max_batch: int = 100_000):
+        self.store, self.signer, self.max_batch = store, signer, max_batch
+        self.refused = 0
+        self._bad = RateLimitedLog(logger)
+
+    def drain(self) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
+        out: list[dict[str, Any]] = []
+        for _ in range(self.max_batch):
+            try:
+                data = self.store.queue_pop(QUEUE, block=False)
+            except dist.QueueEmptyError:
+                break
+            try:
+                out.append(self.signer.open(data))
+            except BadMessage as e:
+                self.refused += 1
+                self._bad.warning("refused a control message: %s", e)
+        return out
+
+    def publish(self, round_: int, plan: dict[str, Any]) -> None:
+        self.store.set(plan_key(round_), self.signer.seal(plan))
+        self.store.set(LATEST, str(round_))
