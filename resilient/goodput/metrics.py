@@ -151,7 +151,7 @@ class MetricsServer:
     """``MetricsServer(port, run_dir).start()`` serves ``/metrics``; ``close()`` stops it. Port 0 picks a free
     port (see :attr:`port`)."""
 
-    def __init__(self, port: int, run_dir: str, *, addr: str = "0.0.0.0"):
+    def __init__(self, port: int, run_dir: str, *, addr: str = "127.0.0.1"):
         if not (0 <= int(port) <= 65535):
             raise ValueError(f"metrics port must be in 0..65535, got {port}")
         self.requested_port = int(port)

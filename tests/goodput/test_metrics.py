@@ -124,6 +124,12 @@ def test_resilient_run_metrics_port(tmp_path):
             time.sleep(0.05)
         m = scrape(port)
         assert value(m, "resilient_last_step") == 5  # step 6 is the one waiting: recorded when it ends
+        # loopback only unless --metrics-addr says otherwise
+        import psutil
+
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert [a.ip for a in listening] == ["127.0.0.1"], listening
         assert value(m, "resilient_in_progress") == 1 and value(m, "resilient_attempt") == 0
         assert value(m, "resilient_world_size") == 2
         assert value(m, "resilient_checkpoint_step", tier="local") == 5
@@ -133,3 +139,18 @@ def test_resilient_run_metrics_port(tmp_path):
         assert proc.returncode == 0, out
     finally:
         kill_group(proc)
+
+
+def test_metrics_addr_flag_and_loopback_default(tmp_path):
+    from resilient.launcher.args import parse
+
+    script = tmp_path / "s.py"
+    script.write_text("")
+    base = ["--standalone", "--run-dir", str(tmp_path / "run"), "--metrics-port", "0"]
+    assert parse([*base, str(script)]).metrics_addr == "127.0.0.1"
+    assert parse([*base, "--metrics-addr", "0.0.0.0", str(script)]).metrics_addr == "0.0.0.0"
+    with MetricsServer(0, str(tmp_path)) as srv:
+        assert srv._server.server_address[0] == "127.0.0.1"
+    with MetricsServer(0, str(tmp_path), addr="0.0.0.0") as srv:
+        assert srv._server.server_address[0] == "0.0.0.0"
+        scrape(srv.port)

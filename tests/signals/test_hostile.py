@@ -166,3 +166,19 @@ def test_a_wrapper_s_python_child_is_the_worker_and_others_are_refused(make_agen
     summary = a.monitor.summary(time.monotonic())
     assert summary["ranks"][0]["step"] in (19, 20)  # the real worker's last step, not the forged 10**6
     s.close()
+
+
+@pytest.mark.parametrize("flag,value", [("--heartbeat-timeout", "nan"), ("--heartbeat-timeout", "inf"),
+                                        ("--heartbeat-timeout", "0"), ("--term-timeout", "nan"),
+                                        ("--term-timeout", "-1"), ("--monitor-interval", "inf"),
+                                        ("--monitor-interval", "0"), ("--metrics-addr", "")])
+def test_non_finite_or_non_positive_seconds_are_refused(tmp_path, flag, value):
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--run-dir", str(tmp_path / "run"),
+                        flag, value, str(script)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "ran" not in r.stdout, r.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was created
