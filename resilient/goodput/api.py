@@ -97,6 +97,7 @@ class GoodputReport:
     steps_recorded: int = 0
     steps_redone: int = 0
     timeline: list[Segment] = field(default_factory=list, repr=False)
+    skipped_lines: int = 0  # malformed ledger lines left out of the accounting
 
     def __post_init__(self) -> None:
         missing = set(CATEGORIES) - set(self.badput_seconds)
@@ -124,6 +125,7 @@ class GoodputReport:
             "last_step": self.last_step,
             "steps_recorded": self.steps_recorded,
             "steps_redone": self.steps_redone,
+            "skipped_lines": self.skipped_lines,
             "attempts": [dict(asdict(a), wall_seconds=a.wall_seconds) for a in self.attempts],
         }
         if timeline:

@@ -61,13 +61,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from resilient.events.api import Event, EventKind
-from resilient.events.ledger import read_events
+from resilient.goodput.reader import read_ledger
 from resilient.goodput.api import (
     CATEGORIES,
     PRODUCTIVE,
     AttemptReport,
     Badput,
     EmptyLedgerError,
+    GoodputError,
     GoodputReport,
     Segment,
 )
@@ -89,9 +90,20 @@ def _num(d: dict, key: str, default: float = 0.0) -> float:
     v = d.get(key, default)
     try:
         f = float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # 10**400 is valid JSON
         return default
     return f if math.isfinite(f) else default
+
+
+def _int_or_none(v: object) -> int | None:
+    """An attempt number from a detail field, whatever was written there (hashable, or None)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and math.isfinite(v):
+        return int(v)
+    return None
 
 
 def _is_fault(ev: Event) -> bool:
@@ -179,7 +191,9 @@ def _attempts(session: int, evs: list[Event]) -> list[_Attempt]:
     starts: dict[int, _Attempt] = {}
     for ev in evs:
         if ev.kind is EventKind.ATTEMPT_START:
-            k = int(ev.attempt if ev.attempt is not None else ev.details.get("attempt", len(starts)))
+            k = ev.attempt if ev.attempt is not None else _int_or_none(ev.details.get("attempt", len(starts)))
+            if k is None:
+                k = len(starts)
             a = starts.get(k)
             if a is None:
                 starts[k] = a = _Attempt(session, k, ev.wall)
@@ -401,7 +415,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
     badput = {c: math.fsum(totals.get(c, [])) for c in CATEGORIES}
     goodput = min(1.0, max(0.0, productive / wall)) if wall > 0 else 0.0
     # every node may report the same restart: count each (launch, new attempt) once
-    restarts = len({(si, e.attempt, e.details.get("attempt")) for si, sev in enumerate(sessions) for e in sev
+    restarts = len({(si, e.attempt, _int_or_none(e.details.get("attempt"))) for si, sev in enumerate(sessions) for e in sev
                     if e.kind is EventKind.RESTART})
     kept_steps = [e for e in steps_all if id(e) not in redone]
     return GoodputReport(
@@ -414,10 +428,15 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
 
 
 def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None) -> GoodputReport:
-    """Read ``RUN_DIR/events.jsonl`` (a truncated last line is skipped) and compute its report."""
+    """Read ``RUN_DIR/events.jsonl`` (a truncated last line and malformed lines are skipped, and counted in
+    ``skipped_lines``) and compute its report."""
     try:
-        events = list(read_events(run_dir))
+        read = read_ledger(run_dir)
     except FileNotFoundError:
         raise EmptyLedgerError(f"no ledger in {run_dir}: expected {os.path.join(run_dir, 'events.jsonl')}; "
                                "pass the --run-dir the job was launched with") from None
-    return compute_report(events, now=now)
+    if not read.events and read.skipped:
+        raise GoodputError(f"{read.path} is not a ledger: none of its {read.lines} line(s) is an event")
+    rep = compute_report(read.events, now=now)
+    rep.skipped_lines = read.skipped
+    return rep

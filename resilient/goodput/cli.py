@@ -7,9 +7,9 @@ import json
 import logging
 import sys
 
-from resilient.events.ledger import read_events
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
 from resilient.goodput.calculator import compute_report
+from resilient.goodput.reader import read_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +69,24 @@ def print_table(rep: GoodputReport) -> None:
                     str(a.world_size or "?"), steps, _fmt_s(a.productive_seconds),
                     f"{top[0]} {_fmt_s(top[1])}" if top[1] > 0 else "–", a.end_reason)
     con.print(a_t)
+    if rep.skipped_lines:
+        con.print(f"[yellow]{rep.skipped_lines} malformed ledger line(s) skipped[/yellow]: they are not counted above")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        events = list(read_events(args.run_dir))
+        read = read_ledger(args.run_dir)
     except FileNotFoundError:
         print(f"resilient goodput: no ledger in {args.run_dir} (expected events.jsonl there); "
+              "pass the run directory the job was launched with", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"resilient goodput: cannot read the ledger in {args.run_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    events = read.events
+    if not events and read.skipped:
+        print(f"resilient goodput: {read.path} is not a ledger: none of its {read.lines} line(s) is an event; "
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     try:
@@ -84,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except GoodputError as e:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2
+    rep.skipped_lines = read.skipped
     if args.plot:
         from resilient.goodput.plot import plot_timeline
 

@@ -26,6 +26,7 @@ from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES, GoodputError
 from resilient.goodput.calculator import compute_report
 from resilient.goodput.tail import LedgerTail
+from resilient.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class LedgerCollector(Collector):
         self._kinds: Counter[str] = Counter()
         self._last: dict[EventKind, Event] = {}
         self._tier_done: dict[str, Event] = {}
+        self._errors = RateLimitedLog(logger, 60.0)
 
     def _update(self) -> None:
         for ev in self._tail.read_new():
@@ -68,7 +70,7 @@ class LedgerCollector(Collector):
             try:
                 self._update()
             except OSError as e:
-                logger.warning("cannot read the ledger in %s: %s", self.run_dir, e)
+                self._errors.warning("cannot read the ledger in %s: %s", self.run_dir, e, key="read")
             now = time.time()
             yield from self._families(now)
 
@@ -78,6 +80,8 @@ class LedgerCollector(Collector):
         for kind, n in sorted(self._kinds.items()):
             ev_total.add_metric([kind], n)
         yield ev_total
+        yield _counter(f"{p}_ledger_skipped_lines", "Malformed ledger lines left out of the accounting",
+                       self._tail.skipped)
         if not self._events:
             return
         rep = self._report
@@ -89,7 +93,12 @@ class LedgerCollector(Collector):
             except GoodputError as e:
                 logger.debug("no goodput yet: %s", e)
                 return
-            self._report, self._report_at, self._report_cost = rep, now, time.perf_counter() - t
+            except Exception as e:  # noqa: BLE001 - a scrape must never fail for good: serve the last report
+                self._errors.log(logging.ERROR, "goodput report failed (%r); serving the last one", e, key="report")
+                if rep is None:
+                    return
+            else:
+                self._report, self._report_at, self._report_cost = rep, now, time.perf_counter() - t
         yield _gauge(f"{p}_goodput_ratio", "Productive time / wall time of the run so far (0..1)", rep.goodput)
         yield _gauge(f"{p}_wall_seconds", "Wall time of the run so far", rep.wall_seconds)
         yield _gauge(f"{p}_productive_seconds", "Productive training time so far", rep.productive_seconds)

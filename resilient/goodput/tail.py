@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 from resilient.events.api import Event
 from resilient.events.ledger import ledger_path
+from resilient.goodput.reader import parse_line
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ class LedgerTail:
         self._partial = b""
         self._chunk = chunk
         self._ino: int | None = None
+        self.skipped = 0  # malformed lines seen (each once)
 
     def read_new(self, max_bytes: int = 64 << 20) -> list[Event]:
         try:
@@ -33,7 +34,7 @@ class LedgerTail:
             st = os.fstat(fd)
             if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
                 logger.warning("%s was replaced or truncated; reading it again from the start", self.path)
-                self._offset, self._partial = 0, b""
+                self._offset, self._partial, self.skipped = 0, b"", 0
             self._ino = st.st_ino
             read = 0
             while read < max_bytes:
@@ -48,10 +49,12 @@ class LedgerTail:
                 for raw in lines:
                     if not raw.strip():
                         continue
-                    try:
-                        out.append(Event.from_json(json.loads(raw)))
-                    except (ValueError, KeyError, TypeError) as e:
-                        logger.debug("unreadable ledger line skipped (%s)", e)
+                    ev = parse_line(raw)
+                    if ev is None:
+                        self.skipped += 1
+                        logger.debug("malformed ledger line skipped")
+                    else:
+                        out.append(ev)
         finally:
             os.close(fd)
         return out
