@@ -165,6 +165,7 @@ class Agent:
         self._last_hb = 0.0
         self._hb_interval = min(1.0, cfg.node_timeout / 4)
         self._store_lost_at: float | None = None
+        self._presence = None  # our end of the supervisor's presence connection: closes when we die
 
     # ---------------------------------------------------------------- set-up
     def _install_signals(self) -> None:
@@ -250,6 +251,9 @@ class Agent:
         if hosting:
             self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
         self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
+        store.wait([T.PRESENCE], timedelta(seconds=c.rendezvous_timeout))
+        self._presence = T.presence_connect(store.get(T.PRESENCE).decode(), self.signer, self.node,
+                                            timeout=min(30.0, c.rendezvous_timeout))
         self._last_hb = time.monotonic()
         logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
 
@@ -797,6 +801,8 @@ class Agent:
                     part.close()
                 except Exception as e:  # noqa: BLE001
                     logger.debug("closing %s: %s", type(part).__name__, e)
+        if self._presence is not None:
+            self._presence.close()
         if self.sup_loop is not None:
             self.sup_loop.close()
         self.store = None

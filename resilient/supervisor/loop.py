@@ -20,9 +20,12 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
+from resilient.goodput.tail import LedgerTail
 from resilient.supervisor.api import NodeState
 from resilient.supervisor.core import Assignment, Decision, SupervisorConfig, SupervisorCore
-from resilient.supervisor.transport import MessageKind, Signer, SupervisorChannel, connect_store
+from resilient.supervisor.transport import (
+    PRESENCE, MessageKind, PresenceServer, Signer, SupervisorChannel, connect_store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,12 @@ class SupervisorLoop:
                  core: SupervisorCore):
         self.cfg, self.core, self.ledger = cfg, core, ledger
         self.chan = SupervisorChannel(store, signer)
+        self.presence = PresenceServer(signer)
+        # checkpoint boundaries (a deferred ScaleUp waits for one) are written by workers to the ledger only
+        self._tail = LedgerTail(ledger.path.parent) if ledger is not None else None
+        if self._tail is not None:
+            self._tail.read_new()  # the past is not news
+        store.set(PRESENCE, f"{cfg.advertise_addr}:{self.presence.port}")
         self._round_stores: dict[int, Any] = {}
         self._done: set[str] = set()
         self._acks: dict[int, set[str]] = {}
@@ -84,9 +93,11 @@ class SupervisorLoop:
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._round_stores.clear()
+        with self._lock:
+            self._round_stores.clear()
+            self.presence.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -108,8 +119,19 @@ class SupervisorLoop:
 
     def _step(self, now: float) -> list[Decision]:
         out: list[Decision] = []
+        hello, gone = self.presence.poll()
+        for node in hello:
+            self.core.seen(node, now)
         for msg in self.chan.drain():
             out += self._on_message(msg, now)
+        if self._tail is not None:
+            for ev in self._tail.read_new():
+                if ev.kind == EventKind.CKPT_TIER_DONE:
+                    out += self.core.handle(ev, now)
+        for node in gone:
+            # its kernel closed the connection: the agent is dead (or left; a LEAVE came first then)
+            logger.warning("node %s disconnected", node)
+            out += self.core.handle(Event(EventKind.AGENT_LOST, node=node, details={"reason": "disconnected"}), now)
         out += self.core.tick(now)
         if self.core.assignment is None and self.core.stopped is None and self.core.ready(now, self.cfg.last_call):
             a = self.core.form(now)

@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import secrets
+import selectors
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -184,3 +186,112 @@ class SupervisorChannel:
     def publish(self, round_: int, plan: dict[str, Any]) -> None:
         self.store.set(plan_key(round_), self.signer.seal(plan))
         self.store.set(LATEST, str(round_))
+
+
+PRESENCE = f"{PREFIX}/presence"  # addr:port of the supervisor's presence listener
+
+
+class PresenceServer:
+    """One TCP connection per agent, kept open for the job: when an agent dies, its kernel closes the
+    connection and the supervisor knows at once, without waiting ``--node-timeout`` (which still covers a
+    hung or partitioned host). The first line an agent sends is a signed hello naming its node, so a
+    stranger's connection (or its closing) counts for nothing."""
+
+    def __init__(self, signer: Signer, bind: str = "0.0.0.0", max_conns: int = 65536, hello_timeout: float = 10.0):
+        self.signer, self.max_conns, self.hello_timeout = signer, max_conns, hello_timeout
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((bind, 0))
+        self.sock.listen(1024)
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+        self._pending: dict[Any, tuple[float, bytes]] = {}  # accepted, hello not yet read
+        self._nodes: dict[Any, str] = {}
+        self._bad = RateLimitedLog(logger)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.sock, selectors.EVENT_READ, None)
+
+    def poll(self) -> tuple[list[str], list[str]]:
+        """Non-blocking: (nodes that said hello, nodes whose connection closed)."""
+        hello: list[str] = []
+        gone: list[str] = []
+        for key, _ in self._sel.select(timeout=0):
+            if key.data is None:
+                self._accept()
+                continue
+            conn = key.fileobj
+            try:
+                data = conn.recv(4096)  # type: ignore[union-attr]
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                node = self._close(conn)
+                if node is not None:
+                    gone.append(node)
+                continue
+            if conn in self._nodes:
+                continue  # nothing more is expected after the hello; ignore
+            t0, buf = self._pending[conn]
+            buf += data
+            if b"\n" in buf:
+                line = buf.split(b"\n", 1)[0]
+                try:
+                    node = str(self.signer.open(line)["node"])
+                except (BadMessage, KeyError, ValueError) as e:
+                    self._bad.warning("refused a presence connection: %s", e)
+                    self._close(conn)
+                    continue
+                del self._pending[conn]
+                self._nodes[conn] = node
+                hello.append(node)
+            elif len(buf) > 4096:
+                self._close(conn)
+            else:
+                self._pending[conn] = (t0, buf)
+        now = time.monotonic()
+        for conn, (t0, _) in list(self._pending.items()):
+            if now - t0 > self.hello_timeout:
+                self._close(conn)
+        return hello, gone
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: refuse quietly, keep serving
+                self._bad.warning("presence accept failed: %s", e)
+                return
+            if len(self._pending) + len(self._nodes) >= self.max_conns:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._pending[conn] = (time.monotonic(), b"")
+            self._sel.register(conn, selectors.EVENT_READ, "conn")
+
+    def _close(self, conn: Any) -> str | None:
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+        self._pending.pop(conn, None)
+        return self._nodes.pop(conn, None)
+
+    def close(self) -> None:
+        for conn in list(self._pending) + list(self._nodes):
+            self._close(conn)
+        self._sel.close()
+        self.sock.close()
+
+
+def presence_connect(addr: str, signer: Signer, node: str, timeout: float) -> Any:
+    """The agent's end: a connection that lives as long as the agent (the kernel closes it when it dies)."""
+    host, port = addr.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=timeout)
+    conn.sendall(signer.seal({"node": node, "t": time.time()}) + b"\n")
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    return conn

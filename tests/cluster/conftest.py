@@ -1,0 +1,124 @@
+"""Several node agents on one machine: each its own session (so a node is killed as a whole), its own local
+tier, one rendezvous endpoint over loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from resilient.events.ledger import read_events
+from resilient.testing.gcs import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = Path(__file__).resolve().parent / "train.py"
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILIENT_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Node:
+    def __init__(self, name: str, proc: subprocess.Popen, local: Path, log: Path):
+        self.name, self.proc, self.local, self.log = name, proc, local, log
+
+    def kill(self) -> None:
+        """A lost node: agent, fork server and workers SIGKILLed at once, its local disk gone."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        shutil.rmtree(self.local, ignore_errors=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+class Cluster:
+    def __init__(self, tmp: Path, nnodes: str, *, flags: list[str] | None = None, port: int | None = None):
+        self.tmp, self.nnodes, self.flags = tmp, nnodes, list(flags or [])
+        self.port = port or free_port()
+        self.run_dir = tmp / "run"
+        self.nodes: list[Node] = []
+
+    def agent_cmd(self, local: Path, script_args: list[str], extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "resilient.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "cluster",
+                "--local-addr", "127.0.0.1", "--run-dir", str(self.run_dir), "--ckpt-local", str(local),
+                *self.flags, *extra, str(TRAIN), *script_args]
+
+    def start(self, name: str, script_args: list[str], *, extra: list[str] | None = None,
+              env: dict[str, str] | None = None) -> Node:
+        local = self.tmp / f"local-{name}"
+        log = self.tmp / f"{name}.log"
+        with open(log, "wb") as f:
+            p = subprocess.Popen(self.agent_cmd(local, script_args, extra or []), cwd=REPO, env=child_env(env),
+                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        node = Node(name, p, local, log)
+        self.nodes.append(node)
+        return node
+
+    def events(self) -> list:
+        try:
+            return list(read_events(self.run_dir))
+        except FileNotFoundError:
+            return []
+
+    def close(self) -> None:
+        for n in self.nodes:
+            try:
+                os.killpg(n.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                n.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def leftovers(self) -> list[psutil.Process]:
+        sids = {n.proc.pid for n in self.nodes}
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) in sids and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+                pass
+        return out
+
+
+@pytest.fixture
+def cluster_factory(tmp_path: Path) -> Iterator:
+    made: list[Cluster] = []
+
+    def make(nnodes: str, **kw) -> Cluster:
+        c = Cluster(tmp_path / f"c{len(made)}", nnodes, **kw)
+        c.tmp.mkdir(parents=True, exist_ok=True)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()

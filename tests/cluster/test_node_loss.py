@@ -1,0 +1,108 @@
+"""A node lost for good, handled by the supervisor's policy: hot swap to a warm spare, or scale down; with the
+real launcher, real agents (each in its own session), real SIGKILL of a whole node and its local disk."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient.events.api import EventKind
+from .conftest import REPO, TRAIN, child_env, wait_for
+
+STEPS = 10
+GATE_STEP = 4
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def final(out: Path, world: int) -> list[dict]:
+    """Each rank's model and optimizer at the end (what must be bit-exact)."""
+    out_ = []
+    for r in range(world):
+        d = torch.load(out / f"rank{r}.pt", weights_only=False)
+        out_.append({"model": d["model"], "optim": d["optim"]})
+    return out_
+
+
+def assert_same(a: object, b: object, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"differs at {where}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"keys differ at {where}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"lengths differ at {where}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{a!r} != {b!r} at {where}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same job, two ranks, never interrupted."""
+    base = tmp_path_factory.mktemp("ref")
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
+                        "--run-dir", str(base / "run"), "--ckpt-local", str(base / "ckpt"), str(TRAIN),
+                        "--steps", str(STEPS), "--out", str(base / "out")],
+                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return final(base / "out", 2)
+
+
+def _start_job(c, args: list[str], names=("a", "b")):
+    first = c.start(names[0], args)
+    wait_for(lambda: _listening(c.port) or first.proc.poll() is not None, 60, "the first agent to host the store")
+    nodes = [first] + [c.start(n, args) for n in names[1:]]
+    wait_for(lambda: len({e.node for e in c.events() if e.kind == EventKind.ATTEMPT_START}) == len(names)
+             or any(n.proc.poll() is not None for n in nodes), 90, "every node's workers to start")
+    return nodes
+
+
+def node_name(n) -> str:
+    return f"{socket.gethostname()}:{n.proc.pid}"
+
+
+@pytest.mark.timeout(240)
+def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path: Path, reference) -> None:
+    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20"])
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _start_job(c, args)
+    spare = c.start("spare", args)  # joins mid-run: must not disturb the job
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
+             "the spare to join")
+    b.kill()  # the whole node: agent, fork server, workers, local disk
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and spare.proc.poll() is not None, 150, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert spare.proc.returncode == 0, spare.output()
+    evs = c.events()
+    swaps = [e for e in evs if e.kind == EventKind.ACTION and e.details.get("action") == "hot_swap"]
+    assert len(swaps) == 1, [e.details for e in evs if e.kind == EventKind.ACTION]
+    assert swaps[0].details["action_args"]["node"] == node_name(b)
+    assert swaps[0].details["action_args"]["spare"] == node_name(spare)
+    # no round started before the lost node was replaced: the loss was seen at once (connection closed)
+    assert not [e for e in evs if e.kind == EventKind.ACTION and e.details.get("action") == "restart"]
+    lost = [e for e in evs if e.kind == EventKind.AGENT_LOST]
+    assert lost and lost[0].node == node_name(b) and lost[0].details["reason"] == "disconnected"
+    # the spare's workers got the lost node's ranks and restored its shards from a surviving tier
+    spare_starts = [e for e in evs if e.kind == EventKind.ATTEMPT_START and e.node == node_name(spare)]
+    b_ranks = {r for e in evs if e.kind == EventKind.ATTEMPT_START and e.node == node_name(b) for r in e.details["pids"]}
+    assert spare_starts and set(spare_starts[0].details["pids"]) == b_ranks
+    restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(spare)]
+    assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
+    assert_same(reference, final(out, 2))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
