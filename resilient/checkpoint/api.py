@@ -29,6 +29,8 @@ class TierName(str, enum.Enum):
     PERSISTENT = "persistent"
 
 
+DEFAULT_UPLOAD_GRACE_S = 60.0
+
 # restore prefers the earlier tier: cheaper to read
 TIER_ORDER = (TierName.LOCAL, TierName.PEER, TierName.PERSISTENT)
 
@@ -63,6 +65,16 @@ class CheckpointMismatchError(CheckpointError):
 
 class CorruptFileError(CheckpointError):
     """A file's size or crc32c differs from its manifest entry."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would run code or reach outside its step directory when loaded; it is refused."""
+
+    def __init__(self, path: str, forbidden: str | None, why: str):
+        self.path, self.forbidden, self.why = path, forbidden, why
+        what = f"it references the forbidden global {forbidden} ({why})" if forbidden else why
+        super().__init__(f"{path}: unsafe, refused to load: {what}; the file was tampered with or is not a "
+                         "checkpoint of this package")
 
 
 class NoRestorableStepError(CheckpointError):
@@ -180,6 +192,9 @@ class CheckpointConfig:
     upload_backoff_max_s: float = 8.0
     collective_timeout_s: float = 600.0
     storage_options: dict[str, Any] = field(default_factory=dict)
+    persistent_timeout_s: float = 30.0  # bound on one persistent-tier call (plus time for its bytes)
+    restore_probe_s: float = 5.0  # at restore, a persistent store silent this long is skipped
+    upload_grace_s: float | None = None  # at exit, pending uploads get this long; None: $RESILIENT_UPLOAD_GRACE or 60
 
     def __post_init__(self) -> None:
         if not self.local and not self.persistent:
@@ -213,5 +228,21 @@ class CheckpointConfig:
                 raise CheckpointConfigError(f"{name}={getattr(self, name)}: must keep at least 1 step")
         if self.upload_retries < 0 or self.upload_backoff_s < 0 or not math.isfinite(self.upload_backoff_max_s):
             raise CheckpointConfigError("upload_retries and upload_backoff_s must be >= 0")
+        if self.upload_grace_s is None:
+            raw = os.environ.get("RESILIENT_UPLOAD_GRACE", "").strip()
+            try:
+                self.upload_grace_s = float(raw) if raw else DEFAULT_UPLOAD_GRACE_S
+            except ValueError:
+                raise CheckpointConfigError(f"RESILIENT_UPLOAD_GRACE={raw!r}: give a number of seconds "
+                                            "(resilient-run --upload-grace S)") from None
+        for name in ("persistent_timeout_s", "restore_probe_s", "upload_grace_s", "collective_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (v == 0 and name != "upload_grace_s"):
+                raise CheckpointConfigError(f"{name}={v!r}: must be a finite number of seconds "
+                                            f"({'>= 0' if name == 'upload_grace_s' else '> 0'})")
         if self.local is not None:
             self.local = os.fspath(self.local)
+            if os.path.exists(self.local) and not os.path.isdir(self.local):
+                raise CheckpointConfigError(f"local={self.local!r} is a file, not a directory: point the local "
+                                            "tier at a directory (it is created if missing)")

@@ -37,12 +37,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from resilient import env as _env
 from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, PER_RANK_PREFIX, TIER_ORDER, CheckpointConfig,
                                       CheckpointError, CheckpointMismatchError, CorruptFileError, FileEntry,
-                                      Manifest, NoRestorableStepError, RestoreResult, TierName)
+                                      Manifest, NoRestorableStepError, RestoreResult, TierName,
+                                      UnsafeCheckpointError)
 from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_stateful, leaf_nbytes, plain_state,
                                         set_path)
-from resilient.checkpoint.tiers import (DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
+from resilient.checkpoint.tiers import (BoundedTier, DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
                                         map_verified, retry, verify_bytes, verify_file)
-from resilient.checkpoint.reader import FastReader
+from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
+from resilient.checkpoint.safe import find_unsafe, load_metadata, unsafe_name
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
 from resilient.checkpoint.writer import MemoryWriter
 from resilient.events.api import EventKind
@@ -82,7 +84,7 @@ def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
     ck = ref()
     if ck is not None and not ck._closed:
         try:
-            ck.close(timeout=min(120.0, ck.config.collective_timeout_s))
+            ck.close(timeout=min(120.0, ck.config.collective_timeout_s), at_exit=True)
         except FAILURES as e:  # exit goes on whatever happens here
             logger.warning("finishing checkpoints at exit failed: %s", e)
 
@@ -130,6 +132,28 @@ class _SaveJob:
     decided: threading.Event = field(default_factory=threading.Event)  # interval for the next save known
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+
+
+@dataclass
+class _Unsafe:
+    """A restore attempt refused a file as unsafe (see :meth:`CheckpointManager._refused`)."""
+
+    errors: list[str]
+
+
+def _manifest_problem(m: Manifest) -> str | None:
+    for n in m.files:
+        problem = unsafe_name(n)
+        if problem:
+            return problem
+    return None
+
+
+def _checked(m: Manifest) -> Manifest:
+    problem = _manifest_problem(m)
+    if problem:
+        raise UnsafeCheckpointError(f"manifest-rank{m.rank}.json of step {m.step}", None, problem)
+    return m
 
 
 @dataclass
@@ -212,13 +236,17 @@ class CheckpointManager:
                  overlap: bool = False, keep_local: int = 2, keep_peer: int = 2, keep_persistent: int = 3,
                  storage_options: dict[str, Any] | None = None, upload_retries: int = 6,
                  upload_backoff_s: float = 0.5, upload_backoff_max_s: float = 8.0,
-                 collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None):
+                 collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
+                 persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
+                 upload_grace_s: float | None = None):
         self.config = CheckpointConfig(
             local=os.fspath(local) if local is not None else None, persistent=persistent, interval=interval,
             persistent_every=persistent_every, peer=peer, overlap=overlap, keep_local=keep_local,
             keep_peer=keep_peer, keep_persistent=keep_persistent, upload_retries=upload_retries,
             upload_backoff_s=upload_backoff_s, upload_backoff_max_s=upload_backoff_max_s,
-            collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}))
+            collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
+            persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
+            upload_grace_s=upload_grace_s)
         cfg = self.config
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
@@ -252,8 +280,9 @@ class CheckpointManager:
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="resilient-ckpt-")
             self._scratch = Path(self._tmp.name)
-        self.persistent = (make_tier(cfg.persistent, TierName.PERSISTENT.value, cfg.storage_options)
-                           if cfg.persistent else None)
+        # every call to the persistent store is bounded: a dead store must cost seconds, not minutes
+        self.persistent = (BoundedTier(make_tier(cfg.persistent, TierName.PERSISTENT.value, cfg.storage_options),
+                                       cfg.persistent_timeout_s) if cfg.persistent else None)
 
         self._ledger = Ledger.from_env()
         self._interval = _Interval(cfg.interval, cfg.persistent_every, self.rank, tuner_options)
@@ -278,6 +307,8 @@ class CheckpointManager:
         self._up_pending: list[int] = []
         self._up_mem: dict[int, dict[str, bytes]] = {}  # steps the local tier could not hold
         self._up_busy = False
+        self._up_current: int | None = None  # the step being uploaded
+        self._grace_until: float | None = None  # see wait()
         self._up_closing = False
         self._uploader = None
         if self.persistent is not None:
@@ -339,6 +370,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("save() after close()")
         self._interval.observe_call()
+        self._grace_until = None  # training went on: a later wait() gets a fresh upload grace
         if not (force or self._interval.due(step)):
             return False
         t0 = time.perf_counter()
@@ -746,6 +778,7 @@ class CheckpointManager:
                 with self._up_cv:
                     self._drop_pending(lambda s: s >= step)
                     mem = self._up_mem.get(step)
+                    self._up_current = step
                 assert self.local is not None
                 self._upload_step(step, self.local, group=self._pg_up, mem=mem)
             except BaseException as e:  # the uploader must outlive any one upload
@@ -755,6 +788,7 @@ class CheckpointManager:
                     if step is not None:
                         self._drop_pending(lambda s: s > step)
                     self._up_busy = False
+                    self._up_current = None
                     self._up_cv.notify_all()
 
     def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> None:
@@ -819,8 +853,12 @@ class CheckpointManager:
     _up_abandon = False
 
     # ------------------------------------------------------------------ wait / close
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for in-flight saves, replication and uploads. Returns False on timeout."""
+    def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
+        """Wait for in-flight saves, replication and uploads. Returns False on timeout.
+
+        Uploads are waited for at most ``upload_timeout`` (default: the upload grace, ``--upload-grace``):
+        a dead persistent store must not hold the job; its pending steps stay queued.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         job = self._last_job
         if job is not None:
@@ -828,23 +866,43 @@ class CheckpointManager:
                 return False
         if self._uploader is None:
             return True
+        if upload_timeout is None:
+            # one grace for wait() and close() together: the clock starts at the first wait that finds
+            # uploads pending and stops when they drain (or training goes on)
+            if self._grace_until is None:
+                self._grace_until = time.monotonic() + float(self.config.upload_grace_s or 0.0)
+            up_deadline = self._grace_until
+        else:
+            up_deadline = time.monotonic() + upload_timeout
+        deadline = up_deadline if deadline is None else min(deadline, up_deadline)
         with self._up_cv:
             while self._up_pending or self._up_busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
                 self._up_cv.wait(left)
+        self._grace_until = None
         return True
 
-    def close(self, timeout: float | None = None) -> None:
-        """Finish in-flight work (uploads included, up to ``timeout``) and stop the background threads."""
+    def close(self, timeout: float | None = None, at_exit: bool = False) -> None:
+        """Finish in-flight work and stop the background threads. Saves get up to ``timeout``; uploads get
+        at most the upload grace, then the steps still pending are abandoned (and recorded in the ledger)."""
         if self._closed:
             return
         finished = self.wait(timeout)
         self._closed = True
         if not finished:
             self._up_abandon = True
-            logger.warning("close(): background checkpoint work still running after %s s; abandoning it", timeout)
+            with self._up_cv:
+                abandoned = sorted(set(self._up_pending) | ({self._up_current} if self._up_current is not None
+                                                             else set()))
+            saving = self._last_job is not None and not self._last_job.done.is_set()
+            logger.warning("close(): %s still running; abandoning %s", "a save" if saving else "uploads",
+                           f"uploads of steps {abandoned}" if abandoned else "it")
+            for step in abandoned:
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
+                           error="abandoned at exit",
+                           upload_grace_s=self.config.upload_grace_s)
         self._jobs.put(None)
         with self._up_cv:
             self._up_closing = True
@@ -872,10 +930,22 @@ class CheckpointManager:
         out: dict[str, list[int]] = {}
         for t in self._tiers():
             try:
-                out[t.name] = sorted(s for s, c in t.steps().items() if c)
+                if t is self.persistent:
+                    # a bounded probe: a dead store must not hold the start of training
+                    steps = t.steps(timeout_s=self.config.restore_probe_s)
+                else:
+                    steps = t.steps()
+                out[t.name] = sorted(s for s, c in steps.items() if c)
             except FAILURES as e:
-                logger.warning("cannot list %s: %s", t, e)
                 out[t.name] = []
+                if t is self.persistent:
+                    others = [x.name for x in self._tiers() if x is not t]
+                    msg = (f"unreachable at restore ({_one_line(e)}); restoring from "
+                           f"{' and '.join(others) if others else 'nothing'} without it")
+                    logger.warning("persistent tier %s: %s", t.url(), msg)
+                    self._emit(EventKind.CKPT_TIER_FAILED, step=None, tier=t.name, error=msg)
+                else:
+                    logger.warning("cannot list %s: %s", t, e)
         return out
 
     def restore(self, state: Mapping[str, Any]) -> int:
@@ -900,8 +970,17 @@ class CheckpointManager:
             self.last_restore = RestoreResult(step=None, tier=None, seconds=time.perf_counter() - t0, bytes=0)
             return 0
         failures = []
+        self._excluded: set[tuple[int, str]] = set()  # (step, tier) whose copy was refused as unsafe
+        unsafe: list[str] = []
         for step in candidates:
-            res = self._try_restore(step, state, views, t0)
+            res = None
+            for _ in TIER_ORDER:  # an unsafe copy on one tier: the same step again from the next tier
+                got = self._try_restore(step, state, views, t0)
+                if isinstance(got, _Unsafe):
+                    unsafe.extend(got.errors)
+                    continue
+                res = got
+                break
             if res is not None:
                 self.last_restore = res
                 self.last_saved_step = step
@@ -912,13 +991,15 @@ class CheckpointManager:
                     self._interval.next_save = step + self._interval.steps
                 return step + 1
             failures.append(step)
+        extra = f"; refused as unsafe: {'; '.join(sorted(set(unsafe))[:5])}" if unsafe else ""
         raise NoRestorableStepError(f"committed steps {failures} exist but none could be assembled from verified "
-                                    "files on any tier; see the log for the corrupt or missing files")
+                                    f"files on any tier; the state is undefined{extra}; see the log for the "
+                                    "corrupt or missing files")
 
     def _local_copies(self, step: int) -> list[tuple[str, Path]]:
         out = []
         for t in (self.local, self.peer):
-            if t is not None and t.path(step).is_dir():
+            if t is not None and t.path(step).is_dir() and (step, t.name) not in getattr(self, "_excluded", ()):
                 out.append((t.name, t.path(step)))
         fetched = self._fetch_dir(step)
         if fetched.is_dir():
@@ -929,17 +1010,22 @@ class CheckpointManager:
         return self._scratch / ".fetch" / f"rank{self.rank}" / f"step_{step:08d}"
 
     def _try_restore(self, step: int, state: Mapping[str, Any], views: list[dict[str, list[int]]],
-                     t0: float) -> RestoreResult | None:
-        in_persistent = any(step in v.get(TierName.PERSISTENT.value, []) for v in views)
+                     t0: float) -> "RestoreResult | _Unsafe | None":
+        in_persistent = (any(step in v.get(TierName.PERSISTENT.value, []) for v in views)
+                         and (step, TierName.PERSISTENT.value) not in self._excluded)
         # 1. manifests: each rank contributes those it holds, the persistent tier fills gaps
         mine: dict[int, dict[str, Any]] = {}
         for _, d in self._local_copies(step):
             for p in d.glob("manifest-rank*.json"):
                 try:
                     m = Manifest.from_json(json.loads(p.read_bytes()))
+                    problem = _manifest_problem(m)
+                    if problem:
+                        logger.warning("manifest %s skipped: unsafe: %s", p, problem)
+                        continue
                     if m.step == step:
                         mine.setdefault(m.rank, m.to_json())
-                except (OSError, ValueError, KeyError):
+                except (OSError, ValueError, KeyError, TypeError):
                     logger.warning("unreadable manifest %s skipped", p)
         manifests: dict[int, Manifest] = {}
         for theirs in self._gather(mine, self._pg):
@@ -950,14 +1036,14 @@ class CheckpointManager:
             missing = [r for r in range(world_old or 0) if r not in manifests] if world_old else None
             try:
                 if missing is None:
-                    m0 = retry(lambda: read_manifest(self.persistent, step, 0), what="read manifest",  # type: ignore
-                               retries=2, backoff_s=0.5, backoff_max_s=2)
+                    m0 = _checked(retry(lambda: read_manifest(self.persistent, step, 0),  # type: ignore
+                                        what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
                     manifests[0] = m0
                     world_old = m0.world_size
                     missing = [r for r in range(world_old) if r not in manifests]
                 for r in missing:
-                    manifests[r] = retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
-                                         what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2)
+                    manifests[r] = _checked(retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
+                                                  what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
             except FAILURES as e:
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
@@ -977,7 +1063,20 @@ class CheckpointManager:
         if got is None:
             return None
         paths, mem, sources = got
-        md = pickle.loads(memoryview(mem[DCP_METADATA]) if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes())
+        md, refused = None, None
+        try:
+            md = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes(),
+                               what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
+        except UnsafeCheckpointError as e:
+            refused = (sources.get(DCP_METADATA), str(e))
+        except FAILURES as e:
+            logger.warning("rank %d: step %d: %s", self.rank, step, _one_line(e))
+            refused = ("", "")
+        verdict = self._refused(step, refused)
+        if verdict is not None:
+            mem.clear()
+            return verdict
+        assert md is not None
         phases["metadata"] = time.perf_counter() - t_phase
         error: CheckpointError | None = None
         plan = None
@@ -1014,16 +1113,28 @@ class CheckpointManager:
         for n, p in paths.items():
             if n not in mem:
                 os.symlink(os.path.abspath(p), view / n)
+        refused = None
         try:
             reader = FastReader(view, mem)
-            _quiet(dcp.load, plan.load_sd, storage_reader=reader, no_dist=True)
-            logger.debug("step %d: %d items read directly, %d through torch.load", step, reader.fast_items,
-                         reader.slow_items)
-            self._finish_load(state, plan)
+            try:
+                _quiet(dcp.load, plan.load_sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+            except FAILURES as e:
+                bad = find_unsafe(e)
+                if bad is None:
+                    raise
+                name = bad.path.rsplit("/", 1)[-1]
+                refused = (sources.get(name, sources.get(DCP_METADATA)), str(bad))
+            if refused is None:
+                logger.debug("step %d: %d items read directly, %d through torch.load", step, reader.fast_items,
+                             reader.slow_items)
         finally:
             mem.clear()
             shutil.rmtree(view, ignore_errors=True)
             _rmdir_quiet(view.parent)
+        verdict = self._refused(step, refused)  # every rank takes part: the agreement point after loading
+        if verdict is not None:
+            return verdict
+        self._finish_load(state, plan)
         phases["load"] = time.perf_counter() - t_phase
         used = {sources[n] for n in need}
         tier = max(used, key=lambda t: [x.value for x in TIER_ORDER].index(t)) if used else None
@@ -1031,10 +1142,24 @@ class CheckpointManager:
         res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes,
                             sources={n: sources[n] for n in need}, phases=phases)
         logger.debug("rank %d restore of step %d phases: %s", self.rank, step, phases)
-        self._gather(None, self._pg)  # everyone loaded before fetched copies go
         shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
         _rmdir_quiet(self._scratch / ".fetch")
         return res
+
+    def _refused(self, step: int, refused: tuple[str | None, str] | None) -> "_Unsafe | None":
+        """Collective: did some rank refuse a file of ``step``? Then the tiers that served refused files
+        are excluded for this step (on every rank) and the step is tried again from the next tier."""
+        if refused is not None and refused[1]:
+            tier, msg = refused
+            logger.error("rank %d: %s", self.rank, msg)
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier or "unknown", error=f"unsafe: {msg}")
+        everyone = self._gather(refused, self._pg)
+        if all(r is None for r in everyone):
+            return None
+        for r in everyone:
+            if r is not None and r[0]:
+                self._excluded.add((step, r[0]))
+        return _Unsafe([r[1] for r in everyone if r is not None and r[1]])
 
     def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
                   have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None
@@ -1121,7 +1246,7 @@ class CheckpointManager:
                         downloads.append(n)
             for n in downloads:
                 if in_memory:
-                    data = retry(lambda n=n: self.persistent.read_bytes(step, n),  # type: ignore[union-attr]
+                    data = retry(lambda n=n: self.persistent.read_bytes(step, n, files[n].size),  # type: ignore
                                  what=f"download {n} of step {step}", retries=self.config.upload_retries,
                                  backoff_s=self.config.upload_backoff_s,
                                  backoff_max_s=self.config.upload_backoff_max_s)
@@ -1130,7 +1255,7 @@ class CheckpointManager:
                 else:
                     fetch.mkdir(parents=True, exist_ok=True)
                     dst = fetch / n
-                    retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst)),  # type: ignore
+                    retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst), files[n].size),  # type: ignore
                           what=f"download {n} of step {step}", retries=self.config.upload_retries,
                           backoff_s=self.config.upload_backoff_s, backoff_max_s=self.config.upload_backoff_max_s)
                     verify_file(dst, files[n])

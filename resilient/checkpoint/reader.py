@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+
+from resilient.checkpoint.api import UnsafeCheckpointError
+from resilient.checkpoint.safe import load_metadata, safe_torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +173,20 @@ def _read_exact(stream: Any, dst: memoryview) -> None:
         got += k
 
 
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that objects are loaded with ``torch.load(weights_only=True)``
+    (DCP's own ``load_bytes`` uses ``weights_only=False``: a planted pickle would run)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = safe_torch_load(value, what=f"item {read_item.storage_index.fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
 class FastReader(FileSystemReader):
     """DCP's FileSystemReader with a direct path for whole, contiguous tensors.
 
@@ -187,6 +205,19 @@ class FastReader(FileSystemReader):
         self.slow_items = 0
         self._copier: Any = None
         self._pending: list[Any] = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """DCP's read_metadata, through the restricted unpickler instead of ``pickle.load``."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        md = load_metadata(data, what=str(path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def _fast(self, stream: Any, item_md: Any, req: Any, planner: Any) -> bool:
         import zipfile
@@ -295,13 +326,28 @@ class FastReader(FileSystemReader):
                     if req.type == LoadItemType.BYTE_IO:
                         read_bytes = io.BytesIO(transform_from.read(-1))
                         read_bytes.seek(0)
-                        planner.load_bytes(req, read_bytes)
+                        try:
+                            if not isinstance(planner, SafeLoadPlanner):
+                                # another planner would torch.load(weights_only=False): hand it a re-save
+                                # of what the restricted load accepted, never the file's own pickle
+                                obj = safe_torch_load(read_bytes, what=f"item {req.storage_index.fqn!r}")
+                                read_bytes = io.BytesIO()
+                                torch.save(obj, read_bytes)
+                                read_bytes.seek(0)
+                            planner.load_bytes(req, read_bytes)
+                        except UnsafeCheckpointError as e:
+                            raise UnsafeCheckpointError(relative_path, e.forbidden,
+                                                        f"item {req.storage_index.fqn!r}: {e.why}") from None
                         continue
                     seekable = transform_from
                     if not transform_from.seekable():
                         seekable = io.BytesIO(transform_from.read(-1))
                         seekable.seek(0)
-                    tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+                    try:
+                        tensor = safe_torch_load(seekable, what=f"item {req.storage_index.fqn!r}")
+                    except UnsafeCheckpointError as e:
+                        raise UnsafeCheckpointError(relative_path, e.forbidden,
+                                                    f"item {req.storage_index.fqn!r}: {e.why}") from None
                     tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():

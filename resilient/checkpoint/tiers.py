@@ -379,6 +379,81 @@ class FsspecTier:
             pass
 
 
+def _call_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout_s``; raise ``TimeoutError`` after that.
+
+    A remote store that is down can hold one call for minutes (gcsfs retries a refused connection six
+    times with backoff); the caller is given its answer in time. The call itself cannot be cancelled: it
+    runs on, in a daemon thread that never delays exit.
+    """
+    box: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # handed to the caller
+            box.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"resilient-tier-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what}: no answer within {timeout_s:.1f} s (is the store reachable?)")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+class BoundedTier:
+    """Any tier, every call bounded in time: ``timeout_s`` plus the time to move the call's bytes at
+    ``min_rate`` bytes/s (so a large upload is not cut short by a bound meant for a dead store)."""
+
+    def __init__(self, inner: Tier, timeout_s: float, min_rate: float = 8 << 20):
+        self.inner, self.timeout_s, self.min_rate = inner, timeout_s, min_rate
+        self.name = inner.name
+
+    def __repr__(self) -> str:
+        return f"Bounded({self.inner!r}, {self.timeout_s:g} s)"
+
+    def __getattr__(self, attr: str) -> Any:  # fs, root, storage_options... of the wrapped tier
+        return getattr(self.inner, attr)
+
+    def _call(self, what: str, fn: Callable[[], T], nbytes: int = 0, timeout_s: float | None = None) -> T:
+        t = (self.timeout_s if timeout_s is None else timeout_s) + nbytes / self.min_rate
+        return _call_bounded(fn, t, f"{self.inner!r}.{what}")
+
+    def url(self, step: int | None = None) -> str:
+        return self.inner.url(step)
+
+    def steps(self, timeout_s: float | None = None) -> dict[int, bool]:
+        return self._call("steps()", self.inner.steps, timeout_s=timeout_s)
+
+    def list_files(self, step: int) -> dict[str, int]:
+        return self._call(f"list_files({step})", lambda: self.inner.list_files(step))
+
+    def put_file(self, step: int, name: str, local_path: str) -> None:
+        self._call(f"put_file({step}, {name!r})", lambda: self.inner.put_file(step, name, local_path),
+                   nbytes=os.path.getsize(local_path))
+
+    def get_file(self, step: int, name: str, local_path: str, nbytes: int = 0) -> None:
+        self._call(f"get_file({step}, {name!r})", lambda: self.inner.get_file(step, name, local_path), nbytes)
+
+    def write_bytes(self, step: int, name: str, data: bytes) -> None:
+        self._call(f"write_bytes({step}, {name!r})", lambda: self.inner.write_bytes(step, name, data),
+                   nbytes=len(data))
+
+    def read_bytes(self, step: int, name: str, nbytes: int = 0) -> bytes:
+        return self._call(f"read_bytes({step}, {name!r})", lambda: self.inner.read_bytes(step, name), nbytes)
+
+    def delete_file(self, step: int, name: str) -> None:
+        self._call(f"delete_file({step}, {name!r})", lambda: self.inner.delete_file(step, name))
+
+    def delete_step(self, step: int) -> None:
+        self._call(f"delete_step({step})", lambda: self.inner.delete_step(step))
+
+
 def make_tier(url: str, name: str, storage_options: dict[str, Any] | None = None) -> Tier:
     """A :class:`DirTier` for a plain path, else an :class:`FsspecTier`."""
     if "://" not in url:
@@ -418,37 +493,77 @@ def step_info(tier: Tier, step: int, committed: bool) -> StepInfo:
 
 
 def verify_step(tier: Tier, step: int, scratch: str | os.PathLike[str],
-                progress: Callable[[int], None] | None = None) -> dict[str, str]:
-    """Re-check every file of a step against its manifests: name -> "ok" or the problem."""
+                progress: Callable[[int], None] | None = None, content: bool = True) -> dict[str, str]:
+    """Re-check every file of a step against its manifests: name -> "ok" or the problem.
+
+    Beyond sizes and checksums (which someone who can write to the tier can forge), the content is
+    loaded the way restore loads it: ``.metadata`` through the restricted unpickler, every item with
+    ``weights_only=True``; a file that would run code, or a name that escapes the step directory, is
+    reported as ``unsafe: ...``. ``content=False``: sizes and checksums only.
+    """
+    from resilient.checkpoint.safe import unsafe_name
+
     result: dict[str, str] = {}
     files = tier.list_files(step)
     entries: dict[str, FileEntry] = {}
     for r in manifest_ranks(files):
         try:
             m = read_manifest(tier, step, r)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             result[manifest_name(r)] = f"unreadable manifest: {e}"
             continue
         for n, fe in m.files.items():
+            problem = unsafe_name(n)
+            if problem:
+                result[n] = f"unsafe: {manifest_name(r)} lists {problem}"
+                continue
             entries[n] = fe
         entries.setdefault(DCP_METADATA, m.metadata)
-    for n, fe in sorted(entries.items()):
+    md: Any = None
+    for n, fe in sorted(entries.items()):  # ".metadata" sorts first: the items' layout comes from it
         if n not in files:
             result[n] = "missing"
             continue
         try:
             if isinstance(tier, DirTier):
                 verify_file(tier.path(step) / n, fe)
+                problem, md = _content_problem(tier.path(step) / n, n, md) if content else (None, md)
             else:
                 tmp = Path(scratch) / f"verify-{os.getpid()}-{n}"
                 try:
                     tier.get_file(step, n, str(tmp))
                     verify_file(tmp, fe)
+                    problem, md = _content_problem(tmp, n, md) if content else (None, md)
                 finally:
                     tmp.unlink(missing_ok=True)
-            result[n] = "ok"
+            result[n] = problem or "ok"
         except CorruptFileError as e:
             result[n] = str(e).split(": ", 1)[-1]
         if progress is not None:
             progress(fe.size)
     return result
+
+
+def _content_problem(path: Path, name: str, md: Any) -> tuple[str | None, Any]:
+    """Load a verified file as restore would: (problem or None, DCP metadata once read)."""
+    import io
+
+    from resilient.checkpoint.api import CheckpointError, UnsafeCheckpointError
+    from resilient.checkpoint.safe import load_metadata, safe_torch_load
+
+    try:
+        if name == DCP_METADATA:
+            return None, load_metadata(path.read_bytes(), what=name)
+        if md is None:
+            return None, md
+        with open(path, "rb") as f:
+            for idx, info in md.storage_data.items():
+                if info.relative_path != name or info.transform_descriptors:
+                    continue  # transformed (compressed) items are checked by restore itself
+                f.seek(info.offset)
+                safe_torch_load(io.BytesIO(f.read(info.length)), what=f"item {idx.fqn!r}")
+        return None, md
+    except UnsafeCheckpointError as e:
+        return f"unsafe: {e}", md
+    except (CheckpointError, OSError, RuntimeError, ValueError, EOFError) as e:
+        return f"unreadable: {type(e).__name__}: {e}", md

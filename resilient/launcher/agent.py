@@ -352,6 +352,7 @@ class Agent:
             renv.CKPT_LOCAL: c.ckpt_local, renv.CKPT_PERSISTENT: c.ckpt_persistent,
             renv.CKPT_INTERVAL: c.ckpt_interval,
             renv.CKPT_PERSISTENT_EVERY: None if c.ckpt_persistent_every is None else str(c.ckpt_persistent_every),
+            renv.UPLOAD_GRACE: str(c.upload_grace),
             renv.HEARTBEAT_TIMEOUT: None if c.heartbeat_timeout is None else str(c.heartbeat_timeout),
             renv.POLICY: c.policy, renv.SPARE_NODES: str(c.spare_nodes) if c.spare_nodes else None,
         }

@@ -92,6 +92,7 @@ class AgentConfig:
     ckpt_persistent: str | None = None
     ckpt_interval: str | None = None
     ckpt_persistent_every: int | None = None
+    upload_grace: float = 60.0  # seconds pending uploads get at exit (workers: RESILIENT_UPLOAD_GRACE)
     heartbeat_timeout: float | None = None
     spare_nodes: int = 0
     metrics_port: int | None = None
@@ -120,6 +121,8 @@ class AgentConfig:
                 raise LaunchError(f"{flag} must be a positive, finite number of seconds, got {v}")
         if self.spare_nodes < 0:
             raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
+        if not (isinstance(self.upload_grace, (int, float)) and 0 <= self.upload_grace < float("inf")):
+            raise LaunchError(f"--upload-grace must be a finite number of seconds >= 0, got {self.upload_grace}")
         if self.ckpt_persistent_every is not None and self.ckpt_persistent_every < 1:
             raise LaunchError(f"--ckpt-persistent-every must be >= 1, got {self.ckpt_persistent_every}")
         if self.ckpt_interval is not None and self.ckpt_interval != "auto":

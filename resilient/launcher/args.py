@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-interval", "--ckpt_interval", default=None, help="save every N steps, or 'auto'")
     g.add_argument("--ckpt-persistent-every", "--ckpt_persistent_every", type=int, default=None,
                    help="upload every M-th local save to the persistent tier")
+    g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
+                   help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
                    help="seconds without a heartbeat before a rank counts as hung (default: learned)")
     g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
@@ -188,6 +190,7 @@ def parse(argv: list[str]) -> AgentConfig:
             preload=tuple(m for m in args.preload.split(",") if m),
             policy=args.policy, ckpt_local=args.ckpt_local, ckpt_persistent=args.ckpt_persistent,
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
+            upload_grace=args.upload_grace,
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),

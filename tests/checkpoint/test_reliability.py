@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 
+from .conftest import GCS
 from .test_distributed import assert_bit_exact, final
 from .test_e2e_launcher import resilient_run
 
@@ -82,3 +84,43 @@ def test_full_local_disk_training_goes_on_persistent_gets_every_step(
     assert "local tier: save of step 7 failed, skipping the tier" in r.stderr  # the warning a user sees
     # the disk holds nothing half-written: every step directory left on it is complete
     assert all((p / "COMMITTED").exists() for p in tiny_disk.iterdir() if p.name.startswith("step_"))
+
+
+def _dead_gcs(tmp_path: Path) -> GCS:
+    """A GCS server that held the bucket and is now down: its port refuses connections."""
+    server = GCS(tmp_path / "gcs-data")
+    server.start()
+    server.make_bucket("dead")
+    server.stop()
+    return server
+
+
+@pytest.mark.timeout(300)
+def test_dead_persistent_store_neither_delays_start_nor_exit(tmp_path: Path) -> None:
+    server = _dead_gcs(tmp_path)
+    grace = 5.0
+    t0 = time.time()
+    r = resilient_run(tmp_path, ["--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-persistent", "gs://dead/run",
+                                 "--ckpt-interval", "4", "--ckpt-persistent-every", "1", "--upload-grace", str(grace)],
+                      ["--steps", "16", "--out", str(tmp_path / "out")], server.env(), timeout=240)
+    t_end = time.time()
+    assert r.returncode == 0, r.stderr[-4000:]
+    events = list(read_events(tmp_path / "run"))
+    saves = [e for e in events if e.kind == EventKind.CKPT_SAVE]
+    assert [e.details["step"] for e in saves] == [3, 7, 11, 15]  # every local save happened
+    failed = [e.details for e in events if e.kind == EventKind.CKPT_TIER_FAILED and e.details["tier"] == "persistent"]
+    probe = [d for d in failed if "unreachable at restore" in d["error"]]
+    assert probe, failed  # start-up went on without the store, and said so
+    abandoned = {d["step"] for d in failed if d["error"] == "abandoned at exit"}
+    assert 15 in abandoned, failed
+    assert not [e for e in events if e.kind == EventKind.CKPT_TIER_DONE and e.details["tier"] == "persistent"]
+    local_done = {e.details["step"] for e in events if e.kind == EventKind.CKPT_TIER_DONE
+                  and e.details["tier"] == "local"}
+    assert local_done == {3, 7, 11, 15}
+    # start-up: the first save comes within the restore probe (5 s) plus the launch itself
+    first = min(e.wall for e in saves)
+    assert first - t0 < 45, f"first save {first - t0:.1f} s after launch"
+    # exit: within the grace (plus process teardown) after the last save
+    last = max(e.wall for e in saves)
+    assert t_end - last < grace + 20, f"exit {t_end - last:.1f} s after the last save (grace {grace} s)"
+    print(f"launch to first save {first - t0:.1f} s; last save to exit {t_end - last:.1f} s (grace {grace} s)")

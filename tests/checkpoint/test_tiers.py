@@ -100,7 +100,9 @@ def test_verify_step_finds_damage(tier: Tier, tmp_path: Path) -> None:
     tier.write_bytes(3, "manifest-rank0.json", json.dumps(m.to_json()).encode())
     tier.write_bytes(3, ".metadata", meta)
     tier.write_bytes(3, "__0_0.distcp", data)
-    assert set(verify_step(tier, 3, tmp_path).values()) == {"ok"}
+    assert set(verify_step(tier, 3, tmp_path, content=False).values()) == {"ok"}
+    # sizes and checksums match, but the content is no DCP metadata: the content check says so
+    assert verify_step(tier, 3, tmp_path)[".metadata"].startswith("unreadable")
     tier.write_bytes(3, "__0_0.distcp", data[:-1] + b"X")
     assert "crc32c" in verify_step(tier, 3, tmp_path)["__0_0.distcp"]
     tier.delete_file(3, ".metadata")
