@@ -34,6 +34,26 @@ def _tiers(root: str) -> list[Any]:
     return tiers
 
 
+def _missing_root(root: str) -> str | None:
+    """Why ``root`` cannot hold checkpoints at all (a missing bucket or directory), or None."""
+    tier = make_tier(root, "tier")
+    if isinstance(tier, DirTier):
+        if not tier.root.is_dir():
+            return "no such directory; check the path"
+        return None
+    fs, path = tier.fs, tier.root  # type: ignore[attr-defined]
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    if protocol in ("file", "local"):
+        return None if fs.isdir(path) else "no such directory; check the path"
+    bucket = path.split("/", 1)[0]
+    try:
+        if not fs.exists(bucket):
+            return f"bucket {bucket!r} does not exist (or these credentials may not see it); check the URL"
+    except (OSError, ValueError) as e:
+        return f"cannot reach bucket {bucket!r}: {e}"
+    return None
+
+
 def _human(n: int) -> str:
     f = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -51,6 +71,10 @@ def _ls(args: argparse.Namespace) -> int:
         for s in sorted(steps):
             if only is None or s == only:
                 rows.append((tier.url(), step_info(tier, s, steps[s])))
+    problem = None if rows else _missing_root(root)
+    if problem:
+        print(f"resilient ckpt ls: {args.target}: {problem}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([{"tier": t, "step": i.step, "complete": i.committed, "ranks": list(i.ranks),
                            "world_size": i.world_size, "bytes": i.bytes} for t, i in rows], indent=2))

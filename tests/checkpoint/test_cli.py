@@ -67,8 +67,29 @@ def test_ls_and_verify_gcs(tmp_path: Path, gcs: GCS) -> None:
     assert r.returncode == 0 and "1 files" not in r.stdout and "ok" in r.stdout
 
 
-def test_bad_target_is_reported() -> None:
+def test_bad_target_is_reported(tmp_path: Path) -> None:
     r = cli("ls", "/nonexistent/dir")
+    assert r.returncode == 2 and "no such directory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = cli("ls", str(tmp_path))  # an existing, empty tier is not an error
     assert r.returncode == 0 and "no checkpoint steps" in r.stdout
     r = cli("verify", "/nonexistent/dir")
     assert r.returncode == 1
+
+
+def test_ls_missing_bucket_is_an_error(gcs: GCS) -> None:
+    gcs.make_bucket("there")
+    r = cli("ls", "gs://missing-bucket/x", env=gcs.env())
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "bucket 'missing-bucket' does not exist" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = cli("ls", "gs://there/empty", env=gcs.env())
+    assert r.returncode == 0 and "no checkpoint steps" in r.stdout
+
+
+def test_local_tier_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    from resilient.checkpoint.api import CheckpointConfigError
+
+    f = tmp_path / "a-file"
+    f.write_text("keep me")
+    with pytest.raises(CheckpointConfigError, match="is a file, not a directory"):
+        CheckpointManager(local=f)
+    assert f.read_text() == "keep me"
