@@ -267,16 +267,20 @@ class CheckpointManager:
 
         self.local = None
         self.peer = None
+        self._replicating = False
         self._scratch: Path
         if cfg.local:
             root = cfg.local.format(node=self.node, rank=self.rank, local_rank=self.local_rank)
             self.local = DirTier(root, name=TierName.LOCAL.value)
             self.local.root.mkdir(parents=True, exist_ok=True)
             self._scratch = self.local.root
-            if cfg.peer and self.nnodes > 1:
+            if cfg.peer:
+                # restore reads the partner's copy whatever the world is now: a job scaled down to one node
+                # still needs the lost node's shards; replication needs a partner to send to
                 self.peer = DirTier(self.local.root / "peer", name=TierName.PEER.value)
-            elif cfg.peer and self.rank == 0 and self.nnodes == 1 and self._dist:
-                logger.info("peer tier off: one node (LOCAL_WORLD_SIZE=%d = WORLD_SIZE)", lws)
+            self._replicating = self.peer is not None and self.nnodes > 1
+            if cfg.peer and self.rank == 0 and self.nnodes == 1 and self._dist:
+                logger.info("peer replication off: one node (LOCAL_WORLD_SIZE=%d = WORLD_SIZE)", lws)
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="resilient-ckpt-")
             self._scratch = Path(self._tmp.name)
@@ -505,12 +509,12 @@ class CheckpointManager:
         if self.rank == 0:
             self._emit(EventKind.CKPT_TIER_DONE, step=job.step, tier=tier.name, seconds=seconds,
                        bytes=sum(r[1] for r in results))
-        if self.peer is not None and m is not None:
+        if self._replicating and m is not None:
             self._replicate(job.step, m)
         floor = min((r[2] for r in results if r[2] is not None), default=None)
         if self.local_rank == 0:
             self._retain(tier, self.config.keep_local, pinned_from=floor)
-            if self.peer is not None:
+            if self._replicating:
                 self._retain(self.peer, self.config.keep_peer, pinned_from=None)
         job.ok = True
         if job.upload:

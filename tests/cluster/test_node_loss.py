@@ -106,3 +106,62 @@ def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path
     assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
     assert_same(reference, final(out, 2))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+def consumed_rows(out: Path) -> list[int]:
+    """The samples the job trained on: for every step, those of the last attempt that ran it."""
+    import json
+
+    by_step: dict[int, tuple[int, list[int]]] = {}
+    lines = [json.loads(x) for f in out.glob("rows-*.jsonl") for x in f.read_text().splitlines()]
+    for d in sorted(lines, key=lambda d: d["attempt"]):
+        att, idx = by_step.get(d["step"], (-1, []))
+        if d["attempt"] > att:
+            idx = []
+        by_step[d["step"]] = (d["attempt"], idx + d["idx"])
+    return [i for s in sorted(by_step) for i in by_step[s][1]]
+
+
+@pytest.mark.timeout(300)
+def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory, tmp_path: Path) -> None:
+    """2 nodes → a node lost, no spare: continue on 1 (on_scale 2→1) → a repaired node joins: grow back to 2 at
+    the next checkpoint (on_scale 1→2); the sampler consumes every sample once, none skipped, none repeated."""
+    import json
+
+    from resilient.data import ResumableSampler
+
+    c = cluster_factory("1:2", flags=["--max-restarts", "4", "--node-timeout", "20"])
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    steps = 16
+    args = ["--steps", str(steps), "--out", str(out), "--gate", str(gate), "--gate-step", "4", "8",
+            "--step-sleep", "0.05"]
+    a, b = _start_job(c, args)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    b.kill()
+    (gate / "go").touch()
+    wait_for(lambda: (gate / "at-8-0").exists() or a.proc.poll() is not None, 90, "the job to go on alone")
+    evs = c.events()
+    acts = [e.details["action"] for e in evs if e.kind == EventKind.ACTION]
+    assert "scale_down" in acts, acts
+    repaired = c.start("repaired", args)
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(repaired) for e in c.events()), 60,
+             "the repaired node to join")
+    (gate / "go-8").touch()
+    wait_for(lambda: a.proc.poll() is not None and repaired.proc.poll() is not None, 150, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert repaired.proc.returncode == 0, repaired.output()
+    evs = c.events()
+    acts = [e.details for e in evs if e.kind == EventKind.ACTION]
+    kinds = [d["action"] for d in acts]
+    assert kinds.count("scale_down") == 1 and "scale_up" in kinds, kinds
+    worlds = [e.details["world_size"] for e in evs if e.kind == EventKind.ATTEMPT_START]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+    scale = [json.loads(x) for x in (out / "scale.jsonl").read_text().splitlines()]
+    assert {(d["old"], d["new"]) for d in scale} == {(2, 1), (1, 2)}, scale
+    assert {d["rank"] for d in scale if (d["old"], d["new"]) == (1, 2)} == {0, 1}
+    rows = consumed_rows(out)
+    assert len(rows) == len(set(rows)), "a sample was trained on twice"
+    perm = ResumableSampler(4096, 1, 0, shuffle=True, seed=3).permutation()
+    assert rows and sorted(rows) == sorted(perm[: len(rows)]), "a sample was skipped"
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")

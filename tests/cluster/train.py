@@ -1,10 +1,11 @@
 """A deterministic data-parallel job for multi-node tests: checkpoints every step, pauses at a gate.
 
-``--gate DIR --gate-step S``: once the save of step S is complete on every tier, each rank writes
-``DIR/at-<rank>`` and waits (bounded) for ``DIR/go``: the test kills a node exactly there, mid-run, with a
+``--gate DIR --gate-step S [S2 ...]``: once the save of step S is complete on every tier, each rank writes
+``DIR/at-<rank>`` and waits (bounded) for ``DIR/go`` (for later gate steps: ``at-S2-<rank>``, ``go-S2``): the test kills a node exactly there, mid-run, with a
 known newest checkpoint. The gate is passed once per run (a restored run starts after S).
 At the end each rank writes ``<out>/rank<r>.pt`` (model, optimizer, RNG, data position) and, when the world
-changed, ``<out>/scale-<rank>.json`` with what its ``on_scale`` callbacks saw.
+changed, a line in ``<out>/scale.jsonl`` for each ``on_scale`` call; ``<out>/rows-<rank>.jsonl`` lists the
+sample indices each step consumed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", required=True)
     ap.add_argument("--gate", default=None)
-    ap.add_argument("--gate-step", type=int, default=4)
+    ap.add_argument("--gate-step", type=int, nargs="*", default=[4])
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend work per step")
     ap.add_argument("--samples", type=int, default=4096)
     args = ap.parse_args()
     out = Path(args.out)
@@ -45,8 +47,13 @@ def main() -> int:
     # the data set is a fixed table; the sampler decides which rows each rank sees
     table = torch.randn(args.samples, 20, generator=torch.Generator().manual_seed(7))
     sampler = ResumableSampler(args.samples, num_replicas=world, rank=rank, shuffle=True, seed=3)
-    scale: list[dict] = []
-    resilient.on_scale(lambda ev: scale.append({"old": ev.old_world_size, "new": ev.new_world_size}))
+
+    def scaled(ev) -> None:
+        with open(out / "scale.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": attempt, "rank": rank, "old": ev.old_world_size,
+                                "new": ev.new_world_size}) + "\n")
+
+    resilient.on_scale(scaled)
     state = {"model": model, "optim": optim, "sampler": sampler}
     ck = CheckpointManager.from_env(interval="1")
     start = ck.restore(state)
@@ -70,19 +77,20 @@ def main() -> int:
             off += g.numel()
         optim.step()
         ck.save(step, state)
-        if args.gate and step == args.gate_step:
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if args.gate and step in args.gate_step:
             ck.wait()
             gate = Path(args.gate)
-            (gate / f"at-{rank}").write_text(str(os.getpid()))
+            tag = "" if step == args.gate_step[0] else f"-{step}"
+            (gate / f"at{tag}-{rank}").write_text(str(os.getpid()))
             deadline = time.monotonic() + 120
-            while not (gate / "go").exists() and time.monotonic() < deadline:
+            while not (gate / f"go{tag}").exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
     ck.wait()
     ck.close()
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "start": start,
                 "restore": vars(ck.last_restore) if ck.last_restore else None}, out / f"rank{rank}.pt")
-    if scale:
-        (out / f"scale-{rank}.json").write_text(json.dumps(scale))
     dist.barrier()
     dist.destroy_process_group()
     return 0
