@@ -95,6 +95,7 @@ def test_forged_heartbeats_neither_hide_a_frozen_rank_nor_make_a_straggler(tmp_p
     assert hangs and hangs[0].rank == 1 and hangs[0].details["suspect"] is True, err
     assert hangs[0].details["process_state"] == "T"
     detected = hangs[0].wall - t_stop
+    print(f"hang reported {detected:.2f} s after the freeze under forged packets (timeout {timeout} s)")
     assert detected <= timeout + 3.0, f"hang reported {detected:.1f} s after the freeze (timeout {timeout} s)"
     assert not of(evs, EventKind.STRAGGLER), of(evs, EventKind.STRAGGLER)
     path, lines = agent_log(run)
@@ -132,6 +133,7 @@ def test_thousands_of_held_connections_leave_the_job_unharmed(tmp_path, procs):
     assert [e.details.get("cause") for e in of(evs, EventKind.RESTART)] == ["failed"]
     assert [e.details["step"] for e in of(evs, EventKind.STEP) if e.attempt == 1] == list(range(40))
     path, lines = agent_log(run)
+    print(f"outsider held {held} connections; agent descriptors {agent_fds}; agent.jsonl {path.stat().st_size} bytes")
     assert path.stat().st_size < 100_000, path.stat().st_size
     assert any("refused a connection on the agent socket" in rec["message"] for rec in lines)
     assert not any("uv loop" in rec["message"] or "Errno 24" in rec["message"] for rec in lines)
