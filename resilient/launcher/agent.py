@@ -166,6 +166,10 @@ class Agent:
         self._hb_interval = min(1.0, cfg.node_timeout / 4)
         self._store_lost_at: float | None = None
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
+        self._last_reconnect = 0.0
+        self._next_plan: dict | None = None  # a verified plan seen while workers ran
+        self._done_round: int | None = None  # the round whose workers all finished here
+        self._endpoint: tuple[str, int] = ("", 0)
 
     # ---------------------------------------------------------------- set-up
     def _install_signals(self) -> None:
@@ -255,6 +259,10 @@ class Agent:
         self._presence = T.presence_connect(store.get(T.PRESENCE).decode(), self.signer, self.node,
                                             timeout=min(30.0, c.rendezvous_timeout))
         self._last_hb = time.monotonic()
+        # past the join, a store call must fail within a node timeout, not a rendezvous timeout: a dead or
+        # hung supervisor must not freeze this loop (the workers go on either way)
+        store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
+        self._endpoint = (host, port)
         logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
 
     def _advertised_addr(self) -> str:
@@ -295,7 +303,43 @@ class Agent:
     def _store_trouble(self, e: Exception) -> None:
         if self._store_lost_at is None:
             self._store_lost_at = time.monotonic()
-            logger.error("the job's store is unreachable (%s); workers keep training", e)
+            logger.error("the job's store is unreachable (%s); workers keep training", str(e).splitlines()[0])
+
+    def _maybe_reconnect(self) -> None:
+        """Fail static: the supervisor (and the store it hosts) went away. Try again every second; once back,
+        join again with our current round — the supervisor adopted it from its ledger — and carry on."""
+        from resilient.supervisor import transport as T
+
+        if self._store_lost_at is None or self.sup_loop is not None:
+            return
+        now = time.monotonic()
+        if now - self._last_reconnect < 1.0:
+            return
+        self._last_reconnect = now
+        c = self.cfg
+        try:
+            store = T.connect_store(self._endpoint[0], self._endpoint[1], 2.0)
+            secret = T.load_secret(c.job_secret_file)
+            if secret is None:
+                store.wait([T.SECRET_KEY], timedelta(seconds=2))
+                secret = store.get(T.SECRET_KEY)
+            store.wait([T.PRESENCE], timedelta(seconds=2))
+            presence = store.get(T.PRESENCE).decode()
+            store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
+            signer = T.Signer(secret)
+            chan = T.AgentChannel(store, signer, self.node)
+            chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
+                      rejoin=True, round=self.round, active=self.active, done=self._done_round == self.round)
+            conn = T.presence_connect(presence, signer, self.node, timeout=2.0)
+        except Exception as e:  # noqa: BLE001 - not back yet
+            logger.debug("supervisor not reachable yet: %s", str(e).splitlines()[0])
+            return
+        if self._presence is not None:
+            self._presence.close()
+        self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", now - self._store_lost_at,
+                       self.round)
+        self._store_lost_at = None
 
     def _new_plan(self) -> dict | None:
         """The newest plan if one newer than the current round exists (bounded store calls)."""
@@ -304,7 +348,8 @@ class Agent:
                 self._store_lost_at = None
                 return None
             latest = self.chan.latest_round()
-            plan = self.chan.plan(latest) if latest > self.round else None
+            # the newest round, or the next one if ``latest`` lags: either way its signature is checked
+            plan = self.chan.plan(latest if latest > self.round else self.round + 1)
         except Exception as e:  # noqa: BLE001
             self._store_trouble(e)
             return None
@@ -504,7 +549,11 @@ class Agent:
                     return Outcome.HUNG
             self._heartbeat()
             self._kick()
-            if self._has_new_plan():
+            self._maybe_reconnect()
+            # only a plan that carries the job's signature counts: a forged key must not restart anything
+            plan = self._new_plan()
+            if plan is not None:
+                self._next_plan = plan
                 return Outcome.PEER_FAILED
 
     def _record_failure(self, w: WorkerProc, attempt: int) -> None:
@@ -527,13 +576,6 @@ class Agent:
         if ev.kind in FORWARDED:
             self._report(ev)
 
-    def _has_new_plan(self) -> bool:
-        try:
-            return bool(self.chan.has_round(self.round + 1))
-        except Exception as e:  # noqa: BLE001
-            self._store_trouble(e)
-            return False
-
     def _pump(self, timeout: float) -> None:
         """Serve the descriptors while no workers run (a spare, or between rounds)."""
         for key, _ in self.sel.select(timeout=timeout):
@@ -551,11 +593,15 @@ class Agent:
     def _await_plan(self) -> dict | None:
         """Wait for a plan newer than the current round; None when a signal came first or the job's store
         stayed unreachable for ``--rendezvous-timeout`` while this node had nothing running."""
+        if self._next_plan is not None:
+            plan, self._next_plan = self._next_plan, None
+            return plan
         while True:
             if self._signal is not None:
                 return None
             self._heartbeat()
             self._kick()
+            self._maybe_reconnect()
             plan = self._new_plan()
             if plan is not None:
                 return plan
@@ -679,6 +725,7 @@ class Agent:
             t_detect = time.time()
             if outcome == Outcome.SUCCEEDED:
                 last = None
+                self._done_round = self.round
                 try:
                     self.chan.send(MessageKind.DONE, round=self.round)
                 except Exception as e:  # noqa: BLE001

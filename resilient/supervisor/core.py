@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -216,6 +216,38 @@ class SupervisorCore:
         for n, node in self._nodes.items():
             if node.state is None:
                 node.state = NodeState.SPARE
+
+    def resume(self, events: Iterable[Event], now: float) -> Assignment | None:
+        """Rebuild after a supervisor restart from the ledger's ``action`` events: the last assignment, the
+        restart budget spent and the decision ids used. Nodes of that assignment count as seen ``now``:
+        each has ``node_timeout`` to reconnect before it counts as lost. Returns the adopted assignment."""
+        last: Assignment | None = None
+        last_id = 0
+        used = 0
+        stopped = None
+        for ev in events:
+            if ev.kind is not EventKind.ACTION or not isinstance(ev.details, dict):
+                continue
+            d = ev.details
+            if isinstance(d.get("id"), int):
+                last_id = max(last_id, d["id"])
+            if isinstance(d.get("assignment"), dict):
+                try:
+                    a = Assignment.from_json(d["assignment"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if last is None or a.round > last.round:
+                    last = a
+                    used += a.round > 0  # round 0 is the start, not a restart
+            if d.get("action") == Stop.kind:
+                stopped = str(d.get("reason") or "stopped")
+        self.advance_ids(last_id)
+        if last is not None:
+            self._restarts_used = used
+            self.adopt(last, now)
+        if stopped is not None:
+            self._stopped = stopped
+        return last
 
     def view(self, now: float) -> JobView:
         gr = {n: i for i, n in enumerate(self._assignment.members)} if self._assignment else {}

@@ -135,6 +135,10 @@ class SupervisorLoop:
         out += self.core.tick(now)
         if self.core.assignment is None and self.core.stopped is None and self.core.ready(now, self.cfg.last_call):
             a = self.core.form(now)
+            # recorded like any decision: a restarted supervisor adopts the newest assignment of the ledger
+            self._write(Event(EventKind.ACTION, node=self.cfg.name, attempt=a.attempt,
+                              details={"action": "start", "reason": f"{len(a.members)} node(s) joined", "id": 0,
+                                       "round": a.round, "assignment": a.to_json()}))
             self._publish(a, action={"action": "start"}, decision_id=0)
         for d in out:
             self._carry_out(d)
@@ -147,8 +151,12 @@ class SupervisorLoop:
             return []
         if kind == MessageKind.JOIN:
             nproc = int(msg.get("nproc", 1))
-            logger.info("node %s joined (%d workers)", node, nproc)
-            return self.core.join(node, nproc, now)
+            logger.info("node %s %s (%d workers)", node, "joined again" if msg.get("rejoin") else "joined", nproc)
+            out = self.core.join(node, nproc, now)
+            a = self.core.assignment
+            if msg.get("done") and a is not None and msg.get("round") == a.round:
+                self._done.add(node)  # its workers finished while this supervisor was away
+            return out
         self.core.seen(node, now)
         if kind == MessageKind.EVENT:
             try:
@@ -182,6 +190,17 @@ class SupervisorLoop:
     def _write(self, ev: Event) -> None:
         if self.ledger is not None:
             self.ledger.write(ev)
+
+    def resume(self, events: list[Event], now: float) -> Assignment | None:
+        """After a restart of the supervisor: adopt the ledger's newest assignment and publish it again for
+        agents that join from now on. Agents already in that round see nothing new and keep training."""
+        with self._lock:
+            a = self.core.resume(events, now)
+            if a is not None:
+                logger.warning("supervisor resumed at round %d: members %s, spares %s", a.round, list(a.members),
+                               list(a.spares))
+                self._publish(a, action={"action": "resume"}, decision_id=0)
+            return a
 
     # ------------------------------------------------------------------ plans
     def _round_store(self, round_: int) -> tuple[str, int]:

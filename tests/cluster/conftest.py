@@ -80,6 +80,18 @@ class Cluster:
         self.nodes.append(node)
         return node
 
+    def start_supervisor(self, flags: list[str], env: dict[str, str] | None = None, name: str = "supervisor") -> Node:
+        """``resilient supervisor`` on its own (a CPU host in real life), hosting the job's store."""
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "resilient.cli", "supervisor", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+               "--nnodes", self.nnodes, "--run-dir", str(self.run_dir), "--advertise-addr", "127.0.0.1", *flags]
+        with open(log, "ab") as f:
+            p = subprocess.Popen(cmd, cwd=REPO, env=child_env(env), stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        node = Node(name, p, self.tmp / f"none-{name}", log)
+        self.nodes.append(node)
+        return node
+
     def events(self) -> list:
         try:
             return list(read_events(self.run_dir))

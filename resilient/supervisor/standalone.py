@@ -1,0 +1,202 @@
+"""``resilient supervisor``: the supervisor as its own process, on a CPU host (a Kubernetes pod, the Slurm
+batch host), hosting the rendezvous store and the per-round stores, so that no training node is special:
+losing node 0 is like losing any node.
+
+    resilient supervisor --rdzv-endpoint HOST:PORT --nnodes MIN:MAX [--spare-nodes N] [--policy FILE] \\
+        --run-dir DIR
+
+Agents use the same ``--rdzv-endpoint``. If this process dies, agents keep their workers training (fail
+static); started again with the same flags and run directory, it adopts the ledger's newest assignment and
+the agents reconnect to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from resilient.events.ledger import Ledger, read_events
+from resilient.supervisor.api import PolicyError
+
+logger = logging.getLogger(__name__)
+
+EXIT_SUCCEEDED, EXIT_STOPPED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _BadInput(Exception):
+    pass
+
+
+@dataclass
+class StandaloneConfig:
+    rdzv_endpoint: str
+    min_nodes: int
+    max_nodes: int
+    run_dir: str
+    spare_nodes: int = 0
+    policy: str | None = None
+    max_restarts: int = 3
+    node_timeout: float = 10.0
+    policy_timeout: float = 1.0
+    last_call: float = 30.0
+    job_secret_file: str | None = None
+    advertise_addr: str | None = None  # what workers use as MASTER_ADDR for the per-round stores
+    nproc_per_node: int = 1  # only until agents report their own
+    store_timeout: float = 30.0
+    name: str = field(default_factory=lambda: f"supervisor@{socket.gethostname()}")
+
+    def __post_init__(self) -> None:
+        if not (0 < self.min_nodes <= self.max_nodes):
+            raise _BadInput(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
+        if self.spare_nodes < 0 or self.max_restarts < 0 or self.nproc_per_node < 1:
+            raise _BadInput("--spare-nodes and --max-restarts must be >= 0, --nproc-per-node >= 1")
+        for flag, v in (("--node-timeout", self.node_timeout), ("--policy-timeout", self.policy_timeout),
+                        ("--last-call-timeout", self.last_call)):
+            if not (v == v and 0 <= v < float("inf")) or (flag != "--last-call-timeout" and v == 0):
+                raise _BadInput(f"{flag} must be a positive, finite number of seconds, got {v}")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not (0 < int(port) < 65536):
+            raise _BadInput(f"--rdzv-endpoint must be HOST:PORT with a fixed port, got {self.rdzv_endpoint!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise _BadInput(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="resilient supervisor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="HOST:PORT the agents rendezvous at")
+    p.add_argument("--nnodes", required=True, help="N or MIN:MAX active nodes")
+    p.add_argument("--run-dir", "--run_dir", required=True, help="directory of the job's ledger (events.jsonl)")
+    p.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="warm spare nodes expected")
+    p.add_argument("--policy", default=None, help="Python policy file (default: the escalating default policy)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+                   help="budget of restarts, swaps and scalings for the whole job")
+    p.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
+                   help="seconds without a report before a node counts as lost")
+    p.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0)
+    p.add_argument("--last-call-timeout", type=float, default=30.0,
+                   help="once MIN nodes joined, seconds to wait for more (up to MAX) before starting")
+    p.add_argument("--job-secret-file", "--job_secret_file", default=None)
+    p.add_argument("--advertise-addr", default=None,
+                   help="address workers use to reach the stores hosted here (default: this host's name)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    return p
+
+
+def parse(argv: list[str]) -> StandaloneConfig:
+    a = build_parser().parse_args(argv)
+    try:
+        parts = [int(x) for x in a.nnodes.split(":")]
+    except ValueError:
+        raise _BadInput(f"--nnodes must be N or MIN:MAX, got {a.nnodes!r}") from None
+    if len(parts) not in (1, 2):
+        raise _BadInput(f"--nnodes must be N or MIN:MAX, got {a.nnodes!r}")
+    lo, hi = parts[0], parts[-1]
+    if a.policy is not None:
+        from resilient.supervisor.policy import load_policy
+
+        try:
+            load_policy(a.policy)
+        except PolicyError as e:
+            raise _BadInput(str(e)) from None
+    return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, min_nodes=lo, max_nodes=hi, run_dir=a.run_dir,
+                            spare_nodes=a.spare_nodes, policy=a.policy, max_restarts=a.max_restarts,
+                            node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
+                            last_call=a.last_call_timeout, job_secret_file=a.job_secret_file,
+                            advertise_addr=a.advertise_addr, nproc_per_node=a.nproc_per_node)
+
+
+def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
+    """Host the job's store and supervise until the job ends (0: succeeded, 1: stopped) or ``stop`` is set."""
+    from resilient.supervisor import transport as T
+    from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+    from resilient.supervisor.loop import LoopConfig, SupervisorLoop
+    from resilient.supervisor.policy import load_policy
+
+    stop = stop or threading.Event()
+    host, port = cfg.rdzv_endpoint.rsplit(":", 1)
+    try:
+        secret = T.load_secret(cfg.job_secret_file)
+    except ValueError as e:
+        raise _BadInput(str(e)) from None
+    try:
+        store = T.connect_store(host, int(port), cfg.store_timeout, is_master=True)
+    except (RuntimeError, ValueError) as e:
+        raise _BadInput(f"cannot host the rendezvous store on port {port} ({str(e).splitlines()[0]}); is another "
+                        "supervisor or agent using it?") from None
+    if secret is None:
+        logger.warning("no job secret configured (--job-secret-file or RESILIENT_JOB_SECRET): agents learn a "
+                       "generated one from the store, and after a restart of this supervisor they need it again")
+        secret = T.new_secret()
+        store.set(T.SECRET_KEY, secret)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(run_dir, node=cfg.name)
+    core_cfg = SupervisorConfig(min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node,
+                                max_restarts=cfg.max_restarts, node_timeout=cfg.node_timeout,
+                                policy_timeout=cfg.policy_timeout)
+    core = SupervisorCore(core_cfg, load_policy(cfg.policy) if cfg.policy else None)
+    addr = cfg.advertise_addr or (host if host not in ("0.0.0.0", "") else socket.getfqdn())
+    loop = SupervisorLoop(LoopConfig(core=core_cfg, advertise_addr=addr, last_call=cfg.last_call,
+                                     store_timeout=cfg.store_timeout, name=cfg.name),
+                          store, T.Signer(secret), ledger, core)
+    try:
+        past = list(read_events(run_dir))
+    except FileNotFoundError:
+        past = []
+    if loop.resume(past, time.monotonic()) is not None and core.stopped is not None:
+        logger.error("the job in %s was already stopped: %s", run_dir, core.stopped)
+    loop.start()
+    try:
+        while not stop.is_set():
+            if loop.settled.is_set() or (loop.finished.is_set() and loop._thread is not None
+                                         and not loop._thread.is_alive()):
+                break
+            stop.wait(0.2)
+    finally:
+        loop.close()
+        ledger.close()
+    if loop.result is None:
+        return EXIT_STOPPED  # told to stop before the job ended
+    return EXIT_SUCCEEDED if loop.result == "succeeded" else EXIT_STOPPED
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse(argv)
+    except _BadInput as e:
+        print(f"resilient supervisor: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from resilient.logs import setup_logging
+
+    setup_logging("supervisor", run_dir=cfg.run_dir,
+                  level=os.environ.get("RESILIENT_LOG_LEVEL", "WARNING").upper())
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.warning("supervisor stopping on %s; agents keep training", signal.Signals(signum).name)
+        stop.set()
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    try:
+        return run(cfg, stop)
+    except _BadInput as e:
+        print(f"resilient supervisor: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""``resilient supervisor`` on its own: no training node is special (node 0 lost like any other), the
+supervisor itself may die and come back (fail static), and messages without the job's secret do nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import EventKind
+
+from .conftest import REPO, child_env, wait_for
+from .test_node_loss import GATE_STEP, STEPS, _listening, assert_same, final, node_name, reference  # noqa: F401
+
+SECRET = {"RESILIENT_JOB_SECRET": "s3cret-for-tests-0123456789abcdef"}
+
+
+def _agents(c, args, names, env=None):
+    nodes = []
+    for n in names:
+        nodes.append(c.start(n, args, env=env))
+    return nodes
+
+
+@pytest.mark.timeout(240)
+def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Path, reference) -> None:
+    c = cluster_factory("2")
+    sup = c.start_supervisor(["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
+                              "--last-call-timeout", "0"], env=SECRET)
+    wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a = c.start("a", args, env=SECRET)
+    wait_for(lambda: any(e.kind == EventKind.RUN_START for e in c.events()), 60, "node a to start")
+    b = c.start("b", args, env=SECRET)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    spare = c.start("spare", args, env=SECRET)
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
+             "the spare to join")
+    starts = [e for e in c.events() if e.kind == EventKind.ATTEMPT_START]
+    node0 = next(n for n in (a, b) if any(e.node == node_name(n) and e.details["group_rank"] == 0 for e in starts))
+    other = b if node0 is a else a
+    node0.kill()  # group rank 0, rank 0: the node torchrun's store would live on
+    (gate / "go").touch()
+    wait_for(lambda: other.proc.poll() is not None and spare.proc.poll() is not None, 150, "the job to end")
+    assert other.proc.returncode == 0, other.output()
+    assert spare.proc.returncode == 0, spare.output()
+    wait_for(lambda: sup.proc.poll() is not None, 30, "the supervisor to exit with the job")
+    assert sup.proc.returncode == 0, sup.output()
+    swaps = [e.details["action_args"] for e in c.events() if e.kind == EventKind.ACTION
+             and e.details.get("action") == "hot_swap"]
+    assert swaps == [{"action": "hot_swap", "reason": swaps[0]["reason"], "node": node_name(node0),
+                      "spare": node_name(spare)}]
+    assert_same(reference, final(out, 2))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+FORGE = r'''
+import json, sys, datetime
+import torch.distributed as dist
+port, node = int(sys.argv[1]), sys.argv[2]
+s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+bad_mac = json.dumps({"b": json.dumps({"type": "event", "node": node, "event": {"kind": "worker_exit",
+          "node": node, "rank": 0, "attempt": 0, "details": {"exit_code": 1}}}), "m": "0" * 64})
+for msg in (bad_mac.encode(), b"garbage", b"\xff\x00" * 100):
+    s.queue_push("resilient/sv/q", msg)
+latest = int(s.get("resilient/sv/latest"))
+s.set(f"resilient/sv/plan/{latest + 1}", json.dumps({"b": json.dumps({"round": latest + 1, "final": True,
+      "stop": "forged"}), "m": "f" * 64}))
+print("forged", latest + 1)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_path: Path, reference) -> None:
+    c = cluster_factory("2")
+    flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
+    sup = c.start_supervisor(flags, env=SECRET)
+    wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP), "8"]
+    a, b = _agents(c, args, ["a", "b"], env=SECRET)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    # messages and plans without the job's secret: refused, logged, and nothing happens
+    r = subprocess.run([sys.executable, "-c", FORGE, str(c.port), node_name(a)], cwd=REPO, env=child_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    sup.kill()  # the supervisor's host dies, and with it the job's store
+    (gate / "go").touch()
+    # fail static: training goes on to the next gate without any supervisor
+    wait_for(lambda: (gate / "at-8-0").exists() and (gate / "at-8-1").exists(), 90, "training to go on alone")
+    assert a.proc.poll() is None and b.proc.poll() is None
+    sup2 = c.start_supervisor(flags, env=SECRET, name="supervisor2")
+    wait_for(lambda: "reconnected to the supervisor" in a.output() and "reconnected to the supervisor" in b.output(),
+             60, "both agents to reconnect")
+    (gate / "go-8").touch()
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert b.proc.returncode == 0, b.output()
+    wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
+    assert sup2.proc.returncode == 0, sup2.output()
+    evs = c.events()
+    # one attempt from start to end: no action was carried out twice, none was forged
+    assert [e.details["action"] for e in evs if e.kind == EventKind.ACTION] == ["start"]
+    assert {e.attempt for e in evs if e.kind == EventKind.ATTEMPT_START} == {0}
+    assert "refused" in sup.output() and "refused the plan" in a.output() + b.output()
+    assert_same(reference, final(out, 2))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
