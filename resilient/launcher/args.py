@@ -143,6 +143,14 @@ def parse(argv: list[str]) -> AgentConfig:
 
     if args.policy is not None and not os.path.isfile(args.policy):
         raise LaunchError(f"--policy {args.policy!r} does not exist; give the path of a policy .py file")
+    if args.policy is not None:
+        from resilient.supervisor.api import PolicyError
+        from resilient.supervisor.policy import load_policy
+
+        try:
+            load_policy(args.policy)  # a broken policy is refused before anything starts, naming file and line
+        except PolicyError as e:
+            raise LaunchError(f"--policy: {e}") from None
 
     rdzv_backend, rdzv_endpoint, rdzv_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     standalone = bool(args.standalone)
