@@ -14,3 +14,10 @@ HEARTBEAT_TIMEOUT = "RESILIENT_HEARTBEAT_TIMEOUT"  # seconds
 POLICY = "RESILIENT_POLICY"
 SPARE_NODES = "RESILIENT_SPARE_NODES"
 JOB_SECRET = "RESILIENT_JOB_SECRET"  # per-job secret signing agent <-> supervisor messages (never logged)
+
+# read by resilient itself (set by users or recipes, not by the launcher)
+LOG_LEVEL = "RESILIENT_LOG_LEVEL"  # log level of agents, supervisor and workers' resilient loggers
+WORKER_LAUNCH = "RESILIENT_WORKER_LAUNCH"  # default of --worker-launch
+PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
+PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
+COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off

@@ -264,7 +264,7 @@ def setup_logging(role: str, *, run_dir: str | os.PathLike[str] | None = None, n
         "rank": rank if rank is not None else _int_or_none(os.environ.get("RANK")),
         "attempt": attempt if attempt is not None else _int_or_none(os.environ.get("TORCHELASTIC_RESTART_COUNT")),
     }
-    lvl = level if level is not None else os.environ.get("RESILIENT_LOG_LEVEL", "INFO")
+    lvl = level if level is not None else os.environ.get(renv.LOG_LEVEL, "INFO")
     root = logging.getLogger()
     for h in list(root.handlers):
         if getattr(h, _MARK, False):

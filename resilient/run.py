@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 
+from resilient import env as renv
 from resilient.launcher.api import LaunchError
 
 
@@ -16,7 +17,7 @@ def _setup_logging(run_dir: str) -> None:
     """JSON lines to RUN_DIR/logs/agent.jsonl for machines, readable lines on stderr for people."""
     from resilient.logs import setup_logging
 
-    level = os.environ.get("RESILIENT_LOG_LEVEL", os.environ.get("LOGLEVEL", "WARNING")).upper()
+    level = os.environ.get(renv.LOG_LEVEL, os.environ.get("LOGLEVEL", "WARNING")).upper()
     setup_logging("agent", run_dir=run_dir, level=level)
 
 

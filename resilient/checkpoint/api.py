@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from resilient import env as renv
+
 STEP_PREFIX = "step_"
 COMMIT_MARKER = "COMMITTED"
 DCP_METADATA = ".metadata"
@@ -229,7 +231,7 @@ class CheckpointConfig:
         if self.upload_retries < 0 or self.upload_backoff_s < 0 or not math.isfinite(self.upload_backoff_max_s):
             raise CheckpointConfigError("upload_retries and upload_backoff_s must be >= 0")
         if self.upload_grace_s is None:
-            raw = os.environ.get("RESILIENT_UPLOAD_GRACE", "").strip()
+            raw = os.environ.get(renv.UPLOAD_GRACE, "").strip()
             try:
                 self.upload_grace_s = float(raw) if raw else DEFAULT_UPLOAD_GRACE_S
             except ValueError:

@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from resilient import env as renv
+
 SCHEMA_VERSION = 1
 
 
@@ -57,7 +59,7 @@ class EventKind(str, enum.Enum):
 
 
 def _node_name() -> str:
-    return os.environ.get("RESILIENT_NODE", socket.gethostname())
+    return os.environ.get(renv.NODE, socket.gethostname())
 
 
 @dataclass(frozen=True)

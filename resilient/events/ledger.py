@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from resilient import env as renv
 from resilient.events.api import Event, EventKind
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class Ledger:
 
     @classmethod
     def from_env(cls) -> "Ledger | None":
-        run_dir = os.environ.get("RESILIENT_RUN_DIR")
+        run_dir = os.environ.get(renv.RUN_DIR)
         if not run_dir:
             return None
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+from resilient import env as renv
 from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod
 
 
@@ -61,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--term-timeout", "--term_timeout", type=float, default=30.0,
                    help="seconds between forwarding SIGTERM/SIGINT to workers and SIGKILL")
     g.add_argument("--worker-launch", "--worker_launch", choices=[m.value for m in WorkerLaunchMethod],
-                   default=os.environ.get("RESILIENT_WORKER_LAUNCH", WorkerLaunchMethod.FORK_SERVER.value),
+                   default=os.environ.get(renv.WORKER_LAUNCH, WorkerLaunchMethod.FORK_SERVER.value),
                    help="fork-server: fork workers from a process that already imported torch (fast "
                         "restarts); spawn: a fresh interpreter per worker, as torchrun")
-    g.add_argument("--preload", default=os.environ.get("RESILIENT_PRELOAD", ""),
+    g.add_argument("--preload", default=os.environ.get(renv.PRELOAD, ""),
                    help="comma-separated modules the fork server imports ahead of time")
     return parser
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from resilient import env as renv
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.logs import RateLimitedLog
@@ -52,7 +53,7 @@ from resilient.signals.straggler import StragglerConfig, StragglerScorer
 logger = logging.getLogger(__name__)
 
 PREEMPT_FILE = "preempt"
-PREEMPT_URL_ENV = "RESILIENT_PREEMPT_URL"  # read by the agent's monitor: an HTTP notice endpoint
+PREEMPT_URL_ENV = renv.PREEMPT_URL  # read by the agent's monitor: an HTTP notice endpoint
 _MAX_PER_CONN = 4096  # packets read from one connection per on_readable: no worker can starve the others
 _PEERCRED = struct.Struct("3i")
 # A worker holds one connection; a reconnect briefly holds two; a wrapper and its python child one each.

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resilient import env as renv
 from resilient.events.ledger import Ledger, read_events
 from resilient.supervisor.api import PolicyError
 
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from resilient.logs import setup_logging
 
     setup_logging("supervisor", run_dir=cfg.run_dir,
-                  level=os.environ.get("RESILIENT_LOG_LEVEL", "WARNING").upper())
+                  level=os.environ.get(renv.LOG_LEVEL, "WARNING").upper())
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
