@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -538,9 +539,10 @@ def summarize(runs: list[dict], names: list[str], budget: float) -> dict:
             "within_goal": sum(t <= budget for t in times),
             "left_behind": sum(r.get("left_behind", 0) for r in rs),
         }
-        det = [r["detected_s"] for r in rs if r.get("detected_s") is not None]
-        if det:
-            s["median_detected_s"] = statistics.median(det)
+        for phase in ("detected_s", "workers_started_s", "restored_s"):  # each from the kill
+            v = [r[phase] for r in rs if r.get("ok") and r.get(phase) is not None]
+            if v:
+                s[f"median_{phase}"] = statistics.median(v)
         if n == "torchrun":
             s["survivor_hung"] = sum(r.get("survivor_hung", False) for r in rs)
             gave = [r["survivor_gave_up_s"] for r in rs if r.get("survivor_gave_up_s") is not None]
@@ -558,22 +560,22 @@ def summarize(runs: list[dict], names: list[str], budget: float) -> dict:
 
 def print_table(summary: dict, budget: float, node_timeout: float) -> None:
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-    head = (f"{'variant':<12}{'ok':>6}{'median s':>10}{'min–max s':>14}{'÷ torchrun':>12}"
-            f"{'≤ goal':>8}{'bit-exact':>11}")
-    print(f"\nnode lost (SIGKILL of agent + workers, local tier deleted) → first step after resuming; "
+    print(f"\nnode lost (SIGKILL of agent + workers, local tier deleted) → end of the first step after resuming; "
           f"goal ≤ --node-timeout {node_timeout:g} + 2 = {budget:g} s")
-    print(head)
+    print(f"{'variant':<12}{'ok':>6}{'median s':>10}{'min–max s':>14}{'÷ torchrun':>12}{'≤ goal':>8}{'bit-exact':>11}"
+          f"{'detect s':>10}{'workers s':>11}{'restored s':>12}")
     for n, s in summary.items():
         rng = f"{fmt(s['min_resume_s'])}–{fmt(s['max_resume_s'])}"
-        ratio = f"{s['ratio_to_torchrun']:.2f}x" if s["ratio_to_torchrun"] else "-"
-        goal = f"{s['within_goal']}/{s['reps']}" if n != "torchrun" else "-"
+        ratio = f"{s['ratio_to_torchrun']:.3f}" if s["ratio_to_torchrun"] else "-"
         exact = f"{s['bit_exact']}/{s['reps']}" if "bit_exact" in s else "-"
         print(f"{n:<12}{s['successes']:>3}/{s['reps']:<2}{fmt(s['median_resume_s']):>10}{rng:>14}{ratio:>12}"
-              f"{goal:>8}{exact:>11}")
+              f"{s['within_goal']:>5}/{s['reps']:<2}{exact:>11}{fmt(s.get('median_detected_s')):>10}"
+              f"{fmt(s.get('median_workers_started_s')):>11}{fmt(s.get('median_restored_s')):>12}")
     t = summary.get("torchrun")
     if t:
-        print(f"torchrun: survivor gave up after {fmt(t.get('median_survivor_gave_up_s'))} s (median), "
-              f"hung {t.get('survivor_hung', 0)}/{t['reps']}")
+        print(f"torchrun: the surviving agent gave up {fmt(t.get('median_survivor_gave_up_s'))} s after the kill "
+              f"(median), hung {t.get('survivor_hung', 0)}/{t['reps']}; then the same command was run again")
+    print("phases are medians from the kill: loss detected (ledger), first new worker started, last rank restored")
 
 
 def main() -> None:
@@ -589,9 +591,10 @@ def main() -> None:
     a = ap.parse_args()
     names = [n for n in a.variants.split(",") if n]
     bad = [n for n in names if n not in VARIANTS]
-    if bad or a.reps < 1 or not a.node_timeout > 0 or not a.give_up > 0 or not a.timeout > 0:
+    secs = (a.node_timeout, a.give_up, a.timeout)
+    if bad or a.reps < 1 or not all(math.isfinite(v) and v > 0 for v in secs):
         what = f"unknown variant(s) {bad}: choose from {','.join(VARIANTS)}" if bad else \
-            "--reps must be ≥ 1 and --node-timeout, --give-up, --timeout positive"
+            "--reps must be ≥ 1 and --node-timeout, --give-up, --timeout finite positive seconds"
         print(f"node_loss.py: {what}", file=sys.stderr)
         sys.exit(2)
     budget = a.node_timeout + 2.0
