@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilient import env as renv
+from resilient.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -103,23 +104,6 @@ class Signer:
         if not isinstance(body, dict):
             raise BadMessage("malformed control message body")
         return body
-
-
-class RateLimitedLog:
-    """At most one line per ``every`` seconds, with the count of what was suppressed: a flood of forged or
-    garbage messages must not become a flood of log lines."""
-
-    def __init__(self, log: logging.Logger, every: float = 10.0):
-        self.log, self.every, self._last, self._suppressed = log, every, -1e18, 0
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every:
-            self._suppressed += 1
-            return
-        extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
-        self._last, self._suppressed = now, 0
-        self.log.warning(msg + extra, *args)
 
 
 def connect_store(host: str, port: int, timeout: float, *, is_master: bool = False):
