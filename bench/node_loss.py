@@ -9,7 +9,8 @@ after training resumed (the latest rank to finish it; workers write wall-clock t
 
 * ``hot-swap``: ``resilient-run --nnodes 2 --spare-nodes 1``, 2 active agents and 1 warm spare (the kill
   waits until the spare's fork server has finished importing torch, as a spare that has waited for a
-  while has); the spare takes the lost node's group rank and restores its shards from a surviving tier. The final model and
+  while has); the spare takes the lost node's group rank and restores its shards from a surviving tier.
+  Opt-in ``hot-swap-cold``: the node is killed as soon as the spare has joined, before it is warm. The final model and
   optimizer are compared with an uninterrupted run (bit-exact or not).
 * ``scale-down``: ``resilient-run --nnodes 1:2``, 2 agents, no spare: the job goes on with one node.
 * ``torchrun``: the same script saving and loading with plain synchronous ``torch.distributed.checkpoint``
@@ -56,6 +57,7 @@ from resilient.testing.gcs import free_port  # noqa: E402
 STEPS = 8
 GATE_STEP = 4
 VARIANTS = ("hot-swap", "scale-down", "torchrun")
+OPT_IN = ("hot-swap-cold",)  # the node is killed as soon as the spare has joined, its fork server still importing
 
 # One script for every launcher. Its only argument is a JSON config file: the launchers parse abbreviations
 # of their own flags among script arguments, so the script takes no flags of its own.
@@ -385,7 +387,7 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
     cfg = write_cfg(d, "resilient")
     out, gate, run_dir = d / "out", d / "gate", d / "run"
     port = free_port()
-    hot = variant == "hot-swap"
+    hot = variant.startswith("hot-swap")
     nnodes, extra = ("2", ["--spare-nodes", "1"]) if hot else ("1:2", [])
     job = Job(d)
     res: dict[str, Any] = {"variant": variant, "ok": False}
@@ -411,7 +413,8 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
             spare = agent("spare")
             wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == spare.ident for e in events()), 60,
                      "the spare to join")
-            res["spare_warm_wait_s"] = fork_server_idle(spare.proc.pid)
+            if variant == "hot-swap":
+                res["spare_warm_wait_s"] = fork_server_idle(spare.proc.pid)
             survivors.append(spare)
         wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
         t_kill = nb.kill()
@@ -562,13 +565,13 @@ def print_table(summary: dict, budget: float, node_timeout: float) -> None:
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     print(f"\nnode lost (SIGKILL of agent + workers, local tier deleted) → end of the first step after resuming; "
           f"goal ≤ --node-timeout {node_timeout:g} + 2 = {budget:g} s")
-    print(f"{'variant':<12}{'ok':>6}{'median s':>10}{'min–max s':>14}{'÷ torchrun':>12}{'≤ goal':>8}{'bit-exact':>11}"
+    print(f"{'variant':<14}{'ok':>6}{'median s':>10}{'min–max s':>14}{'÷ torchrun':>12}{'≤ goal':>8}{'bit-exact':>11}"
           f"{'detect s':>10}{'workers s':>11}{'restored s':>12}")
     for n, s in summary.items():
         rng = f"{fmt(s['min_resume_s'])}–{fmt(s['max_resume_s'])}"
         ratio = f"{s['ratio_to_torchrun']:.3f}" if s["ratio_to_torchrun"] else "-"
         exact = f"{s['bit_exact']}/{s['reps']}" if "bit_exact" in s else "-"
-        print(f"{n:<12}{s['successes']:>3}/{s['reps']:<2}{fmt(s['median_resume_s']):>10}{rng:>14}{ratio:>12}"
+        print(f"{n:<14}{s['successes']:>3}/{s['reps']:<2}{fmt(s['median_resume_s']):>10}{rng:>14}{ratio:>12}"
               f"{s['within_goal']:>5}/{s['reps']:<2}{exact:>11}{fmt(s.get('median_detected_s')):>10}"
               f"{fmt(s.get('median_workers_started_s')):>11}{fmt(s.get('median_restored_s')):>12}")
     t = summary.get("torchrun")
@@ -585,15 +588,16 @@ def main() -> None:
     ap.add_argument("--give-up", type=float, default=60.0,
                     help="seconds the surviving torchrun agent gets to exit after the kill before it counts as hung")
     ap.add_argument("--timeout", type=float, default=180.0, help="a run longer than this counts as a hang")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated; also {','.join(OPT_IN)}: the spare is lost into before it is warm")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "node_loss.json"))
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, ledgers) and print its path")
     a = ap.parse_args()
     names = [n for n in a.variants.split(",") if n]
-    bad = [n for n in names if n not in VARIANTS]
+    bad = [n for n in names if n not in VARIANTS + OPT_IN]
     secs = (a.node_timeout, a.give_up, a.timeout)
     if bad or a.reps < 1 or not all(math.isfinite(v) and v > 0 for v in secs):
-        what = f"unknown variant(s) {bad}: choose from {','.join(VARIANTS)}" if bad else \
+        what = f"unknown variant(s) {bad}: choose from {','.join(VARIANTS + OPT_IN)}" if bad else \
             "--reps must be ≥ 1 and --node-timeout, --give-up, --timeout finite positive seconds"
         print(f"node_loss.py: {what}", file=sys.stderr)
         sys.exit(2)
