@@ -5,7 +5,7 @@ node agent: a heartbeat carrying the previous step's wall time and its *own-work
 the time this rank spent blocked in collectives). Own work is what tells the straggler apart: in
 synchronous training every rank's step lasts as long as the slowest rank's, but only the slow rank spends
 little of it waiting. Waiting is measured by wrapping the synchronous ``torch.distributed`` collectives and
-by a timing DDP communication hook (equivalent to DDP's default allreduce), both installed while
+by per-parameter gradient hooks and an end-of-backward callback on DDP modules (DDP keeps its own allreduce), installed while
 ``steps()`` runs, so unmodified DDP scripts and hand-written ``all_reduce`` loops both report it.
 
 Global rank 0 also writes one ``STEP`` event per completed step (and one ``SECTION`` event per finished
@@ -232,27 +232,103 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-def _timed_ddp_hook(process_group: Any, bucket: Any) -> Any:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+# DDP's gradient waits are timed without a communication hook. A Python comm hook (torch's own
+# ``allreduce_hook`` included) chains ``fut.then(callback)``; the callback, and the release of its
+# references, run on the backend's thread when the allreduce completes. If that thread reaches for the GIL
+# after the training thread has begun interpreter shutdown, CPython ends it with ``pthread_exit`` and the
+# unwind through C++ ``noexcept`` frames aborts the process ("terminate called without an active
+# exception"): a successful worker killed by SIGABRT at exit, most often under CPU contention. So DDP keeps
+# its built-in C++ allreduce, and the two instants come from the autograd thread: each parameter's
+# post-accumulate-grad hook (the last one is when this rank's own backward work is done, i.e. the last
+# bucket is ready) and an end-of-backward callback (after DDP waited for every bucket).
 
+# The second exit hazard is torch's: every backward stashes a Python ``contextvars.Context`` in the
+# thread-local state, and each gloo work enqueued during it (DDP's bucket allreduces) copies that state.
+# The work is destroyed on gloo's thread after it completes, and that releases the context: the same GIL
+# grab, the same abort if the interpreter is already finalising. So the last backwards' contexts are kept,
+# and at exit (before finalisation) we wait, bounded, until no C++ copy holds them any more.
+_backward_contexts: list[Any] = []
+_KEEP_CONTEXTS = 2
+_EXIT_DRAIN_TIMEOUT = 5.0
+_drain_registered = False
+_bw_queued = False  # one end-of-backward callback per backward pass
+
+
+def _ddp_grad_ready(_param: Any) -> None:
+    global _bw_queued
     c = _clock
-    arrival = _perf()
     if c is not None:
-        c.ddp_arrival = max(c.ddp_arrival, arrival)
-    fut = allreduce_hook(process_group, bucket)
+        c.ddp_arrival = max(c.ddp_arrival, _perf())
+    if _bw_queued:
+        return
+    _bw_queued = True
+    try:
+        import torch
+        from torch.autograd import Variable
 
-    def done(f: Any) -> Any:
-        cc = _clock
-        if cc is not None:
-            cc.ddp_done = max(cc.ddp_done, _perf())
-        return f.value()
-
-    return fut.then(done)
+        _remember_context(torch)
+        Variable._execution_engine.queue_callback(_ddp_requeue)
+    except Exception as e:  # noqa: BLE001 - a measurement must never break training
+        _bw_queued = False
+        logger.debug("cannot time the end of DDP's backward: %s", e)
 
 
-# DDP validates a hook's annotations against the real GradBucket/Future types; this module's postponed
-# (string) annotations would fail that check, so the hook carries none.
-_timed_ddp_hook.__annotations__ = {}
+def _remember_context(torch: Any) -> None:
+    global _drain_registered
+    get = getattr(torch._C, "_get_obj_in_tls", None)
+    if get is None:
+        return
+    try:
+        ctx = get("context")
+    except Exception:  # noqa: BLE001 - not stashed by this torch version
+        return
+    if ctx is None:
+        return
+    _backward_contexts.append(ctx)
+    del _backward_contexts[:-_KEEP_CONTEXTS]
+    if not _drain_registered:
+        _drain_registered = True
+        import atexit
+
+        atexit.register(drain_backward_state)
+
+
+def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
+    """Wait until no communication thread still holds Python state of a finished backward; True if none does.
+
+    Run at interpreter exit (before finalisation) so that gloo's threads release it while they still may
+    take the GIL. Our list holds one reference per context, ``sys.getrefcount`` one more: anything beyond is
+    a C++ copy not yet released. Polled (nothing signals the release), with the GIL released meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = [ctx for ctx in _backward_contexts if sys.getrefcount(ctx) > 3]  # list, loop variable, argument
+        if not held:
+            _backward_contexts.clear()
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("%d finished backward pass(es) still referenced by communication threads after %.1fs",
+                           len(held), timeout)
+            return False
+        time.sleep(0.002)
+
+
+def _ddp_requeue() -> None:
+    # Queued by the first gradient, before DDP queues its own finalize_backward (DDP's hook runs after the
+    # parameter's): queue once more so the timing runs after DDP has waited for its buckets.
+    try:
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(_ddp_backward_done)
+    except Exception:  # noqa: BLE001
+        _ddp_backward_done()
+
+
+def _ddp_backward_done() -> None:
+    global _bw_queued
+    _bw_queued = False
+    c = _clock
+    if c is not None:
+        c.ddp_done = max(c.ddp_done, _perf())
 
 
 def _ddp_forward_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -260,14 +336,13 @@ def _ddp_forward_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.__dict__.get("_resilient_hook_tried", False):
             self.__dict__["_resilient_hook_tried"] = True
-            # one hook per DDP module: a user's own hook wins and this rank's DDP waits go unmeasured
-            if getattr(self, "_comm_hooks", None):
-                logger.info("DDP module has its own comm hook; its gradient waits are not timed")
-            else:
-                try:
-                    self.register_comm_hook(getattr(self, "process_group", None), _timed_ddp_hook)
-                except Exception as e:  # noqa: BLE001 — a measurement must never break training
-                    logger.info("cannot time DDP gradient waits (%s); straggler scores will miss them", e)
+            # hooks stay after steps() ends (they cannot be told apart from a user's): silent without a clock
+            try:
+                for p in self.module.parameters():
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(_ddp_grad_ready)
+            except Exception as e:  # noqa: BLE001 - a measurement must never break training
+                logger.info("cannot time DDP gradient waits (%s); straggler scores will miss them", e)
         return orig(self, *args, **kwargs)
 
     forward.__resilient_timed__ = True  # type: ignore[attr-defined]
@@ -304,8 +379,8 @@ def _install_timers() -> None:
 
 
 def _uninstall_timers() -> None:
-    """When the last loop ends, restore the original functions (DDP hooks already registered stay: DDP
-    cannot unregister them; they only time, and fall silent without a clock)."""
+    """When the last loop ends, restore the original functions (gradient hooks already registered stay;
+    they only time, and fall silent without a clock)."""
     global _clock, _active_loops
     with _patch_lock:
         _active_loops = max(0, _active_loops - 1)
