@@ -225,6 +225,8 @@ class SupervisorLoop:
         round_ = (a.round if a is not None else -1) + 1
         self.chan.publish(round_, {"round": round_, "final": True, "stop": reason if stop else None,
                                    "id": decision_id})
+        if not stop:
+            self.core.finish(reason)  # agents leaving now are not failures
         self._final_round, self._final_at = round_, time.monotonic()
         self.result = reason
         self.finished.set()

@@ -211,6 +211,7 @@ class PresenceServer:
             except OSError:
                 data = b""
             if not data:
+                logger.info("presence: fd %d closed (%s)", conn.fileno(), self._nodes.get(conn, "no hello yet"))
                 node = self._close(conn)
                 if node is not None:
                     gone.append(node)
@@ -229,6 +230,7 @@ class PresenceServer:
                     continue
                 del self._pending[conn]
                 self._nodes[conn] = node
+                logger.info("presence: %s connected (fd %d)", node, conn.fileno())
                 hello.append(node)
             elif len(buf) > 4096:
                 self._close(conn)

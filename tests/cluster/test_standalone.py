@@ -95,7 +95,7 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     # fail static: training goes on to the next gate without any supervisor
     wait_for(lambda: (gate / "at-8-0").exists() and (gate / "at-8-1").exists(), 90, "training to go on alone")
     assert a.proc.poll() is None and b.proc.poll() is None
-    sup2 = c.start_supervisor(flags, env=SECRET, name="supervisor2")
+    sup2 = c.start_supervisor(flags, env={**SECRET, "RESILIENT_LOG_LEVEL": "INFO"}, name="supervisor2")
     wait_for(lambda: "reconnected to the supervisor" in a.output() and "reconnected to the supervisor" in b.output(),
              60, "both agents to reconnect")
     (gate / "go-8").touch()
