@@ -802,7 +802,23 @@ class CheckpointManager:
         cfg = self.config
         t0 = time.perf_counter()
         ok, error, nbytes = True, None, 0
+        # a step uploaded again (a job restored from an older step saves this number anew) must not stay
+        # visible as complete while its files are being replaced: the marker goes first, on every rank's
+        # word that it is gone before anyone writes
+        unmarked = True
+        if self.rank == 0:
+            try:
+                retry(lambda: self.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
+                      what=f"uncommit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                      backoff_max_s=cfg.upload_backoff_max_s, should_stop=lambda: self._give_up(step))
+            except FAILURES as e:
+                unmarked, error = False, e
+        if not self._all_in(unmarked, group):
+            ok = False
+            error = error or CheckpointError("rank 0 could not clear the step's commit marker")
         try:
+            if not ok:
+                raise error  # type: ignore[misc]
             if mem is not None:
                 m = Manifest.from_json(json.loads(mem[manifest_name(self.rank)]))
             else:
@@ -826,11 +842,15 @@ class CheckpointManager:
                     size = (d / n).stat().st_size
                 retry(put, what=f"upload {n} of step {step}", retries=cfg.upload_retries,
                       backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
-                      should_stop=lambda: self._closed and self._up_abandon)
+                      should_stop=lambda: self._give_up(step))
                 nbytes += size
         except FAILURES as e:
             ok, error = False, e
-            logger.error("upload of step %d failed: %s", step, e)
+            newer = self._newer_pending(step)
+            if newer is not None and not isinstance(e, CorruptFileError):
+                # retrying an old step against a store that is down only delays the newer one
+                error = CheckpointError(f"gave up: step {newer} is waiting ({_one_line(e)})")
+            logger.error("upload of step %d failed: %s", step, _one_line(error))
         results = self._gather((ok, nbytes), group)
         if all(r[0] for r in results) and self.rank == 0:
             try:
@@ -852,9 +872,25 @@ class CheckpointManager:
                 ok, error = False, e
         if not ok:
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
-                       error=f"{type(error).__name__}: {error}")
+                       error=_one_line(error) if not isinstance(error, CheckpointError) else str(error))
 
     _up_abandon = False
+
+    def _newer_pending(self, step: int) -> int | None:
+        """A later step queued for upload on this rank, if any."""
+        with self._up_cv:
+            newer = [s for s in self._up_pending if s > step]
+        return max(newer) if newer else None
+
+    def _give_up(self, step: int) -> bool:
+        """Stop retrying the upload of ``step``: exit abandons it, or a newer step waits behind it (each rank
+        decides alone; the upload's closing gather makes every rank drop the step if one did)."""
+        return (self._closed and self._up_abandon) or self._newer_pending(step) is not None
+
+    def _all_in(self, ok: bool, group: Any) -> bool:
+        if not self._dist:
+            return bool(ok)
+        return all(self._gather(bool(ok), group))
 
     # ------------------------------------------------------------------ wait / close
     def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:

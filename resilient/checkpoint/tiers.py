@@ -506,6 +506,16 @@ def verify_step(tier: Tier, step: int, scratch: str | os.PathLike[str],
     result: dict[str, str] = {}
     files = tier.list_files(step)
     entries: dict[str, FileEntry] = {}
+    if COMMIT_MARKER in files:
+        # a complete step holds a manifest of every rank its marker names: a lost manifest hides its files
+        try:
+            body = read_commit(tier, step)
+            ranks = [int(r) for r in body.get("ranks", range(int(body["world_size"])))]
+            for r in ranks:
+                if manifest_name(r) not in files:
+                    result[manifest_name(r)] = "missing (the commit marker names this rank)"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            result[COMMIT_MARKER] = f"unreadable commit marker: {e}"
     for r in manifest_ranks(files):
         try:
             m = read_manifest(tier, step, r)

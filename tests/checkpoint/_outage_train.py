@@ -1,0 +1,78 @@
+"""``examples/ckpt_train.py`` with two gates for the persistent-store outage drill (test_store_outage.py).
+
+The gates are files in ``$DRILL_DIR``; every wait on them is bounded (``DRILL_WAIT_S``, default 120 s).
+
+* ``DRILL_HOLD_UPLOAD=S``: on rank 0, right after its first ``.distcp`` file of step ``S`` reached the
+  persistent tier, the upload touches ``upload-in-flight`` and waits for ``store-killed``: the test kills
+  the store with step ``S`` half uploaded, never before, never after.
+* ``DRILL_GATES=G:FILE[,G:FILE...]``: at step ``G`` every rank touches ``at-<G>-<rank>`` and waits for
+  ``FILE``. The outage drill holds training at step 8 until the store is dead (so that the next saves
+  happen during the outage, however fast training is) and at step 16 until it is back (so that the run is
+  still going when the store returns, as a long run would be). Between gates training runs freely.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DRILL = Path(os.environ["DRILL_DIR"])
+WAIT_S = float(os.environ.get("DRILL_WAIT_S", "120"))
+
+
+def _wait_for(name: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not (DRILL / name).exists():
+        if time.monotonic() > deadline:
+            print(f"drill: {name} did not appear within {WAIT_S:.0f} s; going on", file=sys.stderr, flush=True)
+            return
+        time.sleep(0.01)
+
+
+def _install() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    hold = int(os.environ.get("DRILL_HOLD_UPLOAD", "-1"))
+    if hold >= 0 and rank == 0:
+        from resilient.checkpoint import tiers
+
+        orig_put = tiers.FsspecTier.put_file
+        held: list[bool] = []
+
+        def put_file(self, step, name, local_path):  # type: ignore[no-untyped-def]
+            orig_put(self, step, name, local_path)
+            if step == hold and self.name == "persistent" and name.endswith(".distcp") and not held:
+                held.append(True)
+                (DRILL / "upload-in-flight").touch()
+                _wait_for("store-killed")
+
+        tiers.FsspecTier.put_file = put_file  # type: ignore[method-assign]
+    gates = {int(g): f for g, f in (x.split(":") for x in os.environ.get("DRILL_GATES", "").split(",") if x)}
+    if gates:
+        from resilient.checkpoint.manager import CheckpointManager
+
+        orig_save = CheckpointManager.save
+
+        def save(self, step, state, force=False):  # type: ignore[no-untyped-def]
+            if step in gates:
+                (DRILL / f"at-{step}-{rank}").touch()
+                _wait_for(gates[step])
+            return orig_save(self, step, state, force)
+
+        CheckpointManager.save = save  # type: ignore[method-assign]
+
+
+def main() -> int:
+    spec = importlib.util.spec_from_file_location("ckpt_train", REPO / "examples" / "ckpt_train.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _install()
+    return int(mod.main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
