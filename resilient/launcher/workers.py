@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -209,8 +210,36 @@ class ForkServer:
         self.sock.close()
 
 
+def _load_prctl() -> object | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: workers are still stopped by a live agent
+        return None
+
+
+# resolved once in the agent: the child between fork and exec must not load libraries
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int):
+    """``preexec_fn`` of a spawned worker: SIGKILL when the agent dies, even by SIGKILL, as the fork
+    server's workers do. The parent may die between fork and prctl: then nothing would ever send the
+    signal, so the child checks and ends itself."""
+    def setup() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # type: ignore[operator]
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return setup
+
+
 class SpawnStarter:
-    """One fresh interpreter per worker; exits are seen through pidfds."""
+    """One fresh interpreter per worker; exits are seen through pidfds. Workers die with the agent
+    (PR_SET_PDEATHSIG set between fork and exec)."""
 
     def __init__(self) -> None:
         self._pidfds: dict[int, WorkerProc] = {}
@@ -228,6 +257,9 @@ class SpawnStarter:
             p = subprocess.Popen(
                 argv, env=w.env, cwd=cwd, stdin=subprocess.DEVNULL,
                 stdout=w.stdout_fd, stderr=w.stderr_fd, process_group=0,
+                # PDEATHSIG follows the thread that forked: Popen is called from the agent's main thread,
+                # which lives as long as the agent
+                preexec_fn=_die_with_parent(os.getpid()),
             )
             w.pid = p.pid
             w._popen = p
