@@ -21,3 +21,4 @@ WORKER_LAUNCH = "RESILIENT_WORKER_LAUNCH"  # default of --worker-launch
 PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
 PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
 COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off
+FAULTS = "RESILIENT_FAULTS"  # a drill's in-worker faults (--inject), carried out by resilient.steps()

@@ -168,6 +168,11 @@ class Agent:
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
         self._last_reconnect = 0.0
         self._next_plan: dict | None = None  # a verified plan seen while workers ran
+        self.injector = None
+        if cfg.inject:
+            from resilient.launcher.inject import Injector
+
+            self.injector = Injector(cfg.inject, self.ledger)
         self._done_round: int | None = None  # the round whose workers all finished here
         self._endpoint: tuple[str, int] = ("", 0)
 
@@ -402,6 +407,8 @@ class Agent:
             renv.POLICY: c.policy, renv.SPARE_NODES: str(c.spare_nodes) if c.spare_nodes else None,
         }
         env.update({k: v for k, v in optional.items() if v is not None})
+        if self.injector is not None:
+            env.update(self.injector.env())
         return env
 
     def _log_dir(self, attempt: int, local_rank: int) -> Path:
@@ -518,6 +525,12 @@ class Agent:
                 nd = self.monitor.next_deadline()
                 if nd is not None:
                     timeout = min(timeout, max(0.0, nd - time.monotonic()))
+            if self.injector is not None:
+                due = self.injector.next_due()
+                if due is not None:
+                    timeout = min(timeout, due)
+                self.injector.fire({w.rank: w.pid for w in self.workers if w.exit_code is None and w.pid},
+                                   self.group_rank, self.cfg.ckpt_local, self._kill_node)
             failed = False
             for key, _ in self.sel.select(timeout=timeout):
                 if key.data == "exit":
@@ -720,6 +733,8 @@ class Agent:
                                  action=plan["action"].get("action"))
                 logger.warning("%s; restarting workers (attempt %d, %s)", cause, attempt, _describe(plan["action"]))
             self._ran = True
+            if self.injector is not None:
+                self.injector.started(self.round, plan.get("started"))
             host, port = plan["master"].rsplit(":", 1)
             outcome = self._run_attempt(attempt, (host, int(port)))
             t_detect = time.time()
@@ -796,6 +811,17 @@ class Agent:
             while not self.sup_loop.settled.is_set() and time.monotonic() < deadline and self._signal is None:
                 self.sup_loop.step(time.monotonic())
                 self.sup_loop.settled.wait(self.cfg.monitor_interval)
+
+    def _kill_node(self) -> None:
+        """A drill's lost node: workers, fork server and this agent SIGKILLed, nothing cleaned up."""
+        signal_workers([w for w in self.workers if w.exit_code is None], signal.SIGKILL)
+        pid = getattr(getattr(self.starter, "proc", None), "pid", None)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _ack(self) -> None:
         from resilient.supervisor.transport import MessageKind

@@ -99,6 +99,8 @@ class AgentConfig:
     metrics_addr: str = "127.0.0.1"  # loopback: the endpoint tells anyone who can reach it about the run
     rendezvous_timeout: float = 900.0
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
+    # drills: faults the agent carries out (time-based) or hands to the workers (step-based, via resilient.steps)
+    inject: tuple = ()  # resilient.testing.faults.FaultSpec values, parsed from --inject
     # supervisor
     node_timeout: float = 10.0  # seconds without a report from a node's agent before it counts as lost
     policy_timeout: float = 1.0  # a policy's decide() running longer is overruled by the default policy

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
                    help="seconds without a heartbeat before a rank counts as hung (default: learned)")
     g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
+    g.add_argument("--inject", default=None,
+                   help="faults for a drill, e.g. kill-worker@30s,hang-worker@60s,kill-node@90s,slow-rank:1@0s,"
+                        "raise-worker:0@step12 (seconds after training starts, or a step; each recorded in the "
+                        "ledger as fault_injected)")
+    g.add_argument("--inject-seed", type=int, default=0, help="seed choosing the targets --inject leaves open")
     g.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
                    help="seconds without a report from a node's agent before the supervisor counts it lost")
     g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
@@ -185,6 +190,21 @@ def parse(argv: list[str]) -> AgentConfig:
         os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
 
+    inject: tuple = ()
+    if args.inject:
+        from resilient.testing.faults import FaultKind, FaultSpecError, parse_inject
+
+        try:
+            inject = tuple(parse_inject(args.inject, args.inject_seed, world_size=nproc * max_nodes, nnodes=max_nodes))
+        except FaultSpecError as e:
+            raise LaunchError(str(e)) from None
+        for f in inject:
+            if f.kind == FaultKind.KILL_NODE and f.at_seconds is None:
+                raise LaunchError(f"--inject: {f.describe()}: a node is killed at a time (kill-node@90s), not a step")
+            if f.kind in (FaultKind.SLOW_RANK, FaultKind.RAISE_WORKER) and f.at_seconds not in (None, 0.0):
+                raise LaunchError(f"--inject: {f.describe()}: {f.kind.value} happens inside the worker at a step "
+                                  f"(@stepN, or @0s for the start); the script must use resilient.steps()")
+
     try:
         cfg = AgentConfig(
             command=command, nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
@@ -203,7 +223,7 @@ def parse(argv: list[str]) -> AgentConfig:
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
-            node_timeout=args.node_timeout, policy_timeout=args.policy_timeout, job_secret_file=args.job_secret_file,
+            inject=inject, node_timeout=args.node_timeout, policy_timeout=args.policy_timeout, job_secret_file=args.job_secret_file,
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None

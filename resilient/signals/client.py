@@ -457,6 +457,9 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
     # local rank 0 of every node records the world, so each node's run dir has it (see scale.py)
     recorded_world = c.local_rank != 0 or c.run_dir is None
     c.hello(start)
+    drill = bool(os.environ.get(env.FAULTS))
+    if drill:
+        from resilient.testing.faults import maybe_fail
     last = start - 1
     t_prev = -1.0
     try:
@@ -478,6 +481,8 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
                 _save_compile_cache(cc)
             last = s
             t_prev = _perf()  # our own send/ledger cost is not charged to the step
+            if drill:
+                maybe_fail(s)  # a drill's in-step fault (--inject): charged to the step, as a real one would be
             yield s
         if t_prev >= 0:
             secs = _perf() - t_prev

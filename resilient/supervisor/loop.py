@@ -81,6 +81,7 @@ class SupervisorLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.decisions: list[Decision] = []
+        self.started: float | None = None  # wall time of the first round: the drills' clock on every node
         self.finished = threading.Event()  # the final plan is published
         self.settled = threading.Event()  # every live agent acknowledged it
         self._lock = threading.Lock()
@@ -195,6 +196,8 @@ class SupervisorLoop:
         """After a restart of the supervisor: adopt the ledger's newest assignment and publish it again for
         agents that join from now on. Agents already in that round see nothing new and keep training."""
         with self._lock:
+            first = next((e for e in events if e.kind == EventKind.ACTION and e.details.get("action") == "start"), None)
+            self.started = first.wall if first is not None else None
             a = self.core.resume(events, now)
             if a is not None:
                 logger.warning("supervisor resumed at round %d: members %s, spares %s", a.round, list(a.members),
@@ -214,8 +217,10 @@ class SupervisorLoop:
     def _publish(self, a: Assignment, *, action: dict[str, Any], decision_id: int) -> None:
         addr, port = self._round_store(a.round)
         self._done.clear()
+        if self.started is None:
+            self.started = time.time()
         plan = {"round": a.round, "assignment": a.to_json(), "master": f"{addr}:{port}", "action": action,
-                "id": decision_id}
+                "id": decision_id, "started": self.started}
         self.chan.publish(a.round, plan)
         logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
                     a.world_size)

@@ -40,9 +40,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from resilient import env as renv
+
 logger = logging.getLogger(__name__)
 
-FAULTS_ENV = "RESILIENT_FAULTS"
+FAULTS_ENV = renv.FAULTS
 
 
 class InjectedFault(RuntimeError):
