@@ -1,7 +1,8 @@
 """``--inject``: a drill's faults, carried out for real.
 
-Time-based faults (seconds after the job's first round started, the same clock on every node: the
-supervisor puts it in every plan) are carried out by the agent holding the target, for any script:
+Time-based faults (seconds after training started: a first-round node counts from its own first spawn, a
+node that joined later from the supervisor's start time) are carried out by the agent holding the target,
+for any script:
 SIGKILL or SIGSTOP of a worker, deletion of the node's local tier, SIGKILL of the whole node (agent, fork
 server, workers). Step-based and in-step faults (``slow-rank``, ``raise-worker``, ``…@stepN``) are handed to
 the workers through ``RESILIENT_FAULTS``; ``resilient.steps()`` carries them out. Every fault is written to
