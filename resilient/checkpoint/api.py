@@ -65,6 +65,23 @@ class CheckpointMismatchError(CheckpointError):
                          "directory or start from an empty one.")
 
 
+class CheckpointReshardError(CheckpointError):
+    """The checkpoint was saved by another number of ranks and part of the state cannot be resharded to
+    this one (per-rank objects of ranks that are gone or new, per-rank tensors whose size follows the world
+    size). Raised on every rank during planning, before any byte is read into the state; names the keys."""
+
+    def __init__(self, step: int, saved_world_size: int, world_size: int, problems: dict[str, str]):
+        self.step, self.saved_world_size, self.world_size = step, saved_world_size, world_size
+        self.problems = dict(problems)  # state key -> why it cannot be resharded
+        why = "; ".join(f"{k}: {v}" for k, v in list(sorted(self.problems.items()))[:10])
+        more = f" and {len(self.problems) - 10} more" if len(self.problems) > 10 else ""
+        super().__init__(
+            f"checkpoint step {step} was saved by {saved_world_size} ranks and cannot be restored onto "
+            f"{world_size}: {why}{more}; nothing was loaded. Restart with {saved_world_size} ranks, or make "
+            "this state the same on every rank (e.g. a global data position, as resilient.data.ResumableSampler "
+            "keeps) so that it can be resharded, or leave it out of the state passed to restore()")
+
+
 class CorruptFileError(CheckpointError):
     """A file's size or crc32c differs from its manifest entry."""
 

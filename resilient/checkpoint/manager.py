@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from resilient import env as _env
 from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, PER_RANK_PREFIX, TIER_ORDER, CheckpointConfig,
-                                      CheckpointError, CheckpointMismatchError, CorruptFileError, FileEntry,
+                                      CheckpointError, CheckpointMismatchError, CheckpointReshardError,
+                                      CorruptFileError, FileEntry,
                                       Manifest, NoRestorableStepError, RestoreResult, TierName,
                                       UnsafeCheckpointError)
 from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_stateful, leaf_nbytes, plain_state,
@@ -44,6 +45,7 @@ from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_state
 from resilient.checkpoint.tiers import (BoundedTier, DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
                                         map_verified, retry, verify_bytes, verify_file)
 from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
+from resilient.signals.client import preempt_save_due as _preempt_save_due
 from resilient.checkpoint.safe import find_unsafe, load_metadata, unsafe_name
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
 from resilient.checkpoint.writer import MemoryWriter
@@ -163,6 +165,7 @@ class _LoadPlan:
     load_sd: dict[str, Any]  # checkpoint key -> target (tensor loaded in place, or a placeholder)
     key_of: dict[str, str]  # state fqn -> checkpoint key
     expand: dict[str, list[str]]  # empty containers filled from the checkpoint's keys under them
+    reshard: dict[str, str] = field(default_factory=dict)  # state fqn -> why it cannot be resharded here
 
 
 class _Interval:
@@ -375,7 +378,7 @@ class CheckpointManager:
             raise CheckpointError("save() after close()")
         self._interval.observe_call()
         self._grace_until = None  # training went on: a later wait() gets a fresh upload grace
-        if not (force or self._interval.due(step)):
+        if not (force or self._interval.due(step) or _preempt_save_due(step)):  # a preempted job's last step
             return False
         t0 = time.perf_counter()
         prev = self._last_job
@@ -1128,6 +1131,17 @@ class CheckpointManager:
             raise error or CheckpointError(f"checkpoint step {step} does not match another rank's state; "
                                            "see that rank's error")
         assert plan is not None
+        # a world-size change some state cannot follow: every rank learns every rank's findings and all
+        # raise the same error, before a single data file is fetched or a byte lands in the state
+        reshard: dict[str, str] = {}
+        for theirs in self._gather(plan.reshard, self._pg):
+            for k, why in theirs.items():
+                reshard.setdefault(k, why)
+        if reshard:
+            err = CheckpointReshardError(step, world_old, self.world_size, reshard)
+            if self.rank == 0:
+                logger.error("%s", err)
+            raise err
         keys = set(plan.load_sd)
         need = {DCP_METADATA} | {info.relative_path for idx, info in md.storage_data.items() if idx.fqn in keys}
         missing = sorted(n for n in need if n not in files)
@@ -1320,15 +1334,37 @@ class CheckpointManager:
         key_of: dict[str, str] = {}
         expand: dict[str, list[str]] = {}
         missing, shape_mismatch = [], {}
+        reshard: dict[str, str] = {}
+        resized = world_old != self.world_size
         for fqn, (path, v) in leaves.items():
             key = fqn
             if fqn in per_rank_keys:
                 pk = _per_rank_key(self.rank, fqn)
-                if pk in md or any(k.startswith(pk + ".") for k in md):
+                own = pk in md or any(k.startswith(pk + ".") for k in md)
+                if resized and self._is_object(v, md, fqn, world_old):
+                    # a per-rank object (a data position, a shard index, a counter) cannot be split, merged
+                    # or copied: a copy makes two ranks repeat the same data, a dropped one skips data
+                    gone = [r for r in range(self.world_size, world_old) if _per_rank_key(r, fqn) in md]
+                    if not own:
+                        reshard[fqn] = f"a per-rank object with no value saved for rank {self.rank}"
+                        continue
+                    if gone:
+                        reshard[fqn] = (f"a per-rank object whose values of ranks {gone[0]}-{gone[-1]} would be "
+                                        "dropped" if len(gone) > 1 else
+                                        f"a per-rank object whose value of rank {gone[0]} would be dropped")
+                        continue
+                if own:
                     key = pk
                 elif self.rank == 0 or self.rank >= world_old:
+                    # tensors (RNG states, running statistics): a copy of a saved rank's value is a valid start
                     logger.warning("per-rank value %r has no entry for rank %d (saved with %d ranks); "
                                    "using the shared one", fqn, self.rank, world_old)
+                m = md.get(key)
+                if resized and isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) \
+                        and tuple(m.size) != tuple(v.shape):
+                    reshard[fqn] = (f"a per-rank tensor saved as {list(m.size)}, here {list(v.shape)} (its size "
+                                    "follows the number of ranks)")
+                    continue
             key_of[fqn] = key
             if isinstance(v, Mapping) and not v:
                 # an empty container (a fresh optimizer's state) is filled from what the checkpoint holds
@@ -1358,7 +1394,16 @@ class CheckpointManager:
             unexpected = sorted(k for k in md if not k.startswith("__rank") and
                                 not any(k == f or k.startswith(f + ".") for f in known))
             raise CheckpointMismatchError(step, sorted(missing), unexpected, shape_mismatch)
-        return _LoadPlan(plain=plain, leaves=leaves, load_sd=load_sd, key_of=key_of, expand=expand)
+        return _LoadPlan(plain=plain, leaves=leaves, load_sd=load_sd, key_of=key_of, expand=expand,
+                         reshard=reshard)
+
+    @staticmethod
+    def _is_object(v: Any, md: dict[str, Any], fqn: str, world_old: int) -> bool:
+        """Is the per-rank value ``fqn`` a Python object (in the state, or as saved) rather than a tensor?"""
+        if not isinstance(v, torch.Tensor):
+            return True
+        saved = [md.get(_per_rank_key(r, fqn)) for r in range(world_old)] + [md.get(fqn)]
+        return any(isinstance(m, BytesStorageMetadata) for m in saved)
 
     def _finish_load(self, state: Mapping[str, Any], plan: "_LoadPlan") -> None:
         """Put loaded values back where the state keeps them; hand Stateful objects their state dicts."""

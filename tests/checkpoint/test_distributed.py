@@ -180,3 +180,72 @@ def test_corrupt_peer_replica_falls_back_to_persistent(tmp_path: Path, workers: 
     s1 = json.loads((tmp_path / "src1.json").read_text())
     assert s1["__1_0.distcp"] == "persistent"
     assert "falling back to the persistent tier" in results[1].output
+
+
+RESHARD = '''
+import json, os, sys, torch, torch.distributed as dist
+from resilient.checkpoint.api import CheckpointReshardError
+from resilient.checkpoint.manager import CheckpointManager
+dist.init_process_group("gloo")
+r, w = dist.get_rank(), dist.get_world_size()
+local, mode, kind, out = sys.argv[1:5]
+model = torch.full((64,), 1.0)  # replicated: reshards to any world size
+if kind == "object":  # a per-rank data position: differs per rank, a plain int
+    state = {"model": model, "cursor": {"pos": 100 + r}}
+else:  # a per-rank shard whose size follows the world size
+    state = {"model": model, "shard": torch.full((12 // w,), float(r))}
+ck = CheckpointManager(local=local, interval=1, peer=False)
+if mode == "save":
+    model.fill_(7.0)
+    ck.save(0, state)
+    res = {}
+else:
+    try:
+        res = {"start": ck.restore(state)}
+    except CheckpointReshardError as e:
+        res = {"error": str(e), "keys": sorted(e.problems), "saved": e.saved_world_size, "now": e.world_size}
+    # nothing moved into the state when it was refused; everything when it was not
+    res["model"] = model.tolist()[:2]
+    res["cursor"] = state["cursor"]["pos"] if kind == "object" else None
+    res["shard"] = state["shard"].tolist() if kind != "object" else None
+    res["last_restore"] = ck.last_restore.step if ck.last_restore else None
+json.dump(res, open(os.path.join(out, f"reshard{r}.json"), "w"))
+ck.close()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind,world,refused", [
+    ("object", 3, None),  # the same world size: every rank gets its own position back
+    ("object", 2, "cursor.pos"),  # rank 2's position would be dropped
+    ("object", 4, "cursor.pos"),  # rank 3 would have no position of its own
+    ("shard", 2, "shard"),  # saved as 4 elements per rank, 6 asked for
+])
+def test_restore_at_a_world_size_the_state_cannot_be_resharded_to(
+        tmp_path: Path, workers: Workers, kind: str, world: int, refused: str | None) -> None:
+    """Saved by 3 ranks; restored by ``world`` ranks on real gloo groups. A state that cannot follow the
+    world size is refused on every rank, during planning (no data file is fetched, nothing lands in the
+    state), by an error that names the keys and both world sizes and says what to do."""
+    import json
+
+    script = tmp_path / "reshard.py"
+    script.write_text(RESHARD)
+    ok(workers.run(script, [str(tmp_path / "ckpt"), "save", kind, str(tmp_path)], 3))
+    ok(workers.run(script, [str(tmp_path / "ckpt"), "restore", kind, str(tmp_path)], world))
+    res = [json.loads((tmp_path / f"reshard{r}.json").read_text()) for r in range(world)]
+    if refused is None:
+        assert all(x["start"] == 1 and x["model"] == [7.0, 7.0] for x in res), res
+        assert [x["cursor"] for x in res] == [100, 101, 102]
+        return
+    for x in res:
+        assert x["keys"] == [refused] and (x["saved"], x["now"]) == (3, world), x
+        assert x["error"] == res[0]["error"]  # one verdict, the same on every rank
+        assert f"saved by 3 ranks and cannot be restored onto {world}" in x["error"]
+        assert refused in x["error"] and "Restart with 3 ranks" in x["error"], x["error"]
+        assert "\n" not in x["error"]
+        assert x["model"] == [1.0, 1.0] and x["last_restore"] is None  # not a byte loaded
+    if kind == "object":
+        assert [x["cursor"] for x in res] == [100 + r for r in range(world)]
+    else:
+        assert all(x["shard"] == [float(r)] * (12 // world) for r, x in enumerate(res))
