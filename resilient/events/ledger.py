@@ -73,6 +73,18 @@ class Ledger:
                 logger.warning("ledger write failed (%s); further failures are silent", e)
                 self._warned = True
 
+    def write_line(self, line: bytes) -> bool:
+        """Append one pre-formatted event line (``Event.to_json`` as JSON, ending in a newline) with one
+        ``os.write``: the hot path of per-step records. False when the write failed (the caller stops)."""
+        try:
+            os.write(self._fd, line)
+            return True
+        except OSError as e:
+            if not self._warned:
+                logger.warning("ledger write failed (%s); further failures are silent", e)
+                self._warned = True
+            return False
+
     def close(self) -> None:
         try:
             os.close(self._fd)

@@ -139,11 +139,9 @@ class _Client:
         line = self._step_prefix + (
             '%d,"seconds":%r,"compute_seconds":%r},"wall":%r,"mono":%r,"schema":%d}\n'
             % (step, seconds, compute, time.time(), time.monotonic(), SCHEMA_VERSION)).encode()
-        try:
-            os.write(led._fd, line)  # the ledger's own O_APPEND descriptor: same atomic-append contract
-        except OSError as e:
+        if not led.write_line(line):
             self.ledger = None
-            logger.warning("ledger write failed (%s); step events are no longer recorded", e)
+            logger.warning("ledger write failed; step events are no longer recorded")
 
     def section_start(self, name: str, timeout: float | None) -> None:
         self.send(P.pack_section_start(self._hdr[P.SECTION_START], name, timeout))
