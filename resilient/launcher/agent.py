@@ -167,6 +167,7 @@ class Agent:
         self._store_lost_at: float | None = None
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
         self._last_reconnect = 0.0
+        self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
         self._next_plan: dict | None = None  # a verified plan seen while workers ran
         self.injector = None
         if cfg.inject:
@@ -342,6 +343,7 @@ class Agent:
         if self._presence is not None:
             self._presence.close()
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        self._resync = True
         logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", now - self._store_lost_at,
                        self.round)
         self._store_lost_at = None
@@ -349,7 +351,9 @@ class Agent:
     def _new_plan(self) -> dict | None:
         """The newest plan if one newer than the current round exists (bounded store calls)."""
         try:
-            if not self.chan.has_round(self.round + 1):
+            # a restarted supervisor's store holds its newest round only: an agent more than one round behind (a
+            # spare still warming up while the job restarted) finds no round + 1 there and must take the latest
+            if not self.chan.has_round(self.round + 1) and not (self._resync and self.chan.latest_round() > self.round):
                 self._store_lost_at = None
                 return None
             latest = self.chan.latest_round()
@@ -359,7 +363,10 @@ class Agent:
             self._store_trouble(e)
             return None
         self._store_lost_at = None
-        return plan if plan is not None and int(plan.get("round", -1)) > self.round else None
+        if plan is not None and int(plan.get("round", -1)) > self.round:
+            self._resync = False
+            return plan
+        return None
 
     # ---------------------------------------------------------------- workers
     def _worker_env(self, local_rank: int, attempt: int, master: tuple[str, int]) -> dict[str, str]:
