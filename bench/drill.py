@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "drill.json"))
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (logs, ledgers)")
     a = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so that the running drill kills its processes on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     base = Path(tempfile.mkdtemp(prefix="resilient-drill-"))
     t0 = time.monotonic()

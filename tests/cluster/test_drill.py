@@ -348,6 +348,12 @@ class Drill:
         except Exception:  # noqa: BLE001 - a bug of the drill itself is a failed run too, with its traceback
             self.result.error = traceback.format_exc()
         finally:
+            if not self.result.ok:  # what the ledger says, for the report of a failed run
+                try:
+                    self.result.actions = [k for k, _ in self.actions()]
+                    self.result.worlds = [a["world"] for _, a in sorted(self.attempts().items())]
+                except Exception:  # noqa: BLE001
+                    pass
             self.c.close()
             self.result.seconds = round(time.monotonic() - t0, 2)
         return self.result
