@@ -578,9 +578,31 @@ def test_plans_are_seeded_and_cover_every_fault() -> None:
     whens = {f.when for s in SEEDS for f in make_plan(s, FAULTS).faults}
     assert kinds == set(DrillFault), [make_plan(s, FAULTS).describe() for s in SEEDS]
     assert whens == set(When)
-    for seed in range(200):  # the generator never asks for what the policy would refuse or escalate
+    for seed in range(300):  # the generator never asks for what the policy would refuse or escalate
         p = make_plan(seed, 6)
         assert len(p.faults) == 6 and p.steps == p.gates[-1] + 3
+        active, agents, failures = 2, 3 if p.initial_spare else 2, 0
+        for f in p.faults:
+            assert f.expect in ((), ("restart",), ("hot_swap",), ("scale_down",), ("scale_up",)), f
+            if f.kind is DrillFault.KILL_NODE:
+                spares = agents - active
+                agents -= 1
+                assert f.expect == (("hot_swap",) if spares else ("scale_down",))
+                active -= f.expect == ("scale_down",)
+            elif f.kind is DrillFault.SPARE_JOIN:
+                agents += 1
+                assert f.expect == (("scale_up",) if active == 1 else ()) and agents <= MAX_AGENTS
+                active += f.expect == ("scale_up",)
+                assert f.expect == () or f.when is When.GATE  # a scale-up needs the checkpoints after the gate
+            elif f.kind is DrillFault.KILL_WORKER:
+                assert f.expect == ("restart",)
+            else:
+                assert f.expect == ()
+            assert 1 <= active <= 2 and active <= agents
+            failures += f.kind in (DrillFault.KILL_WORKER, DrillFault.KILL_NODE)
+        assert failures <= 6
+    with pytest.raises(ValueError):
+        make_plan(1, 0)
 
 
 @pytest.fixture(scope="module")
