@@ -1,0 +1,254 @@
+"""A fake fleet for ``bench/supervisor_scale.py``: light node agents without workers, speaking the node agent's
+exact protocol (``resilient/launcher/agent.py``) to a real ``resilient supervisor`` process.
+
+One process hosts many agents on one thread, driven by a timer heap: a process with 132 agents makes about
+400 store calls a second, each a short blocking round trip, so threads would only add switching. Each
+agent has its own TCPStore client (``--shared-client``: one per process) and its own presence connection
+with a signed hello, as a real agent does. Per agent:
+
+* join: ``JOIN`` (nproc, pid, host), wait for the presence address, open the presence connection;
+* every second, ``HB`` (round, active);
+* every 0.5 s (random phase), look for the next plan as ``Agent._new_plan`` does (``has_round(r+1)``, then
+  ``latest``, then the signed plan); a new one is taken and acknowledged (``ACK``);
+* while measuring, random failures: ``EVENT`` with a ``worker_exit`` (exit code 1) of a random rank of a
+  random active agent of this process, at most one per agent and round (a real agent's workers are stopped
+  after their first failure until the next plan).
+
+Driven by the bench over stdin/stdout, one JSON object a line. Commands: ``spares`` (join the spare
+agents: they must come after the first assignment), ``measure`` (start the faults and the counters),
+``stop`` (print the figures), ``exit`` or end of input (leave: close everything and exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import logging
+import os
+import random
+import selectors
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from resilient.events.api import Event, EventKind  # noqa: E402
+from resilient.supervisor import transport as T  # noqa: E402
+from resilient.supervisor.core import Assignment  # noqa: E402
+
+HB_PERIOD = 1.0
+POLL_PERIOD = 0.5
+
+
+def say(**kv: object) -> None:
+    sys.stdout.write(json.dumps(kv) + "\n")
+    sys.stdout.flush()
+
+
+class FakeAgent:
+    def __init__(self, name: str, nproc: int, store: object, signer: T.Signer, stats: dict[str, int]):
+        self.name, self.nproc, self.stats = name, nproc, stats
+        self.store = store
+        self.chan = T.AgentChannel(store, signer, name)
+        self.round, self.active, self.base_rank, self.final = -1, False, 0, False
+        self.reported_round: int | None = None
+        self.presence: socket.socket | None = None
+
+    def send(self, kind: str, **body: object) -> bool:
+        try:
+            self.chan.send(kind, **body)
+        except Exception:  # noqa: BLE001 - counted: the bench reports store errors
+            self.stats["errors"] += 1
+            return False
+        self.stats[f"push_{kind}"] += 1
+        return True
+
+    def join(self, presence_addr: str | None, signer: T.Signer, timeout: float) -> str:
+        self.send(T.MessageKind.JOIN, nproc=self.nproc, pid=os.getpid(), host=socket.gethostname())
+        if presence_addr is None:
+            self.store.wait([T.PRESENCE], timedelta(seconds=timeout))
+            presence_addr = self.store.get(T.PRESENCE).decode()
+        self.presence = T.presence_connect(presence_addr, signer, self.name, timeout=timeout)
+        return presence_addr
+
+    def heartbeat(self) -> None:
+        self.send(T.MessageKind.HB, round=self.round, active=self.active)
+
+    def poll(self) -> bool:
+        """``Agent._new_plan`` and what follows it (take the round, acknowledge); True when a plan came."""
+        s = self.stats
+        try:
+            s["check"] += 1
+            if not self.chan.has_round(self.round + 1):
+                return False
+            s["get"] += 2
+            latest = self.chan.latest_round()
+            plan = self.chan.plan(latest if latest > self.round else self.round + 1)
+        except Exception:  # noqa: BLE001
+            s["errors"] += 1
+            return False
+        if plan is None or int(plan.get("round", -1)) <= self.round:
+            return False
+        s["plans"] += 1
+        self.round = int(plan["round"])
+        self.send(T.MessageKind.ACK, round=self.round)
+        if plan.get("final"):
+            self.final, self.active = True, False
+            return True
+        a = Assignment.from_json(plan["assignment"])
+        self.active = self.name in a.members
+        self.base_rank = a.base_rank(self.name) if self.active else 0
+        return True
+
+    def fail(self, rng: random.Random) -> float | None:
+        """Report a worker exit of this node; the push's start time, or None if it could not be sent."""
+        local = rng.randrange(self.nproc)
+        ev = Event(EventKind.WORKER_EXIT, node=self.name, rank=self.base_rank + local, attempt=self.round,
+                   details={"pid": 0, "exit_code": 1, "signal": None, "local_rank": local, "detect_seconds": 0.0})
+        t = time.monotonic()
+        if not self.send(T.MessageKind.EVENT, event=ev.to_json()):
+            return None
+        self.reported_round = self.round
+        return t
+
+    def close(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--endpoint", required=True, help="HOST:PORT of the supervisor's store")
+    ap.add_argument("--active", default="", help="comma-separated names of the agents that join first")
+    ap.add_argument("--spares", default="", help="comma-separated names of the agents that join on `spares`")
+    ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--fault-rate", type=float, default=0.25, help="worker exits per second from this process")
+    ap.add_argument("--shared-client", action="store_true", help="one TCPStore client for all agents")
+    ap.add_argument("--timeout", type=float, default=30.0, help="bound on every store call")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    host, port = args.endpoint.rsplit(":", 1)
+    secret = T.load_secret()
+    if secret is None:
+        print("fake_fleet: set RESILIENT_JOB_SECRET", file=sys.stderr)
+        return 2
+    signer = T.Signer(secret)
+    rng = random.Random(args.seed)
+    stats: dict[str, int] = {k: 0 for k in ("push_join", "push_hb", "push_event", "push_ack", "check", "get",
+                                            "plans", "errors")}
+    shared = T.connect_store(host, int(port), args.timeout) if args.shared_client else None
+    agents: list[FakeAgent] = []
+    heap: list[tuple[float, int, int, str]] = []
+    seq = 0
+    presence_addr: str | None = None
+
+    def add(names: list[str]) -> None:
+        nonlocal seq, presence_addr
+        if shared is not None:
+            stores = [shared] * len(names)
+        else:
+            # concurrently: now and then one TCPStore client takes 5 s to connect here (torch's client, not
+            # the server), and one at a time that would make a 132-agent process take half a minute to join
+            with ThreadPoolExecutor(32) as ex:
+                stores = list(ex.map(lambda _n: T.connect_store(host, int(port), args.timeout), names))
+        for name, store in zip(names, stores):
+            ag = FakeAgent(name, args.nproc, store, signer, stats)
+            presence_addr = ag.join(presence_addr, signer, args.timeout)
+            agents.append(ag)
+            now = time.monotonic()
+            i = len(agents) - 1
+            heapq.heappush(heap, (now + rng.random() * HB_PERIOD, seq, i, "hb"))
+            heapq.heappush(heap, (now + rng.random() * POLL_PERIOD, seq + 1, i, "poll"))
+            seq += 2
+
+    t0 = time.monotonic()
+    add([n for n in args.active.split(",") if n])
+    say(joined=len(agents), seconds=round(time.monotonic() - t0, 3))
+
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
+    inbuf = b""
+    measuring = False
+    ready_said = False
+    spares_joined = not args.spares
+    m0: dict[str, int] = {}
+    tm0 = 0.0
+    late: list[float] = []
+    faults: list[dict] = []
+    next_fault = float("inf")
+    try:
+        while True:
+            now = time.monotonic()
+            due = heap[0][0] if heap else now + 1.0
+            timeout = max(0.0, min(due, next_fault) - now)
+            for _key, _ in sel.select(timeout=min(timeout, 0.2)):
+                data = os.read(sys.stdin.fileno(), 4096)
+                if not data:
+                    return 0
+                inbuf += data
+            while b"\n" in inbuf:
+                line, inbuf = inbuf.split(b"\n", 1)
+                cmd = line.decode().strip()
+                if cmd == "exit":
+                    return 0
+                if cmd == "spares" and not spares_joined:
+                    add([n for n in args.spares.split(",") if n])
+                    spares_joined = True
+                elif cmd == "measure":
+                    measuring = True
+                    m0, tm0 = dict(stats), time.monotonic()
+                    next_fault = (tm0 + rng.expovariate(args.fault_rate)) if args.fault_rate > 0 else float("inf")
+                elif cmd == "stop":
+                    wall = time.monotonic() - tm0
+                    measuring = False
+                    next_fault = float("inf")
+                    late.sort()
+                    say(result={
+                        "agents": len(agents), "wall": wall,
+                        "counts": {k: stats[k] - m0.get(k, 0) for k in stats},
+                        "faults": faults,
+                        "late_p50": late[len(late) // 2] if late else None,
+                        "late_p99": late[int(0.99 * (len(late) - 1))] if late else None,
+                        "late_max": late[-1] if late else None,
+                        "rounds": sorted({a.round for a in agents}),
+                    })
+            now = time.monotonic()
+            while heap and heap[0][0] <= now:
+                due, s, i, kind = heapq.heappop(heap)
+                ag = agents[i]
+                if measuring:
+                    late.append(now - due)
+                if kind == "hb":
+                    ag.heartbeat()
+                    nxt = due + HB_PERIOD
+                else:
+                    ag.poll()
+                    nxt = due + POLL_PERIOD
+                # far behind (a starved process): skip ahead rather than burst
+                heapq.heappush(heap, (max(nxt, now), s, i, kind))
+                now = time.monotonic()
+            if not ready_said and spares_joined and agents and all(a.round >= 0 for a in agents):
+                ready_said = True
+                say(ready=True, agents=len(agents))
+            if measuring and now >= next_fault:
+                next_fault += rng.expovariate(args.fault_rate)
+                cands = [a for a in agents if a.active and not a.final and a.reported_round != a.round]
+                if cands:
+                    ag = rng.choice(cands)
+                    t = ag.fail(rng)
+                    if t is not None:
+                        faults.append({"node": ag.name, "attempt": ag.round, "t": t})
+    finally:
+        for a in agents:
+            a.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
