@@ -793,11 +793,31 @@ class Agent:
             self.ledger.emit(EventKind.PREEMPTION_NOTICE, attempt=attempt, source="SIGTERM",
                              deadline=time.time() + c.term_timeout)
         logger.warning("received %s: forwarding to workers", signal.Signals(sig).name)
+        self._preempted_cleanly(attempt, clear=True)  # marks of an earlier run in this run dir do not count
         self._stop_workers(sig, c.term_timeout)
         self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=f"signal {signal.Signals(sig).name}")
+        if sig == signal.SIGTERM and self._preempted_cleanly(attempt):
+            from resilient.launcher.api import PREEMPTED_EXIT_CODE
+
+            self._leave("preempted")
+            logger.warning("preempted: every worker saved its last step; rerun the same command to resume")
+            return PREEMPTED_EXIT_CODE, "preempted"
         self._leave(f"signal {signal.Signals(sig).name}")
         # torchrun exits 1 when stopped by a signal; schedulers and wrappers rely on it
         return 1, f"signal {signal.Signals(sig).name}"
+
+    def _preempted_cleanly(self, attempt: int, clear: bool = False) -> bool:
+        """Every local worker ended its loop for the notice after a saved step (resilient.steps marks it)
+        and exited 0; a script that does not use resilient never marks, and exits as under torchrun."""
+        from resilient.signals.client import PREEMPT_MARK_DIR
+
+        marks = self.run_dir / PREEMPT_MARK_DIR
+        if clear:
+            for w in self.workers:
+                (marks / f"attempt{attempt}.rank{w.rank}").unlink(missing_ok=True)
+            return False
+        return bool(self.workers) and all(
+            w.exit_code == 0 and (marks / f"attempt{attempt}.rank{w.rank}").exists() for w in self.workers)
 
     def _final(self, plan: dict) -> tuple[int, str]:
         stop = plan.get("stop")

@@ -8,6 +8,12 @@ import signal
 from dataclasses import dataclass, field
 
 
+# Exit code of an agent whose workers stopped for a preemption notice (SIGTERM) after saving their last
+# step: sysexits' EX_TEMPFAIL, "try again later". Slurm (--requeue) and Kubernetes (podFailurePolicy
+# onExitCodes) recipes requeue on it; rerunning the same command resumes right after that step.
+PREEMPTED_EXIT_CODE = 75
+
+
 class LaunchError(Exception):
     """Bad input found before any worker starts: one line for the user, exit code 2."""
 

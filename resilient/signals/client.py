@@ -35,7 +35,7 @@ from resilient.signals import protocol as P
 from resilient.signals import scale as _scale
 from resilient.signals.api import ScaleEvent
 
-__all__ = ["steps", "section", "on_scale", "ScaleEvent", "current_wait_seconds"]
+__all__ = ["steps", "section", "on_scale", "ScaleEvent", "current_wait_seconds", "preempted", "preempt_save_due"]
 
 logger = logging.getLogger(__name__)
 
@@ -390,6 +390,122 @@ def _uninstall_timers() -> None:
         _clock = None
 
 
+# --- preemption -----------------------------------------------------------------------------------
+# SIGTERM to the agent is how schedulers announce preemption; the agent forwards it to the workers. A
+# notice can also be a file, RUN_DIR/preempt (see resilient.signals.health). While steps() runs, SIGTERM
+# only sets a flag; at the next step boundary (or at the next CheckpointManager.save) the ranks agree on
+# the last step S to run through the attempt's store — the first rank to look proposes (its step + 1: in
+# synchronous training no rank can have finished a later step yet), the others read its word. The manager
+# saves S whatever its interval, steps() ends after S and leaves a mark the agent reads to exit "preempted".
+
+PREEMPT_MARK_DIR = "preempted"  # RUN_DIR/preempted/attempt<A>.rank<R>: this rank stopped after a saved step
+PREEMPT_NOTICE_FILE = "preempt"  # RUN_DIR/preempt: a notice for this node (same name the monitor watches)
+
+
+class _Preemption:
+    def __init__(self) -> None:
+        self.signalled = False
+        self.stop_step: int | None = None
+        self.saved_step: int | None = None
+
+    def noticed(self, c: "_Client | None") -> bool:
+        if self.signalled:
+            return True
+        if c is not None and c.run_dir is not None and os.path.exists(os.path.join(c.run_dir, PREEMPT_NOTICE_FILE)):
+            self.signalled = True
+        return self.signalled
+
+    def resolve(self, c: "_Client | None", step: int) -> int | None:
+        """The agreed last step, once a notice is known; ``step`` is the step running or about to run."""
+        if self.stop_step is not None or not self.noticed(c):
+            return self.stop_step
+        proposal = step + 1
+        agreed = proposal
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                store = dist.distributed_c10d._get_default_store()
+                attempt = c.attempt if c is not None else -1
+                got = store.compare_set(f"resilient/preempt_stop/{attempt}", "", str(proposal))
+                agreed = int(got.decode() if isinstance(got, bytes) else got)
+        except Exception as e:  # noqa: BLE001 - alone, this rank's own proposal is the best it can do
+            logger.warning("cannot agree on the preemption step with the other ranks (%s); stopping after step %d",
+                           e, proposal)
+        self.stop_step = agreed
+        logger.warning("preemption notice: stopping after step %d (a checkpoint of it is saved)", agreed)
+        return agreed
+
+
+_preemption = _Preemption()
+
+
+def preempted() -> bool:
+    """True once this worker knows the job is being preempted (SIGTERM forwarded by the agent while
+    ``steps()`` runs, or a ``RUN_DIR/preempt`` notice file)."""
+    return _preemption.noticed(_client_obj if _client_obj is not None and _client_obj.pid == os.getpid() else None)
+
+
+def preempt_save_due(step: int) -> bool:
+    """For checkpointers: must ``step`` be saved now whatever the interval? True for the agreed last step
+    of a preempted attempt (every rank gets the same answer for the same step)."""
+    if not _preemption.signalled and _client_obj is None:
+        return False
+    c = _client_obj if _client_obj is not None and _client_obj.pid == os.getpid() else None
+    stop = _preemption.resolve(c, step)
+    if stop is not None and step == stop:
+        _preemption.saved_step = step
+        return True
+    return False
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    _preemption.signalled = True
+
+
+def _install_sigterm() -> object | None:
+    """Catch SIGTERM while steps() runs, unless the script handles it itself (its handler wins)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        import signal
+
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return None
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        return None
+
+
+def _restore_sigterm(old: object | None) -> None:
+    if old is None:
+        return
+    import signal
+
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, old)  # type: ignore[arg-type]
+    except (ValueError, OSError):
+        pass
+
+
+def _mark_preempted(c: _Client, step: int) -> None:
+    if c.run_dir is None:
+        return
+    try:
+        d = os.path.join(c.run_dir, PREEMPT_MARK_DIR)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".attempt{c.attempt}.rank{c.rank}.tmp")
+        with open(tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tmp, os.path.join(d, f"attempt{c.attempt}.rank{c.rank}"))
+    except OSError as e:
+        logger.warning("cannot mark the preempted stop in %s: %s", c.run_dir, e)
+    if c.ledger is not None:
+        c.ledger.emit(EventKind.PREEMPTION_NOTICE, rank=c.rank, source="worker", stopped_after=step,
+                      saved=_preemption.saved_step == step)
+
+
 # --- steps / section ---------------------------------------------------------------------------------
 
 def steps(start: int, stop: int | None = None, *, dp_size: int | None = None) -> Iterator[int]:
@@ -460,8 +576,14 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
         from resilient.testing.faults import maybe_fail
     last = start - 1
     t_prev = -1.0
+    old_term = _install_sigterm()
+    pre = _preemption
     try:
         for s in (range(start, stop) if stop is not None else itertools.count(start)):
+            if pre.signalled or pre.stop_step is not None or pre.noticed(c):
+                agreed = pre.resolve(c, s)
+                if agreed is not None and s > agreed:
+                    break  # the last step ran (and was saved): end the loop as if it had reached its end
             now = _perf()
             if t_prev < 0:
                 c.step(s, math.nan, math.nan)
@@ -490,9 +612,12 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
                 c.record_step(last, secs, compute)
             if not recorded_world:
                 _record_world(c, dp)
+        if pre.stop_step is not None and last >= pre.stop_step:
+            _mark_preempted(c, last)
     finally:
         c.done(last)
         _uninstall_timers()
+        _restore_sigterm(old_term)
 
 
 def _record_world(c: _Client, dp: int) -> None:
