@@ -1,10 +1,10 @@
-"""A small job on the real stack: resilient.steps, CheckpointManager (local tier), gloo; rank 1 is SIGKILLed
-at step CRASH_AT in attempt 0. Used to check the goodput report against real checkpointer events."""
+"""A small job on the real stack: resilient.steps, CheckpointManager (local tier), gloo. Faults come from
+``RESILIENT_FAULTS`` (resilient.testing.faults), carried out by resilient.steps. Used to check the goodput
+report against real checkpointer events."""
 
 from __future__ import annotations
 
 import os
-import signal
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,6 @@ import resilient
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    crash_at = int(os.environ.get("CRASH_AT", "-1"))
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -24,8 +22,6 @@ def main() -> None:
     ckpt = resilient.CheckpointManager.from_env()
     start = ckpt.restore(state)
     for step in resilient.steps(start, int(os.environ.get("STEPS", "30"))):
-        if rank == 1 and attempt == 0 and step == crash_at:
-            os.kill(os.getpid(), signal.SIGKILL)
         loss = model(torch.randn(8, 32)).square().mean()
         loss.backward()
         for p in model.parameters():

@@ -14,6 +14,7 @@ import pytest
 from resilient.events import read_events
 from resilient.goodput.api import CATEGORIES
 from resilient.goodput.calculator import report_for_run
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
 from tests.goodput.conftest import finish, kill_group, launch
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,7 +79,7 @@ def test_report_of_a_run_with_the_real_checkpointer(tmp_path):
     """resilient.steps + CheckpointManager under resilient-run, rank 1 SIGKILLed: the report must agree with
     what the checkpointer says it restored."""
     run_dir = tmp_path / "run"
-    env = dict(os.environ, CRASH_AT="17", STEPS="30")
+    env = dict(os.environ, STEPS="30", **plan_env(WorkerFault(FaultHow.KILL, rank=1, step=17, attempt=0)))
     proc = subprocess.Popen([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
                              "--max-restarts", "1", "--run-dir", str(run_dir), "--ckpt-local", str(run_dir / "ckpt"),
                              "--ckpt-interval", "5", str(Path(__file__).parent / "ckpt_train.py")],

@@ -1,11 +1,12 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from resilient.testing.faults import wait_for  # noqa: F401 - the tests import it from here
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -20,16 +21,6 @@ def run_launcher(args, cwd, timeout=120, env=None):
     if env:
         e.update(env)
     return subprocess.run(launcher_cmd(*args), cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
-
-
-def wait_for(pred, timeout, what):
-    """Poll a condition on real files/processes; fails with a message instead of hanging."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def leftovers(marker: str) -> list[psutil.Process]:

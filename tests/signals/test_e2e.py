@@ -4,13 +4,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
+from resilient.testing.faults import wait_for
 from tests.signals.harness import REPO, WORKER
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))
@@ -22,17 +22,6 @@ def launch(tmp_path, args, env):
     e.update({"PYTHONPATH": REPO, **env})
     return subprocess.Popen([sys.executable, "-m", "resilient.run", "--standalone", *args],
                             cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(pred, timeout, what, proc=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"launcher exited ({proc.returncode}) while waiting for {what}: {proc.stderr.read()}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """A small deterministic job on the real stack: gloo, resilient.steps, CheckpointManager.
 
 argv: OUT MODE STEPS. MODE: "ok" (train STEPS steps), "fail" (rank 1 raises at step 3), "wait" (after
-step 3, keep stepping slowly until told to stop). Each rank writes OUT/ready_<rank> (its pid) once
+step 3, keep stepping slowly until told to stop); faults come from RESILIENT_FAULTS (carried out by
+resilient.steps). Each rank writes OUT/ready_<rank> (its pid) once
 training runs, and rank 0 writes OUT/final.pt (the parameters) when the loop ends normally.
 """
 import os
@@ -12,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 import resilient
-from resilient.testing.faults import maybe_fail
 
 
 def main() -> None:
@@ -26,7 +26,6 @@ def main() -> None:
     ckpt = resilient.CheckpointManager.from_env()
     start = ckpt.restore(state)
     for step in resilient.steps(start, steps):
-        maybe_fail(step)
         g = torch.Generator().manual_seed(1000 + step)  # the data of a step depends on the step only
         x = torch.randn(8, 16, generator=g)
         loss = model(x).square().mean()
