@@ -167,7 +167,10 @@ def _ended(evs: list[Event]) -> bool:
     early, e.g. scaled down, does not end the job)."""
     started = {e.node for e in evs if e.kind is EventKind.RUN_START}
     ended = {e.node for e in evs if e.kind is EventKind.RUN_END}
-    return bool(ended) and started <= ended
+    # a lost node (SIGKILLed, cut off) never writes RUN_END: its loss ends it, unless it was heard from again
+    last = {e.node: e.kind for e in evs}
+    lost = {n for n, k in last.items() if k is EventKind.AGENT_LOST}
+    return bool(ended) and started <= ended | lost
 
 
 def _sessions(evs: list[Event]) -> list[list[Event]]:

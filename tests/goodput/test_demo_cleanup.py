@@ -1,10 +1,12 @@
-"""``examples/demo.py`` stopped by SIGTERM once training runs: nothing it started is left (checked by session)."""
+"""``examples/demo.py`` stopped by a signal once training runs, in either act: nothing it started is left
+(checked by session: the demo's own, and the session of every node agent of the second act)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,34 +29,61 @@ def session_members(sid: int) -> list[psutil.Process]:
     return out
 
 
-def trained(ledger: Path) -> bool:
-    if not ledger.exists():
-        return False
-    return any(json.loads(line).get("kind") == "step" for line in ledger.read_bytes().splitlines()
-               if line.endswith(b"}"))
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_bytes().splitlines() if line.endswith(b"}")]
 
 
-@pytest.mark.timeout(240)
+def trained(run_dir: Path) -> bool:
+    return any(e.get("kind") == "step" for e in ledger(run_dir))
+
+
+def agent_sessions(run_dir: Path) -> set[int]:
+    """The node agents of the second act: each was started in a session of its own, so its pid (named in the
+    ledger as host:pid) is its session id."""
+    host = socket.gethostname()
+    return {int(e["node"].rsplit(":", 1)[1]) for e in ledger(run_dir)
+            if e.get("kind") == "run_start" and e["node"].startswith(host + ":")}
+
+
+def spare_joined(run_dir: Path) -> bool:
+    return any(e.get("kind") == "node_joined" and e["details"].get("spare") for e in ledger(run_dir))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("act", [1, 2])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_demo_stopped_by_a_signal_leaves_nothing_running(tmp_path, sig):
+def test_demo_stopped_by_a_signal_leaves_nothing_running(tmp_path, sig, act):
     run = tmp_path / "run"
-    demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "4000",
-                             "--run-dir", str(run)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    # act 1 long when it is the one stopped, short otherwise; in act 2 no node is killed before the stop
+    steps = ["--steps", "4000"] if act == 1 else ["--steps", "40", "--node-steps", "4000", "--kill-at", "500"]
+    demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), *steps, "--run-dir", str(run)],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    sessions = {demo.pid}
     try:
-        deadline = time.monotonic() + 150
-        while not trained(run / "events.jsonl"):
+        deadline = time.monotonic() + 200
+        nodes = run / "nodes"
+        ready = (lambda: trained(run)) if act == 1 else (lambda: trained(nodes) and spare_joined(nodes))
+        while not ready():
             assert demo.poll() is None, demo.stderr.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the demo never started training"
+            assert time.monotonic() < deadline, f"the demo never got to training in act {act}"
             time.sleep(0.1)
-        members = session_members(demo.pid)
-        assert len(members) >= 4  # the demo, the GCS server, the agent, workers
+        if act == 2:
+            sessions |= agent_sessions(nodes)
+            assert len(sessions) == 4, sessions  # the demo's, and node a's, node b's and the spare's
+        members = [p for sid in sessions for p in session_members(sid)]
+        # act 1: the demo, the GCS server, the agent, workers; act 2: also each agent, its fork server, workers
+        assert len(members) >= (4 if act == 1 else 8), members
         demo.send_signal(sig)
         _, err = demo.communicate(timeout=90)
         assert demo.returncode == 128 + sig, err.decode(errors="replace")
         left = [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        left += session_members(demo.pid)
+        left += [p for sid in sessions for p in session_members(sid)]
         assert not left, [(p.pid, p.name()) for p in left]
     finally:
-        for p in session_members(demo.pid):
-            p.kill()
+        for sid in sessions:
+            for p in session_members(sid):
+                p.kill()
