@@ -805,23 +805,14 @@ class CheckpointManager:
         cfg = self.config
         t0 = time.perf_counter()
         ok, error, nbytes = True, None, 0
-        # a step uploaded again (a job restored from an older step saves this number anew) must not stay
-        # visible as complete while its files are being replaced: the marker goes first, on every rank's
-        # word that it is gone before anyone writes
-        unmarked = True
-        if self.rank == 0:
-            try:
-                retry(lambda: self.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
-                      what=f"uncommit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
-                      backoff_max_s=cfg.upload_backoff_max_s, should_stop=lambda: self._give_up(step))
-            except FAILURES as e:
-                unmarked, error = False, e
-        if not self._all_in(unmarked, group):
-            ok = False
-            error = error or CheckpointError("rank 0 could not clear the step's commit marker")
         try:
-            if not ok:
-                raise error  # type: ignore[misc]
+            # a step uploaded again (a job restored from an older step saves this number anew) must not stay
+            # visible as complete while its files are replaced: each rank removes the marker before its own
+            # first write (no collective for it: a rank must never wait in one while another is stuck on a
+            # dead store), and only rank 0 writes it back, after every rank's files are in
+            retry(lambda: self.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
+                  what=f"uncommit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                  backoff_max_s=cfg.upload_backoff_max_s, should_stop=lambda: self._give_up(step))
             if mem is not None:
                 m = Manifest.from_json(json.loads(mem[manifest_name(self.rank)]))
             else:
@@ -889,11 +880,6 @@ class CheckpointManager:
         """Stop retrying the upload of ``step``: exit abandons it, or a newer step waits behind it (each rank
         decides alone; the upload's closing gather makes every rank drop the step if one did)."""
         return (self._closed and self._up_abandon) or self._newer_pending(step) is not None
-
-    def _all_in(self, ok: bool, group: Any) -> bool:
-        if not self._dist:
-            return bool(ok)
-        return all(self._gather(bool(ok), group))
 
     # ------------------------------------------------------------------ wait / close
     def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
