@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+
 HERE = Path(__file__).parent
 TOY = HERE / "toy_train.py"
 
@@ -14,8 +16,9 @@ TOY = HERE / "toy_train.py"
 def launch(run_dir: Path, *, steps: int, save_every: int, crash_at: int = -1, extra_args: tuple[str, ...] = (),
            extra_env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:
     """Start the real ``resilient-run`` on the toy job; the caller waits for or kills it."""
-    env = dict(os.environ, TOY_STEPS=str(steps), TOY_SAVE_EVERY=str(save_every), TOY_CRASH_AT=str(crash_at),
-               **(extra_env or {}))
+    # rank 1 SIGKILLs itself at step crash_at in attempt 0
+    faults = plan_env(WorkerFault(FaultHow.KILL, rank=1, step=crash_at, attempt=0)) if crash_at >= 0 else {}
+    env = dict(os.environ, TOY_STEPS=str(steps), TOY_SAVE_EVERY=str(save_every), **faults, **(extra_env or {}))
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "2", "--run-dir", str(run_dir), *extra_args, str(TOY)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

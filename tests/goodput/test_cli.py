@@ -105,7 +105,7 @@ def test_report_of_a_real_hang(tmp_path):
     """Rank 1 SIGSTOPs itself: the agent's hang detector fires, the job restarts; the silent time is detection."""
     run_dir = tmp_path / "run"
     proc = launch(run_dir, steps=20, save_every=5, extra_args=("--heartbeat-timeout", "2"),
-                  extra_env={"TOY_STOP_AT": "12"})
+                  extra_env=plan_env(WorkerFault(FaultHow.STOP, rank=1, step=12, attempt=0)))  # a hang: alive, silent
     try:
         out = finish(proc)
     finally:

@@ -1,15 +1,14 @@
 """A tiny real training job for goodput tests: gloo all-reduce steps, a checkpoint file, ledger events.
 
 Runs under ``resilient-run`` or with the launcher's environment set by a test. Settings (environment):
-TOY_STEPS total steps; TOY_SAVE_EVERY save interval; TOY_CRASH_AT step at which rank 1 SIGKILLs itself
-in attempt 0; TOY_STOP_AT: the same with SIGSTOP (a hang); TOY_WAIT_FILE: after TOY_WAIT_AFTER steps rank 0 waits (at most 60 s) for this file to exist,
+TOY_STEPS total steps; TOY_SAVE_EVERY save interval; faults come from RESILIENT_FAULTS
+(resilient.testing.faults: carried out by resilient.steps, or here with TOY_OWN_STEPS=1); TOY_WAIT_FILE: after TOY_WAIT_AFTER steps rank 0 waits (at most 60 s) for this file to exist,
 so a test can look at the run while it is alive; TOY_READY_FILE is created then.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 import resilient
 from resilient.events import EventKind, Ledger
+from resilient.testing.faults import maybe_fail
 
 
 def main() -> None:
@@ -26,8 +26,6 @@ def main() -> None:
     run_dir = Path(os.environ["RESILIENT_RUN_DIR"])
     steps = int(os.environ.get("TOY_STEPS", "30"))
     save_every = int(os.environ.get("TOY_SAVE_EVERY", "5"))
-    crash_at = int(os.environ.get("TOY_CRASH_AT", "-1"))
-    stop_at = int(os.environ.get("TOY_STOP_AT", "-1"))
     wait_file = os.environ.get("TOY_WAIT_FILE")
     wait_after = int(os.environ.get("TOY_WAIT_AFTER", "5"))
     ledger = Ledger.from_env() if rank == 0 else None
@@ -48,10 +46,8 @@ def main() -> None:
     loop = range(start, steps) if own_steps else resilient.steps(start, steps)
     for step in loop:
         t = time.perf_counter()
-        if rank == 1 and attempt == 0 and step == crash_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if rank == 1 and attempt == 0 and step == stop_at:
-            os.kill(os.getpid(), signal.SIGSTOP)  # a hang: alive, silent, holding its peers in the collective
+        if own_steps:
+            maybe_fail(step)  # under resilient.steps the loop itself does it
         for _ in range(20):
             a = torch.tanh(a @ a.T / 128)
         g = torch.ones(64) * (step + 1)
