@@ -1,4 +1,5 @@
-"""Worker for the compile-cache tests: compiles a tiny model, saves the caches, and in attempt 0 is SIGKILLed.
+"""Worker for the compile-cache tests: compiles a tiny model, saves the caches, then carries out the
+``RESILIENT_FAULTS`` plan for "step 3" (the tests SIGKILL it there in attempt 0).
 
 Each attempt gets an empty local Inductor cache directory (as a replacement node would), so a cache hit in
 attempt 1 can only come from what ``resilient.compile_cache`` kept in the run directory. Writes the
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from resilient import compile_cache  # noqa: E402
+from resilient.testing.faults import maybe_fail  # noqa: E402
 
 
 def main() -> None:
@@ -36,9 +37,8 @@ def main() -> None:
     (run_dir / f"counters-{attempt}.json").write_text(json.dumps(
         {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}
         | {"restored": bool(cc and cc.restored)}))
-    if attempt == 0 and os.environ.get("CC_CRASH") == "1":
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdout.flush()
+    maybe_fail(3)  # after the three compiled steps
 
 
 if __name__ == "__main__":

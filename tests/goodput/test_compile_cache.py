@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from resilient import compile_cache
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
 from tests.goodput.conftest import finish, kill_group
 
 WORKER = Path(__file__).parent / "compile_worker.py"
@@ -19,7 +20,7 @@ WORKER = Path(__file__).parent / "compile_worker.py"
 @pytest.mark.timeout(240)
 def test_restarted_worker_reuses_the_compile_cache(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, CC_CRASH="1")
+    env = dict(os.environ, **plan_env(WorkerFault(FaultHow.KILL, rank=0, step=3, attempt=0)))
     proc = subprocess.Popen([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "1",
                              "--max-restarts", "1", "--run-dir", str(run_dir), str(WORKER)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
