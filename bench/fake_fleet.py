@@ -154,9 +154,10 @@ def main() -> int:
         if shared is not None:
             stores = [shared] * len(names)
         else:
-            # concurrently: now and then one TCPStore client takes 5 s to connect here (torch's client, not
-            # the server), and one at a time that would make a 132-agent process take half a minute to join
-            with ThreadPoolExecutor(32) as ex:
+            # concurrently: torch's client socket looks up its own address's name (getnameinfo) for its log,
+            # and where no DNS server answers that lookup waits out the resolver's 5 s timeout now and then;
+            # one client at a time, a 132-agent process would take half a minute or more to join
+            with ThreadPoolExecutor(max(1, len(names))) as ex:
                 stores = list(ex.map(lambda _n: T.connect_store(host, int(port), args.timeout), names))
         for name, store in zip(names, stores):
             ag = FakeAgent(name, args.nproc, store, signer, stats)
