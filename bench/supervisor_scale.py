@@ -1,17 +1,23 @@
-"""The supervisor's decision core at fleet scale: a fake fleet of N nodes × R ranks (default 512 × 8 =
-4,096 ranks) feeding a real :class:`SupervisorCore` in real time.
+"""The supervisor's control plane at fleet scale: 512 nodes × 8 ranks (4,096 ranks) + 16 spares.
 
-Every node reports a summary once a second (``seen``), the core ticks ten times a second (node timeouts,
-deferred scale-ups), and random faults arrive as a Poisson stream: worker exits, hangs, stragglers,
-checkpoint completions, and now and then a node that goes silent (lost) and, later, joins back as a
-spare. The policy is the shipped ``policies/default.py`` loaded like a user's ``--policy`` (so every
-decision also pays for the policy thread and its timeout), or the built-in default with ``--builtin``.
+Default (transport): a real ``resilient supervisor`` process (``python -m resilient.cli supervisor``, with
+``RESILIENT_JOB_SECRET``) hosting the job's store on a free loopback port, and a fake fleet
+(``bench/fake_fleet.py``: agents without workers, several per process, each with its own TCPStore client
+and presence connection) speaking the agents' exact protocol: signed JOIN, a HB summary every second, a
+plan poll every 0.5 s, an ACK of each new plan, and random ``worker_exit`` EVENTs (``--fault-rate``).
+Measured over ``--seconds``: decision latency from the push of a fault to the publication of the plan that
+answers it (seen by one client polling every 5 ms; the supervisor's ledger names each decision's cause),
+the supervisor process's CPU (psutil, per thread too) and RSS, the queue's and the store's throughput, the
+queue's backlog, and the load average.
 
-Measured: the latency of every core call that produced a decision (p50, p99, max), the latency of every
-``seen``/``tick`` (the steady-state cost), and the process CPU time over wall time (the whole process is
-the core plus a loop that only generates calls). The transport is measured separately.
+Then, for comparison (``--core-only`` alone): the decision core fed directly, without the transport: every
+node reports once a second, the core ticks ten times a second, faults arrive as a Poisson stream (worker
+exits, hangs, stragglers, checkpoint completions, now and then a node that goes silent and joins back as a
+spare), with the shipped ``policies/default.py`` loaded like a user's ``--policy`` and with the built-in
+default.
 
-    python bench/supervisor_scale.py [--nodes 512] [--nproc 8] [--seconds 20] [--fault-rate 2]
+    python bench/supervisor_scale.py [--seconds 40] [--fault-rate 1] [--procs 4] [--shared-client]
+    python bench/supervisor_scale.py --core-only [--seconds 20] [--fault-rate 2]
 """
 
 from __future__ import annotations
