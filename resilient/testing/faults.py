@@ -11,7 +11,8 @@ In-worker faults (``how``):
 * ``stop``      SIGSTOP this process (a hang: alive, silent);
 * ``raise``     raise :class:`InjectedFault` (a Python error in the training step);
 * ``slow``      sleep ``seconds`` every step from then on (a straggler);
-* ``wipe-tier`` delete this node's local checkpoint tier (a lost local SSD).
+* ``wipe-tier`` delete this node's local checkpoint tier (a lost local SSD);
+* ``hang-collective`` wait in ``dist.recv`` for a message no peer sends (a deadlock inside communication).
 
 Scripts read the plan from ``RESILIENT_FAULTS`` (written by :func:`plan_env`), e.g.
 ``kill:rank=1:step=30:attempt=0,slow:rank=0:step=5:seconds=0.05``.
@@ -57,6 +58,8 @@ class FaultHow(str, enum.Enum):
     RAISE = "raise"
     SLOW = "slow"
     WIPE_TIER = "wipe-tier"
+    HANG_COLLECTIVE = "hang-collective"  # blocked in dist.recv for a message no peer sends: a deadlock in
+    # communication (alive, not stopped; the peers wait in their next collective)
 
 
 class FaultKind(str, enum.Enum):
@@ -238,6 +241,11 @@ def fail_at(rank: int, step: int, how: FaultHow | str, *, current_rank: int | No
         os.kill(os.getpid(), signal.SIGSTOP)
     elif how == FaultHow.RAISE:
         raise InjectedFault(f"injected failure on rank {rank} at step {step}")
+    elif how == FaultHow.HANG_COLLECTIVE:
+        import torch
+        import torch.distributed as dist
+
+        dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
     elif how == FaultHow.WIPE_TIER:
         d = tier_dir or os.environ.get("RESILIENT_CKPT_LOCAL")
         if d:

@@ -10,7 +10,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.testing.faults import wait_for
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env, wait_for
 from tests.signals.harness import REPO, WORKER
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))
@@ -22,6 +22,9 @@ def launch(tmp_path, args, env):
     e.update({"PYTHONPATH": REPO, **env})
     return subprocess.Popen([sys.executable, "-m", "resilient.run", "--standalone", *args],
                             cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+# rank 1 waits in dist.recv at step 4 of attempt 0 for a message no peer sends
+STUCK = plan_env(WorkerFault(FaultHow.HANG_COLLECTIVE, rank=1, step=4, attempt=0))
 
 
 @pytest.fixture
@@ -72,7 +75,7 @@ def test_rank_stuck_in_communication_is_detected_and_restarted(tmp_path, procs):
     out.mkdir()
     p = launch(tmp_path, ["--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "2",
                           "--run-dir", str(run), WORKER],
-               {"T_STEPS": "12", "T_WORK": "0.01", "T_STUCK_RANK": "1", "T_STUCK_STEP": "4", "T_OUT": str(out)})
+               {"T_STEPS": "12", "T_WORK": "0.01", **STUCK, "T_OUT": str(out)})
     procs.append(p)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err

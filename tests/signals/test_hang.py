@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from resilient.events.api import EventKind
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
 from tests.signals.harness import kinds
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))
@@ -41,7 +42,7 @@ def test_sigstopped_rank_inside_steps_is_reported_hung(make_agent, tmp_path):
 @pytest.mark.timeout(90)
 def test_rank_deadlocked_in_communication_is_reported_hung(make_agent):
     a = make_agent(heartbeat_timeout=2.0, initial_timeout=60.0)
-    a.spawn(2, {"T_STEPS": "1000", "T_WORK": "0.005", "T_STUCK_RANK": "1", "T_STUCK_STEP": "4"})
+    a.spawn(2, {"T_STEPS": "1000", "T_WORK": "0.005", **plan_env(WorkerFault(FaultHow.HANG_COLLECTIVE, rank=1, step=4, attempt=0))})
     evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 60)
     hangs = kinds(evs, EventKind.HANG)
     assert {e.rank for e in hangs} == {0, 1}  # both wait forever: nobody is stopped, both are named

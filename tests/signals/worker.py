@@ -9,19 +9,19 @@ Configured by environment (the tests set it; under resilient-run the launcher se
                  (lets a test freeze a rank at a known point without sleeping); only in attempt
                  T_MARK_ATTEMPT (default 0, from TORCHELASTIC_RESTART_COUNT)
   T_SECTION      if set, wrap every 5th step's extra work in resilient.section(T_SECTION)
-  T_STUCK_RANK   this rank, at step T_STUCK_STEP, waits in dist.recv for a message no peer sends while
-                 the others wait in their all_reduce: a deadlock inside communication (attempt
-                 T_MARK_ATTEMPT only)
+  RESILIENT_FAULTS  faults (resilient.testing.faults), carried out by resilient.steps; e.g. hang-collective:
+                 a rank waits in dist.recv for a message no peer sends while the others wait in their
+                 all_reduce (a deadlock inside communication)
   T_OUT          directory for rank<R>.done (written after the loop)
 """
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import resilient
+from resilient.testing.faults import wait_for
 
 
 def busy(seconds: float) -> None:
@@ -31,12 +31,8 @@ def busy(seconds: float) -> None:
         x = (x @ x).clamp_(-1, 1)
 
 
-def wait_for(path: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            sys.exit(f"timed out waiting for {path}")
-        time.sleep(0.005)
+def wait_for_file(path: str, timeout: float = 60.0) -> None:
+    wait_for(lambda: os.path.exists(path), timeout, path, interval=0.005)
 
 
 def main() -> None:
@@ -50,11 +46,8 @@ def main() -> None:
     slow_from = int(os.environ.get("T_SLOW_FROM", "0"))
     mark = int(os.environ.get("T_MARK_STEP", "-1"))
     mark_dir = os.environ.get("T_MARK_DIR", "")
-    stuck_rank = int(os.environ.get("T_STUCK_RANK", "-1"))
-    stuck_step = int(os.environ.get("T_STUCK_STEP", "-1"))
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != os.environ.get("T_MARK_ATTEMPT", "0"):
         mark = -1
-        stuck_rank = -1
     sect = os.environ.get("T_SECTION")
     scale_log = os.environ.get("T_SCALE_LOG")
     if scale_log:
@@ -71,9 +64,7 @@ def main() -> None:
             with open(os.path.join(mark_dir, f".rank{rank}.tmp"), "w") as f:
                 f.write(str(os.getpid()))
             os.replace(os.path.join(mark_dir, f".rank{rank}.tmp"), os.path.join(mark_dir, f"rank{rank}.step"))
-            wait_for(os.path.join(mark_dir, "go"))
-        if rank == stuck_rank and step == stuck_step:
-            dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
+            wait_for_file(os.path.join(mark_dir, "go"))
         busy(work)
         if rank == slow_rank and step >= slow_from:
             time.sleep(slow_extra)
