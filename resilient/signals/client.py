@@ -68,6 +68,7 @@ class _Client:
 
     def __init__(self, address: str) -> None:
         self.pid = os.getpid()
+        self.started_wall = time.time() - 1.0  # file mtimes are coarse: a notice written just before counts
         self.address = P.socket_address(address)
         self.rank = _int_env("RANK", 0)
         self.local_rank = _int_env("LOCAL_RANK", 0)
@@ -411,8 +412,13 @@ class _Preemption:
     def noticed(self, c: "_Client | None") -> bool:
         if self.signalled:
             return True
-        if c is not None and c.run_dir is not None and os.path.exists(os.path.join(c.run_dir, PREEMPT_NOTICE_FILE)):
-            self.signalled = True
+        if c is not None and c.run_dir is not None:
+            try:
+                # a notice left from before this worker started (an earlier run in the same run dir) is stale
+                if os.stat(os.path.join(c.run_dir, PREEMPT_NOTICE_FILE)).st_mtime >= c.started_wall:
+                    self.signalled = True
+            except OSError:
+                pass
         return self.signalled
 
     def resolve(self, c: "_Client | None", step: int) -> int | None:

@@ -89,3 +89,27 @@ def test_script_without_resilient_is_stopped_as_under_torchrun(tmp_path):
         assert p.wait(timeout=30) == 1
     finally:
         p.kill()
+
+
+@pytest.mark.timeout(200)
+def test_notice_file_ends_the_loop_after_a_saved_step_and_a_stale_one_is_ignored(tmp_path):
+    run = tmp_path / "job" / "run"
+    run.mkdir(parents=True)
+    stale = run / "preempt"
+    stale.write_text("")
+    os.utime(stale, (1, 1))  # from long before this run: ignored
+    p = launch(tmp_path, "job", "fork-server")
+    try:
+        wait_for(lambda: (run / "events.jsonl").exists() and any(s >= 8 for s in steps_in(run)), 120, "step 8")
+        assert not (run / "preempted").exists()
+        stale.unlink()
+        (run / ".preempt").write_text("")
+        os.replace(run / ".preempt", run / "preempt")  # a fresh notice
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    (mark,) = {int(m.read_text()) for m in (run / "preempted").iterdir()}
+    assert 8 <= mark < STEPS - 1
+    assert max(steps_in(run)) == mark  # the loop ended right after the agreed step
+    saved = [e.details["step"] for e in read_events(run) if e.kind == EventKind.CKPT_SAVE]
+    assert saved == [mark]  # saved whatever the interval (1000)
