@@ -18,6 +18,11 @@ never changed; and no process of the job is left.
 
     python bench/drill.py [--runs 6] [--faults 3] [--seed 0] [--out bench/results/drill.json] [--keep]
 
+Recovery is timed from the fault to every rank of the new round at the next gate, so it includes the steps
+run up to that gate; a supervisor restarted "after the next gate" adds the time training ran alone. A spare
+that joined a second before it is needed is still cold (its fork server importing torch): the hot swap or
+scale-up then includes that warm-up, as it would in production.
+
 Prints a table and writes the JSON (per run: plan, where each fault landed, its recovery time, actions,
 world sizes, steps redone, the checks; summary: the count and recovery times per fault kind).
 """
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "landed": dict(landed),
         "recovery_s": {k: {"n": len(v), "median": round(statistics.median(v), 3), "max": round(max(v), 3)}
                        for k, v in sorted(by_kind.items())},
+        "actions": {k: sum(r.actions.count(k) for r in ok) for k in ("restart", "hot_swap", "scale_down", "scale_up")},
         "steps_redone_total": sum(r.steps_redone for r in ok),
         "wall_s": round(time.monotonic() - t0, 1),
         "line": f"{len(results)} runs × {a.faults} faults, "
@@ -109,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         s = summary["recovery_s"].get(k)
         if s:
             print(f"{k:<16} {s['n']:>3} {s['median']:>9.3f} {s['max']:>7.3f}")
+    print(f"supervisor actions: {summary['actions']}")
     print(f"landed: {dict(landed)}; runs whose world changed: {summary['world_changed_runs']}; "
           f"steps redone: {summary['steps_redone_total']}")
     print(summary["line"])
