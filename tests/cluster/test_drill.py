@@ -369,7 +369,6 @@ class Drill:
             s = self._start_agent()
             self.wait(lambda: self._joined(s), "the spare to join")
         attempt = 0
-        done = 0  # predicted actions so far
         for i, f in enumerate(plan.faults):
             g, nxt = plan.gates[i], plan.gates[i + 1]
             self.wait(lambda: self.at_gate(g, attempt), f"every rank of attempt {attempt} at gate {g}")
@@ -412,7 +411,6 @@ class Drill:
                 self.wait(lambda: all(v > before.get(k, 0) for k, v in self._reconnects().items()),
                           "every agent to reconnect to the new supervisor")
             self.open(g)
-            done += len(f.expect)
             pattern = actions_pattern(plan.faults[: i + 1])
             self.wait(lambda: pattern.fullmatch("".join(k + "," for k, _ in self.actions())) is not None,
                       f"the supervisor's actions for fault {i + 1} ({f.describe()})")
