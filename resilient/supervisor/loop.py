@@ -74,6 +74,8 @@ class SupervisorLoop:
             self._tail.read_new()  # the past is not news
         store.set(PRESENCE, f"{cfg.advertise_addr}:{self.presence.port}")
         self._round_stores: dict[int, Any] = {}
+        self._spare_store: Any = None  # the next round's store, made ahead of time
+        self._spare_lock = threading.Lock()
         self._done: set[str] = set()
         self._acks: dict[int, set[str]] = {}
         self._final_round: int | None = None
@@ -98,6 +100,8 @@ class SupervisorLoop:
             self._thread.join(timeout)
         with self._lock:
             self._round_stores.clear()
+            with self._spare_lock:
+                self._spare_store = None
             self.presence.close()
 
     def _run(self) -> None:
@@ -206,9 +210,25 @@ class SupervisorLoop:
             return a
 
     # ------------------------------------------------------------------ plans
+    def _prepare_store(self) -> None:
+        """Make the next round's store ahead of time, off the decision path: creating a TCPStore can stall for
+        seconds (torch resolves host names; without a DNS answer the resolver's timeout runs out)."""
+        try:
+            store = connect_store("0.0.0.0", 0, self.cfg.store_timeout, is_master=True)
+        except Exception as e:  # noqa: BLE001 - the decision path makes one itself then
+            logger.warning("could not prepare the next round's store: %s", e)
+            return
+        with self._spare_lock:
+            self._spare_store = store
+
     def _round_store(self, round_: int) -> tuple[str, int]:
         """A fresh store per round: nothing of an earlier attempt can reach a new one (pytorch#135712)."""
-        store = connect_store("0.0.0.0", 0, self.cfg.store_timeout, is_master=True)
+        with self._spare_lock:
+            store, self._spare_store = self._spare_store, None
+        if store is None:
+            store = connect_store("0.0.0.0", 0, self.cfg.store_timeout, is_master=True)
+        if not self._stop.is_set():
+            threading.Thread(target=self._prepare_store, name="resilient-next-store", daemon=True).start()
         self._round_stores[round_] = store
         for r in [r for r in self._round_stores if r < round_ - 1]:
             del self._round_stores[r]  # the one before stays: its workers may still be tearing down
