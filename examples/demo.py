@@ -263,6 +263,9 @@ def node_act(run_dir: Path, env: dict[str, str], args: argparse.Namespace, nodes
         cmd = [sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "demo-nodes",
                "--local-addr", "127.0.0.1", "--max-restarts", "3", "--run-dir", str(run_dir),
+               # a killed node's closed connection is seen at once whatever this says; it only bounds how long an
+               # agent may stay silent, and one whose fork server imports torch on two busy cores can be for 10 s
+               "--node-timeout", "30",
                "--ckpt-local", str(local), "--ckpt-persistent", "gs://demo-bucket/nodes", "--ckpt-interval", "10",
                "--ckpt-persistent-every", "5", "--term-timeout", str(TERM_TIMEOUT),
                "--inject", f"kill-node:1@{args.kill_at:g}s",
@@ -282,18 +285,21 @@ def node_act(run_dir: Path, env: dict[str, str], args: argparse.Namespace, nodes
     a = start("a")
     _wait(lambda: _listening(port), 90, "node a to host the store and the supervisor", nodes)
     b = start("b")
-    started: set[str] = set()
     pos = 0
 
-    def both_running() -> bool:
+    def placed() -> bool:
+        """The supervisor gave the job's two places to a and b: a node joining from now on waits as a spare."""
         nonlocal pos
         pos, evs = tail_steps(ledger, pos)
-        started.update(e["node"] for e in evs if e["kind"] == "attempt_start")
-        return {a.ident, b.ident} <= started
+        return any(e["kind"] == "action" and e["details"].get("action") == "start"
+                   and {a.ident, b.ident} <= set(e["details"]["assignment"]["members"]) for e in evs)
 
-    _wait(both_running, 120, "both nodes' first workers", nodes)
-    print(">>> demo: both nodes train; the spare joins mid-run", flush=True)
+    _wait(placed, 120, "the supervisor to give the job's places to nodes a and b", nodes)
+    # started now rather than once training runs: importing torch takes its fork server seconds on two busy
+    # cores, and a spare lost into before that is a cold one
+    print(">>> demo: nodes a and b hold the job's two places; a third node joins as the spare", flush=True)
     spare = start("spare")
+    warm = _WarmWatch(spare)
     pos = 0
     deadline = time.monotonic() + args.timeout
     while [n.proc.poll() for n in nodes].count(None):  # every node polled: the lost one is seen at once
@@ -303,10 +309,17 @@ def node_act(run_dir: Path, env: dict[str, str], args: argparse.Namespace, nodes
                 n.disk_deleted = True
                 print(f"\n>>> demo: node {n.name} is gone (agent SIGKILLed by --inject); deleted its local tier "
                       f"{n.local.name} (a lost disk)\n", flush=True)
+        if warm.check():
+            print(f">>> demo: the spare is warm: its fork server imported torch and idles "
+                  f"({warm.seconds:.1f} s after the spare started)", flush=True)
         pos, evs = tail_steps(ledger, pos)
         for e in evs:
             if e["kind"] == "node_joined" and e["node"] == spare.ident:
-                print(">>> demo: the spare joined (its fork server imports torch now: a warm spare)", flush=True)
+                print(">>> demo: the spare joined; it waits with no workers while its fork server imports torch",
+                      flush=True)
+            elif e["kind"] == "attempt_start" and e["node"] in (a.ident, b.ident) and e["attempt"] == 0:
+                print(f">>> demo: node {'a' if e['node'] == a.ident else 'b'} trains (group rank "
+                      f"{e['details'].get('group_rank')})", flush=True)
             elif e["kind"] == "action" and e["details"].get("action") == "hot_swap":
                 print(f">>> demo: supervisor: {e['details'].get('reason')}", flush=True)
         if time.monotonic() > deadline:
@@ -316,10 +329,45 @@ def node_act(run_dir: Path, env: dict[str, str], args: argparse.Namespace, nodes
     codes = {n.name: n.proc.returncode for n in nodes}
     print("\nagents exited: " + ", ".join(f"{k} {'SIGKILL' if c == -signal.SIGKILL else c}" for k, c in codes.items()),
           flush=True)
-    return report_node_loss(run_dir, nodes)
+    return report_node_loss(run_dir, nodes, warm.wall)
 
 
-def report_node_loss(run_dir: Path, nodes: list[Node]) -> int:
+class _WarmWatch:
+    """Whether a spare's fork server finished its imports: it then sleeps on its socket using no CPU."""
+
+    QUIET = 1.0  # seconds of no CPU at all
+
+    def __init__(self, node: Node):
+        self.node, self.t0 = node, time.monotonic()
+        self.wall: float | None = None  # when it was first seen warm
+        self.seconds = 0.0
+        self._last: tuple[float, float] | None = None  # (cpu seconds, since when)
+
+    def check(self) -> bool:
+        """True once, when the spare is first seen warm."""
+        import psutil
+
+        if self.wall is not None:
+            return False
+        try:
+            kids = [c for c in psutil.Process(self.node.proc.pid).children()
+                    if "resilient.launcher.zygote" in " ".join(c.cmdline())]
+            if not kids:
+                return False
+            z, now = kids[0], time.monotonic()
+            cpu = sum(z.cpu_times()[:2])
+            if z.status() != psutil.STATUS_SLEEPING or self._last is None or cpu != self._last[0]:
+                self._last = (cpu, now)
+                return False
+            if now - self._last[1] < self.QUIET:
+                return False
+        except psutil.Error:
+            return False
+        self.wall, self.seconds = time.time() - self.QUIET, now - self.QUIET - self.t0
+        return True
+
+
+def report_node_loss(run_dir: Path, nodes: list[Node], warm_wall: float | None = None) -> int:
     """What the ledger says about the node loss, then the run's goodput report."""
     _, evs = tail_steps(run_dir / "events.jsonl", 0)
     names = {n.ident: n.name for n in nodes}
@@ -348,6 +396,9 @@ def report_node_loss(run_dir: Path, nodes: list[Node]) -> int:
         d = restore["details"]
         print(f"  +{restore['wall'] - t0:6.2f} s  ckpt_restore    rank {restore['rank']} on the spare: step {d['step']} "
               f"from tier \"{d['tier']}\" ({d.get('bytes', 0) / 2**20:.1f} MiB in {d.get('seconds', 0):.2f} s)")
+    if kill:
+        print("  the spare was " + (f"warm at the kill (since +{warm_wall - t0:.2f} s)" if warm_wall and
+                                    warm_wall <= kill["wall"] else "still importing torch at the kill (a cold swap)"))
     if kill and after:
         first = after[0]
         print(f"  kill → first step after the swap: {first['wall'] - kill['wall']:.2f} s "
