@@ -12,7 +12,8 @@ What happens (``make demo``):
 Then a second act, a node lost and replaced by a warm spare (RUN_DIR/nodes):
   5. three ``resilient-run`` agents on this machine, each in its own session (a node = a session) with its own
      local tier: ``--nnodes 2 --nproc-per-node 1 --spare-nodes 1`` on one c10d endpoint over loopback; the
-     first hosts the store and the supervisor, the second joins, the third joins mid-run as a warm spare;
+     first hosts the store and the supervisor, the second joins, the third joins as a spare as soon as the
+     supervisor gave the first two the job's places (it warms up, torch imported, while they train);
   6. ``--inject kill-node:1@Ts``: the agent of group rank 1 SIGKILLs its whole node (agent, fork server,
      worker); the demo deletes that node's local tier once its agent is gone (a lost disk);
   7. the supervisor sees the closed connection, hot-swaps the spare in; the spare's rank restores its shards
