@@ -507,9 +507,7 @@ def _mark_preempted(c: _Client, step: int) -> None:
         os.replace(tmp, os.path.join(d, f"attempt{c.attempt}.rank{c.rank}"))
     except OSError as e:
         logger.warning("cannot mark the preempted stop in %s: %s", c.run_dir, e)
-    if c.ledger is not None:
-        c.ledger.emit(EventKind.PREEMPTION_NOTICE, rank=c.rank, source="worker", stopped_after=step,
-                      saved=_preemption.saved_step == step)
+    # no second PREEMPTION_NOTICE in the ledger: the agent's is the one the goodput report counts
 
 
 # --- steps / section ---------------------------------------------------------------------------------
