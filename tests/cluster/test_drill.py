@@ -620,52 +620,55 @@ def test_drill_run_is_bit_exact(seed: int, tmp_path: Path, drill_reference: dict
         assert r.bit_exact_reference, summary
 
 
-WARMUP = '''
-import os, time
-# a fork server that takes long to warm up: its agent has joined but follows no plan until the file exists
-deadline = time.monotonic() + 120
-while not os.path.exists(os.environ["DRILL_WARM_GATE"]) and time.monotonic() < deadline:
-    time.sleep(0.02)
-'''
+
+def _pids(c: Cluster, attempt: int) -> dict[int, int]:
+    return {int(r): int(p) for e in c.events() if e.kind == EventKind.ATTEMPT_START and e.attempt == attempt
+            for r, p in e.details["pids"].items()}
 
 
 @pytest.mark.timeout(180)
 def test_spare_rounds_behind_follows_a_restarted_supervisor(tmp_path: Path) -> None:
-    """Found by the drill (seed 100 of ``bench/drill.py --runs 10 --faults 4 --seed 100``): a spare still
-    warming up while the job restarted twice was at round -1 when the supervisor was killed and restarted.
-    The restarted supervisor publishes only its newest round; the spare looked for round 0 only, never saw
-    a plan, never read the final one, and outlived the job (its agent then waits out --rendezvous-timeout)."""
+    """Found by the drill (seeds 100 and 101 of ``bench/drill.py --runs 10 --faults 4 --seed 100``): a spare
+    that had not yet read the job's last rounds (there: still warming up while the job restarted twice; here:
+    its agent frozen with SIGSTOP for a moment) when the supervisor was killed and restarted. The restarted
+    supervisor's store holds its newest round only; the spare looked for its round + 1 only, never saw a
+    plan, never read the final one, and outlived the job (its agent then waits out --rendezvous-timeout)."""
     c = Cluster(tmp_path, "2")
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
-    (tmp_path / "mods").mkdir()
-    (tmp_path / "mods" / "drill_slow_warmup.py").write_text(WARMUP)
-    warm = tmp_path / "warm"
     args = ["--steps", "10", "--out", str(out), "--gate", str(gate), "--gate-step", "3", "7", "--gate-on-resume"]
+
+    def at_gate(attempt: int) -> bool:
+        pids = _pids(c, attempt)
+        return len(pids) == 2 and all((gate / f"at-{r}").exists() and (gate / f"at-{r}").read_text() == str(p)
+                                      for r, p in pids.items())
+
     try:
         sup = c.start_supervisor(SUP_FLAGS, env=SECRET)
         wait_for(lambda: _listening(c.port), 60, "the supervisor to listen")
         a, b = c.start("a", args, env=SECRET), c.start("b", args, env=SECRET)
-        wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at gate 3")
-        spare = c.start("spare", args, extra=["--preload", "drill_slow_warmup"],
-                        env={**SECRET, "DRILL_WARM_GATE": str(warm),
-                             "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path / 'mods'}"})
+        wait_for(lambda: at_gate(0), 90, "both ranks at gate 3")
+        spare = c.start("spare", args, env=SECRET)
         wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()),
-                 60, "the spare to join")
-        pid = int((gate / "at-1").read_text())
-        os.kill(pid, signal.SIGKILL)  # round 1, which the warming spare does not follow
-        (gate / "go").touch()
-        wait_for(lambda: all((gate / f"at-7-{r}").exists() for r in (0, 1)), 90, "the restarted job at gate 7")
+                 90, "the spare to join")
+        os.kill(spare.proc.pid, signal.SIGSTOP)  # frozen well within --node-timeout: it stays a spare
+        for attempt in (0, 1):  # two restarts the frozen spare does not follow
+            os.kill(_pids(c, attempt)[1], signal.SIGKILL)
+            wait_for(lambda: at_gate(attempt + 1), 60, f"attempt {attempt + 1} at gate 3")
         sup.kill()
         sup = c.start_supervisor(SUP_FLAGS, env=SECRET, name="supervisor2")
         wait_for(lambda: "reconnected to the supervisor" in a.output() and "reconnected to the supervisor"
                  in b.output(), 60, "both active agents to reconnect")
-        warm.touch()
+        os.kill(spare.proc.pid, signal.SIGCONT)
         wait_for(lambda: "reconnected to the supervisor" in spare.output(), 60, "the spare to reconnect")
+        (gate / "go").touch()
         (gate / "go-7").touch()
         wait_for(lambda: all(n.proc.poll() is not None for n in (a, b, sup)), 90, "the job to end")
         assert (a.proc.returncode, b.proc.returncode, sup.proc.returncode) == (0, 0, 0), sup.output()
         wait_for(lambda: spare.proc.poll() is not None, 30, "the spare to read the final plan and exit")
         assert spare.proc.returncode == 0, spare.output()
+        evs = c.events()
+        assert [e.details["action"] for e in evs if e.kind == EventKind.ACTION
+                and e.details.get("action") in CHANGING] == ["restart", "restart"]
     finally:
         c.close()
