@@ -642,11 +642,13 @@ class Agent:
         reason = "failed"
         try:
             t0 = time.monotonic()
-            self._start_workers_backend()  # the fork server imports torch while we join
+            self._start_workers_backend()
             self._interruptible = True
             try:
-                self._join()
+                # join only once the fork server is warm (torch imported): a node then never goes silent
+                # between joining and its first round, and a spare that joined is ready to take over at once
                 self._await_starter()
+                self._join()
             except _Stopped as e:
                 logger.warning("%s before workers started", e)
                 reason = str(e)
@@ -761,6 +763,7 @@ class Agent:
 
     def _run_attempt(self, attempt: int, master: tuple[str, int]) -> Outcome:
         c = self.cfg
+        self._clear_preempt_marks(attempt)  # marks of an earlier run in this run dir do not count
         t_spawn = time.time()
         self._spawn(attempt, master)
         for rfd in self.streams.pipes:
@@ -793,7 +796,6 @@ class Agent:
             self.ledger.emit(EventKind.PREEMPTION_NOTICE, attempt=attempt, source="SIGTERM",
                              deadline=time.time() + c.term_timeout)
         logger.warning("received %s: forwarding to workers", signal.Signals(sig).name)
-        self._preempted_cleanly(attempt, clear=True)  # marks of an earlier run in this run dir do not count
         self._stop_workers(sig, c.term_timeout)
         self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=f"signal {signal.Signals(sig).name}")
         if sig == signal.SIGTERM and self._preempted_cleanly(attempt):
@@ -806,16 +808,18 @@ class Agent:
         # torchrun exits 1 when stopped by a signal; schedulers and wrappers rely on it
         return 1, f"signal {signal.Signals(sig).name}"
 
-    def _preempted_cleanly(self, attempt: int, clear: bool = False) -> bool:
+    def _clear_preempt_marks(self, attempt: int) -> None:
+        from resilient.signals.client import PREEMPT_MARK_DIR
+
+        for r in range(self.base_rank, self.base_rank + self.cfg.nproc_per_node):
+            (self.run_dir / PREEMPT_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
+
+    def _preempted_cleanly(self, attempt: int) -> bool:
         """Every local worker ended its loop for the notice after a saved step (resilient.steps marks it)
         and exited 0; a script that does not use resilient never marks, and exits as under torchrun."""
         from resilient.signals.client import PREEMPT_MARK_DIR
 
         marks = self.run_dir / PREEMPT_MARK_DIR
-        if clear:
-            for w in self.workers:
-                (marks / f"attempt{attempt}.rank{w.rank}").unlink(missing_ok=True)
-            return False
         return bool(self.workers) and all(
             w.exit_code == 0 and (marks / f"attempt{attempt}.rank{w.rank}").exists() for w in self.workers)
 
@@ -823,6 +827,12 @@ class Agent:
         stop = plan.get("stop")
         if stop is None:
             self._wait_settled()
+            if self._ran and self._preempted_cleanly(self.restart_count):
+                # a preemption notice file ended the loop: exit as preempted, so the scheduler requeues
+                from resilient.launcher.api import PREEMPTED_EXIT_CODE
+
+                logger.warning("preempted: every worker saved its last step; rerun the same command to resume")
+                return PREEMPTED_EXIT_CODE, "preempted"
             return 0, "succeeded"
         if self.failures or self.first_failure:
             self._print_failure_summary()
@@ -862,6 +872,10 @@ class Agent:
     def _leave(self, reason: str) -> None:
         from resilient.supervisor.transport import MessageKind
 
+        if self.sup_loop is not None:
+            # the supervisor goes down with this agent: nothing is left for it to decide
+            self.sup_loop.core.finish(reason)
+            return
         try:
             self.chan.send(MessageKind.LEAVE, reason=reason)
         except Exception as e:  # noqa: BLE001

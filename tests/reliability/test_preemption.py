@@ -113,3 +113,4 @@ def test_notice_file_ends_the_loop_after_a_saved_step_and_a_stale_one_is_ignored
     assert max(steps_in(run)) == mark  # the loop ended right after the agreed step
     saved = [e.details["step"] for e in read_events(run) if e.kind == EventKind.CKPT_SAVE]
     assert saved == [mark]  # saved whatever the interval (1000)
+    assert p.returncode == 75  # preempted: the scheduler requeues
