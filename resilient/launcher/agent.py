@@ -287,6 +287,8 @@ class Agent:
         """Tell the supervisor (never raises: a lost supervisor must not stop training)."""
         from resilient.supervisor.transport import MessageKind
 
+        if self.chan is None:
+            return  # not joined yet (or torn down): the node's ledger has it
         try:
             self.chan.send(MessageKind.EVENT, event=ev.to_json())
         except Exception as e:  # noqa: BLE001 - DistStoreError and friends
@@ -489,16 +491,7 @@ class Agent:
                 signal_workers(self.workers, signal.SIGKILL)
                 killed, deadline = True, time.monotonic() + 10
                 continue
-            for key, _ in self.sel.select(timeout=left):
-                if key.data == "exit":
-                    self._collect_exits()
-                elif isinstance(key.data, tuple) and key.data[0] == "log":
-                    if not self.streams.pump(key.fd):
-                        self.sel.unregister(key.fd)
-                elif key.data == "signal":
-                    self._read_signal()
-                elif key.data == "monitor" and self.monitor is not None:
-                    self.monitor.on_readable(time.monotonic())
+            self._serve(left)
 
     def _collect_exits(self) -> list[WorkerProc]:
         assert self.starter is not None
@@ -538,26 +531,16 @@ class Agent:
                     timeout = min(timeout, due)
                 self.injector.fire({w.rank: w.pid for w in self.workers if w.exit_code is None and w.pid},
                                    self.group_rank, self.cfg.ckpt_local, self._kill_node)
+            exited = self._serve(timeout)
             failed = False
-            for key, _ in self.sel.select(timeout=timeout):
-                if key.data == "exit":
-                    # every failing worker of the batch is recorded: simultaneous failures all matter
-                    for w in self._collect_exits():
-                        if w.exit_code != 0:
-                            self._record_failure(w, attempt)
-                            failed = True
-                    if not failed and all(w.exit_code == 0 for w in self.workers):
-                        return Outcome.SUCCEEDED
-                elif key.data == "signal":
-                    self._read_signal()
-                elif key.data == "monitor" and self.monitor is not None:
-                    for ev in self.monitor.on_readable(time.monotonic()):
-                        self._observe(ev)
-                elif isinstance(key.data, tuple) and key.data[0] == "log":
-                    if not self.streams.pump(key.fd):
-                        self.sel.unregister(key.fd)
+            for w in exited:  # every failing worker of the batch is recorded: simultaneous failures all matter
+                if w.exit_code != 0:
+                    self._record_failure(w, attempt)
+                    failed = True
             if failed:
                 return Outcome.FAILED
+            if exited and all(w.exit_code == 0 for w in self.workers):
+                return Outcome.SUCCEEDED
             if self.monitor is not None:
                 hung = False
                 for ev in self.monitor.tick(time.monotonic()):
@@ -596,19 +579,22 @@ class Agent:
         if ev.kind in FORWARDED:
             self._report(ev)
 
-    def _pump(self, timeout: float) -> None:
-        """Serve the descriptors while no workers run (a spare, or between rounds)."""
+    def _serve(self, timeout: float) -> list[WorkerProc]:
+        """One wait on the agent's descriptors: signals, detector events (recorded, and forwarded when they may
+        need a decision), worker output; returns the workers whose exits arrived."""
+        exited: list[WorkerProc] = []
         for key, _ in self.sel.select(timeout=timeout):
-            if key.data == "signal":
+            if key.data == "exit":
+                exited += self._collect_exits()
+            elif key.data == "signal":
                 self._read_signal()
-            elif key.data == "exit":
-                self._collect_exits()
             elif key.data == "monitor" and self.monitor is not None:
                 for ev in self.monitor.on_readable(time.monotonic()):
                     self._observe(ev)
             elif isinstance(key.data, tuple) and key.data[0] == "log":
                 if not self.streams.pump(key.fd):
                     self.sel.unregister(key.fd)
+        return exited
 
     def _await_plan(self) -> dict | None:
         """Wait for a plan newer than the current round; None when a signal came first or the job's store
@@ -627,7 +613,7 @@ class Agent:
                 return plan
             if self._store_lost_at is not None and time.monotonic() - self._store_lost_at > self.cfg.rendezvous_timeout:
                 raise _StoreLost(f"the job's store stayed unreachable for {self.cfg.rendezvous_timeout:.0f}s")
-            self._pump(self.cfg.monitor_interval)
+            self._serve(self.cfg.monitor_interval)
 
     def run(self) -> int:
         c = self.cfg

@@ -52,7 +52,7 @@ class Injector:
             return
         self.t0 = job_start_wall
         for i, f in enumerate(self.timed):
-            if self.t0 + (f.at_seconds or 0.0) < now - 1.0:
+            if self.t0 + (f.at_seconds or 0.0) <= now:  # fell due before this node ran: it happened elsewhere
                 self._done.add(i)
 
     def next_due(self) -> float | None:
