@@ -208,6 +208,10 @@ class Agent:
         soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.manager",
                 "resilient.signals.client"]
         if (self.cfg.ckpt_persistent or "").startswith("gs://"):
+            if os.environ.get("STORAGE_EMULATOR_HOST"):
+                # gcsfs reads this at import, and the fork server imports it before a worker could set it;
+                # against an emulator its bucket-type probe otherwise waits a minute per call
+                os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
             soft.append("gcsfs")
         return tuple(f"?{m}" for m in soft) + tuple(self.cfg.preload)
 

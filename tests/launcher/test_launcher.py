@@ -246,3 +246,23 @@ def test_nemo_run_argv_and_torchrun_shim(tmp_path):
     for rank in (0, 1):
         assert f"[default{rank}]:runner {rank} 2 ['-n', 'job', 'cfg.yaml']" in r.stdout
     assert any(e.kind == EventKind.RUN_START for e in read_events(tmp_path / "run"))
+
+
+@pytest.mark.timeout(120)
+def test_gcs_emulator_switch_is_set_before_the_fork_server_imports_gcsfs(tmp_path, scripts):
+    """gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT at import; the fork server imports it ahead of the workers."""
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, os, sys, gcsfs\n"
+                     "json.dump({'var': os.environ.get('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT'),\n"
+                     "           'cls': gcsfs.GCSFileSystem.__module__}, open(sys.argv[1], 'w'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+    env["STORAGE_EMULATOR_HOST"] = "http://127.0.0.1:9"  # never contacted: only the import matters
+    env.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run(launcher_cmd("--standalone", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run"),
+                                    "--ckpt-persistent", "gs://bucket/run", str(probe), str(out / "p.json")),
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((out / "p.json").read_text())
+    assert got == {"var": "false", "cls": "gcsfs.core"}, got
