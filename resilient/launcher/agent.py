@@ -165,6 +165,7 @@ class Agent:
         self._last_hb = 0.0
         self._hb_interval = min(1.0, cfg.node_timeout / 4)
         self._store_lost_at: float | None = None
+        self._unsent: list[Event] = []  # reports that found no supervisor
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
         self._last_reconnect = 0.0
         self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
@@ -297,11 +298,21 @@ class Agent:
             self.chan.send(MessageKind.EVENT, event=ev.to_json())
         except Exception as e:  # noqa: BLE001 - DistStoreError and friends
             self._store_trouble(e)
+            self._unsent.append(ev)  # told again once the supervisor is back: it must not be lost
             return
         self._kick()
 
+    def _flush_unsent(self) -> None:
+        """A failure reported while the supervisor was away still needs its decision: tell it again."""
+        unsent, self._unsent = self._unsent, []
+        for ev in unsent:
+            self._report(ev)
+
     def _heartbeat(self, force: bool = False) -> None:
         from resilient.supervisor.transport import MessageKind
+
+        if self._unsent and self._store_lost_at is None:
+            self._flush_unsent()  # the store answers again (torch's client may reconnect by itself)
 
         now = time.monotonic()
         if not force and now - self._last_hb < self._hb_interval:
@@ -349,6 +360,7 @@ class Agent:
         if self._presence is not None:
             self._presence.close()
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        self._flush_unsent()
         self._resync = True
         logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", now - self._store_lost_at,
                        self.round)

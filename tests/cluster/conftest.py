@@ -53,7 +53,12 @@ class Node:
         shutil.rmtree(self.local, ignore_errors=True)
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
+        """The log's end, for assertion messages."""
+        return self.text()[-6000:]
+
+    def text(self) -> str:
+        """The whole log, for searching (torch's C++ tracebacks can push a line out of the end)."""
+        return self.log.read_text(errors="replace")
 
 
 class Cluster:

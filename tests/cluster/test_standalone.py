@@ -96,7 +96,7 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     wait_for(lambda: (gate / "at-8-0").exists() and (gate / "at-8-1").exists(), 90, "training to go on alone")
     assert a.proc.poll() is None and b.proc.poll() is None
     sup2 = c.start_supervisor(flags, env={**SECRET, "RESILIENT_LOG_LEVEL": "INFO"}, name="supervisor2")
-    wait_for(lambda: "reconnected to the supervisor" in a.output() and "reconnected to the supervisor" in b.output(),
+    wait_for(lambda: "reconnected to the supervisor" in a.text() and "reconnected to the supervisor" in b.text(),
              60, "both agents to reconnect")
     (gate / "go-8").touch()
     wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
@@ -108,6 +108,40 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     # one attempt from start to end: no action was carried out twice, none was forged
     assert [e.details["action"] for e in evs if e.kind == EventKind.ACTION] == ["start"]
     assert {e.attempt for e in evs if e.kind == EventKind.ATTEMPT_START} == {0}
-    assert "refused" in sup.output() and "refused the plan" in a.output() + b.output()
+    assert "refused" in sup.text() and "refused the plan" in a.text() + b.text()
+    assert_same(reference, final(out, 2))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(300)
+def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(cluster_factory, tmp_path: Path,
+                                                                                reference) -> None:
+    import os
+    import signal
+
+    c = cluster_factory("2")
+    flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
+    sup = c.start_supervisor(flags, env=SECRET)
+    wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _agents(c, args, ["a", "b"], env=SECRET)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    sup.kill()
+    victim = int((gate / "at-1").read_text())  # rank 1's worker pid
+    os.kill(victim, signal.SIGKILL)  # fails while no supervisor can hear of it
+    wait_for(lambda: any(e.kind == EventKind.WORKER_EXIT and e.rank == 1 for e in c.events()), 60,
+             "the failure to be recorded on its node")
+    # the report found no supervisor (its store calls gave up): it must be told again, not lost
+    wait_for(lambda: "store is unreachable" in a.text() + b.text(), 90, "the report to fail")
+    sup2 = c.start_supervisor(flags, env=SECRET, name="supervisor2")
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "restart" for e in c.events()),
+             90, "the restart decided by the new supervisor")
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert b.proc.returncode == 0, b.output()
+    wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
     assert_same(reference, final(out, 2))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
