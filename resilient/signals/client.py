@@ -576,6 +576,7 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
     recorded_world = c.local_rank != 0 or c.run_dir is None
     c.hello(start)
     drill = bool(os.environ.get(env.FAULTS))
+    torch_mod = sys.modules.get("torch")
     if drill:
         from resilient.testing.faults import maybe_fail
     last = start - 1
@@ -607,6 +608,10 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
             t_prev = _perf()  # our own send/ledger cost is not charged to the step
             if drill:
                 maybe_fail(s)  # a drill's in-step fault (--inject): charged to the step, as a real one would be
+            if torch_mod is not None:
+                # a plain loop (backward, then all_reduce) leaves the backward's context to gloo's threads as
+                # DDP does: remember it, so the exit waits until they let it go (see drain_backward_state)
+                _remember_context(torch_mod)
             yield s
         if t_prev >= 0:
             secs = _perf() - t_prev

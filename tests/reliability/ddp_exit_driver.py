@@ -1,4 +1,4 @@
-"""Runs the DDP + ``resilient.steps()`` path many times and reports how every worker exited.
+"""Runs the DDP (or backward + all_reduce, ``T_MODE=allreduce``) + ``resilient.steps()`` path many times and reports how every worker exited.
 
 The driver imports torch, DDP and resilient once, then for each round forks WORLD workers (as the fork
 server does) that form a gloo group, train a few DDP steps under ``resilient.steps()`` and end with a
@@ -26,6 +26,7 @@ import resilient
 ROUND_TIMEOUT = 60.0
 SWITCH_INTERVAL = float(os.environ.get("T_SWITCH_INTERVAL", "0.5"))
 NICE_HELPERS = os.environ.get("T_NICE_HELPERS", "1") == "1"
+MODE = os.environ.get("T_MODE", "ddp")  # "ddp", or "allreduce": backward then dist.all_reduce, no DDP
 
 
 def free_port() -> int:
@@ -43,9 +44,12 @@ def worker(rank: int, world: int, port: int, steps: int) -> None:
     faulthandler.enable(all_threads=True)  # an abort shows every thread's Python stack
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)),
-        bucket_cap_mb=0.01)  # several buckets: several completions racing the exit
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 1))
+    if MODE == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets racing the exit
+    else:
+        model = net  # a hand-written loop: backward, then an explicit all_reduce
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if NICE_HELPERS:
         # Lower every helper thread (gloo's workers among them) below the training thread, so that under
@@ -61,6 +65,10 @@ def worker(rank: int, world: int, port: int, steps: int) -> None:
         loss = model(torch.randn(8, 64)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        if MODE == "allreduce":
+            g = torch.zeros(1)
+            g.fill_(float(loss.detach()))
+            dist.all_reduce(g)
         opt.step()
     # no destroy_process_group and nothing after the last backward: exit as fast as a script can
 
