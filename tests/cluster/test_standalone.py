@@ -145,3 +145,44 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
     assert_same(reference, final(out, 2))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(300)
+def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluster_factory, tmp_path: Path,
+                                                                          reference) -> None:
+    """Round 1 is published but node a has not carried it out yet (its agent is stopped) when the spare joins:
+    the restart completes as decided, the spare only waits, nothing else changes."""
+    import os
+    import signal
+
+    c = cluster_factory("2")
+    flags = ["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "120", "--last-call-timeout", "0"]
+    sup = c.start_supervisor(flags, env=SECRET)
+    wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _agents(c, args, ["a", "b"], env=SECRET)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    starts = [e for e in c.events() if e.kind == EventKind.ATTEMPT_START]
+    rank_of = {e.node: int(next(iter(e.details["pids"]))) for e in starts}
+    os.kill(a.proc.pid, signal.SIGSTOP)  # node a will not carry out the next round until it is let go
+    try:
+        victim = int((gate / f"at-{rank_of[node_name(b)]}").read_text())
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "restart" for e in c.events()),
+                 60, "the restart to be decided")
+        spare = c.start("spare", args, env=SECRET)
+        wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 90,
+                 "the spare to join while node a has not restarted yet")
+        assert not any(e.kind == EventKind.ATTEMPT_START and e.attempt == 1 and e.node == node_name(a)
+                       for e in c.events())
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    wait_for(lambda: all(n.proc.poll() is not None for n in (a, b, spare)), 150, "the job to end")
+    assert [a.proc.returncode, b.proc.returncode, spare.proc.returncode] == [0, 0, 0], a.output()
+    acts = [e.details["action"] for e in c.events() if e.kind == EventKind.ACTION]
+    assert [x for x in acts if x != "ignore"] == ["start", "restart"], acts
+    assert not any(e.kind == EventKind.ATTEMPT_START and e.node == node_name(spare) for e in c.events())
+    assert_same(reference, final(out, 2))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
