@@ -21,12 +21,15 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 from resilient import env as renv
 from resilient.events import Event, EventKind, Ledger
-from resilient.launcher.api import AgentConfig, LaunchError, Outcome, WorkerExit, WorkerLaunchMethod
+from resilient.launcher.api import (
+    AgentConfig, LaunchError, NodeRole, NodeRound, Outcome, WorkerExit, WorkerLaunchMethod,
+)
 from resilient.launcher.workers import ForkServer, ForkServerError, SpawnStarter, WorkerProc, signal_workers
 
 logger = logging.getLogger(__name__)
@@ -154,12 +157,7 @@ class Agent:
         self.store = None
         self.chan = None
         self.sup_loop = None  # the supervisor's loop, when this agent hosts the job's store
-        self.round = -1
-        self.active = False
-        self.group_rank = 0
-        self.group_world_size = 1
-        self.base_rank = 0
-        self.world_size = cfg.nproc_per_node
+        self.node_round = NodeRound(world_size=cfg.nproc_per_node)
         self._ran = False
         self._t_join = time.monotonic()
         self._last_hb = 0.0
@@ -177,6 +175,14 @@ class Agent:
             self.injector = Injector(cfg.inject, self.ledger)
         self._done_round: int | None = None  # the round whose workers all finished here
         self._endpoint: tuple[str, int] = ("", 0)
+
+    # the current round's fields, read-only: only _follow replaces the record
+    round = property(lambda self: self.node_round.round)
+    active = property(lambda self: self.node_round.active)
+    group_rank = property(lambda self: self.node_round.group_rank)
+    group_world_size = property(lambda self: self.node_round.group_world_size)
+    base_rank = property(lambda self: self.node_round.base_rank)
+    world_size = property(lambda self: self.node_round.world_size)
 
     # ---------------------------------------------------------------- set-up
     def _install_signals(self) -> None:
@@ -715,22 +721,24 @@ class Agent:
                 sig = self._signal or signal.SIGTERM
                 self._leave(f"signal {signal.Signals(sig).name}")
                 return 1, f"signal {signal.Signals(sig).name}"
-            self.round = int(plan["round"])
-            self._ack()
+            was_active = self.node_round.active
             if plan.get("final"):
+                self.node_round = replace(self.node_round, round=int(plan["round"]))
+                self._ack()
                 return self._final(plan)
             a = Assignment.from_json(plan["assignment"])
-            was_active, self.active = self.active, self.node in a.members
-            if not self.active:
+            if self.node not in a.members:
+                self.node_round = NodeRound(round=a.round, role=NodeRole.SPARE, world_size=a.world_size)
+                self._ack()
                 if was_active:
                     logger.warning("this node left the active set (%s); waiting as a spare", plan["action"])
                 else:
                     logger.info("waiting as a spare (round %d)", self.round)
                 continue
-            self.group_rank = a.members.index(self.node)
-            self.group_world_size = len(a.members)
-            self.base_rank = a.base_rank(self.node)
-            self.world_size = a.world_size
+            self.node_round = NodeRound(round=a.round, role=NodeRole.ACTIVE, group_rank=a.members.index(self.node),
+                                        group_world_size=len(a.members), base_rank=a.base_rank(self.node),
+                                        world_size=a.world_size)
+            self._ack()
             attempt = a.attempt
             self.restart_count = attempt
             if not self._ran:

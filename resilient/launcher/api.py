@@ -31,6 +31,29 @@ class Outcome(str, enum.Enum):
     STOPPED = "stopped"  # the agent was told to stop (signal)
 
 
+class NodeRole(str, enum.Enum):
+    JOINING = "joining"  # in no round yet
+    ACTIVE = "active"  # holds a group rank in the current round: runs workers
+    SPARE = "spare"  # warm (fork server ready), no workers
+
+
+@dataclass(frozen=True)
+class NodeRound:
+    """This node's part of the supervisor's current round, in one record (as torch elastic's WorkerGroup):
+    replaced as a whole when a new plan arrives, never edited field by field."""
+
+    round: int = -1
+    role: NodeRole = NodeRole.JOINING
+    group_rank: int = 0
+    group_world_size: int = 1
+    base_rank: int = 0  # global rank of this node's local rank 0
+    world_size: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.role == NodeRole.ACTIVE
+
+
 @dataclass(frozen=True)
 class WorkerExit:
     local_rank: int

@@ -63,7 +63,10 @@ def test_virtual_local_rank_env_like_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     cfg = parse(["--nproc-per-node", "2", "--virtual-local-rank", "--run-dir", str(tmp_path / "r"), SCRIPT])
     agent = Agent(cfg)
-    agent.base_rank, agent.world_size, agent.group_rank, agent.group_world_size = 0, 2, 0, 1
+    from resilient.launcher.api import NodeRole, NodeRound
+
+    agent.node_round = NodeRound(round=0, role=NodeRole.ACTIVE, base_rank=0, world_size=2, group_rank=0,
+                                 group_world_size=1)
     envs = [agent._worker_env(lr, 0, ("127.0.0.1", 1234)) for lr in (0, 1)]
     assert [(e["LOCAL_RANK"], e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "4"), ("0", "1", "5")]
     agent.ledger.close()
