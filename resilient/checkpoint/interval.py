@@ -5,8 +5,14 @@ per unit of time with saves every T seconds of training is about δ/T (stalls) +
 after an interruption), minimal at T ≈ √(2·δ·M); Daly's refinement subtracts δ. We use
 T = √(2·δ·M) − δ, and T = M once δ ≥ M/2 (where the formula stops making sense).
 
-* δ is the median of the recent measured blocking times of saves; before the first save, one step
-  time stands in for it (the first save then measures it).
+* δ is the cost of one save: the median of its recent measured blocking times plus the median of its
+  *interference*, the time its background work (local write, replication, upload) added to the steps it
+  overlapped, beyond the clean step time (steps with no checkpoint work in flight). A background write
+  competes with training for CPU and memory bandwidth; counting only the blocking part would make saves
+  look nearly free and the interval too short. Interference is learnt from the run's ledger (the steps'
+  records and the checkpointer's events, see :func:`save_costs`) when the tuner follows one
+  (:meth:`IntervalTuner.from_run_dir`); without a ledger, δ is the blocking time alone. Before the first
+  save, one step time stands in for δ (the first save then measures it).
 * M is the posterior mean of a gamma prior on the interruption rate: ``prior_weight`` pseudo-
   interruptions over ``prior_weight × prior_mtbf_s`` seconds, updated with the observed uptime and
   interruptions — the configured prior rules until the run has seen enough to overrule it.
@@ -23,17 +29,200 @@ feed every rank the same observations (for example the maximum over ranks).
 
 from __future__ import annotations
 
+import bisect
+import json
 import logging
 import math
 import os
 import statistics
+import time
 from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from resilient.events.api import EventKind
-from resilient.events.ledger import read_events
+from resilient.events.api import Event, EventKind
+from resilient.events.ledger import ledger_path
 
 logger = logging.getLogger(__name__)
+
+# seconds; the tuner's prior MTBF when a run gives none in code (``resilient-run`` has no flag for it)
+PRIOR_MTBF_ENV = "RESILIENT_CKPT_PRIOR_MTBF"
+
+_CKPT_KINDS = {EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_TIER_FAILED}
+_KEPT_KINDS = {k.value for k in (*_CKPT_KINDS, EventKind.STEP)}
+_READ_KINDS = _KEPT_KINDS | {EventKind.RESTART.value}
+
+
+def _finite(v: object) -> float | None:
+    if isinstance(v, bool):
+        return None
+    try:
+        f = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of ``(start, end)`` spans (empty ones dropped)."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(sp for sp in spans if sp[1] > sp[0]):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def overlap_seconds(a: float, b: float, merged: Sequence[tuple[float, float]],
+                    ends: Sequence[float] | None = None) -> float:
+    """Length of ``[a, b]`` covered by ``merged`` (sorted, disjoint; ``ends`` its end points, for speed)."""
+    if ends is None:
+        ends = [e for _, e in merged]
+    i = bisect.bisect_right(ends, a)
+    total = 0.0
+    while i < len(merged) and merged[i][0] < b:
+        total += min(b, merged[i][1]) - max(a, merged[i][0])
+        i += 1
+    return max(0.0, total)
+
+
+def stall_spans(events: Iterable[Event]) -> list[tuple[float, float]]:
+    """When training was blocked by a save: ``[wall - blocking_seconds, wall]`` of each CKPT_SAVE, merged."""
+    out = []
+    for ev in events:
+        if ev.kind is EventKind.CKPT_SAVE:
+            b = _finite(ev.details.get("blocking_seconds"))
+            if b is not None and b > 0:
+                out.append((ev.wall - b, ev.wall))
+    return merge_spans(out)
+
+
+def _save_spans(events: Iterable[Event]) -> dict[tuple[Any, Any], tuple[list[tuple[float, float]], bool]]:
+    """Background work of each save, keyed by (attempt, step): its spans, and whether any tier finished it.
+
+    A save's background work runs from its CKPT_SAVE (the end of the blocking part) to its first tier's
+    CKPT_TIER_DONE/FAILED; each CKPT_TIER_DONE also covers ``[wall - seconds, wall]`` (local write, peer
+    replication, persistent upload, which may run long after the save)."""
+    saves: dict[tuple[Any, Any], float] = {}
+    out: dict[tuple[Any, Any], tuple[list[tuple[float, float]], bool]] = {}
+    for ev in sorted((e for e in events if e.kind in _CKPT_KINDS), key=lambda e: e.wall):
+        step = ev.details.get("step")
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
+            continue
+        key = (ev.attempt, step)
+        spans, _ = out.setdefault(key, ([], False))
+        if ev.kind is EventKind.CKPT_SAVE:
+            saves.setdefault(key, ev.wall)  # several ranks may report the same save: the first opens it
+            continue
+        start = saves.pop(key, None)
+        if start is not None:
+            spans.append((start, ev.wall))
+        if ev.kind is EventKind.CKPT_TIER_DONE:
+            secs = _finite(ev.details.get("seconds"))
+            if secs is not None and secs > 0:
+                spans.append((ev.wall - secs, ev.wall))
+        out[key] = (spans, True)
+    return out
+
+
+def background_spans(events: Iterable[Event]) -> list[tuple[float, float]]:
+    """When checkpoint work ran in the background (writes, replication, uploads), merged. A save whose
+    tiers have not reported yet contributes nothing until they do."""
+    return merge_spans(sp for spans, _ in _save_spans(events).values() for sp in spans)
+
+
+@dataclass(frozen=True)
+class SaveCosts:
+    """What background checkpoint work cost the steps, from a ledger (see :func:`save_costs`)."""
+
+    clean_step_seconds: float | None  # median step with no save in flight (None: no such step)
+    interference: list[float] = field(default_factory=list)  # per finished save, in save order
+    clean_steps: int = 0
+    overlapped_steps: int = 0
+
+
+def save_costs(events: Iterable[Event]) -> SaveCosts:
+    """The clean step time and each finished save's interference: the sum, over the steps its background
+    work overlapped, of their time beyond the clean step time (the save's own blocking time taken out of the
+    step that contains it). Each step is charged to one save at most; an attempt's first step (warm-up) is
+    neither clean nor charged."""
+    evs = list(events)
+    stalls = stall_spans(evs)
+    stall_ends = [e for _, e in stalls]
+    per_save = _save_spans(evs)
+    bg = merge_spans(sp for spans, _ in per_save.values() for sp in spans)
+    bg_ends = [e for _, e in bg]
+    seen_attempts: set[Any] = set()
+    steps: list[tuple[float, float, float]] = []  # (start, end, seconds net of stalls)
+    for ev in sorted((e for e in evs if e.kind is EventKind.STEP), key=lambda e: e.wall):
+        d = _finite(ev.details.get("seconds"))
+        if d is None or d <= 0:
+            continue
+        if ev.attempt not in seen_attempts:  # warm-up: compilation, first touches
+            seen_attempts.add(ev.attempt)
+            continue
+        a = ev.wall - d
+        steps.append((a, ev.wall, d - overlap_seconds(a, ev.wall, stalls, stall_ends)))
+    clean = [net for a, b, net in steps if overlap_seconds(a, b, bg, bg_ends) <= 0]
+    if not clean:
+        return SaveCosts(None, [], 0, len(steps))
+    c = statistics.median(clean)
+    ends = [b for _, b, _ in steps]
+    taken: set[int] = set()
+    out: list[float] = []
+    finished = sorted(((min(s for s, _ in spans), spans) for spans, done in per_save.values() if done and spans),
+                      key=lambda x: x[0])
+    for _, spans in finished:
+        excess = 0.0
+        for s0, s1 in spans:
+            i = bisect.bisect_right(ends, s0)
+            while i < len(steps) and steps[i][0] < s1:
+                if i not in taken:
+                    taken.add(i)
+                    excess += max(0.0, steps[i][2] - c)
+                i += 1
+        out.append(excess)
+    return SaveCosts(c, out, len(clean), len(steps) - len(clean))
+
+
+class _LedgerFollower:
+    """The step and checkpoint events of a growing ledger, read incrementally, the newest ``keep`` kept."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], keep: int = 4096):
+        self.path = ledger_path(run_dir)
+        self.events: deque[Event] = deque(maxlen=keep)
+        self._offset = 0
+        self._partial = b""
+
+    def read_new(self, max_bytes: int | None = 16 << 20) -> list[Event]:
+        """Keep what was written since the last call; returns the new step, checkpoint and restart events."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read() if max_bytes is None else f.read(max_bytes)
+        except OSError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        new: list[Event] = []
+        for raw in lines:
+            try:
+                d = json.loads(raw)
+                if not isinstance(d, dict) or d.get("kind") not in _READ_KINDS:
+                    continue
+                ev = Event.from_json(d)
+                if not isinstance(ev.details, dict) or _finite(ev.wall) is None:
+                    continue
+            except (ValueError, TypeError, KeyError, RecursionError):
+                continue
+            new.append(ev)
+            if ev.kind is not EventKind.RESTART:
+                self.events.append(ev)
+        return new
 
 
 class IntervalTuner:
@@ -60,6 +249,11 @@ class IntervalTuner:
         self._steps: deque[float] = deque(maxlen=window)
         self._saves: deque[float] = deque(maxlen=max(8, window // 8))
         self._uploads: deque[float] = deque(maxlen=max(8, window // 8))
+        self._interference: deque[float] = deque(maxlen=max(8, window // 8))
+        self._clean_step: float | None = None
+        self._follower: _LedgerFollower | None = None
+        self._followed_at = -math.inf
+        self.follow_every_s = 1.0  # re-read the ledger at most this often (it is read in the save thread)
         self._uptime = 0.0
         self._interruptions = 0
         self._current: int | None = None
@@ -87,6 +281,11 @@ class IntervalTuner:
         if seconds >= 0 and math.isfinite(seconds):
             self._uploads.append(float(seconds))
 
+    def observe_interference(self, seconds: float) -> None:
+        """Time one save's background work added to the steps it overlapped (beyond the clean step time)."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._interference.append(float(seconds))
+
     def observe_uptime(self, seconds: float) -> None:
         """Running time observed outside steps and saves (e.g. earlier attempts read from the ledger)."""
         if seconds > 0 and math.isfinite(seconds):
@@ -96,8 +295,19 @@ class IntervalTuner:
     def step_seconds(self) -> float | None:
         return statistics.median(self._steps) if self._steps else None
 
-    def save_seconds(self) -> float | None:
+    def blocking_seconds(self) -> float | None:
         return statistics.median(self._saves) if self._saves else None
+
+    def interference_seconds(self) -> float | None:
+        self._follow()
+        return statistics.median(self._interference) if self._interference else None
+
+    def save_seconds(self) -> float | None:
+        """Cost of one save: blocking time plus interference (the blocking time alone until that is known)."""
+        block = self.blocking_seconds()
+        if block is None:
+            return None
+        return block + (self.interference_seconds() or 0.0)
 
     def mtbf_seconds(self) -> float:
         return (self.prior_weight * self.prior_mtbf_s + self._uptime) / (self.prior_weight + self._interruptions)
@@ -142,7 +352,10 @@ class IntervalTuner:
         """Everything the decision is made of (for the CKPT_INTERVAL event and the logs)."""
         return {
             "step_seconds": self.step_seconds(),
-            "save_blocking_seconds": self.save_seconds(),
+            "save_blocking_seconds": self.blocking_seconds(),
+            "save_interference_seconds": self.interference_seconds(),
+            "save_cost_seconds": self.save_seconds(),
+            "clean_step_seconds": self._clean_step,
             "upload_seconds": statistics.median(self._uploads) if self._uploads else None,
             "mtbf_seconds": self.mtbf_seconds(),
             "prior_mtbf_seconds": self.prior_mtbf_s,
@@ -159,21 +372,48 @@ class IntervalTuner:
         if key != self._last_logged:
             self._last_logged = key
             i = self.inputs()
-            logger.info("checkpoint interval %d steps (optimum %.1f s: save %.3f s, MTBF %.0f s from %d "
-                        "interruption(s) in %.0f s + prior %.0f s), persistent every %d",
-                        key[0], i["optimal_seconds"] or 0.0, i["save_blocking_seconds"] or 0.0, i["mtbf_seconds"],
+            logger.info("checkpoint interval %d steps (optimum %.1f s: save %.3f s blocking + %.3f s interference, "
+                        "MTBF %.0f s from %d interruption(s) in %.0f s + prior %.0f s), persistent every %d",
+                        key[0], i["optimal_seconds"] or 0.0, i["save_blocking_seconds"] or 0.0,
+                        i["save_interference_seconds"] or 0.0, i["mtbf_seconds"],
                         i["interruptions"], i["uptime_seconds"], self.prior_mtbf_s, key[1])
+
+    def _follow(self, force: bool = False) -> None:
+        """Learn the interference of recent saves from the ledger being followed (rate-limited)."""
+        f = self._follower
+        if f is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._followed_at < self.follow_every_s:
+            return
+        self._followed_at = now
+        try:
+            f.read_new()
+            costs = save_costs(f.events)
+        except Exception as e:  # noqa: BLE001 - a tuner must never stop a save; it keeps what it knew
+            logger.debug("reading the ledger for save interference failed: %s", e)
+            return
+        if costs.clean_step_seconds is not None:
+            self._clean_step = costs.clean_step_seconds
+            self._interference.clear()
+            self._interference.extend(costs.interference)
 
     # restarts ------------------------------------------------------------------------------------
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], **kwargs: Any) -> "IntervalTuner":
         """A tuner that remembers earlier attempts: a restarted worker would otherwise forget every
         interruption it was restarted for. Reads the run's ledger (steps, saves, uploads, restarts)."""
+        if "prior_mtbf_s" not in kwargs and os.environ.get(PRIOR_MTBF_ENV):
+            raw = os.environ[PRIOR_MTBF_ENV]
+            v = _finite(raw)
+            if v is None or v <= 0:
+                raise ValueError(f"{PRIOR_MTBF_ENV}={raw!r} is not a positive number of seconds; "
+                                 "unset it or give e.g. 21600 (6 h)")
+            kwargs["prior_mtbf_s"] = v
         tuner = cls(**kwargs)
-        try:
-            events = list(read_events(run_dir))
-        except FileNotFoundError:
-            return tuner
+        tuner._follower = _LedgerFollower(run_dir)
+        events = tuner._follower.read_new(max_bytes=None)
+        tuner._follow(force=True)
         restarts: set[tuple[object, object]] = set()
         for ev in events:
             d = ev.details

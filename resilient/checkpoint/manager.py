@@ -180,7 +180,7 @@ class _Interval:
         self.persistent_every = persistent_every if isinstance(persistent_every, int) else 5
         if self.auto or self.auto_persistent:
             try:
-                from resilient.goodput.interval import IntervalTuner
+                from resilient.checkpoint.interval import IntervalTuner
 
                 run_dir = os.environ.get(_env.RUN_DIR)
                 if run_dir and rank == 0 and hasattr(IntervalTuner, "from_run_dir"):
