@@ -95,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2
     rep.skipped_lines = read.skipped
+    if rep.steps_recorded == 0 and not rep.in_progress:
+        # without step records every second counts as badput: "goodput 0.0%" would blame the job, not the script
+        print(f"resilient goodput: the run in {args.run_dir} has no step records, so its goodput cannot be told; "
+              "wrap the training loop in resilient.steps() (for step in resilient.steps(start, total): ...)",
+              file=sys.stderr)
+        return 2
     if args.plot:
         from resilient.goodput.plot import plot_timeline
 

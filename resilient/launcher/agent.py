@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
+def _keep_local_default() -> object:
+    import dataclasses
+
+    from resilient.checkpoint.api import CheckpointConfig
+
+    return next((f.default for f in dataclasses.fields(CheckpointConfig) if f.name == "keep_local"), "?")
+
+
 class _StoreLost(Exception):
     """The job's store (and with it the supervisor) stayed unreachable while this node had nothing to run."""
 
@@ -79,38 +87,53 @@ def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Led
 class _Streams:
     """Tee'd worker output: read from pipes, written to the log file and (filtered) to the console."""
 
+    # a partial line longer than this (a progress bar that never ends its line) goes out as it is
+    MAX_PARTIAL = 64 * 1024
+
     def __init__(self) -> None:
-        # rfd → [log fd, console, prefix, show, at start of a line]
+        # rfd → [log fd, console, prefix, show, partial line not yet shown]
         self.pipes: dict[int, list] = {}
 
     def add(self, rfd: int, log_path: Path, console: object, prefix: str, show: bool) -> None:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.pipes[rfd] = [log_fd, console, prefix, show, True]
+        self.pipes[rfd] = [log_fd, console, prefix, show, b""]
 
     def pump(self, rfd: int) -> bool:
         """Copy what is readable; False at end of stream."""
         st = self.pipes[rfd]
-        log_fd, console, prefix, show, at_start = st
+        log_fd, console, prefix, show, partial = st
         try:
             data = os.read(rfd, 65536)
         except BlockingIOError:
             return True
         if not data:
+            if show and partial:
+                self._show(console, prefix, partial + b"\n")
             os.close(rfd)
             os.close(log_fd)
             del self.pipes[rfd]
             return False
         os.write(log_fd, data)
         if show:
-            # unbuffered workers write a line in pieces: prefix only where a line starts
-            out = []
-            for piece in data.decode(errors="replace").splitlines(keepends=True):
-                out.append(f"{prefix}{piece}" if at_start else piece)
-                at_start = piece.endswith("\n")
-            st[4] = at_start
-            console.write("".join(out))  # type: ignore[attr-defined]
-            console.flush()  # type: ignore[attr-defined]
+            # Unbuffered workers write a line in pieces, and two ranks write at once: only whole lines go to
+            # the console, so a line is never glued to another rank's (a carriage return ends a line too:
+            # progress bars). What is left waits for the rest of its line.
+            buf = partial + data
+            cut = max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
+            if cut == 0 and len(buf) > self.MAX_PARTIAL:
+                cut = len(buf)
+            st[4] = buf[cut:]
+            if cut:
+                self._show(console, prefix, buf[:cut])
         return True
+
+    @staticmethod
+    def _show(console: object, prefix: str, data: bytes) -> None:
+        lines = data.decode(errors="replace").splitlines(keepends=True)
+        # one write per batch of whole lines, each with its rank's prefix
+        console.write("".join(f"{prefix}{ln}" if ln.endswith(("\n", "\r")) else f"{prefix}{ln}\n"
+                              for ln in lines))  # type: ignore[attr-defined]
+        console.flush()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         for rfd, (log_fd, *_rest) in list(self.pipes.items()):
@@ -147,6 +170,8 @@ class Agent:
         self.streams = _Streams()
         self.first_failure: WorkerExit | None = None
         self.failures: list[WorkerExit] = []
+        self._hang_note = ""
+        self._ckpt_default_said = False
         self._signal: int | None = None
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -407,7 +432,8 @@ class Agent:
             "WORLD_SIZE": str(self.world_size),
             "GROUP_WORLD_SIZE": str(self.group_world_size),
             "ROLE_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": master[0],
+            # torchrun's standalone runs say localhost; scripts and tools compare it
+            "MASTER_ADDR": "localhost" if c.standalone and master[0] == "127.0.0.1" else master[0],
             "MASTER_PORT": str(master[1]),
             "TORCHELASTIC_RESTART_COUNT": str(attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
@@ -430,7 +456,7 @@ class Agent:
         if self.monitor is not None:
             env[renv.AGENT_SOCKET] = self.monitor_socket
         optional = {
-            renv.CKPT_LOCAL: c.ckpt_local, renv.CKPT_PERSISTENT: c.ckpt_persistent,
+            renv.CKPT_LOCAL: c.ckpt_local or self._default_ckpt_local(), renv.CKPT_PERSISTENT: c.ckpt_persistent,
             renv.CKPT_INTERVAL: c.ckpt_interval,
             renv.CKPT_PERSISTENT_EVERY: None if c.ckpt_persistent_every is None else str(c.ckpt_persistent_every),
             renv.UPLOAD_GRACE: str(c.upload_grace),
@@ -441,6 +467,20 @@ class Agent:
         if self.injector is not None:
             env.update(self.injector.env())
         return env
+
+    def _default_ckpt_local(self) -> str | None:
+        """Resilience by default: with no --ckpt-* flag, CheckpointManager.from_env() gets a local tier under
+        the run directory (per host: a run directory on a shared file system must not mix nodes' shards);
+        the manager's retention keeps it to the newest few steps."""
+        c = self.cfg
+        if c.ckpt_local or c.ckpt_persistent:
+            return None
+        d = self.run_dir.resolve() / "ckpt" / (socket.gethostname() if not c.single_node else "local")
+        if not self._ckpt_default_said:
+            self._ckpt_default_said = True
+            logger.warning("no --ckpt-local/--ckpt-persistent given: CheckpointManager.from_env() saves to %s "
+                           "(newest %s steps kept); pass --ckpt-local/--ckpt-persistent to choose", d, _keep_local_default())
+        return str(d)
 
     def _log_dir(self, attempt: int, local_rank: int) -> Path:
         base = Path(self.cfg.log_dir) / self.cfg.run_id if self.cfg.log_dir else self.run_dir / "logs"
@@ -569,6 +609,7 @@ class Agent:
                     self._observe(ev)  # every event of the tick: the suspect comes first, the rest matter too
                     if ev.kind == EventKind.HANG:
                         logger.error("rank %s hung: %s", ev.rank, ev.details)
+                        self._hang_note = f"rank {ev.rank} hung (no heartbeat)"
                         hung = True
                 if hung:
                     return Outcome.HUNG
@@ -581,16 +622,29 @@ class Agent:
                 self._next_plan = plan
                 return Outcome.PEER_FAILED
 
+    def _note_late_failures(self, attempt: int) -> None:
+        """Workers that failed on their own while the first failure was handled (a rank whose peer died fails
+        in its collective): the summary lists every failed rank, as torchrun's does. Not reported again: the
+        supervisor already decides on this attempt's first failure."""
+        recorded = {f.rank for f in self.failures if f.attempt == attempt}
+        for w in self.workers:
+            if w.rank in recorded or w.exit_code in (None, 0, -signal.SIGKILL):
+                continue
+            ex = WorkerExit(w.local_rank, w.rank, w.pid or -1, w.exit_code, w.exit_wall or time.time(),
+                            w.error_file, attempt)
+            self.failures.append(ex)
+            logger.warning("worker %s", ex.describe())
+
     def _record_failure(self, w: WorkerProc, attempt: int) -> None:
-        ex = WorkerExit(w.local_rank, w.rank, w.pid or -1, w.exit_code or 0, w.exit_wall or time.time(), w.error_file)
+        ex = WorkerExit(w.local_rank, w.rank, w.pid or -1, w.exit_code or 0, w.exit_wall or time.time(), w.error_file,
+                        attempt)
         self.failures.append(ex)
         if self.first_failure is None:
             self.first_failure = ex
         ev = self.ledger.emit(EventKind.WORKER_EXIT, rank=w.rank, attempt=attempt, pid=w.pid, exit_code=w.exit_code,
                               signal=ex.signal_name, local_rank=w.local_rank,
                               detect_seconds=round(max(0.0, time.time() - ex.wall), 4))
-        what = f"exit code {ex.exit_code}" if ex.exit_code > 0 else f"signal {ex.signal_name}"
-        logger.warning("worker rank %d (local rank %d, pid %d) failed: %s", ex.rank, ex.local_rank, ex.pid, what)
+        logger.warning("worker %s", ex.describe())
         self._report(ev)
 
     def _observe(self, ev: Event) -> None:
@@ -750,7 +804,8 @@ class Agent:
                 cause, lag = last or ("peer_failed", 0.0)
                 self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=cause, detect_seconds=round(lag, 4),
                                  action=plan["action"].get("action"))
-                logger.warning("%s; restarting workers (attempt %d, %s)", cause, attempt, _describe(plan["action"]))
+                logger.warning("%s; restarting workers (attempt %d of at most %d, %s)", self._why(cause), attempt,
+                               c.max_restarts, _describe(plan["action"]))
             self._ran = True
             if self.injector is not None:
                 self.injector.started(self.round, plan.get("started"))
@@ -770,6 +825,17 @@ class Agent:
                 return self._on_stopped(attempt)
             fault_wall = self.failures[-1].wall if outcome == Outcome.FAILED and self.failures else t_detect
             last = (outcome.value, max(0.0, t_detect - fault_wall))
+
+    def _why(self, cause: str) -> str:
+        """What the terminal says a restart is for: the failed ranks with pid and exit code or signal, as
+        torchrun does, the hung rank, or (for another node's failure) the supervisor's reason."""
+        if cause == Outcome.FAILED.value and self.failures:
+            last = self.failures[-1].attempt
+            return "; ".join(f.describe() for f in self.failures if f.attempt == last)
+        if cause == Outcome.HUNG.value and self._hang_note:
+            return self._hang_note
+        return {Outcome.PEER_FAILED.value: "the job restarts (another node's workers failed or it was lost)"}.get(
+            cause, cause)
 
     def _run_attempt(self, attempt: int, master: tuple[str, int]) -> Outcome:
         c = self.cfg
@@ -793,6 +859,8 @@ class Agent:
             return outcome
         # failure of some kind, or a new plan: survivors are killed at once — their collectives can't complete
         self._stop_workers(signal.SIGKILL, 10.0)
+        if outcome == Outcome.FAILED:
+            self._note_late_failures(attempt)
         if self.monitor is not None:
             self.monitor.attempt_stopped()
         self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=outcome.value)
@@ -906,7 +974,10 @@ class Agent:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
         failures = {}
-        for f in self.failures[-self.cfg.nproc_per_node:] or ([self.first_failure] if self.first_failure else []):
+        # as torchrun: the failures of the last attempt, every failed rank (ChildFailedError makes the earliest
+        # the root cause); earlier attempts' failures were printed when they happened
+        last = self.failures[-1].attempt if self.failures else None
+        for f in [f for f in self.failures if f.attempt == last] or ([self.first_failure] if self.first_failure else []):
             err = f.error_file if f.error_file and os.path.exists(f.error_file) else "<N/A>"
             failures[f.rank] = ProcessFailure(local_rank=f.local_rank, pid=f.pid, exitcode=f.exit_code, error_file=err)
         if not failures:

@@ -62,6 +62,7 @@ class WorkerExit:
     exit_code: int  # negative: killed by that signal
     wall: float
     error_file: str | None = None
+    attempt: int = 0
 
     @property
     def signal_name(self) -> str | None:
@@ -71,6 +72,11 @@ class WorkerExit:
             except ValueError:
                 return f"signal {-self.exit_code}"
         return None
+
+    def describe(self) -> str:
+        """One phrase naming the rank, pid and how it ended, as torchrun's agent prints it."""
+        how = f"exitcode: {self.exit_code}" if self.exit_code >= 0 else f"signal: {self.signal_name}"
+        return f"rank {self.rank} (local_rank: {self.local_rank}, pid: {self.pid}) failed ({how})"
 
 
 @dataclass(frozen=True)

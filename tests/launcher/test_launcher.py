@@ -1,6 +1,7 @@
 """resilient-run on real worker processes: environment parity with torchrun, restarts, exits, signals."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,9 @@ def test_crash_restart_gloo_always_works(tmp_path, scripts, rep):
     exits = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.WORKER_EXIT]
     assert exits[0].rank == 1 and exits[0].details["signal"] == "SIGKILL"
     assert EventKind.RESTART in kinds and kinds[-1] == EventKind.RUN_END
+    # the terminal names the failure as torchrun does: rank, pid, signal
+    line = next(ln for ln in r.stderr.splitlines() if "restarting workers" in ln)
+    assert re.search(r"rank 1 \(local_rank: 1, pid: \d+\) failed \(signal: SIGKILL\); restarting workers", line), line
     assert not leftovers(str(tmp_path))
 
 

@@ -1,0 +1,62 @@
+"""What a new user sees first, on real worker processes: failures named like torchrun names them, every failed
+rank in the summary, whole lines under --tee 3, torchrun's MASTER_ADDR, a default checkpoint tier, and a
+goodput report that says when a run has no step records."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.launcher.conftest import run_launcher
+
+
+@pytest.mark.timeout(120)
+def test_summary_names_every_failed_rank_and_the_terminal_names_rank_pid_signal(tmp_path, scripts):
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
+                      str(scripts / "both_fail.py")], cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    # the line a user sees when a worker dies: rank, local rank, pid and the signal
+    assert re.search(r"rank [01] \(local_rank: [01], pid: \d+\) failed \(signal: SIGUSR[12]\)", r.stderr), r.stderr
+    summary = r.stderr[r.stderr.index("both_fail.py FAILED"):]
+    assert "<NO_OTHER_FAILURES>" not in summary, summary
+    assert re.search(r"rank\s+: 0 \(local_rank: 0\)", summary) and re.search(r"rank\s+: 1 \(local_rank: 1\)", summary), summary
+    assert "Signal 10 (SIGUSR1)" in summary and "Signal 12 (SIGUSR2)" in summary, summary
+
+
+@pytest.mark.timeout(120)
+def test_tee_keeps_every_line_whole(tmp_path, scripts):
+    n = 400
+    # spawn: the script needs no torch, so no fork server warming up
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--tee", "3", "--worker-launch", "spawn",
+                      "--run-dir", str(tmp_path / "run"),
+                      str(scripts / "chatty.py"), str(n)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[default")]
+    bad = [ln for ln in lines if not re.fullmatch(r"\[default([01])\]:r\1 line \d+ x+ end", ln)]
+    assert not bad, bad[:5]
+    assert len(lines) == 2 * n
+    # the per-rank log files keep the bytes exactly as written
+    log = (tmp_path / "run" / "logs" / "attempt_0" / "1" / "stdout.log").read_text()
+    assert log.count(" end\n") == n
+
+
+@pytest.mark.timeout(150)
+def test_default_local_tier_master_addr_and_no_step_records(tmp_path, scripts):
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    r = run_launcher(["--standalone", "--nproc-per-node", "1", "--run-dir", str(run), str(scripts / "default_ckpt.py"),
+                      str(out)], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads((out / "seen.json").read_text())
+    assert seen["MASTER_ADDR"] == "localhost"  # as torchrun --standalone
+    local = run.resolve() / "ckpt" / "local"
+    assert seen["local"] == str(local)
+    assert "no --ckpt-local/--ckpt-persistent given" in r.stderr and str(local) in r.stderr
+    kept = sorted(p.name for p in local.iterdir() if p.is_dir())
+    assert 1 <= len(kept) <= 2 and kept[-1].endswith("3"), kept  # retention bounded: newest steps only
+    g = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(run)], capture_output=True, text=True,
+                       timeout=60)
+    assert g.returncode == 2, (g.stdout, g.stderr)
+    assert "no step records" in g.stderr and "resilient.steps()" in g.stderr
+    assert len(g.stderr.strip().splitlines()) == 1, g.stderr
