@@ -172,6 +172,17 @@ class Agent:
         self.failures: list[WorkerExit] = []
         self._hang_note = ""
         self._ckpt_default_said = False
+        # automatic preload: modules the workers loaded, and the fork server being warmed with them
+        self._learned: list[str] = []
+        self._learned_set: set[str] = set()
+        self._learned_at = 0.0
+        self._preloaded: tuple[str, ...] = ()
+        self._next_starter: ForkServer | None = None
+        self._next_preload: tuple[str, ...] = ()
+        self._preload_refreshes = 0
+        self._next_ready_said = False
+        self._preload_polled = 0.0
+        self._preload_denied = self._load_denied()
         self._signal: int | None = None
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -228,10 +239,136 @@ class Agent:
             self.starter = SpawnStarter()
             return
         try:
-            self.starter = ForkServer(self._preload_modules(), tag=f"run={self.run_dir.resolve()}")
+            self.starter = self._new_fork_server(())
         except OSError as e:
             logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
             self.starter = SpawnStarter()
+
+    def _new_fork_server(self, learned: tuple[str, ...]) -> ForkServer:
+        d = self.run_dir / "preload"
+        if learned:
+            d.mkdir(parents=True, exist_ok=True)
+        return ForkServer(self._preload_modules() + tuple(f"+{m}" for m in learned), tag=f"run={self.run_dir.resolve()}",
+                          preload_file=str(d / f"modules-{os.getpid()}.txt"))
+
+    # ---------------------------------------------------------------- automatic preload
+    PRELOAD_KEY = "resilient/preload"  # signed list of learned modules, for the spares (and replaced nodes)
+    PRELOAD_QUIET = 0.5  # seconds without a new module before the list is taken as settled
+    PRELOAD_REFRESHES = 4  # fork servers started per agent for learned modules: imports cost CPU
+
+    def _learn(self) -> None:
+        """Collect the modules workers reported loading (through the fork server)."""
+        if not isinstance(self.starter, ForkServer):
+            return
+        new = [m for m in self.starter.take_learned() if m not in self._learned_set]
+        if new:
+            self._learned += new
+            self._learned_set.update(new)
+            self._learned_at = time.monotonic()
+
+    def _refresh_preload(self) -> None:
+        """Automatic preload: after the first attempt, a fork server that has already imported what the workers
+        imported replaces the current one at the next restart (a spare's at once), so heavy scripts restart as
+        fast as with a hand-written --preload. It warms up beside the running one: training never waits."""
+        if self.cfg.launch_method != WorkerLaunchMethod.FORK_SERVER or self.cfg.command.kind == "exec":
+            return
+        self._learn()
+        now = time.monotonic()
+        if not self.active and now - self._preload_polled > 1.0:
+            self._preload_polled = now
+            self._fetch_learned()
+        nxt = self._next_starter
+        if nxt is not None:
+            try:
+                ready = nxt.poll_ready()
+            except ForkServerError as e:
+                self._next_starter = None
+                if e.bad_module:
+                    self._preload_denied.add(e.bad_module)
+                    self._save_denied()
+                    logger.warning("automatic preload: %s; %s is never preloaded again", e, e.bad_module)
+                else:
+                    logger.warning("automatic preload failed (%s); restarts import as before", e)
+                    self._preload_refreshes = self.PRELOAD_REFRESHES
+                return
+            if ready and not self._next_ready_said:
+                self._next_ready_said = True
+                logger.info("automatic preload: fork server ready with %d learned modules; it takes over at the next "
+                            "restart", len(self._next_preload))
+            if ready and not any(w.pid is not None and w.exit_code is None for w in self.workers):
+                self._swap_starter()
+            return
+        want = tuple(m for m in self._learned if m not in self._preload_denied)
+        have = set(self._preloaded)
+        if (not want or all(m in have for m in want) or now - self._learned_at < self.PRELOAD_QUIET
+                or self._preload_refreshes >= self.PRELOAD_REFRESHES):
+            return
+        self._preload_refreshes += 1
+        try:
+            self._next_starter = self._new_fork_server(want)
+        except OSError as e:
+            logger.warning("automatic preload: cannot start a fork server (%s)", e)
+            self._preload_refreshes = self.PRELOAD_REFRESHES
+            return
+        self._next_preload = want
+        self._next_ready_said = False
+        logger.info("automatic preload: warming a fork server with %d modules the workers loaded", len(want))
+        if self.active:
+            self._publish_learned(want)
+
+    def _swap_starter(self) -> None:
+        """Between attempts (no live worker): the warmed fork server takes over."""
+        nxt, self._next_starter = self._next_starter, None
+        if nxt is None or not nxt.poll_ready():
+            return
+        old = self.starter
+        if old is not None:
+            self._learn()
+            self.sel.unregister(old.fileno())
+            old.close()
+        self.starter = nxt
+        self._preloaded = self._next_preload
+        self.sel.register(nxt.fileno(), selectors.EVENT_READ, "exit")
+        logger.info("automatic preload: fork server with %d learned modules in use", len(self._preloaded))
+
+    def _publish_learned(self, names: tuple[str, ...]) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(self.PRELOAD_KEY, self.signer.seal({"modules": list(names), "node": self.node}))
+        except Exception as e:  # noqa: BLE001 - a speed-up for spares only
+            logger.debug("cannot publish learned modules: %s", e)
+
+    def _fetch_learned(self) -> None:
+        """A spare learns from the active nodes what their workers import."""
+        if self.store is None or self._store_lost_at is not None:
+            return
+        try:
+            if not self.store.check([self.PRELOAD_KEY]):
+                return
+            body = self.signer.open(self.store.get(self.PRELOAD_KEY))
+        except Exception as e:  # noqa: BLE001 - forged, or the store is away: nothing learned
+            logger.debug("cannot read learned modules: %s", e)
+            return
+        names = [str(m) for m in body.get("modules", ()) if isinstance(m, str)]
+        new = [m for m in names if m not in self._learned_set]
+        if new:
+            self._learned += new
+            self._learned_set.update(new)
+            self._learned_at = time.monotonic() - self.PRELOAD_QUIET  # settled already on the node that sent it
+
+    def _save_denied(self) -> None:
+        try:
+            (self.run_dir / "preload").mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "preload" / "denied.txt").write_text("".join(f"{m}\n" for m in sorted(self._preload_denied)))
+        except OSError as e:
+            logger.debug("cannot remember denied preloads: %s", e)
+
+    def _load_denied(self) -> set[str]:
+        try:
+            return set((self.run_dir / "preload" / "denied.txt").read_text().split())
+        except OSError:
+            return set()
 
     def _preload_modules(self) -> tuple[str, ...]:
         """What the fork server imports ahead of time: what every resilient worker imports anyway
@@ -512,6 +649,8 @@ class Agent:
                 setattr(w, f"{name}_fd", fd)
             self.workers.append(w)
         assert self.starter is not None
+        if self._next_starter is not None:
+            self._refresh_preload()  # ready by now? then this attempt already forks from it
         try:
             self.starter.start(c.command, self.workers, os.getcwd())
         except ForkServerError as e:
@@ -616,6 +755,7 @@ class Agent:
             self._heartbeat()
             self._kick()
             self._maybe_reconnect()
+            self._refresh_preload()
             # only a plan that carries the job's signature counts: a forged key must not restart anything
             plan = self._new_plan()
             if plan is not None:
@@ -684,6 +824,7 @@ class Agent:
             self._heartbeat()
             self._kick()
             self._maybe_reconnect()
+            self._refresh_preload()
             plan = self._new_plan()
             if plan is not None:
                 return plan
@@ -991,7 +1132,7 @@ class Agent:
         except Exception as e:  # noqa: BLE001
             logger.error("stopping workers: %s", e)
         self.streams.close()
-        for part in (self.monitor, self.metrics, self.starter):
+        for part in (self.monitor, self.metrics, self.starter, self._next_starter):
             if part is not None:
                 try:
                     part.close()

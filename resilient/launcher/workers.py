@@ -63,25 +63,35 @@ def signal_workers(workers: list[WorkerProc], sig: int) -> None:
 
 
 class ForkServerError(RuntimeError):
-    pass
+    def __init__(self, why: str, bad_module: str | None = None):
+        super().__init__(why)
+        self.bad_module = bad_module  # a learned module that made forking unsafe: never preload it again
 
 
 class ForkServer:
     """Client of :mod:`resilient.launcher.zygote`."""
 
-    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = ""):
+    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", preload_file: str | None = None):
+        """``preload_file``: where to write the list when it is long (learned modules), passed as ``@FILE``."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = parent
         self._buf = b""
         self._by_id: dict[str, WorkerProc] = {}
         self._events: list[dict] = []
+        self.preload = tuple(preload)
+        self.learned: list[str] = []  # modules the workers loaded, in order, as the zygote reported them
+        spec = ",".join(preload)
+        if preload_file is not None and len(spec) > 8192:
+            with open(preload_file, "w") as f:
+                f.write("\n".join(preload))
+            spec = f"@{preload_file}"
         env = dict(os.environ)
         # numpy's OpenBLAS starts a thread pool at import, and forking a threaded process is unsafe.
         # Workers get the user's environment back, but BLAS calls made from numpy in a forked worker
         # stay single-threaded (torch's own intra-op threads are unaffected).
         env["OPENBLAS_NUM_THREADS"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), ",".join(preload), tag],
+            [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), spec, tag],
             pass_fds=[child.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -95,11 +105,39 @@ class ForkServer:
         if self._ready:
             return
         msg = self._read_one(timeout)
+        self._first(msg)
+
+    def _first(self, msg: dict) -> None:
         if msg.get("ev") != "ready":
             self.close()
-            raise ForkServerError(msg.get("why", f"unexpected first message {msg}"))
+            raise ForkServerError(msg.get("why", f"unexpected first message {msg}"), msg.get("bad"))
         self.sock.setblocking(False)
         self._ready = True
+
+    def poll_ready(self) -> bool:
+        """Without blocking: has it finished its imports? Raises ForkServerError when it failed."""
+        if self._ready:
+            return True
+        self.sock.setblocking(False)
+        try:
+            while b"\n" not in self._buf:
+                try:
+                    data = self.sock.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                if not data:
+                    raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
+                self._buf += data
+        finally:
+            if not self._ready:
+                self.sock.setblocking(True)
+        line, self._buf = self._buf.split(b"\n", 1)
+        self._first(json.loads(line))
+        return True
+
+    def take_learned(self) -> list[str]:
+        out, self.learned = self.learned, []
+        return out
 
     def _read_one(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -168,6 +206,9 @@ class ForkServer:
             self.sock.setblocking(False)
 
     def _handle(self, ev: dict) -> WorkerProc | None:
+        if ev.get("ev") == "modules":
+            self.learned.extend(ev.get("names", ()))
+            return None
         w = self._by_id.get(ev.get("id"))
         if w is None:
             return None

@@ -10,7 +10,14 @@ Protocol over a Unix stream socket (inherited as fd ``argv[1]``), one JSON objec
 agent → zygote ``{"op": "spawn", "id": str, "argv": [...], "env": {...}, "cwd": str,
 "kind": "script"|"module", "error_file": str|null, "stdout": n, "stderr": n}`` where ``stdout``/``stderr``
 are ``-1`` (inherit), or the index of a file descriptor sent with the message (SCM_RIGHTS);
-zygote → agent ``{"ev": "ready"|"spawned"|"exit"|"refused", ...}``.
+zygote → agent ``{"ev": "ready"|"spawned"|"exit"|"refused"|"modules"|"failed", ...}``.
+
+Automatic preload: each worker reports the modules it loads (an audit hook on ``import`` writing names to a
+pipe the zygote reads); the zygote passes new names on as ``{"ev": "modules", "names": [...]}``, and the agent
+starts the next fork server with them (``+name`` in the preload list), so a restart does not import them
+again. A learned module is imported only if it is installed (standard library or site-packages: never the
+user's own code) and only if the process stays single-threaded without a CUDA context afterwards; the first
+one that breaks this ends the zygote with ``{"ev": "failed", "bad": name}`` and the agent never tries it again.
 The zygote dies with the agent (PR_SET_PDEATHSIG), and workers die with the zygote.
 """
 
@@ -90,8 +97,26 @@ def run_worker(job: dict[str, Any]) -> int:
     return 0
 
 
-def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
+_REPORT_FD: int | None = None  # a worker's end of the zygote's module pipe
+
+
+def _report_import(event: str, args: tuple) -> None:
+    # called for every audit event of the worker: return at once unless a module is being loaded
+    if event != "import" or _REPORT_FD is None:
+        return
+    try:
+        os.write(_REPORT_FD, f"{args[0]}\n".encode())
+    except (BlockingIOError, BrokenPipeError, OSError):
+        pass  # a busy or gone zygote only costs a faster restart
+
+
+def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket, mods: tuple[int, int] | None) -> None:
+    global _REPORT_FD
     sock.close()
+    if mods is not None:
+        os.close(mods[0])
+        _REPORT_FD = mods[1]
+        sys.addaudithook(_report_import)
     signal.set_wakeup_fd(-1)
     for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, signal.SIG_DFL)
@@ -123,6 +148,12 @@ class Zygote:
         os.set_blocking(wfd, False)
         self.sig_r = rfd
         signal.set_wakeup_fd(wfd)
+        # workers write the names of modules they load here (non-blocking: a worker never waits on us)
+        self.mods = os.pipe()
+        os.set_blocking(self.mods[0], False)
+        os.set_blocking(self.mods[1], False)
+        self._mods_buf = b""
+        self._known: set[str] = set(sys.modules)
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -149,9 +180,11 @@ class Zygote:
 
         while True:
             try:
-                r, _, _ = select.select([self.sock, self.sig_r], [], [])
+                r, _, _ = select.select([self.sock, self.sig_r, self.mods[0]], [], [])
             except InterruptedError:
                 continue
+            if self.mods[0] in r:
+                self.read_modules()
             if self.sig_r in r:
                 try:
                     os.read(self.sig_r, 4096)
@@ -182,6 +215,22 @@ class Zygote:
                             return job
                 self.reap()
 
+    def read_modules(self) -> None:
+        try:
+            data = os.read(self.mods[0], 1 << 16)
+        except BlockingIOError:
+            return
+        self._mods_buf += data
+        *lines, self._mods_buf = self._mods_buf.split(b"\n")
+        new = []
+        for ln in lines:
+            name = ln.decode(errors="replace")
+            if name and name not in self._known and not name.startswith("__"):
+                self._known.add(name)
+                new.append(name)
+        if new:
+            self.send({"ev": "modules", "names": new})
+
     def spawn(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         if thread_count() != 1:
             for fd in fds:
@@ -190,13 +239,81 @@ class Zygote:
             return None
         pid = os.fork()
         if pid == 0:
-            _child_setup(msg, fds, self.sock)
+            _child_setup(msg, fds, self.sock, self.mods)
             return msg
         for fd in fds:
             os.close(fd)
         self.children[pid] = msg["id"]
         self.send({"ev": "spawned", "id": msg["id"], "pid": pid, "t": time.time()})
         return None
+
+
+def _install_roots() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+    try:
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site.py
+        pass
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+
+
+def installed(name: str, roots: tuple[str, ...]) -> bool:
+    """True for a module of the standard library or site-packages: never the user's own code (it may change
+    between restarts, and importing it could run their training)."""
+    import importlib.util
+
+    top = name.split(".", 1)[0]
+    if top in sys.builtin_module_names:
+        return True
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    where = spec.origin if spec.origin not in (None, "namespace", "built-in", "frozen") else None
+    if where is None and spec.submodule_search_locations:
+        where = next(iter(spec.submodule_search_locations), None)
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    return where is not None and os.path.realpath(where).startswith(roots)
+
+
+class UnsafePreload(RuntimeError):
+    def __init__(self, module: str, why: str):
+        super().__init__(f"importing {module} {why}")
+        self.module = module
+
+
+def _unsafe() -> str | None:
+    if thread_count() != 1:
+        return f"started threads ({thread_count()} now)"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "initialised CUDA"
+    return None
+
+
+def preload_learned(names: list[str]) -> None:
+    """Import what earlier workers imported, checking after each that forking stays safe."""
+    import importlib
+
+    roots = _install_roots()
+    for name in names:
+        if name in sys.modules or not installed(name, roots):
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a speed-up only: aliases, platform modules, odd packages
+            pass
+        why = _unsafe()
+        if why:
+            raise UnsafePreload(name, why)
 
 
 def preload(modules: list[str]) -> None:
@@ -208,8 +325,9 @@ def preload(modules: list[str]) -> None:
     import torch  # noqa: F401  - the point of this process
     import torch.distributed  # noqa: F401
 
+    learned = [m[1:] for m in modules if m.startswith("+")]
     for m in modules:
-        if not m:
+        if not m or m.startswith("+"):
             continue
         if m.startswith("?"):  # our own defaults: a speed-up, never a reason to fail
             try:
@@ -218,16 +336,25 @@ def preload(modules: list[str]) -> None:
                 pass
         else:
             importlib.import_module(m)
+    if learned:
+        preload_learned(learned)
 
 
 def main() -> None:
     fd = int(sys.argv[1])
     # argv[3], when given, only labels the process for people reading ps
-    preload_modules = [m for m in sys.argv[2].split(",")] if len(sys.argv) > 2 else []
+    spec = sys.argv[2] if len(sys.argv) > 2 else ""
+    if spec.startswith("@"):  # a long list (learned modules) comes in a file: one argument is capped at 128 KiB
+        with open(spec[1:]) as f:
+            spec = f.read().strip()
+    preload_modules = [m for m in spec.replace("\n", ",").split(",")]
     set_pdeathsig(signal.SIGKILL)
     sock = socket.socket(fileno=fd)
     try:
         preload(preload_modules)
+    except UnsafePreload as e:
+        sock.sendall((json.dumps({"ev": "failed", "why": str(e), "bad": e.module}) + "\n").encode())
+        sys.exit(3)
     except BaseException as e:  # noqa: BLE001 - reported, then the agent falls back to spawn
         sock.sendall((json.dumps({"ev": "failed", "why": f"preload failed: {type(e).__name__}: {e}"}) + "\n").encode())
         sys.exit(3)

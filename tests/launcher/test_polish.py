@@ -60,3 +60,26 @@ def test_default_local_tier_master_addr_and_no_step_records(tmp_path, scripts):
     assert g.returncode == 2, (g.stdout, g.stderr)
     assert "no step records" in g.stderr and "resilient.steps()" in g.stderr
     assert len(g.stderr.strip().splitlines()) == 1, g.stderr
+
+
+@pytest.mark.timeout(150)
+def test_automatic_preload_learns_imports_and_drops_a_module_that_starts_threads(tmp_path, scripts):
+    # two modules installed in a user site (a real install location; the user's own code is never preloaded)
+    user_base = tmp_path / "userbase"
+    site_dir = user_base / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site_dir.mkdir(parents=True)
+    (site_dir / "calm.py").write_text("VALUE = 1\n")
+    (site_dir / "thready.py").write_text("import threading\nthreading.Thread(target=threading.Event().wait, "
+                                         "daemon=True).start()\n")
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", str(run),
+                      str(scripts / "learn_imports.py"), str(out)], cwd=tmp_path,
+                     env={"PYTHONUSERBASE": str(user_base), "PYTHONPATH": str(site_dir), "RESILIENT_LOG_LEVEL": "INFO"})
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert json.loads((out / f"a0_r{rank}.json").read_text()) == {"calm": False, "thready": False}
+        # the restarted workers found calm imported already; thready (a thread at import) was dropped
+        assert json.loads((out / f"a1_r{rank}.json").read_text()) == {"calm": True, "thready": False}
+    assert "thready" in (run / "preload" / "denied.txt").read_text().split()
+    assert "thready is never preloaded again" in r.stderr
