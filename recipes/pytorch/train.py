@@ -1,0 +1,159 @@
+"""A small GPT trained on the shipped corpus, written the way the README tells users to write training code.
+
+    resilient-run --standalone --nproc-per-node 2 --max-restarts 5 recipes/pytorch/train.py --steps 200
+    resilient-run ... --ckpt-local /mnt/localssd/ckpt --ckpt-persistent gs://bucket/run recipes/pytorch/train.py
+
+What it shows, each a few lines:
+* ``CheckpointManager.from_env()``: tiers from the launcher's flags (with none, a local tier under the run
+  directory); ``restore`` before the loop, ``save`` every step (it saves when the interval says so);
+* ``resilient.steps``: heartbeats, step times and goodput records; hang and straggler detection;
+* ``ResumableSampler``: the data position is checkpoint state; after a restart, or a change of world size,
+  training continues with exactly the samples not yet seen;
+* ``on_scale``: when the job shrinks (a lost node, no spare) or grows back, gradient accumulation keeps the
+  global batch, and the learning rate follows the global batch if accumulation cannot make it whole.
+
+Data parallelism is DDP by default; ``--fsdp`` shards with FSDP2 (``fully_shard``) instead. It runs
+unchanged under ``python`` (one process), ``torchrun`` and ``resilient-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import resilient
+from resilient.data import ResumableSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import GPT, CorpusWindows, GPTConfig, load_corpus  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps in total")
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, whole job")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate at --global-batch")
+    ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds a step (stands in for a bigger model)")
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
+    ap.add_argument("--d-model", type=int, default=GPTConfig.d_model)
+    a = ap.parse_args()
+    for name in ("steps", "global_batch", "micro_batch", "log_every"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    return a
+
+
+def accumulation(global_batch: int, micro_batch: int, world: int) -> tuple[int, float]:
+    """Micro-batches per rank per step, and the learning-rate factor when the global batch cannot be kept."""
+    accum = max(1, round(global_batch / (micro_batch * world)))
+    return accum, (accum * micro_batch * world) / global_batch
+
+
+def main() -> int:
+    args = parse_args()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
+    model = GPT(cfg).to(device)
+    if distributed and args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    elif distributed:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        wrapped = model
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    data = CorpusWindows(load_corpus(), cfg.seq_len)
+    sampler = ResumableSampler(data, num_replicas=world, rank=rank, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=0)
+    accum, lr_factor = accumulation(args.global_batch, args.micro_batch, world)
+    for g in optim.param_groups:
+        g["lr"] = args.lr * lr_factor
+
+    @resilient.on_scale
+    def rescale(ev: resilient.ScaleEvent) -> None:
+        # a lost node with no spare (or a node back): keep the global batch through accumulation
+        nonlocal accum
+        accum, factor = accumulation(args.global_batch, args.micro_batch, ev.new_dp_size)
+        for g in optim.param_groups:
+            g["lr"] = args.lr * factor
+        if rank == 0:
+            print(f"[train] world {ev.old_world_size} -> {ev.new_world_size}: accumulation {accum}, "
+                  f"lr {args.lr * factor:.2e}", flush=True)
+
+    ckpt = resilient.CheckpointManager.from_env()
+    state = {"model": model, "optim": optim, "sampler": sampler}
+    start = ckpt.restore(state)
+    if rank == 0:
+        print(f"[train] world {world}, {'FSDP2' if args.fsdp else 'DDP' if distributed else 'single process'}, "
+              f"{sum(p.numel() for p in model.parameters())} parameters, starting at step {start} "
+              f"(epoch {sampler.epoch}, sample {sampler.consumed} of {len(data)})", flush=True)
+
+    batches = iter(loader)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal batches
+        try:
+            return next(batches)
+        except StopIteration:
+            sampler.set_epoch(sampler.epoch + 1)
+            batches = iter(loader)
+            return next(batches)
+
+    loss_sum = torch.zeros((), device=device)
+    for step in resilient.steps(start, args.steps):
+        optim.zero_grad(set_to_none=True)
+        loss_sum.zero_()
+        for i in range(accum):
+            x, y = (t.to(device) for t in next_batch())
+            sync = i == accum - 1 or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+            ctx = wrapped.no_sync() if not sync else _null()
+            with ctx:
+                logits = wrapped(x)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
+                loss.backward()
+            loss_sum += loss.detach()
+        optim.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        ckpt.save(step, state)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"[train] step {step} loss {loss_sum.item():.4f}", flush=True)
+    ckpt.wait(timeout=300)
+    ckpt.close()
+    if rank == 0:
+        print(f"[train] done at step {args.steps}: loss {loss_sum.item():.4f}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
