@@ -10,20 +10,15 @@ its own data position, so a resumed run is bit-exact with an uninterrupted one o
 comes back per rank. At the end each rank writes ``<out>/rank<r>.pt`` with the model, the optimizer
 state, its RNG state and its data position.
 
-Fault injection for tests: ``CKPT_TRAIN_FAULT=<point>:<step>[,<point>:<step>...]``; each fault fires
-once (marker ``<out>/fault-done-<i>``), the first not yet fired is armed in each attempt; only rank
-``CKPT_TRAIN_FAULT_RANK`` (default 0) dies:
-  between:S     SIGKILL once the save at step S is complete (between saves)
-  mid_write:S   SIGKILL while the local tier write of step S is half done
-  mid_upload:S  SIGKILL after the first file of step S reached the persistent tier
-  wipe:S        once step S is saved everywhere, delete this node's local tier (a lost disk), SIGKILL
+Fault injection for tests goes through ``resilient.testing.faults`` (``RESILIENT_FAULTS``, see
+``plan_env``): checkpoint-phase faults (``kill-after-save``, ``kill-mid-write``, ``kill-mid-upload``,
+``lose-disk``) and the per-step ones (``kill``, ``stop``, ``raise``, ...), each for one rank, step and attempt.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -55,47 +50,6 @@ class DataPos:
         self.pos = int(sd["pos"])
 
 
-_MARK: list[Path] = []
-
-
-def _die(out: Path) -> None:
-    for m in _MARK:
-        m.touch()
-    (out / "fault-done").touch()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _install_fault(point: str, step: int, out: Path, state_step: list[int]) -> None:
-    if point == "mid_write":
-        import torch.distributed.checkpoint.filesystem as fs
-
-        orig = fs._write_item
-
-        def write_half(transforms, stream, data, write_item, storage_key, fmt):  # type: ignore[no-untyped-def]
-            # the background writer may run while training is already steps ahead: match the file's step
-            if f"step_{step:08d}" in str(getattr(stream, "name", "")) and isinstance(data, torch.Tensor) \
-                    and data.numel() > 64:
-                raw = data.contiguous().view(torch.uint8).numpy().tobytes()
-                stream.write(raw[: len(raw) // 2])
-                stream.flush()
-                _die(out)
-            return orig(transforms, stream, data, write_item, storage_key, fmt)
-
-        fs._write_item = write_half
-    elif point == "mid_upload":
-        from resilient.checkpoint import tiers
-
-        for cls in (tiers.FsspecTier, tiers.DirTier):
-            orig_put = cls.put_file
-
-            def put(self, s, name, local_path, _orig=orig_put):  # type: ignore[no-untyped-def]
-                _orig(self, s, name, local_path)
-                if s == step and self.name == "persistent":
-                    _die(out)
-
-            cls.put_file = put
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
@@ -112,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from resilient.checkpoint.manager import CheckpointManager
+    from resilient.testing import faults
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,18 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ck = CheckpointManager.from_env(**overrides)
     start = ck.restore(state)
 
-    faults = [f.split(":") for f in os.environ.get("CKPT_TRAIN_FAULT", "").split(",") if f]
-    fault_rank = int(os.environ.get("CKPT_TRAIN_FAULT_RANK", "0"))
-    pending = [(i, p, int(s)) for i, (p, s) in enumerate(faults) if not (out / f"fault-done-{i}").exists()]
-    armed = bool(pending) and rank == fault_rank
-    point, fstep = (pending[0][1], pending[0][2]) if pending else ("", -1)
-    cur = [-1]
-    if armed:
-        _MARK.append(out / f"fault-done-{pending[0][0]}")
-        _install_fault(point, fstep, out, cur)
-
+    faults.arm_checkpoint_faults(ck)
     for step in range(start, args.steps):
-        cur[0] = step
         x = torch.randn(8, 16, generator=rng.gen)
         y = torch.randn(8, 4, generator=rng.gen)
         data.pos += 8
@@ -166,15 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 off += g.numel()
         optim.step()
         ck.save(step, state)
-        if armed and point == "mid_upload" and step == fstep:
-            ck.wait()  # uploads trail training; wait here so the kill lands before later steps are saved
-        if armed and point in ("between", "wipe") and step == fstep:
-            ck.wait()  # the save of this step is committed (and uploaded); die before the next one
-            if point == "wipe" and ck.local is not None:
-                import shutil
-
-                shutil.rmtree(ck.local.root)
-            _die(out)
+        faults.after_save(step, ck)
+        faults.maybe_fail(step)
     ck.wait()
     ck.close()
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "rng": rng.gen.get_state(),

@@ -60,6 +60,16 @@ class FaultHow(str, enum.Enum):
     WIPE_TIER = "wipe-tier"
     HANG_COLLECTIVE = "hang-collective"  # blocked in dist.recv for a message no peer sends: a deadlock in
     # communication (alive, not stopped; the peers wait in their next collective)
+    # Faults placed in a checkpoint's life; they need the script's CheckpointManager (arm_checkpoint_faults
+    # once after it is made, after_save after each save):
+    KILL_AFTER_SAVE = "kill-after-save"  # SIGKILL once the save of the step is complete on every tier
+    KILL_MID_WRITE = "kill-mid-write"  # SIGKILL with a local file of the step half written (a torn write)
+    KILL_MID_UPLOAD = "kill-mid-upload"  # SIGKILL once the first file of the step reached the persistent tier
+    LOSE_DISK = "lose-disk"  # once the step is saved everywhere: delete this node's local tier, then SIGKILL
+
+
+CHECKPOINT_HOWS = frozenset({FaultHow.KILL_AFTER_SAVE, FaultHow.KILL_MID_WRITE, FaultHow.KILL_MID_UPLOAD,
+                             FaultHow.LOSE_DISK})
 
 
 class FaultKind(str, enum.Enum):
@@ -222,7 +232,7 @@ def fail_at(rank: int, step: int, how: FaultHow | str, *, current_rank: int | No
     deletes ``tier_dir`` (default ``$RESILIENT_CKPT_LOCAL``)."""
     how = FaultHow(how)
     me = int(os.environ.get("RANK", "0")) if current_rank is None else current_rank
-    if me != rank or current_step is None:
+    if me != rank or current_step is None or how in CHECKPOINT_HOWS:
         return
     if how == FaultHow.SLOW:
         if current_step >= step:
@@ -259,6 +269,77 @@ def maybe_fail(step: int) -> None:
     for f in _plan():
         if f.attempt is None or f.attempt == att:
             fail_at(f.rank, f.step, f.how, current_step=step, seconds=f.seconds)
+
+
+def _mine(hows: frozenset[FaultHow] | set[FaultHow]) -> list[WorkerFault]:
+    me, att = int(os.environ.get("RANK", "0")), _attempt()
+    return [f for f in _plan() if f.how in hows and f.rank == me and (f.attempt is None or f.attempt == att)]
+
+
+def _die(how: FaultHow, rank: int, step: int) -> None:
+    _record(how.value, rank, f"step{step}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_checkpoint_faults(manager: object) -> None:
+    """Call once after making the script's ``CheckpointManager``: installs this rank's planned mid-write and
+    mid-upload kills for this attempt (hooks on the writer and on the tiers' upload, matched by step: the
+    background writer may run while training is already steps ahead)."""
+    for f in _mine({FaultHow.KILL_MID_WRITE, FaultHow.KILL_MID_UPLOAD}):
+        if f.how == FaultHow.KILL_MID_WRITE:
+            _arm_mid_write(f)
+        else:
+            _arm_mid_upload(f)
+
+
+def _arm_mid_write(f: WorkerFault) -> None:
+    import torch
+    import torch.distributed.checkpoint.filesystem as fs
+
+    orig = fs._write_item
+    marker = f"step_{f.step:08d}"
+
+    def write_half(transforms, stream, data, write_item, storage_key, fmt):  # type: ignore[no-untyped-def]
+        if marker in str(getattr(stream, "name", "")) and isinstance(data, torch.Tensor) and data.numel() > 64:
+            raw = data.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            stream.write(raw[: len(raw) // 2])
+            stream.flush()
+            _die(f.how, f.rank, f.step)
+        return orig(transforms, stream, data, write_item, storage_key, fmt)
+
+    fs._write_item = write_half
+
+
+def _arm_mid_upload(f: WorkerFault) -> None:
+    from resilient.checkpoint import tiers
+
+    for cls in (tiers.FsspecTier, tiers.DirTier):
+        orig_put = cls.put_file
+
+        def put(self, s, name, local_path, _orig=orig_put):  # type: ignore[no-untyped-def]
+            _orig(self, s, name, local_path)
+            if s == f.step and self.name == "persistent":
+                _die(f.how, f.rank, f.step)
+
+        cls.put_file = put  # type: ignore[method-assign]
+
+
+def after_save(step: int, manager: object) -> None:
+    """Call after each ``manager.save(step, ...)``: carries out this rank's kill-after-save and lose-disk
+    faults of ``step`` (once the save is complete), and holds training at a planned mid-upload step until
+    the upload (and so the kill) has happened."""
+    for f in _mine(CHECKPOINT_HOWS - {FaultHow.KILL_MID_WRITE}):
+        if f.step != step:
+            continue
+        manager.wait()  # type: ignore[attr-defined]
+        if f.how == FaultHow.LOSE_DISK:
+            local = getattr(manager, "local", None)
+            if local is not None:
+                shutil.rmtree(local.root, ignore_errors=True)
+        if f.how in (FaultHow.KILL_AFTER_SAVE, FaultHow.LOSE_DISK):
+            _die(f.how, f.rank, f.step)
 
 
 # --------------------------------------------------------------------------------------- in the test

@@ -31,7 +31,7 @@ class Result:
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     for k in list(env):
-        if k.startswith(("RESILIENT_", "CKPT_TRAIN_", "TORCHELASTIC_")):
+        if k.startswith(("RESILIENT_", "TORCHELASTIC_")):
             del env[k]
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+
 from .conftest import TRAIN, Workers, ok
 
 STEPS = 16
@@ -49,15 +51,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault,expect_steps", [("between:7", {7}), ("mid_write:11", {3, 7})])
+@pytest.mark.parametrize("how,at,expect_steps", [(FaultHow.KILL_AFTER_SAVE, 7, {7}),
+                                                  (FaultHow.KILL_MID_WRITE, 11, {3, 7})])
 def test_sigkill_and_resume_is_bit_exact(tmp_path: Path, workers: Workers, reference: list[dict],
-                                         fault: str, expect_steps: set[int]) -> None:
+                                         how: FaultHow, at: int, expect_steps: set[int]) -> None:
     """Killed between saves (step 7 complete) or in the middle of writing step 11 (step 7 may still be
     committing then: either 7 or 3 is the newest complete step)."""
     args = [*ARGS, "--local", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
-    first = workers.run(TRAIN, args, 2, env={"CKPT_TRAIN_FAULT": fault})
-    assert first[0].returncode == -9, first[0].output[-3000:]
-    assert (tmp_path / "out" / "fault-done").exists()
+    first = workers.run(TRAIN, args, 2, env=plan_env(WorkerFault(how, rank=0, step=at)))
+    assert first[0].returncode == -9, first[0].output[-3000:]  # the planned SIGKILL, nothing else
     ok(workers.run(TRAIN, args, 2))
     res = final(tmp_path / "out", 2)
     for r in res:
@@ -72,7 +74,8 @@ def test_peer_tier_restores_a_node_that_lost_its_disk(tmp_path: Path, workers: W
     """Two "nodes" (LOCAL_WORLD_SIZE=1, one local dir each); node 1's disk is wiped after a kill: its files
     come back from node 0's replica over the manager's gloo group."""
     args = [*ARGS, "--local", str(tmp_path / "node{node}"), "--out", str(tmp_path / "out")]
-    workers.run(TRAIN, args, 2, local_world_size=1, env={"CKPT_TRAIN_FAULT": "between:7"})
+    workers.run(TRAIN, args, 2, local_world_size=1,
+                env=plan_env(WorkerFault(FaultHow.KILL_AFTER_SAVE, rank=0, step=7)))
     assert (tmp_path / "node0" / "peer" / "step_00000007" / "__1_0.distcp").exists()  # node 1's files on node 0
     assert (tmp_path / "node1" / "peer" / "step_00000007" / "COMMITTED").exists()
     shutil.rmtree(tmp_path / "node1")
@@ -91,7 +94,7 @@ def test_three_nodes_one_wiped_bit_exact(tmp_path: Path, workers: Workers) -> No
     ok(workers.run(TRAIN, [*ARGS, "--local", str(ref / "ckpt"), "--out", str(ref / "out")], 3))
     args = [*ARGS, "--local", str(tmp_path / "node{node}"), "--out", str(tmp_path / "out")]
     workers.run(TRAIN, args, 3, local_world_size=1,
-                env={"CKPT_TRAIN_FAULT": "between:7", "CKPT_TRAIN_FAULT_RANK": "2"})
+                env=plan_env(WorkerFault(FaultHow.KILL_AFTER_SAVE, rank=2, step=7)))
     shutil.rmtree(tmp_path / "node1")
     ok(workers.run(TRAIN, args, 3, local_world_size=1))
     res = final(tmp_path / "out", 3)

@@ -14,6 +14,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
 
 from .conftest import GCS, REPO, TRAIN, _child_env
 from .test_distributed import assert_bit_exact, final
@@ -37,6 +38,11 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return final(base / "out", 2)
 
 
+def injected(run_dir: Path) -> list[str]:
+    """The faults the ledger says were carried out, in order (each is recorded before it happens)."""
+    return [e.details["fault"] for e in read_events(run_dir) if e.kind == EventKind.FAULT_INJECTED]
+
+
 def restores(run_dir: Path) -> list[dict]:
     return [e.details | {"rank": e.rank, "attempt": e.attempt}
             for e in read_events(run_dir) if e.kind == EventKind.CKPT_RESTORE]
@@ -47,9 +53,10 @@ def test_kills_mid_write_and_between_saves(tmp_path: Path, uninterrupted: list[d
     r = resilient_run(tmp_path, ["--max-restarts", "3", "--ckpt-local", str(tmp_path / "ckpt"),
                                  "--ckpt-interval", "4"],
                       [*STEPS, "--out", str(tmp_path / "out")],
-                      {"CKPT_TRAIN_FAULT": "mid_write:7,between:11", "CKPT_TRAIN_FAULT_RANK": "1"})
+                      plan_env(WorkerFault(FaultHow.KILL_MID_WRITE, rank=1, step=7, attempt=0),
+                               WorkerFault(FaultHow.KILL_AFTER_SAVE, rank=1, step=11, attempt=1)))
     assert r.returncode == 0, r.stderr[-4000:]
-    assert (tmp_path / "out" / "fault-done-0").exists() and (tmp_path / "out" / "fault-done-1").exists()
+    assert injected(tmp_path / "run") == ["kill-mid-write", "kill-after-save"]
     assert_bit_exact(uninterrupted, final(tmp_path / "out", 2))
     got = restores(tmp_path / "run")
     assert {d["step"] for d in got} >= {11}  # the last attempt resumed from the save before the kill
@@ -64,9 +71,10 @@ def test_kill_mid_upload_then_lost_local_disk_restores_from_gcs(tmp_path: Path, 
                                  "--ckpt-persistent", "gs://e2e/run", "--ckpt-interval", "4",
                                  "--ckpt-persistent-every", "1"],
                       [*STEPS, "--out", str(tmp_path / "out")],
-                      {**gcs.env(), "CKPT_TRAIN_FAULT": "mid_upload:7,wipe:11"})
+                      {**gcs.env(), **plan_env(WorkerFault(FaultHow.KILL_MID_UPLOAD, rank=0, step=7, attempt=0),
+                                               WorkerFault(FaultHow.LOSE_DISK, rank=0, step=11, attempt=1))})
     assert r.returncode == 0, r.stderr[-4000:]
-    assert (tmp_path / "out" / "fault-done-0").exists() and (tmp_path / "out" / "fault-done-1").exists()
+    assert injected(tmp_path / "run") == ["kill-mid-upload", "lose-disk"]
     assert_bit_exact(uninterrupted, final(tmp_path / "out", 2))
     got = restores(tmp_path / "run")
     last = [d for d in got if d["step"] == 11]

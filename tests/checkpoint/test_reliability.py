@@ -17,10 +17,11 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
 
 from .conftest import GCS
 from .test_distributed import assert_bit_exact, final
-from .test_e2e_launcher import resilient_run
+from .test_e2e_launcher import injected, resilient_run
 
 # hidden=50000: one checkpoint (model + AdamW state, deduplicated across the 2 ranks) is about 14 MB, so a
 # 20 MB disk holds the first save and no second one
@@ -65,9 +66,9 @@ def test_full_local_disk_training_goes_on_persistent_gets_every_step(
                                  "--ckpt-persistent-every", "1"],
                       [*BIG, "--out", str(tmp_path / "out")],
                       # a crash after step 11 was saved: the restart must restore it from the persistent tier
-                      {"CKPT_TRAIN_FAULT": "between:11", "CKPT_TRAIN_FAULT_RANK": "1"}, timeout=240)
+                      plan_env(WorkerFault(FaultHow.KILL_AFTER_SAVE, rank=1, step=11)), timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert (tmp_path / "out" / "fault-done-0").exists()
+    assert injected(tmp_path / "run") == ["kill-after-save"]
     run = tmp_path / "run"
     failed = tier_events(run, EventKind.CKPT_TIER_FAILED, "local")
     # torch's zip writer reports a full disk as "unexpected pos" (its write came up short), DCP's own
