@@ -867,8 +867,11 @@ class Agent:
             self._start_metrics()
             exit_code, reason = self._follow()
         except _StoreLost as e:
-            logger.error("%s; giving up", e)
+            from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE
+
+            logger.error("%s; giving up (exit %d: requeue the job)", e, INFRASTRUCTURE_EXIT_CODE)
             reason = str(e)
+            exit_code = INFRASTRUCTURE_EXIT_CODE
         finally:
             self._shutdown()
             self.ledger.emit(EventKind.RUN_END, exit_code=exit_code, reason=reason)

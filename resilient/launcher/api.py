@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 # step: sysexits' EX_TEMPFAIL, "try again later". Slurm (--requeue) and Kubernetes (podFailurePolicy
 # onExitCodes) recipes requeue on it; rerunning the same command resumes right after that step.
 PREEMPTED_EXIT_CODE = 75
+# Exit code of an agent that gave up because the job's infrastructure went away (the store and supervisor stayed
+# unreachable for --rendezvous-timeout while this node had nothing to run): sysexits' EX_UNAVAILABLE. Nothing
+# is wrong with the training; schedulers requeue on it like on a preemption.
+INFRASTRUCTURE_EXIT_CODE = 69
 
 
 class LaunchError(Exception):
