@@ -13,6 +13,7 @@ COMMANDS = {
                    "--rdzv-endpoint H:P --nnodes MIN:MAX --run-dir D"),
     "goodput": ("resilient.goodput.cli", "goodput report of a run: goodput RUN_DIR [--json] [--plot F]"),
     "policy": ("resilient.supervisor.cli", "check a supervisor policy offline: policy check FILE [--ledger EVENTS]"),
+    "plan": ("resilient.plan.cli", "plan goodput, time and cost under failures: plan [RUN_DIR] [--sweep] [--json]"),
 }
 
 

@@ -1,0 +1,255 @@
+"""Measured figures from a run directory's ledger, for ``resilient plan RUN_DIR``.
+
+Everything is read through the goodput calculator's own report (``compute_report``), so that a figure means
+in the plan what it meant in the run's ``resilient goodput`` table: the productive seconds of a kept step,
+the start-up badput of a launch and of a restarted attempt, the detection and recovery badput of each
+disruption (by the kind of fault, and by the action the supervisor took), the blocking time of a save, the
+restore time by tier. A figure the run never showed (no hang, no hot swap) keeps its default, and the result
+says which figures came from where.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+from resilient.goodput.api import GoodputError, GoodputReport
+from resilient.goodput.calculator import compute_report
+from resilient.goodput.reader import read_ledger
+from resilient.plan.api import FAULT_KINDS, RECOVERY_ACTIONS, STEP_EXTRA_CATEGORIES, TIERS, Figures, PlanInputError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Measured:
+    """What a run's ledger says: the figures (as keyword arguments of :class:`Figures`), where each came from,
+    and what the run looked like (its size, interval, policy and the faults it met)."""
+
+    figures: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    spares: int | None = None
+    ckpt_interval: int | None = None
+    policy: str | None = None
+    max_restarts: int | None = None
+    faults: dict[str, int] = field(default_factory=dict)  # fault kind → disruptions
+    running_seconds: float = 0.0  # time the job ran steps (the time failures could happen in)
+    goodput: float | None = None
+    report: GoodputReport | None = None
+
+    @property
+    def failures_per_node_day(self) -> float | None:
+        n = sum(self.faults.values())
+        if not self.nodes or self.running_seconds <= 0:
+            return None
+        return n / (self.nodes * self.running_seconds / 86400.0)
+
+    @property
+    def node_loss_share(self) -> float | None:
+        n = sum(self.faults.values())
+        return self.faults.get(EventKind.AGENT_LOST.value, 0) / n if n else None
+
+    @property
+    def hang_share(self) -> float | None:
+        rest = sum(v for k, v in self.faults.items() if k != EventKind.AGENT_LOST.value)
+        return self.faults.get(EventKind.HANG.value, 0) / rest if rest else None
+
+
+def _argv_value(argv: Any, flag: str) -> str | None:
+    if not isinstance(argv, list):
+        return None
+    for i, a in enumerate(argv):
+        if not isinstance(a, str):
+            continue
+        if a == flag and i + 1 < len(argv) and isinstance(argv[i + 1], str):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _num(d: dict, key: str) -> float | None:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return None
+    return float(v)
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def measure_events(events: list[Event]) -> Measured:
+    """The figures of the run these events describe (one run directory's ledger)."""
+    try:
+        rep = compute_report(events)
+    except GoodputError as e:
+        raise PlanInputError(str(e)) from None
+    evs = sorted(events, key=lambda e: e.wall)
+    m = Measured(report=rep, goodput=rep.goodput)
+    fig: dict[str, Any] = {}
+
+    # size, spares, policy, budget: the first assignment and the launch's command line
+    start = next((e for e in evs if e.kind is EventKind.ACTION and isinstance(e.details.get("assignment"), dict)), None)
+    if start is not None:
+        a = start.details["assignment"]
+        members, nproc = a.get("members"), a.get("nproc")
+        if isinstance(members, list) and members:
+            m.nodes = len(members)
+            m.spares = len(a.get("spares") or [])
+            if isinstance(nproc, dict) and nproc:
+                vals = [v for v in nproc.values() if isinstance(v, int) and v > 0]
+                m.gpus_per_node = max(vals) if vals else None
+    run_start = next((e for e in evs if e.kind is EventKind.RUN_START), None)
+    if run_start is not None:
+        argv = run_start.details.get("argv")
+        m.policy = _argv_value(argv, "--policy")
+        mr = _argv_value(argv, "--max-restarts")
+        if mr is not None and mr.isdigit():
+            m.max_restarts = int(mr)
+
+    # steps: productive seconds per kept step, the gaps between steps, the tail after the last one
+    steps = [e for e in evs if e.kind is EventKind.STEP and _num(e.details, "seconds") is not None]
+    kept = rep.steps_recorded - rep.steps_redone
+    if kept > 0 and rep.productive_seconds > 0:
+        fig["step_s"] = rep.productive_seconds / kept
+        for c in STEP_EXTRA_CATEGORIES:
+            if rep.badput_seconds.get(c, 0.0) > 0:
+                fig.setdefault("step_extra_s", {})[c] = rep.badput_seconds[c] / kept
+    gaps: list[float] = []
+    by_attempt: dict[Any, list[Event]] = defaultdict(list)
+    for e in steps:
+        by_attempt[e.attempt].append(e)
+    for group in by_attempt.values():
+        for s1, s2 in zip(group, group[1:]):
+            gaps.append(max(0.0, (s2.wall - float(s2.details["seconds"])) - s1.wall))
+    if gaps:
+        fig["step_gap_s"] = statistics.fmean(gaps)
+    run_end = next((e for e in reversed(evs) if e.kind is EventKind.RUN_END), None)
+    if run_end is not None and steps and run_end.wall >= steps[-1].wall:
+        fig["teardown_s"] = run_end.wall - steps[-1].wall
+
+    # saves: blocking time (one per step, whichever ranks reported it) and the interval
+    stalls: dict[int, float] = {}
+    for e in evs:
+        if e.kind is EventKind.CKPT_SAVE and isinstance(e.details.get("step"), int):
+            b = _num(e.details, "blocking_seconds")
+            if b is not None:
+                stalls[e.details["step"]] = max(stalls.get(e.details["step"], 0.0), b)
+    if stalls:
+        fig["save_stall_s"] = statistics.fmean(stalls.values())
+        ss = sorted(stalls)
+        diffs = [b - a for a, b in zip(ss, ss[1:]) if b > a]
+        if diffs:
+            m.ckpt_interval = int(statistics.median(diffs))
+
+    # restore by tier (the slowest rank of an attempt is what the job waits for)
+    restores: dict[str, dict[Any, float]] = defaultdict(dict)
+    for e in evs:
+        if e.kind is EventKind.CKPT_RESTORE and e.details.get("tier") in TIERS:
+            s = _num(e.details, "seconds")
+            if s is not None:
+                d = restores[e.details["tier"]]
+                d[e.attempt] = max(d.get(e.attempt, 0.0), s)
+    if restores:
+        fig["restore_s"] = {t: _median(list(v.values())) for t, v in restores.items()}
+
+    # start-up, detection and recovery, per attempt
+    actions: dict[int, str] = {}  # new round → action that made it
+    for e in evs:
+        if e.kind is EventKind.ACTION and isinstance(e.details.get("round"), int):
+            k = str(e.details.get("action"))
+            if k in RECOVERY_ACTIONS:
+                actions[e.details["round"]] = k
+    launch, startup = [], []
+    detect: dict[str, list[float]] = defaultdict(list)
+    recovery: dict[str, list[float]] = defaultdict(list)
+    first_of_session: set[int] = set()
+    for a in rep.attempts:
+        if a.session not in first_of_session:
+            first_of_session.add(a.session)
+            if a.steps:
+                launch.append(a.badput_seconds.get("startup", 0.0))
+        elif a.steps:
+            startup.append(a.badput_seconds.get("startup", 0.0))
+        if a.fault_wall is not None and a.detect_wall is not None and a.end_reason.startswith("fault:"):
+            kind = a.end_reason.split(":", 1)[1]
+            if kind in FAULT_KINDS:
+                m.faults[kind] = m.faults.get(kind, 0) + 1
+                detect[kind].append(a.badput_seconds.get("detection", 0.0))
+        act = actions.get(a.attempt + 1)
+        if a.detect_wall is not None and act is not None:
+            recovery[act].append(a.badput_seconds.get("recovery", 0.0))
+    if launch:
+        fig["launch_s"] = _median(launch)
+    if startup:
+        fig["startup_s"] = _median(startup)
+    if detect:
+        fig["detect_s"] = {k: _median(v) for k, v in detect.items()}
+    if recovery:
+        fig["recovery_s"] = {k: _median(v) for k, v in recovery.items()}
+    # the time failures could happen in: steps run and saves (the planner draws failures only while running)
+    b = rep.badput_seconds
+    m.running_seconds = rep.productive_seconds + b.get("wasted_progress", 0.0) + b.get("checkpoint_save_stall", 0.0) \
+        + sum(b.get(c, 0.0) for c in STEP_EXTRA_CATEGORIES) + fig.get("step_gap_s", 0.0) * max(0, len(steps) - 1)
+    m.figures = fig
+    m.source = {k: "ledger" for k in fig}
+    return m
+
+
+def measure_run(run_dir: str | os.PathLike[str]) -> Measured:
+    """Read ``RUN_DIR/events.jsonl`` and measure it; :class:`PlanInputError` with one line when it cannot."""
+    if not os.path.isdir(run_dir):
+        raise PlanInputError(f"run directory {run_dir} does not exist; pass the --run-dir the job was launched "
+                             "with, or plan from flags alone")
+    try:
+        read = read_ledger(run_dir)
+    except FileNotFoundError:
+        raise PlanInputError(f"no ledger in {run_dir} (expected events.jsonl there); pass the run directory the job "
+                             "was launched with") from None
+    except OSError as e:
+        raise PlanInputError(f"cannot read the ledger in {run_dir}: {e.strerror or e}") from None
+    if not read.events:
+        what = f"none of its {read.lines} line(s) is an event" if read.skipped else "it holds no events"
+        raise PlanInputError(f"{read.path} is not a usable ledger: {what}; pass the run directory the job was "
+                             "launched with")
+    if not any(e.kind is EventKind.STEP for e in read.events):
+        raise PlanInputError(f"{read.path} records no training step: there is nothing to measure a step time from "
+                             "(give --step-s, or a run that trained)")
+    return measure_events(read.events)
+
+
+def figures_from(measured: Measured | None, overrides: dict[str, Any]) -> Figures:
+    """Defaults, then the run's measurements, then the flags; each figure's source is kept."""
+    base = Figures()
+    kw: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name in ("step_s", "step_gap_s", "save_stall_s", "startup_s", "launch_s", "teardown_s"):
+        kw[name] = getattr(base, name)
+        source[name] = "default"
+    for name in ("restore_s", "detect_s", "recovery_s", "step_extra_s"):
+        kw[name] = dict(getattr(base, name))
+        for k in kw[name]:
+            source[f"{name}[{k}]"] = "default"
+    for layer, tag in ((measured.figures if measured else {}, "ledger"), (overrides, "flag")):
+        for name, v in layer.items():
+            if v is None:
+                continue
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    if x is not None:
+                        kw.setdefault(name, {})[k] = x
+                        source[f"{name}[{k}]"] = tag
+            else:
+                kw[name] = v
+                source[name] = tag
+    kw["policy"] = measured.policy if measured else None
+    return Figures(**kw, source=source)

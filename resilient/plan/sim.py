@@ -1,0 +1,600 @@
+"""The planner's seeded discrete-event simulation: a job's wall time under failures, decided by a real policy.
+
+The clock jumps from event to event (a failure, a node back from repair, a checkpoint boundary for a pending
+scale-up, the end); between events the job runs steps at a fixed pace, with a save stall after every
+``ckpt_interval`` steps, so one event costs a few arithmetic operations whatever the cluster size.
+
+Every failure is an :class:`~resilient.events.api.Event` handed to a real
+:class:`~resilient.supervisor.core.SupervisorCore` running the policy file through ``decide(event, view)``: the
+budget, the validation and the fallback to the default policy are the supervisor's own. What the decision
+costs comes from :class:`~resilient.plan.api.Figures`:
+
+* restart in place: detection + recovery + start-up + restore from the local tier (else peer, else
+  persistent), progress since that checkpoint redone;
+* hot swap or scale down: the new or remaining nodes restore from the peer tier, else the persistent one
+  (the lost node's local disk is gone); the node taken out comes back after ``repair_hours`` as a new spare;
+* scale up: at the next local checkpoint (or after the core's ``scale_up_wait``), nothing redone;
+* stop: the job waits (``waiting_for_spares``) until ``min_nodes`` nodes are available again, then is
+  launched again (``launch_s``) with a fresh restart budget.
+
+Assumptions, said once: failures arrive only while the job runs (a fault during recovery merges with the
+disruption in progress), each active node at the same rate; spares do not fail while idle; a step at a
+smaller world does ``world/nodes`` of a full step's work; uploads to the persistent tier finish before the
+next failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import logging
+import math
+import random
+import traceback
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resilient.events.api import Event, EventKind
+from resilient.goodput.api import CATEGORIES, PRODUCTIVE, Badput
+from resilient.plan.api import ClusterConfig, Figures, PlannedFault, PlanInputError, PlanResult, SweepResult
+from resilient.supervisor.api import Action, JobView, NodeState, NodeView, Policy, PolicyError
+from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore, _Invalid
+from resilient.supervisor.default_policy import DefaultPolicy
+from resilient.supervisor.policy import load_policy
+
+logger = logging.getLogger(__name__)
+
+DAY = 86400.0
+_MAX_TARGET_DAYS = 3650.0
+MAX_FAILURES_PER_TRIAL = 200_000  # a plan that has not finished after ten years never will
+_P, _STARTUP, _SAVE, _RESTORE, _WASTED, _DETECT, _RECOVERY, _WAIT, _OTHER = (
+    PRODUCTIVE, Badput.STARTUP.value, Badput.CHECKPOINT_SAVE_STALL.value, Badput.CHECKPOINT_RESTORE.value,
+    Badput.WASTED_PROGRESS.value, Badput.DETECTION.value, Badput.RECOVERY.value, Badput.WAITING_FOR_SPARES.value,
+    Badput.OTHER.value)
+
+
+class _View(JobView):
+    """A :class:`JobView` whose derived tuples are computed once: policies and the core's validation ask for
+    ``members`` several times per decision, each an O(nodes) sort. Same functions, same values."""
+
+    members = functools.cached_property(JobView.members.fget)  # type: ignore[assignment]
+    active = functools.cached_property(JobView.active.fget)  # type: ignore[assignment]
+    spares = functools.cached_property(JobView.spares.fget)  # type: ignore[assignment]
+    world_size = functools.cached_property(JobView.world_size.fget)  # type: ignore[assignment]
+
+
+class _FastCore(SupervisorCore):
+    """The supervisor's core, whose view rebuilds only the :class:`NodeView` s of nodes that an event, an
+    action or the clock (failures leaving the window) may have changed: a 2,048-node view costs what a
+    handful of nodes cost. The view is equal to the core's own (tests compare them)."""
+
+    def __init__(self, cfg: SupervisorConfig, policy: Policy | None) -> None:
+        super().__init__(cfg, policy)
+        self._vc: dict[str, NodeView] = {}
+        self._vc_members: tuple[str, ...] = ()
+        self._vc_gr: dict[str, int] = {}
+        self._dirty: set[str] = set()
+        self._counted: set[str] = set()  # nodes with failures or stragglers in the window: pruned at each view
+
+    def _touch(self, *names: object) -> None:
+        for n in names:
+            if isinstance(n, str):
+                self._dirty.add(n)
+            elif isinstance(n, (tuple, list)):
+                self._dirty.update(x for x in n if isinstance(x, str))
+
+    def _ask(self, policy: Any, event: Event, view: JobView) -> Action:
+        """Called inline: the core's thread (which abandons a policy past ``--policy-timeout``) costs more than
+        the rest of a decision, and a plan has no deadline. The checks on the answer are the core's."""
+        try:
+            action = policy.decide(event, view)
+        except Exception:  # noqa: BLE001 - anything a policy raises is the policy's failure
+            raise _Invalid(f"the policy raised:\n{traceback.format_exc()}") from None
+        if not isinstance(action, Action) or type(action) is Action:
+            raise _Invalid(f"the policy returned {action!r:.200}, not an action (Restart, HotSwap, ScaleDown, "
+                           "ScaleUp, Cordon, Ignore or Stop)")
+        return action
+
+    def join(self, node: str, nproc: int, now: float) -> list[Decision]:
+        self._dirty.add(node)
+        return super().join(node, nproc, now)
+
+    def handle(self, event: Event, now: float) -> list[Decision]:
+        self._dirty.add(event.node)
+        out = super().handle(event, now)
+        n = self._nodes.get(event.node)
+        if n is not None and (n.failures or n.stragglers):
+            self._counted.add(event.node)
+        return out
+
+    def tick(self, now: float) -> list[Decision]:
+        self._dirty.update(self._nodes)  # rare in the planner (pending scale-ups only): no shortcut
+        return super().tick(now)
+
+    def _apply(self, a, event, now, fallback):  # type: ignore[no-untyped-def]
+        inner = getattr(a, "inner", a)
+        for x in (a, inner):
+            self._touch(*(getattr(x, f, None) for f in ("node", "spare", "nodes", "spares")))
+        return super()._apply(a, event, now, fallback)
+
+    def _apply_scale_up(self, event, now, why):  # type: ignore[no-untyped-def]
+        if self._pending is not None:
+            self._touch(tuple(self._pending.spares))
+        return super()._apply_scale_up(event, now, why)
+
+    def form(self, now: float):  # type: ignore[no-untyped-def]
+        self._dirty.update(self._nodes)
+        return super().form(now)
+
+    def view(self, now: float) -> JobView:
+        a = self._assignment
+        members = a.members if a is not None else ()
+        dirty = self._dirty
+        if members != self._vc_members:
+            old = self._vc_members
+            if len(old) == len(members):
+                dirty.update(m for m, o in zip(members, old) if m != o)
+                dirty.update(o for m, o in zip(members, old) if m != o)
+            else:  # ranks shift: every node's group rank may have changed
+                dirty.update(self._nodes)
+            self._vc_members = members
+            self._vc_gr = {n: i for i, n in enumerate(members)}
+        for n in list(self._counted):
+            node = self._nodes[n]
+            self._prune(node, now)
+            dirty.add(n)
+            if not (node.failures or node.stragglers):
+                self._counted.discard(n)
+        gr, cache = self._vc_gr, self._vc
+        for n in dirty:
+            node = self._nodes.get(n)
+            if node is None:
+                continue
+            state = node.state if node.state is not None else NodeState.SPARE
+            rank = gr.get(n) if state in (NodeState.ACTIVE, NodeState.LOST) else None
+            cache[n] = NodeView(name=n, state=state, group_rank=rank, nproc=node.nproc, healthy=node.healthy,
+                                failures=len(node.failures), stragglers=len(node.stragglers),
+                                last_seen=node.last_seen)
+        dirty.clear()
+        nodes = {n: cache[n] for n in self._nodes}  # the core's join order
+        v = _View(nodes=nodes, min_nodes=self.cfg.min_nodes, max_nodes=self.cfg.max_nodes,
+                     nproc_per_node=self.cfg.nproc_per_node, restarts_left=self.restarts_left,
+                     attempt=a.attempt if a else 0, ckpt_steps=self._ckpt_steps, recent=tuple(self._recent),
+                     failure_window=self.cfg.failure_window, now=now,
+                     pending_scale_up=tuple(self._pending.spares) if self._pending else ())
+        # what JobView.members sorts out of every node, read off the assignment (its order is the group rank)
+        ranked = (NodeState.ACTIVE, NodeState.LOST)
+        v.__dict__["members"] = tuple(m for m in members if cache[m].state in ranked and cache[m].group_rank is not None)
+        return v
+
+
+@dataclass
+class _Ckpt:
+    step: int  # steps completed when it was taken (training resumes at this step)
+    work: float  # full-size step equivalents done by then
+
+
+def _policy_loader(policy: str | Path | None):
+    """A function giving a fresh policy object per trial (a policy may keep state between calls)."""
+    if policy is None:
+        return DefaultPolicy
+    path = Path(policy)
+    load_policy(path)  # refuse a broken file once, before any trial
+    return lambda: load_policy(path)
+
+
+def policy_name(policy: str | Path | None) -> str:
+    return "default" if policy is None else Path(policy).stem
+
+
+class _Trial:
+    def __init__(self, c: ClusterConfig, f: Figures, make_policy, rng: random.Random,
+                 faults: Sequence[PlannedFault] | None) -> None:
+        self.c, self.f, self.make_policy, self.rng = c, f, make_policy, rng
+        self.planned = sorted(faults, key=lambda x: x.at) if faults is not None else None
+        self.lam = c.failures_per_node_day / DAY  # per node-second
+        self.acc: dict[str, float] = defaultdict(float)
+        self.actions: dict[str, int] = defaultdict(int)
+        self.failures = 0
+        self.stops = 0
+        self.t = 0.0
+        self.step = 0
+        self.work = 0.0
+        self.ck_local: _Ckpt | None = None
+        self.ck_persist: _Ckpt | None = None
+        self.repairs: list[tuple[float, int, str]] = []  # (time back, seq, name)
+        self._seq = 0
+        self.pending_at: float | None = None
+        self.finished_at: float | None = None
+        self.extra = sum(f.step_extra_s.values())
+        self.u = f.step_s + f.step_gap_s + self.extra  # one step, start to start
+        self.k = c.ckpt_interval
+        self.stall = f.save_stall_s if self.k else 0.0
+        self.cycle = self.k * self.u + self.stall if self.k else math.inf
+        self.pe = c.persistent_every if ("local" in c.tiers or "peer" in c.tiers) else 1
+        self.core: _FastCore | None = None
+        self._out: set[str] = set()  # nodes taken out of the job whose replacement is on its way
+        self._members_before: list[str] = []
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _name(self, prefix: str) -> str:
+        self._seq += 1
+        return f"{prefix}{self._seq}"
+
+    def _launch(self, names: list[str]) -> None:
+        c = self.c
+        cfg = SupervisorConfig(min_nodes=c.min_nodes, max_nodes=c.nodes, nproc_per_node=c.gpus_per_node,
+                               max_restarts=c.max_restarts, node_timeout=1e15, failure_window=c.failure_window,
+                               policy_timeout=60.0)  # never abandon a policy because the machine is busy
+        self.core = core = _FastCore(cfg, self.make_policy())
+        for n in names:
+            core.join(n, c.gpus_per_node, self.t)
+        core.form(self.t)
+        self.pending_at = None
+        self.acc[_STARTUP] += self.f.launch_s
+        self.t += self.f.launch_s
+
+    def _members(self) -> tuple[str, ...]:
+        assert self.core is not None and self.core.assignment is not None
+        return self.core.assignment.members
+
+    def _restore(self, replacement: bool) -> None:
+        """Roll back to the newest checkpoint the restoring nodes can read, and pay for reading it."""
+        tiers = self.c.tiers
+        order = ("peer", "persistent") if replacement else ("local", "peer", "persistent")
+        tier = next((t for t in order if t in tiers), None)
+        ck = None
+        if tier in ("local", "peer"):
+            ck = self.ck_local
+        elif tier == "persistent":
+            ck = self.ck_persist
+        if ck is None and tier != "persistent" and "persistent" in tiers and self.ck_persist is not None:
+            tier, ck = "persistent", self.ck_persist
+        back_step, back_work = (ck.step, ck.work) if ck is not None else (0, 0.0)
+        redo = self.step - back_step
+        if redo > 0:  # those steps were counted productive when they ran; they are redone now
+            per = self.f.step_s + self.extra
+            self.acc[_P] -= redo * self.f.step_s
+            for cat, x in self.f.step_extra_s.items():
+                self.acc[cat] -= redo * x
+            self.acc[_WASTED] += redo * per
+        self.step, self.work = back_step, back_work
+        if ck is not None and tier is not None:
+            self.acc[_RESTORE] += self.f.restore_s[tier]
+            self.t += self.f.restore_s[tier]
+        # checkpoints newer than the one restored are gone with it (a lost local tier, or never taken)
+        if self.ck_local is not None and self.ck_local.step > back_step:
+            self.ck_local = ck if ck is not None else None
+        if self.ck_persist is not None and self.ck_persist.step > back_step:
+            self.ck_persist = None
+
+    def _run(self, e: float, fct: float) -> None:
+        """The job ran ``e`` seconds from a cycle boundary at ``self.t``: steps, saves, a partial step."""
+        k, u, f = self.k, self.u, self.f
+        if k:
+            ncyc = int(e // self.cycle)
+            rem = e - ncyc * self.cycle
+            j = min(k, int(rem // u))
+            partial = rem - j * u
+            in_stall = j == k
+            n, saves = ncyc * k + j, ncyc
+        else:
+            n = int(e // u)
+            partial, in_stall, saves = e - n * u, False, 0
+        self.acc[_P] += n * f.step_s
+        self.acc[_OTHER] += n * f.step_gap_s
+        for cat, x in f.step_extra_s.items():
+            self.acc[cat] += n * x
+        self.acc[_SAVE] += saves * self.stall + (partial if in_stall else 0.0)
+        if not in_stall:
+            self.acc[_WASTED] += partial  # the step in flight is lost with the fault
+        s0, w0 = self.step, self.work
+        if saves:
+            g0 = s0 // k  # saves before this run
+            last = _Ckpt(s0 + saves * k, w0 + saves * k * fct)
+            if "local" in self.c.tiers or "peer" in self.c.tiers:
+                self.ck_local = last
+            gp = ((g0 + saves) // self.pe) * self.pe
+            if "persistent" in self.c.tiers and gp > g0:
+                self.ck_persist = _Ckpt(gp * k, w0 + (gp * k - s0) * fct)
+        self.step, self.work = s0 + n, w0 + n * fct
+        self.t += e
+
+    def _to_finish(self, fct: float) -> float:
+        """Seconds from a cycle boundary to the last step of ``steps`` (inf without a target)."""
+        if self.c.steps is None:
+            return math.inf
+        r = max(0, math.ceil((self.c.steps - self.work) / fct - 1e-9))
+        if not self.k:
+            return r * self.u
+        return r * self.u + (r // self.k) * self.stall
+
+    def _schedule_out(self, before: tuple[str, ...], after: tuple[str, ...]) -> None:
+        """Nodes that left the job lost or cordoned come back, as new spares, after repair."""
+        assert self.core is not None
+        kept = set(after)
+        for n in before:
+            if n not in kept and n not in self._out:
+                node = self.core._nodes.get(n)
+                if node is not None and node.state in (NodeState.LOST, NodeState.CORDONED):
+                    self._out.add(n)
+                    self._back_after_repair()
+
+    def _back_after_repair(self) -> None:
+        if math.isfinite(self.c.repair_hours):
+            heapq.heappush(self.repairs, (self.t + self.c.repair_hours * 3600.0, self._seq, self._name("r")))
+
+    # ------------------------------------------------------------------------------------------ decisions
+    def _carry_out(self, ds: list[Decision], cause: str | None) -> str:
+        """Apply the core's decisions; returns "changed", "stopped" or "same"."""
+        assert self.core is not None
+        out = "same"
+        for d in ds:
+            kind = d.action.kind
+            if d.pending:
+                self.actions["scale_up_decided"] += 1
+                if self.pending_at is None:
+                    self.pending_at = self.t
+                continue
+            if kind == "ignore" and cause is None:
+                continue  # a node back from repair waiting as a spare: not worth counting
+            self.actions[kind] += 1
+            if kind == "stop":
+                return "stopped"
+            if d.assignment is not None:
+                before = tuple(self._members_before)
+                after = d.assignment.members
+                self._schedule_out(before, after)
+                if kind == "scale_up":
+                    self.pending_at = None
+                self.acc[_RECOVERY] += self.f.recovery_s.get(kind, self.f.recovery_s["restart"])
+                self.t += self.f.recovery_s.get(kind, self.f.recovery_s["restart"])
+                self.acc[_STARTUP] += self.f.startup_s
+                self.t += self.f.startup_s
+                # nodes new to the job have no local copy: they read the peer or persistent tier
+                self._restore(replacement=kind in ("hot_swap", "scale_down", "scale_up"))
+                self._members_before = list(after)
+                out = "changed"
+        if out == "same" and cause is not None:
+            # a failure the policy left alone (ignore, cordon of a spare...): the workers died all the same and
+            # the agents start them again in place
+            self.acc[_RECOVERY] += self.f.recovery_s["restart"]
+            self.acc[_STARTUP] += self.f.startup_s
+            self.t += self.f.recovery_s["restart"] + self.f.startup_s
+            self._restore(replacement=cause == EventKind.AGENT_LOST.value)
+            out = "changed"
+        return out
+
+    def _fail(self, kind: str, node: str) -> str:
+        assert self.core is not None and self.core.assignment is not None
+        self.failures += 1
+        self.acc[_DETECT] += self.f.detect_s[kind]
+        self.t += self.f.detect_s[kind]
+        attempt = None if kind == EventKind.AGENT_LOST.value else self.core.assignment.attempt
+        details: dict = {"reason": "planned"} if kind == EventKind.AGENT_LOST.value else {}
+        if kind == EventKind.WORKER_EXIT.value:
+            details = {"exit_code": 1, "signal": None}
+        ev = Event(kind=EventKind(kind), node=node, rank=None if attempt is None else 0, attempt=attempt,
+                   details=details, wall=self.t, mono=self.t)
+        self._members_before = list(self.core.assignment.members)
+        return self._carry_out(self.core.handle(ev, self.t), kind)
+
+    def _stopped(self, cause: str | None, horizon: float) -> bool:
+        """After a stop: wait until enough nodes are back, launch again. False when that never happens."""
+        assert self.core is not None
+        self.stops += 1
+        core = self.core
+        for n, v in core._nodes.items():
+            if v.state in (NodeState.LOST, NodeState.CORDONED) and n not in self._out:
+                self._out.add(n)
+                self._back_after_repair()
+        ready = [n for n, v in core._nodes.items() if v.state in (NodeState.ACTIVE, NodeState.SPARE) and v.healthy]
+        ready = [n for n in self._members_before if n in ready] + [n for n in ready if n not in self._members_before]
+        while len(ready) < self.c.min_nodes:
+            if not self.repairs:
+                return False
+            at, _, name = heapq.heappop(self.repairs)
+            if at > horizon:
+                return False
+            self.acc[_WAIT] += at - self.t
+            self.t = at
+            ready.append(name)
+        while self.repairs and self.repairs[0][0] <= self.t:
+            ready.append(heapq.heappop(self.repairs)[2])
+        self._launch(ready)
+        self._members_before = list(self._members())
+        self._restore(replacement=cause == EventKind.AGENT_LOST.value)
+        return True
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        c = self.c
+        names = [f"n{i}" for i in range(c.nodes)] + [f"s{i}" for i in range(c.spares)]
+        self._launch(names)
+        self._members_before = list(self._members())
+        horizon = c.days * DAY if c.steps is None else _MAX_TARGET_DAYS * DAY
+        planned = list(self.planned) if self.planned is not None else None
+        while True:
+            members = self._members()
+            fct = len(members) / c.nodes
+            start = self.t
+            if planned is not None:
+                fail_at = max(planned[0].at, start) if planned else math.inf
+            else:
+                rate = self.lam * len(members)
+                fail_at = start + (self.rng.expovariate(rate) if rate > 0 else math.inf)
+            fin_at = start + self._to_finish(fct)
+            # nodes back from repair join while the job runs: the policy decides (scale up, or wait as a spare)
+            cut = None
+            while self.repairs and self.repairs[0][0] < min(fail_at, fin_at, horizon, self._boundary(start)[0]):
+                at, _, name = heapq.heappop(self.repairs)
+                self._members_before = list(members)
+                ds = self.core.join(name, c.gpus_per_node, at)  # type: ignore[union-attr]
+                if any(d.assignment is not None or d.action.kind == "stop" for d in ds):
+                    cut = (at, ds)  # a policy that restarts on a join: carried out at once
+                    break
+                self._carry_out(ds, None)
+            if cut is not None:
+                self._run(cut[0] - start, fct)
+                if self._carry_out(cut[1], None) == "stopped" and not self._stopped(None, horizon):
+                    break
+                continue
+            b, at_save = self._boundary(start)
+            if horizon <= min(fail_at, fin_at, b):
+                self._run(horizon - start, fct)
+                break
+            if fin_at <= min(fail_at, b):
+                self._run(fin_at - start, fct)
+                self.acc[_OTHER] += self.f.teardown_s
+                self.t += self.f.teardown_s
+                self.finished_at = self.t
+                break
+            if b <= fail_at:
+                self._run(b - start, fct)
+                if at_save:
+                    ev = Event(kind=EventKind.CKPT_TIER_DONE, node=members[0], rank=0,
+                               attempt=self.core.assignment.attempt,  # type: ignore[union-attr]
+                               details={"step": self.step - 1, "tier": "local"}, wall=self.t, mono=self.t)
+                    ds = self.core.handle(ev, self.t)  # type: ignore[union-attr]
+                else:
+                    ds = self.core.tick(self.t)  # type: ignore[union-attr]
+                self._members_before = list(members)
+                if self._carry_out(ds, None) == "stopped" and not self._stopped(None, horizon):
+                    break
+                if not ds:
+                    self.pending_at = None  # the core dropped it (no spare left, budget spent)
+                continue
+            # a failure
+            if self.failures >= MAX_FAILURES_PER_TRIAL:
+                raise PlanInputError(f"more than {MAX_FAILURES_PER_TRIAL:,} failures in one simulated run: the "
+                                     "failure rate is far beyond what the job can make progress with; lower it, or "
+                                     "plan fewer --days or --steps")
+            self._run(fail_at - start, fct)
+            if planned is not None:
+                pf = planned.pop(0)
+                kind, node = pf.kind, members[pf.node % len(members)]
+            else:
+                node = members[self.rng.randrange(len(members))]
+                x = self.rng.random()
+                if x < c.node_loss_share:
+                    kind = EventKind.AGENT_LOST.value
+                elif self.rng.random() < c.hang_share:
+                    kind = EventKind.HANG.value
+                else:
+                    kind = EventKind.WORKER_EXIT.value
+            if self._fail(kind, node) == "stopped" and not self._stopped(kind, horizon):
+                break
+        if self.t < horizon and self.finished_at is None and c.steps is None:
+            self.acc[_WAIT] += horizon - self.t  # stopped for good: the rest of the time is waiting
+            self.t = horizon
+
+    def _boundary(self, start: float) -> tuple[float, bool]:
+        """When a pending scale-up is carried out, and whether that is a local save's end (else the core's
+        ``scale_up_wait`` ran out)."""
+        if self.pending_at is None:
+            return math.inf, False
+        assert self.core is not None
+        wait = max(self.pending_at + self.core.cfg.scale_up_wait, start)
+        if self.k and "local" in self.c.tiers:
+            nxt = start + (math.floor((max(self.t, self.pending_at) - start) / self.cycle) + 1) * self.cycle
+            if nxt <= wait:
+                return nxt, True
+        return wait, False
+
+
+# --------------------------------------------------------------------------------------------- API
+def simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | None = None, *, seed: int = 0,
+             trials: int = 8, faults: Sequence[PlannedFault] | None = None) -> PlanResult:
+    """Expected goodput of ``cluster`` with ``figures`` under ``policy`` (a policy file; None: the default
+    policy), over ``trials`` seeded runs. ``faults``: a fixed schedule instead of drawn failures."""
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise PlanInputError(f"trials must be an integer >= 1, got {trials!r}")
+    try:
+        make_policy = _policy_loader(policy)
+    except PolicyError as e:
+        raise PlanInputError(f"policy: {e}") from None
+    totals: dict[str, float] = defaultdict(float)
+    actions: dict[str, float] = defaultdict(float)
+    failures = stops = wall = useful = 0.0
+    finish_times: list[float] = []
+    for i in range(trials):
+        tr = _Trial(cluster, figures, make_policy, random.Random(f"resilient-plan:{seed}:{i}"), faults)
+        tr.run()
+        for k, v in tr.acc.items():
+            totals[k] += v
+        for k, v in tr.actions.items():
+            actions[k] += v
+        failures += tr.failures
+        stops += tr.stops
+        wall += tr.t
+        useful += tr.work
+        if tr.finished_at is not None:
+            finish_times.append(tr.finished_at)
+    n = float(trials)
+    badput = {c: max(0.0, totals.get(c, 0.0)) / n for c in CATEGORIES}
+    productive = max(0.0, totals.get(_P, 0.0)) / n
+    w = wall / n
+    hours = w / 3600.0 * (cluster.nodes + cluster.spares)
+    u = useful / n
+    return PlanResult(
+        policy=policy_name(policy), nodes=cluster.nodes, gpus=cluster.gpus, spares=cluster.spares,
+        ckpt_interval=cluster.ckpt_interval, goodput=min(1.0, productive / w) if w > 0 else 0.0, wall_seconds=w,
+        productive_seconds=productive, badput_seconds=badput, useful_steps=u,
+        time_to_finish_s=(sum(finish_times) / len(finish_times)) if cluster.steps is not None and finish_times else None,
+        cost_per_useful_step=cluster.cost_per_node_hour * hours / u if u > 0 else math.inf,
+        failures=failures / n, actions={k: v / n for k, v in sorted(actions.items())}, stops=stops / n,
+        trials=trials, seed=seed, finished=len(finish_times) / n if cluster.steps is not None else 1.0)
+
+
+def young_daly_steps(cluster: ClusterConfig, figures: Figures) -> float | None:
+    """√(2·δ·M) in steps: δ the blocking cost of a save, M the job's mean time between failures."""
+    m = cluster.mtbf_hours * 3600.0
+    if not math.isfinite(m) or figures.save_stall_s <= 0:
+        return None
+    return math.sqrt(2 * figures.save_stall_s * m) / (figures.step_s + figures.step_gap_s + sum(figures.step_extra_s.values()))
+
+
+def interval_grid(cluster: ClusterConfig, figures: Figures, points: int = 17) -> list[int]:
+    """Checkpoint intervals to try: a geometric grid from ¼ to 4 × Young/Daly's (or 1 to 10,000 steps)."""
+    yd = young_daly_steps(cluster, figures)
+    if yd is None:
+        raw = [10 ** (4 * i / (points - 1)) for i in range(points)]
+    else:
+        half = (points - 1) // 2
+        raw = [yd * 2 ** (2 * (i - half) / half) for i in range(points)]
+    return sorted({max(1, round(x)) for x in raw})
+
+
+def sweep(cluster: ClusterConfig, figures: Figures, policy: str | Path | None = None, *, seed: int = 0,
+          trials: int = 8, max_spares: int | None = None, intervals: Sequence[int] | None = None) -> SweepResult:
+    """The checkpoint interval with the best goodput (at the given spares), then the number of spares with the
+    lowest cost per useful step (at that interval). The same seeds at every point, so differences between
+    points are the configuration's, not the dice's."""
+    from dataclasses import replace
+
+    grid = list(intervals) if intervals is not None else interval_grid(cluster, figures)
+    points: list[PlanResult] = []
+    by_interval = []
+    for k in grid:
+        r = simulate(replace(cluster, ckpt_interval=k), figures, policy, seed=seed, trials=trials)
+        points.append(r)
+        by_interval.append(r)
+    best_k = max(by_interval, key=lambda r: r.goodput).ckpt_interval
+    if max_spares is None:
+        # enough to cover the node losses expected during one repair, with room to spare
+        losses_per_repair = cluster.failures_per_node_day * cluster.nodes * cluster.node_loss_share \
+            * cluster.repair_hours / 24.0
+        max_spares = max(2, math.ceil(3 * losses_per_repair) + 1)
+    by_spares = []
+    for s in range(0, max_spares + 1):
+        r = next((p for p in points if p.spares == s and p.ckpt_interval == best_k), None)
+        if r is None:
+            r = simulate(replace(cluster, ckpt_interval=best_k, spares=s), figures, policy, seed=seed, trials=trials)
+            points.append(r)
+        by_spares.append(r)
+    best = min(by_spares, key=lambda r: (r.cost_per_useful_step, -r.goodput))
+    return SweepResult(best=best, best_spares=best.spares, best_interval=best_k,
+                       young_daly_steps=young_daly_steps(cluster, figures), points=points)
