@@ -1,4 +1,6 @@
 """``resilient ckpt ls|verify URL_OR_DIR``: what a tier holds, and whether its files still match their checksums.
+``resilient ckpt export URL_OR_DIR DIR``: a plain, uncompressed DCP copy of a step (``dcp.load`` reads it
+without this package), from a step whose items were compressed for transfer.
 
 ``URL_OR_DIR`` is a tier root (a local directory, ``gs://bucket/run``, ``file://...``) or one step
 directory in it (``.../step_00000120``). A local root's ``peer/`` replica area is listed too.
@@ -142,6 +144,51 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from resilient.checkpoint.api import COMMIT_MARKER, DCP_METADATA, CorruptFileError
+    from resilient.checkpoint.compress import CompressError, export_step
+    from resilient.checkpoint.tiers import manifest_ranks, read_manifest, verify_bytes
+
+    root, step = _split(args.target)
+    tier = make_tier(root, "tier")
+    if step is None:
+        done = [s for s, c in tier.steps().items() if c]
+        if not done:
+            problem = _missing_root(root) or "no complete checkpoint step there"
+            print(f"resilient ckpt export: {args.target}: {problem}", file=sys.stderr)
+            return 2
+        step = max(done)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        print(f"resilient ckpt export: {out} is not empty; give a new or empty directory", file=sys.stderr)
+        return 2
+    files = tier.list_files(step)
+    if COMMIT_MARKER not in files:
+        print(f"resilient ckpt export: step {step} in {root} is not complete (no {COMMIT_MARKER}); "
+              "export a complete step", file=sys.stderr)
+        return 2
+    expected: dict[str, Any] = {}
+    for r in manifest_ranks(files):
+        m = read_manifest(tier, step, r)
+        expected.update(m.all_files())
+
+    def read(name: str) -> bytes:
+        data = tier.read_bytes(step, name)
+        if name in expected:  # never decode a copy that does not match its manifest
+            verify_bytes(data, expected[name], what=f"{name} of step {step}")
+        return data
+
+    try:
+        n = export_step(read, [n for n in expected if n != DCP_METADATA], out)
+    except (CorruptFileError, CompressError) as e:
+        print(f"resilient ckpt export: {args.target}: {e}; nothing usable was written to {out}", file=sys.stderr)
+        return 1
+    print(f"exported step {step} of {root} to {out} ({n} items decoded): plain DCP, dcp.load reads it")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="resilient ckpt", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--partial", action="store_true", help="also check steps without a commit marker")
     p.set_defaults(fn=_verify)
+    p = sub.add_parser("export", help="write a plain uncompressed DCP copy of a step (the newest complete one "
+                                      "of a tier root, or the step directory given)")
+    p.add_argument("target", metavar="URL_OR_DIR")
+    p.add_argument("out", metavar="DIR", help="a new or empty directory")
+    p.set_defaults(fn=_export)
     args = ap.parse_args(argv)
     try:
         return int(args.fn(args))

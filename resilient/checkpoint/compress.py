@@ -372,14 +372,15 @@ class Chooser:
     to take less time than sending it plain, from the measured link throughput (plain bytes per second
     of the last transfer) and the codec's measured throughput and ratio on this run's own data.
 
-    With ``auto``, the first transfer of a tier goes plain (it measures the link); the codec is measured on
+    With ``auto``, transfers under ``min_bytes`` per rank go plain; the first transfer of a tier goes plain
+    (it measures the link); the codec is measured on
     the first transfer it is tried on, and re-tried every ``probe_every`` transfers so that a link that
     slows down is noticed."""
 
     def __init__(self, mode: CompressMode | str = CompressMode.AUTO, tier: str = "persistent",
-                 probe_every: int = 10):
+                 probe_every: int = 10, min_bytes: int = 16 << 20):
         self.mode = mode if isinstance(mode, CompressMode) else parse_mode(mode)
-        self.tier, self.probe_every = tier, probe_every
+        self.tier, self.probe_every, self.min_bytes = tier, probe_every, min_bytes
         self.link_bps: float | None = None
         self.codec_bps: float | None = None
         self.ratio: float | None = None
@@ -387,16 +388,20 @@ class Chooser:
         self._lock = threading.Lock()
         self.last: Decision | None = None
 
-    def decide(self) -> Decision:
+    def decide(self, nbytes: int | None = None) -> Decision:
+        """``nbytes``: this rank's plain bytes to send."""
         with self._lock:
-            d = self._decide()
+            d = self._decide(nbytes)
             self.last = d
             return d
 
-    def _decide(self) -> Decision:
+    def _decide(self, nbytes: int | None) -> Decision:
         mb = (lambda v: None if v is None else round(v / 1e6, 1))
         if self.mode is not CompressMode.AUTO:
             return Decision(self.tier, Codec(self.mode.value), "forced by --ckpt-compress")
+        if nbytes is not None and nbytes < self.min_bytes:
+            # a small transfer's time is round trips, not bandwidth; and it stays readable by plain dcp.load
+            return Decision(self.tier, Codec.NONE, f"{nbytes} bytes per rank: below {self.min_bytes}")
         if self.link_bps is None:
             return Decision(self.tier, Codec.NONE, "link not measured yet: this transfer measures it")
         if self.codec_bps is None or self.ratio is None or self._since_probe >= self.probe_every:
@@ -475,3 +480,75 @@ def clear(out_dir: str | os.PathLike[str]) -> None:
 __all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode", "Decision", "ZStandard",
            "decode", "encode", "export_step", "extension_registry", "finish_step", "merged_metadata",
            "parse_mode", "transcode_files"]
+
+
+# ------------------------------------------------------------------ the manager's upload hook
+ENV_MODE = "RESILIENT_CKPT_COMPRESS"  # set by resilient-run --ckpt-compress
+
+
+def chooser_from_env(tier: str = "persistent") -> Chooser:
+    raw = os.environ.get(ENV_MODE, "")
+    try:
+        return Chooser(parse_mode(raw), tier=tier)
+    except CheckpointConfigError as e:
+        # bad input must not stop training: say so once and send plain bytes
+        logger.error("%s=%r: %s; checkpoints are sent uncompressed", ENV_MODE, raw, e)
+        return Chooser(CompressMode.NONE, tier=tier)
+
+
+def _chooser(mgr: Any) -> Chooser:
+    c = mgr.__dict__.get("_compress_chooser")
+    if c is None:
+        c = mgr.__dict__["_compress_chooser"] = chooser_from_env()
+    return c
+
+
+def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> tuple[Path, Manifest] | None:
+    """Collective on ``group`` (every rank, before any call to the store): decide, with rank 0's measurements,
+    whether this step goes to the persistent tier compressed; if so rewrite this rank's files of ``step``
+    from the local tier ``src`` into a scratch step directory. Returns (that directory, its manifest), or
+    None to upload the local files as they are (also when any rank failed to rewrite its part)."""
+    from resilient.checkpoint.safe import load_metadata
+    from resilient.checkpoint.tiers import read_manifest
+
+    chooser = _chooser(mgr)
+    if chooser.mode is CompressMode.NONE:
+        return None  # no collective, no work: compression off costs nothing
+    try:
+        m: Manifest | None = read_manifest(src, step, mgr.rank)
+    except (OSError, ValueError, KeyError) as e:
+        m = None  # the upload itself reports it
+        logger.debug("step %d: no manifest to compress from (%s)", step, e)
+    mine = chooser.decide(sum(f.size for f in m.files.values()) if m is not None else None)
+    decision = mgr._gather(mine, group)[0]  # rank 0's measurements decide for every rank
+    if mgr.rank == 0:
+        logger.info("step %d to the %s tier: %s (%s)", step, decision.tier, decision.codec.value, decision.reason)
+    if decision.codec is Codec.NONE:
+        return None
+    out = Path(src.root) / ".coded" / f"step_{step:08d}"
+    clear(out)
+    part: Transcoded | None = None
+    try:
+        if m is None:
+            raise CompressError("no manifest")
+        d = Path(src.path(step))
+        md = load_metadata((d / DCP_METADATA).read_bytes(), what=f"{d / DCP_METADATA}")
+        part = transcode_files(d, sorted(m.files), md, decision.codec, out)
+    except (OSError, ValueError, KeyError, CheckpointError) as e:
+        logger.warning("compressing step %d for upload failed (%s: %s); uploading it plain", step,
+                       type(e).__name__, e)
+    parts = mgr._gather(part.storage if part else None, group)
+    if part is None or any(p is None for p in parts):
+        clear(out)
+        return None
+    chooser.observe_codec(part.raw_bytes, part.seconds, part.ratio)
+    m2 = finish_step(out, m, part, merged_metadata(md, parts), f"manifest-rank{mgr.rank}.json")
+    if mgr.rank == 0:
+        logger.info("step %d: %s %.2fx in %.2f s (%.0f MB/s)", step, decision.codec.value, part.ratio, part.seconds,
+                    part.raw_bytes / max(part.seconds, 1e-9) / 1e6)
+    return out, m2
+
+
+def observe_upload(mgr: Any, nbytes: int, seconds: float) -> None:
+    """The bytes this rank sent to the store and how long that took: the link's measured throughput."""
+    _chooser(mgr).observe_link(nbytes, seconds)

@@ -802,8 +802,12 @@ class CheckpointManager:
         """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
         persistent tier; rank 0 commits."""
         assert self.persistent is not None
+        from resilient.checkpoint import compress
+
         cfg = self.config
         t0 = time.perf_counter()
+        # collective, so before any call to the store (a rank stuck on a dead store must not hold others in it)
+        coded = compress.prepare_upload(self, step, src, group) if mem is None else None
         ok, error, nbytes = True, None, 0
         try:
             # a step uploaded again (a job restored from an older step saves this number anew) must not stay
@@ -818,6 +822,9 @@ class CheckpointManager:
             else:
                 m = read_manifest(src, step, self.rank)
             d = src.path(step)
+            if coded is not None:
+                d, m = coded  # the same step with every item compressed, and its manifest
+            t_put = time.perf_counter()
             names = list(m.files) + [manifest_name(self.rank)]
             if self.rank == 0:
                 names.append(DCP_METADATA)
@@ -838,6 +845,7 @@ class CheckpointManager:
                       backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
                       should_stop=lambda: self._give_up(step))
                 nbytes += size
+            compress.observe_upload(self, nbytes, time.perf_counter() - t_put)
         except FAILURES as e:
             ok, error = False, e
             newer = self._newer_pending(step)
@@ -845,6 +853,8 @@ class CheckpointManager:
                 # retrying an old step against a store that is down only delays the newer one
                 error = CheckpointError(f"gave up: step {newer} is waiting ({_one_line(e)})")
             logger.error("upload of step %d failed: %s", step, _one_line(error))
+        if coded is not None:
+            compress.clear(coded[0])
         results = self._gather((ok, nbytes), group)
         if all(r[0] for r in results) and self.rank == 0:
             try:

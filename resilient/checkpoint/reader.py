@@ -198,7 +198,9 @@ class FastReader(FileSystemReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], files: Mapping[str, Any] | None = None):
-        super().__init__(path)
+        from resilient.checkpoint.compress import extension_registry
+
+        super().__init__(path, _extension_registry=extension_registry())  # items compressed for transfer
         if files:
             self.fs = MemoryFS(files)
         self.fast_items = 0
