@@ -9,6 +9,7 @@ CKPT_LOCAL = "RESILIENT_CKPT_LOCAL"  # this node's local checkpoint directory
 CKPT_PERSISTENT = "RESILIENT_CKPT_PERSISTENT"  # fsspec URL of the persistent tier
 CKPT_INTERVAL = "RESILIENT_CKPT_INTERVAL"  # "N" steps or "auto"
 CKPT_PERSISTENT_EVERY = "RESILIENT_CKPT_PERSISTENT_EVERY"  # every M-th local save is uploaded
+CKPT_COMPRESS = "RESILIENT_CKPT_COMPRESS"  # auto | none | bgzstd | zstd: compression of persistent uploads
 UPLOAD_GRACE = "RESILIENT_UPLOAD_GRACE"  # seconds pending uploads get at exit before they are abandoned
 HEARTBEAT_TIMEOUT = "RESILIENT_HEARTBEAT_TIMEOUT"  # seconds
 POLICY = "RESILIENT_POLICY"

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTra
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from resilient import env as _renv
 from resilient.checkpoint.api import DCP_METADATA, CheckpointConfigError, CheckpointError, FileEntry, Manifest
 
 logger = logging.getLogger(__name__)
@@ -483,7 +484,7 @@ __all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode",
 
 
 # ------------------------------------------------------------------ the manager's upload hook
-ENV_MODE = "RESILIENT_CKPT_COMPRESS"  # set by resilient-run --ckpt-compress
+ENV_MODE = _renv.CKPT_COMPRESS  # set by resilient-run --ckpt-compress
 
 
 def chooser_from_env(tier: str = "persistent") -> Chooser:

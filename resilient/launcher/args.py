@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-interval", "--ckpt_interval", default=None, help="save every N steps, or 'auto'")
     g.add_argument("--ckpt-persistent-every", "--ckpt_persistent_every", type=int, default=None,
                    help="upload every M-th local save to the persistent tier")
+    g.add_argument("--ckpt-compress", "--ckpt_compress", default=None, choices=("auto", "none", "bgzstd", "zstd"),
+                   help="compress persistent uploads: auto (when the measured link is slower than the codec "
+                        "pays for; default), none, bgzstd (byte planes + zstd), zstd (DCP's own, plain-readable)")
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
@@ -227,6 +230,9 @@ def parse(argv: list[str]) -> AgentConfig:
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None
+    if args.ckpt_compress:
+        # the workers' environment starts from ours; CheckpointManager reads it there
+        os.environ[renv.CKPT_COMPRESS] = args.ckpt_compress
     # directories last: a rejected command line leaves nothing behind
     _writable_dir(run_dir, "--run-dir")
     if args.ckpt_local:

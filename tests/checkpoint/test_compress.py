@@ -235,3 +235,22 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
     assert r.returncode == 2 and len(ours) == 1 and "not empty" in ours[0] and "Traceback" not in r.stderr
     p = _plain_load(tmp_path, tmp_path / "plain", s)
     assert p.returncode == 0 and "plain-ok" in p.stdout, p.stderr[-2000:]
+
+
+def test_launcher_flag_sets_the_workers_mode_and_refuses_unknown_codecs(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient.launcher.api import LaunchError
+    from resilient.launcher.args import parse
+
+    monkeypatch.delenv(cz.ENV_MODE, raising=False)
+    base = ["--standalone", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run")]
+    script = tmp_path / "train.py"
+    script.write_text("")
+    parse([*base, "--ckpt-compress", "none", str(script)])
+    import os
+
+    assert os.environ[cz.ENV_MODE] == "none" and cz.chooser_from_env().mode is cz.CompressMode.NONE
+    with pytest.raises(LaunchError, match="--ckpt-compress.*invalid choice: 'lz9'"):
+        parse([*base, "--ckpt-compress", "lz9", str(script)])
+    monkeypatch.setenv(cz.ENV_MODE, "lz9")  # set by hand, wrong: logged, and uploads go plain
+    assert cz.chooser_from_env().mode is cz.CompressMode.NONE
