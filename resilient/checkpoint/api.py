@@ -100,6 +100,11 @@ class NoRestorableStepError(CheckpointError):
     """Committed steps exist but none could be assembled from verified files on any tier."""
 
 
+class StateUndefinedError(NoRestorableStepError):
+    """Bytes of a checkpoint already landed in the state (``restore()`` owns the target tensors until it
+    returns) and some block has no good copy on any tier: the state is undefined."""
+
+
 def _short(keys: list[str], n: int = 10) -> str:
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
@@ -108,13 +113,23 @@ def _short(keys: list[str], n: int = 10) -> str:
 class FileEntry:
     size: int
     crc32c: int
+    # crc32c of each ``block_size`` bytes (the last block may be shorter): restore verifies and fetches
+    # again per block; absent in manifests written before blocks existed (then the file is one block)
+    block_size: int = 0
+    blocks: tuple[int, ...] = ()
 
-    def to_json(self) -> dict[str, int]:
-        return {"size": self.size, "crc32c": self.crc32c}
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
+        if self.block_size and self.blocks:
+            d["block_size"], d["blocks"] = self.block_size, list(self.blocks)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "FileEntry":
-        return cls(size=int(d["size"]), crc32c=int(d["crc32c"]))
+        bs, blocks = int(d.get("block_size", 0) or 0), tuple(int(c) for c in d.get("blocks", ()))
+        if bs <= 0 or not blocks or len(blocks) != -(-int(d["size"]) // bs):
+            bs, blocks = 0, ()  # inconsistent blocks: verify the whole file instead
+        return cls(size=int(d["size"]), crc32c=int(d["crc32c"]), block_size=bs, blocks=blocks)
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,16 @@ from resilient import env as _env
 from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, PER_RANK_PREFIX, TIER_ORDER, CheckpointConfig,
                                       CheckpointError, CheckpointMismatchError, CheckpointReshardError,
                                       CorruptFileError, FileEntry,
-                                      Manifest, NoRestorableStepError, RestoreResult, TierName,
+                                      Manifest, NoRestorableStepError, RestoreResult, StateUndefinedError,
+                                      TierName,
                                       UnsafeCheckpointError)
 from resilient.checkpoint.stage import (MutationGuard, Stager, flatten, is_stateful, leaf_nbytes, plain_state,
                                         set_path)
 from resilient.checkpoint.tiers import (BoundedTier, DirTier, crc_bytes, file_entry, make_tier, manifest_name, read_manifest,
                                         map_verified, retry, verify_bytes, verify_file)
 from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
+from resilient.checkpoint.load import (BLOCK, FileLoad, FileSource, Item, MemSource, RangeSource, Source,
+                                       bytes_blocks, file_blocks, load_files, plan_spans, undefined, whole_file)
 from resilient.signals.client import preempt_save_due as _preempt_save_due
 from resilient.checkpoint.safe import find_unsafe, load_metadata, unsafe_name
 from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
@@ -79,7 +82,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _bytes_entry(data: bytes) -> FileEntry:
-    return FileEntry(size=len(data), crc32c=crc_bytes(data))
+    return bytes_blocks(data, BLOCK)
 
 
 def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
@@ -643,7 +646,7 @@ class CheckpointManager:
 
     def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str]) -> Manifest:
         d = tier.path(step)
-        files = {n: file_entry(d / n) for n in self._my_files(d)}
+        files = {n: file_blocks(d / n, BLOCK) for n in self._my_files(d)}
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files,
                      metadata=file_entry(d / DCP_METADATA), per_rank_keys=tuple(per_rank), wall=time.time())
         tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
@@ -1010,6 +1013,8 @@ class CheckpointManager:
             return 0
         failures = []
         self._excluded: set[tuple[int, str]] = set()  # (step, tier) whose copy was refused as unsafe
+        self._lazy: set[str] = set()  # this rank's files taken from this node unverified (verified as they land)
+        self._dirty = False  # bytes of a step that then failed landed in the state
         unsafe: list[str] = []
         for step in candidates:
             res = None
@@ -1031,6 +1036,13 @@ class CheckpointManager:
                 return step + 1
             failures.append(step)
         extra = f"; refused as unsafe: {'; '.join(sorted(set(unsafe))[:5])}" if unsafe else ""
+        if self._dirty:
+            msg = (f"committed steps {failures} exist but none could be loaded from verified blocks on any tier; "
+                   f"bytes of a checkpoint already landed in the state, which is now undefined{extra}: restore "
+                   "from another checkpoint directory or start from a fresh state; see the log for the blocks")
+            self._emit(EventKind.CKPT_TIER_FAILED, step=failures[0] if failures else None, tier="all",
+                       error=msg, state_undefined=True)
+            raise StateUndefinedError(msg)
         raise NoRestorableStepError(f"committed steps {failures} exist but none could be assembled from verified "
                                     f"files on any tier; the state is undefined{extra}; see the log for the "
                                     "corrupt or missing files")
@@ -1146,41 +1158,48 @@ class CheckpointManager:
                            step, missing[:5])
             return None
 
-        # 3. the data files, from the fastest tier holding a verified copy
+        # 3. the data files: copies on this node are taken as they are (verified block by block as they
+        # land in the state); the rest is fetched from a peer or the persistent tier, verified in memory
         t_phase = time.perf_counter()
-        got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources))
+        self._lazy = set()
+        got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True)
         if got is None:
             return None
         paths, mem, sources = got
         phases["fetch"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
 
-        # 4. a plain DCP directory of links to the verified files (plus the in-memory ones); load it on
-        # this rank alone
-        view = self._scratch / ".restore" / f"rank{self.rank}"
-        shutil.rmtree(view, ignore_errors=True)
-        view.mkdir(parents=True)
-        for n, p in paths.items():
-            if n not in mem:
-                os.symlink(os.path.abspath(p), view / n)
-        refused = None
-        try:
-            reader = FastReader(view, mem)
-            try:
-                _quiet(dcp.load, plan.load_sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-            except FAILURES as e:
-                bad = find_unsafe(e)
-                if bad is None:
-                    raise
-                name = bad.path.rsplit("/", 1)[-1]
-                refused = (sources.get(name, sources.get(DCP_METADATA)), str(bad))
-            if refused is None:
-                logger.debug("step %d: %d items read directly, %d through torch.load", step, reader.fast_items,
-                             reader.slow_items)
-        finally:
+        # 4. plain tensors straight into the state, each block verified right after it lands; a bad block
+        # comes again from the next copy into the same place; the rest of the state through DCP
+        slow_keys = self._load_direct(step, md, plan, need, files, paths, mem, sources, in_persistent)
+        if slow_keys is None:
             mem.clear()
+            return None
+        phases["direct"] = time.perf_counter() - t_phase
+        refused = None
+        if slow_keys:
+            slow_sd = {k: plan.load_sd[k] for k in slow_keys}
+            view = self._scratch / ".restore" / f"rank{self.rank}"
             shutil.rmtree(view, ignore_errors=True)
-            _rmdir_quiet(view.parent)
+            view.mkdir(parents=True)
+            for n, p in paths.items():
+                if n not in mem:
+                    os.symlink(os.path.abspath(p), view / n)
+            try:
+                reader = FastReader(view, mem)
+                try:
+                    _quiet(dcp.load, slow_sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+                    plan.load_sd.update(slow_sd)
+                except FAILURES as e:
+                    bad = find_unsafe(e)
+                    if bad is None:
+                        raise
+                    name = bad.path.rsplit("/", 1)[-1]
+                    refused = (sources.get(name, sources.get(DCP_METADATA)), str(bad))
+            finally:
+                shutil.rmtree(view, ignore_errors=True)
+                _rmdir_quiet(view.parent)
+        mem.clear()
         verdict = self._refused(step, refused)  # every rank takes part: the agreement point after loading
         if verdict is not None:
             return verdict
@@ -1195,6 +1214,136 @@ class CheckpointManager:
         shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
         _rmdir_quiet(self._scratch / ".fetch")
         return res
+
+    def _load_direct(self, step: int, md: Any, plan: "_LoadPlan", need: set[str], files: dict[str, FileEntry],
+                     paths: dict[str, Path], mem: dict[str, Any], sources: dict[str, str],
+                     in_persistent: bool) -> set[str] | None:
+        """Collective: load the plain tensors of ``plan`` straight into their targets (see ``load.py``).
+
+        Returns the checkpoint keys left to DCP; every file DCP will read is verified whole by then.
+        Returns None on every rank when some rank has a block no tier holds a good copy of (after this
+        node's other copies, the persistent tier by ranged reads, then other ranks' copies over gloo).
+        """
+        by_fqn: dict[str, list[Any]] = {}
+        for idx, info in md.storage_data.items():
+            by_fqn.setdefault(idx.fqn, []).append(info)
+        per_file: dict[str, list[Item]] = {}
+        slow: set[str] = set()
+        for key, v in plan.load_sd.items():
+            m = md.state_dict_metadata.get(key)
+            infos = by_fqn.get(key, [])
+            if (isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
+                    and len(infos) == 1 and not infos[0].transform_descriptors
+                    and all(o == 0 for o in m.chunks[0].offsets) and tuple(m.chunks[0].sizes) == tuple(v.shape)):
+                per_file.setdefault(infos[0].relative_path, []).append(Item(infos[0].offset, infos[0].length, v))
+            else:
+                slow.add(key)
+        loads: list[FileLoad] = []
+        opened: list[Source] = []
+        key_of_target = {id(v): k for k, v in plan.load_sd.items() if isinstance(v, torch.Tensor)}
+        slow_files: set[str] = set()
+        lost: list[str] = []
+        try:
+            for name in sorted(need - {DCP_METADATA}):
+                srcs = self._sources(step, name, files[name], paths, mem, sources, in_persistent, opened)
+                items = per_file.get(name, [])
+                if not srcs:
+                    lost.append(f"{name} (no copy)")
+                    continue
+                spans, left = plan_spans(srcs[0], files[name].size, items)
+                for it in left:
+                    slow.add(key_of_target[id(it.target)])
+                if left or len(items) < self._items_in(md, name):
+                    slow_files.add(name)
+                loads.append(FileLoad(name, files[name], srcs, spans))
+
+            def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
+                logger.warning("rank %d: step %d: %s block %d from the %s tier: %s; trying the next copy",
+                               self.rank, step, f.name, block, tier, why)
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier,
+                           error=f"{f.name} block {block}: {why}")
+
+            lost += load_files(loads, on_bad=on_bad, verified=frozenset(n for n in mem if n not in self._lazy))
+            for f in loads:
+                if f.served is not None:
+                    sources[f.name] = f.served
+                if f.name in slow_files and f.name not in lost and f.sources and f.served != f.sources[0].tier:
+                    # a block of the first copy was bad: DCP reads the rest from a whole verified copy
+                    mem[f.name] = self._whole(f)
+        finally:
+            for src in opened:
+                src.close()
+        lost_files = sorted({x.split(" ")[0] for x in lost})
+        # last resort, collective: files with lost blocks from another rank's copy over gloo
+        if any(self._gather(lost_files, self._pg)):
+            got = self._assemble(step, set(lost_files), files, in_persistent, have_already=({}, {}, {}),
+                                 exclude=frozenset(lost_files))
+            again: list[str] = []
+            if got is None:
+                again = lost
+            else:
+                _, got_mem, got_sources = got
+                for f in loads:
+                    if f.name in lost_files and f.name in got_mem:
+                        f.sources = [MemSource(got_mem[f.name], got_sources[f.name])]
+                        again += load_files([f], verified=frozenset({f.name}))
+                        sources[f.name] = got_sources[f.name]
+                        mem[f.name] = got_mem[f.name]
+                    elif f.name in lost_files:
+                        again.append(f"{f.name} (no copy on any tier)")
+            if again:
+                logger.error("rank %d: %s", self.rank, undefined(again, step))
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier="all",
+                           error=f"no good copy of {'; '.join(again[:5])}")
+            if not self._all(not again):
+                # bytes of this step landed in the state: an older step, fully loaded, may still define it
+                self._dirty = True
+                return None
+        return slow
+
+    @staticmethod
+    def _items_in(md: Any, name: str) -> int:
+        return sum(1 for info in md.storage_data.values() if info.relative_path == name)
+
+    def _sources(self, step: int, name: str, entry: FileEntry, paths: dict[str, Path], mem: dict[str, Any],
+                 sources: dict[str, str], in_persistent: bool, opened: list[Source]) -> list[Source]:
+        """The copies of ``name`` this rank can read without the others, best first."""
+        out: list[Source] = []
+        seen: set[str] = set()
+        if name in mem:
+            out.append(MemSource(mem[name], sources.get(name, TierName.PEER.value)))
+        elif name in paths:
+            try:
+                src = FileSource(paths[name], sources.get(name, TierName.LOCAL.value), entry.size)
+                opened.append(src)
+                out.append(src)
+                seen.add(os.path.realpath(paths[name]))
+            except OSError as e:
+                logger.warning("rank %d: %s: %s", self.rank, name, e)
+        for tier_name, d in self._local_copies(step):
+            p = d / name
+            if os.path.realpath(p) in seen or not p.exists():
+                continue
+            try:
+                src = FileSource(p, tier_name if tier_name != "fetched" else TierName.PEER.value, entry.size)
+            except OSError:
+                continue
+            opened.append(src)
+            out.append(src)
+            seen.add(os.path.realpath(p))
+        if in_persistent and self.persistent is not None and sources.get(name) != TierName.PERSISTENT.value:
+            tier = self.persistent
+            out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
+                                   TierName.PERSISTENT.value))
+        return out
+
+    def _whole(self, f: FileLoad) -> Any:
+        for src in f.sources:
+            try:
+                return whole_file(src, f.entry)
+            except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+                logger.warning("rank %d: whole copy of %s from the %s tier: %s", self.rank, f.name, src.tier, e)
+        raise undefined([f"{f.name} (whole file)"])
 
     def _refused(self, step: int, refused: tuple[str | None, str] | None) -> "_Unsafe | None":
         """Collective: did some rank refuse a file of ``step``? Then the tiers that served refused files
@@ -1212,13 +1361,18 @@ class CheckpointManager:
         return _Unsafe([r[1] for r in everyone if r is not None and r[1]])
 
     def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
-                  have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None
+                  have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None,
+                  lazy: bool = False, exclude: frozenset[str] = frozenset()
                   ) -> tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None:
         """Collective: make every file in ``need`` (this rank's; others pass theirs) available here, verified.
 
         Sources, fastest first: a verified copy on this node (local dir, partner replica), another rank's
         verified copy over gloo, the persistent tier. Returns (paths on disk, bytes in memory, name ->
         tier), or None on every rank if some rank could not get some file.
+
+        ``lazy``: this rank's own data files found on this node are only size-checked here; they are
+        verified block by block as they land in the state (see ``load.py``). ``exclude``: names whose
+        copies on this node failed verification (fetched from elsewhere, never offered to others).
         """
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
         needs = self._gather(sorted(need), self._pg)
@@ -1228,10 +1382,15 @@ class CheckpointManager:
         have: dict[str, tuple[str, Path]] = {}
         for tier_name, d in self._local_copies(step):
             for n in sorted(wanted):
-                if n in have or n in mem or not (d / n).exists():
+                if n in have or n in mem or n in exclude or not (d / n).exists():
                     continue
                 try:
-                    if n in need:
+                    if n in need and lazy and n != DCP_METADATA:
+                        if os.path.getsize(d / n) != files[n].size:
+                            raise CorruptFileError(f"{d / n}: size differs from the manifest (torn or "
+                                                   "truncated write)")
+                        self._lazy.add(n)
+                    elif n in need:
                         # verified and loaded from one mapping of the file: one pass over its bytes
                         mem[n] = map_verified(d / n, files[n])
                     elif os.path.getsize(d / n) != files[n].size:
@@ -1296,7 +1455,7 @@ class CheckpointManager:
                         downloads.append(n)
             for n in downloads:
                 if in_memory:
-                    data = retry(lambda n=n: self.persistent.read_bytes(step, n, files[n].size),  # type: ignore
+                    data = retry(lambda n=n: self.persistent.read_parallel(step, n, files[n].size),  # type: ignore
                                  what=f"download {n} of step {step}", retries=self.config.upload_retries,
                                  backoff_s=self.config.upload_backoff_s,
                                  backoff_max_s=self.config.upload_backoff_max_s)

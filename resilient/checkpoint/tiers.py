@@ -256,6 +256,11 @@ class DirTier:
     def read_bytes(self, step: int, name: str) -> bytes:
         return (self.path(step) / name).read_bytes()
 
+    def read_range(self, step: int, name: str, offset: int, n: int) -> bytes:
+        with open(self.path(step) / name, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
+
     def delete_file(self, step: int, name: str) -> None:
         try:
             os.unlink(self.path(step) / name)
@@ -289,6 +294,9 @@ def _fs_for(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
         opts.setdefault("skip_instance_cache", True)
     fs, path = fsspec.core.url_to_fs(url, **opts)
     return fs, path.rstrip("/")
+
+
+RANGE_PIECE = 8 << 20  # concurrent ranged reads of one object from the persistent tier
 
 
 class FsspecTier:
@@ -364,6 +372,25 @@ class FsspecTier:
 
     def read_bytes(self, step: int, name: str) -> bytes:
         return self.fs.cat_file(self._p(step, name))
+
+    def read_range(self, step: int, name: str, offset: int, n: int) -> bytes:
+        return self.fs.cat_file(self._p(step, name), start=offset, end=offset + n)
+
+    def read_parallel(self, step: int, name: str, size: int, piece: int = RANGE_PIECE) -> Any:
+        """The whole object as concurrent ranged reads (gcsfs runs ``cat_ranges`` on its event loop)."""
+        path = self._p(step, name)
+        starts = list(range(0, size, piece))
+        if len(starts) <= 1 or not hasattr(self.fs, "cat_ranges"):
+            return self.fs.cat_file(path)
+        out = bytearray(size)
+        parts = self.fs.cat_ranges([path] * len(starts), starts, [min(size, a + piece) for a in starts])
+        for a, part in zip(starts, parts):
+            if isinstance(part, BaseException):
+                raise part
+            if len(part) != min(size, a + piece) - a:
+                raise OSError(f"{path}: ranged read at {a} returned {len(part)} bytes")
+            out[a:a + len(part)] = part
+        return out
 
     def delete_file(self, step: int, name: str) -> None:
         try:
@@ -446,6 +473,17 @@ class BoundedTier:
 
     def read_bytes(self, step: int, name: str, nbytes: int = 0) -> bytes:
         return self._call(f"read_bytes({step}, {name!r})", lambda: self.inner.read_bytes(step, name), nbytes)
+
+    def read_range(self, step: int, name: str, offset: int, n: int) -> bytes:
+        return self._call(f"read_range({step}, {name!r}, {offset}, {n})",
+                          lambda: self.inner.read_range(step, name, offset, n), n)  # type: ignore[attr-defined]
+
+    def read_parallel(self, step: int, name: str, size: int) -> Any:
+        inner = self.inner
+        if not hasattr(inner, "read_parallel"):
+            return self.read_bytes(step, name, size)
+        return self._call(f"read_parallel({step}, {name!r})",
+                          lambda: inner.read_parallel(step, name, size), size)  # type: ignore[attr-defined]
 
     def delete_file(self, step: int, name: str) -> None:
         self._call(f"delete_file({step}, {name!r})", lambda: self.inner.delete_file(step, name))

@@ -210,6 +210,7 @@ def test_auto_interval_without_tuner_falls_back(tmp_path: Path, monkeypatch: pyt
     import sys
 
     monkeypatch.setitem(sys.modules, "resilient.goodput.interval", None)  # import fails
+    monkeypatch.setitem(sys.modules, "resilient.checkpoint.interval", None)
     with pytest.warns(UserWarning, match="every 10 steps"):
         ck = CheckpointManager(local=tmp_path, interval="auto")
     saved = [s for s in range(25) if ck.save(s, {"t": torch.ones(2)})]

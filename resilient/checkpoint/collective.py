@@ -1,0 +1,81 @@
+"""Agreement across ranks, in one place: run a step on every rank, gather every rank's outcome, and raise
+with every rank's failure (in the spirit of DCP's ``_DistWrapper.all_gather``), so that a rank never waits
+in a collective another rank skipped and no rank's error is lost behind "see that rank's error"."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from resilient.checkpoint.api import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A failure of one rank, as it travels to the others (exceptions need not be picklable)."""
+
+    rank: int
+    kind: str  # the exception's class name
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.kind}: {self.message}"
+
+
+class RanksFailedError(CheckpointError):
+    """A collective step failed on some ranks; ``failures`` holds every failed rank's error."""
+
+    def __init__(self, what: str, failures: list[RankFailure], local: BaseException | None = None):
+        self.what, self.failures, self.local = what, failures, local
+        shown = "; ".join(str(f) for f in failures[:8])
+        more = f"; and {len(failures) - 8} more ranks" if len(failures) > 8 else ""
+        super().__init__(f"{what} failed on {len(failures)} rank(s): {shown}{more}")
+
+
+class Ranks:
+    """The ranks of one process group (or a single process when ``group`` is None and no group exists)."""
+
+    def __init__(self, group: Any, rank: int, world_size: int, distributed: bool):
+        self.group, self.rank, self.world_size, self.distributed = group, rank, world_size, distributed
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        lst = [obj if self.rank == src else None]
+        dist.broadcast_object_list(lst, src=src, group=self.group)
+        return lst[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        return all(self.gather(bool(ok)))
+
+    def all_gather(self, what: str, fn: Callable[[], T],
+                   catch: tuple[type[BaseException], ...] = (Exception,)) -> list[T]:
+        """Run ``fn`` here, gather every rank's result; if any rank failed, raise :class:`RanksFailedError`
+        on every rank, naming every failure (this rank's own exception is its ``local`` and its cause)."""
+        local: BaseException | None = None
+        try:
+            payload: Any = ("ok", fn())
+        except catch as e:
+            local = e
+            payload = ("err", type(e).__name__, str(e))
+        everyone = self.gather(payload)
+        failures = [RankFailure(r, p[1], p[2]) for r, p in enumerate(everyone) if p[0] == "err"]
+        if failures:
+            raise RanksFailedError(what, failures, local) from local
+        return [p[1] for p in everyone]

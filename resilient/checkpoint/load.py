@@ -1,0 +1,388 @@
+"""Restore's data path: bytes land straight in the target tensors, verified block by block right after.
+
+``restore()`` owns the target tensors until it returns, so a tensor's bytes are read from the fastest
+copy straight into the tensor (``preadv`` from a local file, a copy from a buffer already in memory), and
+the crc32c of each manifest block is computed over what landed while it is still in cache: one pass over
+the memory instead of a verification pass then a copy pass. Bytes of a file that no target receives
+(zip headers, pickles, objects) are checksummed where they are. A block whose crc32c differs from the
+manifest is read again from the next source into the same place; when no source has a good copy,
+:class:`StateUndefinedError` is raised.
+
+Only plain tensors take this path (one chunk covering the whole tensor, a contiguous CPU target of the
+saved dtype, an uncompressed ``torch.save`` record); everything else is left to DCP's reader over files
+this module has verified.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import crc32c as _crc
+import torch
+
+from resilient.checkpoint.api import FileEntry, StateUndefinedError
+from resilient.checkpoint.reader import _tensor_record
+
+PIECE = 1 << 20  # bytes copied then checksummed at once: stays in cache between the two
+THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+class Source(Protocol):
+    """One copy of one file: a local file, a buffer in memory, a remote object read by ranges."""
+
+    tier: str
+
+    def readinto(self, off: int, dst: memoryview) -> None: ...
+    def read(self, off: int, n: int) -> Any: ...  # a buffer of n bytes
+    def close(self) -> None: ...
+
+
+class FileSource:
+    """A local file: data read with ``preadv`` straight into the destination (no mapping to populate);
+    the small parts no tensor receives are read through a lazy read-only mapping."""
+
+    def __init__(self, path: str | os.PathLike[str], tier: str, size: int):
+        self.tier, self.path = tier, os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        real = os.fstat(self._fd).st_size
+        if real != size:
+            os.close(self._fd)
+            raise OSError(f"{self.path}: size {real} != manifest {size} (torn or truncated write)")
+        self._mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ) if size else None
+
+    def readinto(self, off: int, dst: memoryview) -> None:
+        got = 0
+        while got < len(dst):
+            k = os.preadv(self._fd, [dst[got:]], off + got)
+            if k <= 0:
+                raise OSError(f"{self.path}: short read at {off + got}")
+            got += k
+
+    def read(self, off: int, n: int) -> Any:
+        assert self._mm is not None or n == 0
+        return memoryview(self._mm)[off:off + n] if n else b""  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view of it is still referenced; the mapping goes with it
+                pass
+        os.close(self._fd)
+
+
+class MemSource:
+    """A file already in memory (received from a peer, downloaded)."""
+
+    def __init__(self, data: Any, tier: str):
+        self.tier = tier
+        self._mv = memoryview(data).cast("B")
+
+    def readinto(self, off: int, dst: memoryview) -> None:
+        if off + len(dst) > len(self._mv):
+            raise OSError("short buffer")
+        dst[:] = self._mv[off:off + len(dst)]
+
+    def read(self, off: int, n: int) -> Any:
+        return self._mv[off:off + n]
+
+    def close(self) -> None:
+        pass
+
+
+class RangeSource:
+    """A remote copy read by byte ranges (``read(off, n)`` of the whole object is a plain download)."""
+
+    def __init__(self, read_range: Callable[[int, int], bytes], tier: str):
+        self.tier, self._rr = tier, read_range
+
+    def readinto(self, off: int, dst: memoryview) -> None:
+        data = self._rr(off, len(dst))
+        if len(data) != len(dst):
+            raise OSError(f"ranged read returned {len(data)} of {len(dst)} bytes")
+        dst[:] = data
+
+    def read(self, off: int, n: int) -> Any:
+        return self._rr(off, n)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Item:
+    """A plain tensor stored at ``[offset, offset + length)`` of a file, to be loaded into ``target``."""
+
+    offset: int
+    length: int
+    target: torch.Tensor
+
+
+@dataclass
+class Span:
+    """A run of file bytes: into ``dst`` (a uint8 view of a target) or, with ``dst`` None, only checked."""
+
+    off: int
+    n: int
+    dst: torch.Tensor | None = None
+
+
+def blocks_of(entry: FileEntry) -> list[tuple[int, int, int]]:
+    """(start, end, crc32c) of the manifest's verification blocks of a file (the whole file when the
+    manifest predates blocks)."""
+    if entry.block_size and entry.blocks:
+        bs = entry.block_size
+        return [(i * bs, min(entry.size, (i + 1) * bs), c) for i, c in enumerate(entry.blocks)]
+    return [(0, entry.size, entry.crc32c)]
+
+
+_EOCD = b"PK\x05\x06"
+_CEN = struct.Struct("<4s6H3I5H2I")
+_LOC = struct.Struct("<4s5H3I2H")
+_record_cache: dict[bytes, Any] = {}
+_cache_lock = threading.Lock()
+
+
+def data_span(src: Source, item_off: int, item_len: int, target: torch.Tensor) -> int | None:
+    """Offset in the file where ``target``'s bytes start inside its ``torch.save`` record, or None when the
+    record is not a plain, uncompressed, little-endian, contiguous tensor of the target's dtype and shape
+    (the item then takes DCP's own path). Reads only the record's directory and pickle."""
+    if item_len < 22:
+        return None
+    end = item_off + item_len
+    tail = bytes(src.read(end - 22, 22))
+    if tail[:4] != _EOCD:
+        return None
+    n_rec, cd_size, cd_off = struct.unpack_from("<H", tail, 10)[0], *struct.unpack_from("<II", tail, 12)
+    if cd_off + cd_size > item_len - 22 or n_rec > 64:
+        return None
+    cd = bytes(src.read(item_off + cd_off, cd_size))
+    p, recs = 0, {}
+    for _ in range(n_rec):
+        if p + 46 > len(cd):
+            return None
+        f = _CEN.unpack_from(cd, p)
+        if f[0] != b"PK\x01\x02":
+            return None
+        method, csize, usize, nlen, elen, clen, lho = f[4], f[8], f[9], f[10], f[11], f[12], f[16]
+        name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
+        recs[name] = (method, csize, usize, lho)
+        p += 46 + nlen + elen + clen
+    pkl = [n for n in recs if n.endswith("/data.pkl")]
+    if len(pkl) != 1:
+        return None
+    prefix = pkl[0][:-len("data.pkl")]
+    bo = recs.get(prefix + "byteorder")
+    if bo is not None and bytes(_record_bytes(src, item_off, bo)).strip() != b"little":
+        return None
+    pickled = bytes(_record_bytes(src, item_off, recs[pkl[0]]))
+    with _cache_lock:
+        meta = _record_cache.get(pickled)
+    if meta is None:
+        meta = _tensor_record(pickled) or ()
+        with _cache_lock:
+            if len(_record_cache) > 4096:
+                _record_cache.clear()
+            _record_cache[pickled] = meta
+    if not meta:
+        return None
+    dtype, key, storage_numel, offset, shape, stride = meta
+    numel, acc, expect = 1, 1, []
+    for d in reversed(shape):
+        expect.append(acc)
+        acc *= d
+    numel = acc
+    if offset != 0 or storage_numel != numel or (numel > 1 and tuple(reversed(expect)) != stride):
+        return None
+    if target.dtype != dtype or tuple(target.shape) != tuple(shape) or not target.is_contiguous() \
+            or target.device.type != "cpu":
+        return None
+    data = [n for n in recs if n.startswith(prefix + "data/") and not n.endswith(".pkl")]
+    nbytes = numel * target.element_size()
+    if data != [f"{prefix}data/{key}"]:
+        return None
+    method, csize, usize, lho = recs[data[0]]
+    if method != 0 or usize != nbytes or csize != nbytes:
+        return None
+    start = _record_start(src, item_off, lho)
+    if start is None or start + nbytes > end:
+        return None
+    return start
+
+
+def _record_start(src: Source, item_off: int, lho: int) -> int | None:
+    head = bytes(src.read(item_off + lho, 30))
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return None
+    f = _LOC.unpack(head)
+    return item_off + lho + 30 + f[9] + f[10]
+
+
+def _record_bytes(src: Source, item_off: int, rec: tuple[int, int, int, int]) -> Any:
+    method, csize, _, lho = rec
+    start = _record_start(src, item_off, lho)
+    if start is None or method != 0:
+        return b""
+    return src.read(start, csize)
+
+
+def plan_spans(src: Source, size: int, items: Sequence[Item]) -> tuple[list[Span], list[Item]]:
+    """The file cut into spans in file order (target bytes and the rest), and the items left to DCP."""
+    spans: list[Span] = []
+    slow: list[Item] = []
+    pos = 0
+    for it in sorted(items, key=lambda i: i.offset):
+        start = None
+        try:
+            start = data_span(src, it.offset, it.length, it.target)
+        except (OSError, ValueError, struct.error):
+            start = None
+        if start is None:
+            slow.append(it)
+            continue
+        nbytes = it.target.numel() * it.target.element_size()
+        if start < pos:  # overlapping items: not a file DCP wrote; leave it to DCP
+            slow.append(it)
+            continue
+        if start > pos:
+            spans.append(Span(pos, start - pos))
+        if nbytes:
+            spans.append(Span(start, nbytes, it.target.detach().reshape(-1).view(torch.uint8)))
+        pos = start + nbytes
+    if pos < size:
+        spans.append(Span(pos, size - pos))
+    return spans, slow
+
+
+@dataclass
+class FileLoad:
+    """One file of this rank: its spans, its manifest blocks, and its sources, best first."""
+
+    name: str
+    entry: FileEntry
+    sources: list[Source]
+    spans: list[Span] = field(default_factory=list)
+    served: str | None = None  # tier of the copy that served it (the slowest one used for some block)
+
+
+def _block_work(spans: Sequence[Span], start: int, end: int) -> list[tuple[int, int, torch.Tensor | None, int]]:
+    """(file offset, length, destination, offset in destination) pieces of ``[start, end)``, at most PIECE long."""
+    out = []
+    for s in spans:
+        a, b = max(s.off, start), min(s.off + s.n, end)
+        while a < b:
+            k = min(PIECE, b - a)
+            out.append((a, k, s.dst, a - s.off))
+            a += k
+    return out
+
+
+def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: int,
+               verified: bool = False) -> bool:
+    """Read ``[start, end)`` of the file from ``src`` into the targets and check the crc32c of what
+    landed against ``want``. Returns whether it matched."""
+    crc = 0
+    for off, n, dst, doff in _block_work(spans, start, end):
+        if dst is not None:
+            view = memoryview(dst[doff:doff + n].numpy())
+            src.readinto(off, view)
+            if not verified:
+                crc = _crc.crc32c(view, crc)
+        elif not verified:
+            crc = _crc.crc32c(src.read(off, n), crc)
+    return verified or crc == want
+
+
+def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, str], None] | None = None,
+               threads: int = THREADS, verified: frozenset[str] = frozenset()) -> list[str]:
+    """Load every block of every file from its first source, verified; a bad block is read again from the
+    next source into the same place. ``on_bad(file, block, tier, why)`` is told of each failure;
+    ``verified``: names whose first source was verified already (only copied).
+
+    Returns the blocks no source could serve ("name block i (bytes a-b)"), empty when all landed verified.
+    """
+    tasks = [(f, i, blk) for f in files for i, blk in enumerate(blocks_of(f.entry)) if blk[1] > blk[0]]
+    order = {t.name: 0 for t in files}
+    lock = threading.Lock()
+
+    def run(task: tuple[FileLoad, int, tuple[int, int, int]]) -> str | None:
+        f, i, (a, b, want) = task
+        for k, src in enumerate(f.sources):
+            why = "crc32c differs from the manifest"
+            try:
+                if load_block(src, f.spans, a, b, want, verified=(k == 0 and f.name in verified)):
+                    with lock:
+                        order[f.name] = max(order[f.name], k)
+                    return None
+            except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+                why = f"{type(e).__name__}: {e}"
+            if on_bad is not None:
+                on_bad(f, i, src.tier, why)
+        return f"{f.name} block {i} (bytes {a}-{b})"
+
+    if threads > 1 and len(tasks) > 1:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resilient-restore") as pool:
+            results = list(pool.map(run, tasks))
+    else:
+        results = [run(t) for t in tasks]
+    for f in files:
+        if f.sources:
+            f.served = f.sources[order[f.name]].tier
+    return [r for r in results if r is not None]
+
+
+def undefined(lost: Sequence[str], step: int | None = None) -> StateUndefinedError:
+    at = f"step {step}: " if step is not None else ""
+    return StateUndefinedError(
+        f"{at}no tier holds a good copy of {len(lost)} block(s) ({'; '.join(lost[:5])}"
+        f"{' ...' if len(lost) > 5 else ''}); bytes of the checkpoint already landed in the state, which is "
+        "now undefined: restore again from an older step or start from a fresh state")
+
+
+def whole_file(src: Source, entry: FileEntry) -> Any:
+    """A verified in-memory copy of a whole file from ``src`` (for DCP's path), or raise OSError."""
+    data = bytearray(entry.size)
+    if entry.size:
+        src.readinto(0, memoryview(data))
+    if _crc.crc32c(data) != entry.crc32c:
+        raise OSError(f"{src.tier} copy: crc32c differs from the manifest")
+    return data
+
+
+def file_blocks(path: str | os.PathLike[str], block_size: int) -> FileEntry:
+    """Size, crc32c and per-block crc32c of a local file, in one read."""
+    crc, size, blocks = 0, 0, []
+    bcrc, bfill = 0, 0
+    buf = bytearray(min(block_size, 8 << 20))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(view[:min(len(buf), block_size - bfill)])
+            if not n:
+                break
+            crc = _crc.crc32c(view[:n], crc)
+            bcrc = _crc.crc32c(view[:n], bcrc)
+            size += n
+            bfill += n
+            if bfill == block_size:
+                blocks.append(bcrc)
+                bcrc, bfill = 0, 0
+    if bfill:
+        blocks.append(bcrc)
+    return FileEntry(size=size, crc32c=crc, block_size=block_size, blocks=tuple(blocks))
+
+
+def bytes_blocks(data: Any, block_size: int) -> FileEntry:
+    mv = memoryview(data).cast("B")
+    blocks = tuple(_crc.crc32c(mv[i:i + block_size]) for i in range(0, len(mv), block_size))
+    return FileEntry(size=len(mv), crc32c=_crc.crc32c(mv), block_size=block_size, blocks=blocks)
+
+
+BLOCK = 4 << 20  # manifest verification block: the unit fetched again from the next tier
