@@ -22,6 +22,9 @@ class Badput(str, enum.Enum):
     DETECTION = "detection"  # fault happened, not yet noticed
     RECOVERY = "recovery"  # fault noticed, the next attempt not yet launched
     STRAGGLER_SLOWDOWN = "straggler_slowdown"  # step time above the attempt's norm while a straggler was flagged
+    # step time above the clean step time while background checkpoint work (write, replication, upload) ran
+    CHECKPOINT_INTERFERENCE = "checkpoint_interference"
+    STEP_SLOWDOWN = "step_slowdown"  # any other step time above the clean step time (noise, contention)
     WAITING_FOR_SPARES = "waiting_for_spares"  # the job idles until enough nodes are back
     OTHER = "other"  # everything else: gaps between steps, teardown, time between separate launches
 
@@ -74,6 +77,11 @@ class AttemptReport:
     fault_wall: float | None = None
     detect_wall: float | None = None
     restart_cause: str | None = None
+    # the attempt's clean step time (median of steps with no checkpoint work in flight): each step is
+    # productive for at most this long; clean_step_source says where it came from ("attempt", "run": the
+    # other attempts' clean steps, "all_steps": no clean step anywhere, the median of every step)
+    clean_step_seconds: float | None = None
+    clean_step_source: str | None = None
 
     @property
     def wall_seconds(self) -> float:

@@ -19,11 +19,26 @@ Layers, lowest first:
    ``detect_seconds``), never before the last recorded step.
 4. Steps, ``[wall - seconds, wall]`` of each STEP record: ``productive``, or ``wasted_progress`` if
    the step was redone later.
-5. The first step of an attempt beyond the attempt's median step time → ``startup`` (compilation,
-   warm-up); while a STRAGGLER was reported in the attempt, each later step's time beyond the median
-   → ``straggler_slowdown``.
+5. A kept step is productive for at most the attempt's *clean step time*: the median step (its save
+   stall taken out) among the steps that overlapped no background checkpoint work (a save's write
+   from its CKPT_SAVE to its tiers' CKPT_TIER_DONE/FAILED, and each tier's ``[wall - seconds, wall]``:
+   local write, peer replication, persistent upload); the first step of an attempt is not a clean
+   sample. Without a clean step in the attempt, the other attempts' clean steps give it; without any,
+   the median of all its steps (``AttemptReport.clean_step_source`` says which). A step's time beyond
+   it goes, from the step's start and around its save stall, to: ``startup`` for an attempt's first
+   step (compilation, warm-up); ``checkpoint_interference`` when the step overlapped background
+   checkpoint work (a background write competes with training for CPU and memory bandwidth; the rank
+   doing it is also the one a straggler detector then flags); ``straggler_slowdown`` once a STRAGGLER
+   was reported in the attempt; ``step_slowdown`` otherwise. So productive
+   time is steps × clean step time (less for steps faster than it).
 6. ``checkpoint_restore``: ``[wall - seconds, wall]`` of each CKPT_RESTORE.
 7. ``checkpoint_save_stall``: ``[wall - blocking_seconds, wall]`` of each CKPT_SAVE.
+
+Clock skew: an agent may record ``clock_offset`` (seconds to add to its node's clock to read the clock
+of the rendezvous store's host, measured when it joined) in the details of an event it writes. Every
+event of that node is then shifted by the latest offset it recorded at or before the event (the first
+one for earlier events), except the kinds the supervisor writes on the store host's own clock
+(``node_joined``, ``agent_lost``, ``action``). Offsets beyond a day are ignored as nonsense.
 
 Job-level view: events from every node are merged on wall time; the same step or save reported by
 several ranks or nodes is counted once because overlapping intervals are a union, not a sum.
@@ -50,6 +65,7 @@ Relation to ml-goodput-measurement (Google's JAX/TPU library), which this follow
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import logging
 import math
@@ -57,9 +73,10 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from resilient.checkpoint.interval import background_spans, overlap_seconds, stall_spans
 from resilient.events.api import Event, EventKind
 from resilient.goodput.reader import read_ledger
 from resilient.goodput.api import (
@@ -81,6 +98,9 @@ _FAULT_KINDS = {EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST}
 _BOUNDARY_KINDS = {EventKind.RESTART, EventKind.ACTION, EventKind.PREEMPTION_NOTICE, EventKind.HOST_UNHEALTHY,
                    EventKind.GPU_UNHEALTHY, EventKind.SCALE, EventKind.ATTEMPT_END}
 _WAIT_ACTIONS = {"wait_for_spares", "wait"}
+# written by the supervisor on the store host's clock, whatever node they name
+_HOST_CLOCK_KINDS = {EventKind.NODE_JOINED, EventKind.AGENT_LOST, EventKind.ACTION}
+_MAX_CLOCK_OFFSET = 86400.0
 
 # paint layers (see the module docstring)
 _L_BASE, _L_PHASE, _L_WAIT, _L_FAULT, _L_STEP, _L_STEP_EXCESS, _L_RESTORE, _L_SAVE = range(8)
@@ -160,6 +180,59 @@ class _Painter:
             else:
                 out.append(Segment(a, b, cat))
         return out
+
+
+def apply_clock_offsets(events: Iterable[Event]) -> list[Event]:
+    """The events with each node's recorded ``clock_offset`` applied (see the module docstring)."""
+    evs = list(events)
+    offsets: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for ev in evs:
+        if ev.kind in _HOST_CLOCK_KINDS or "clock_offset" not in ev.details:
+            continue
+        off = _num(ev.details, "clock_offset", math.nan)
+        if math.isnan(off) or abs(off) > _MAX_CLOCK_OFFSET:
+            logger.debug("clock_offset %r of node %s ignored", ev.details.get("clock_offset"), ev.node)
+            continue
+        offsets[ev.node].append((ev.wall, off))
+    if not offsets:
+        return evs
+    for lst in offsets.values():
+        lst.sort()
+    out = []
+    for ev in evs:
+        lst = offsets.get(ev.node) if ev.node is not None else None
+        if not lst or ev.kind in _HOST_CLOCK_KINDS:
+            out.append(ev)
+            continue
+        i = max(0, bisect.bisect_right(lst, (ev.wall, math.inf)) - 1)
+        off = lst[i][1]
+        out.append(dataclasses.replace(ev, wall=ev.wall + off) if off else ev)
+    return out
+
+
+def _paint_around(painter: _Painter, a: float, b: float, amount: float, layer: int, category: str,
+                  holes: Sequence[tuple[float, float]], hole_ends: Sequence[float]) -> None:
+    """Paint ``amount`` seconds of ``[a, b]`` from its start, skipping the ``holes`` (save stalls, painted
+    above), so that the step's productive, stalled and excess parts add up to the step."""
+    t = a
+    i = bisect.bisect_right(hole_ends, a)
+    while amount > 0 and t < b:
+        if i < len(holes) and holes[i][0] <= t:
+            t = max(t, holes[i][1])
+            i += 1
+            continue
+        end = min(b, holes[i][0] if i < len(holes) else b, t + amount)
+        if end <= t:  # an amount below the clock's resolution at t
+            return
+        painter.paint(t, end, layer, category)
+        amount -= end - t
+        t = end
+
+
+@dataclass
+class _StepInfo:
+    net: float  # seconds, the save stalls inside it taken out
+    overlapped: bool  # background checkpoint work ran during it
 
 
 def _ended(evs: list[Event]) -> bool:
@@ -249,7 +322,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
 
     ``now`` (wall seconds) is the end of a run still in progress; default: the current time.
     """
-    evs = sorted(events, key=lambda e: e.wall)
+    evs = sorted(apply_clock_offsets(events), key=lambda e: e.wall)
     if not evs:
         raise EmptyLedgerError("the ledger holds no events: is this the run directory, and has the run started?")
     sessions = _sessions(evs)
@@ -271,6 +344,25 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
             redone.add(id(ev))
         low = min(low, n)
 
+    # when training was blocked by a save, and when checkpoint work ran behind it
+    stalls = stall_spans(evs)
+    stall_ends = [e for _, e in stalls]
+    bg = background_spans(evs)
+    bg_ends = [e for _, e in bg]
+    all_atts = [_attempts(si, sev) for si, sev in enumerate(sessions)]
+    info: dict[int, _StepInfo] = {}
+    clean_of: dict[int, list[float]] = {}  # id(attempt) → its clean samples
+    for atts in all_atts:
+        for att in atts:
+            att.steps.sort(key=lambda e: e.wall)
+            for e in att.steps:
+                d = _num(e.details, "seconds")
+                info[id(e)] = _StepInfo(d - overlap_seconds(e.wall - d, e.wall, stalls, stall_ends),
+                                        overlap_seconds(e.wall - d, e.wall, bg, bg_ends) > 0)
+            sample = att.steps[1:] if len(att.steps) > 1 else att.steps
+            clean_of[id(att)] = [info[id(e)].net for e in sample if not info[id(e)].overlapped]
+    run_clean = [x for xs in clean_of.values() for x in xs]
+
     attempt_reports: list[AttemptReport] = []
     disruptions = 0
     attempt_cuts: list[tuple[float, AttemptReport]] = []
@@ -279,20 +371,30 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
         s_ended = _ended(sev)
         s_end = sev[-1].wall if s_ended else t1
         run_end = next((e for e in reversed(sev) if e.kind is EventKind.RUN_END), None)
-        atts = _attempts(si, sev)
+        atts = all_atts[si]
         counted_fault = False
         for k, att in enumerate(atts):
             nxt = atts[k + 1] if k + 1 < len(atts) else None
             a_start = s_start if k == 0 else att.start
             bound = nxt.start if nxt else s_end
-            steps = sorted(att.steps, key=lambda e: e.wall)
+            steps = att.steps
             durs = [_num(e.details, "seconds") for e in steps]
-            median = statistics.median(durs[1:] if len(durs) > 1 else durs) if durs else 0.0
+            source: str | None = None
+            if clean_of[id(att)]:
+                clean, source = statistics.median(clean_of[id(att)]), "attempt"
+            elif steps and run_clean:
+                clean, source = statistics.median(run_clean), "run"
+            elif steps:
+                sample = steps[1:] if len(steps) > 1 else steps
+                clean, source = statistics.median(info[id(e)].net for e in sample), "all_steps"
+            else:
+                clean = 0.0
             first_start = steps[0].wall - durs[0] if steps else None
             last_end = steps[-1].wall if steps else None
             rep = AttemptReport(session=si, attempt=att.attempt, start=a_start, end=bound,
                                 world_size=att.world_size, steps=len(steps),
-                                steps_redone=sum(1 for e in steps if id(e) in redone))
+                                steps_redone=sum(1 for e in steps if id(e) in redone),
+                                clean_step_seconds=clean if source else None, clean_step_source=source)
             if steps:
                 rep.first_step = int(_num(steps[0].details, "step"))
                 rep.last_step = int(_num(steps[-1].details, "step"))
@@ -342,7 +444,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
                 painter.paint(detect, bound, _L_PHASE, after)
             elif last_end is not None and nxt is None and not s_ended and in_progress_step_cap:
                 # the step in flight of a running attempt: productive for at most one normal step
-                painter.paint(last_end, min(bound, last_end + median), _L_PHASE, PRODUCTIVE)
+                painter.paint(last_end, min(bound, last_end + clean), _L_PHASE, PRODUCTIVE)
 
             # layer 2: waiting for spares
             wait_from = None
@@ -363,18 +465,25 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
                     painter.paint(last_end, fault, _L_FAULT, Badput.WASTED_PROGRESS.value)
                 painter.paint(fault, detect, _L_FAULT, Badput.DETECTION.value)
 
-            # layers 4, 5: steps, first-step warm-up, straggler excess
+            # layers 4, 5: steps, and their time beyond the clean step time
             straggler_from = min((e.wall for e in att.events if e.kind is EventKind.STRAGGLER), default=math.inf)
             for i, (ev, d) in enumerate(zip(steps, durs)):
                 cat = Badput.WASTED_PROGRESS.value if id(ev) in redone else PRODUCTIVE
                 painter.paint(ev.wall - d, ev.wall, _L_STEP, cat)
-                excess = d - median
+                si_ = info[id(ev)]
+                excess = si_.net - clean
                 if cat != PRODUCTIVE or excess <= 0:
                     continue
-                if i == 0 and len(steps) > 1:
-                    painter.paint(ev.wall - d, ev.wall - d + excess, _L_STEP_EXCESS, Badput.STARTUP.value)
-                elif ev.wall >= straggler_from and i > 0:
-                    painter.paint(ev.wall - excess, ev.wall, _L_STEP_EXCESS, Badput.STRAGGLER_SLOWDOWN.value)
+                if i == 0:
+                    why = Badput.STARTUP
+                elif si_.overlapped:
+                    # before straggler: the rank doing the checkpoint work is the one the detector flags
+                    why = Badput.CHECKPOINT_INTERFERENCE
+                elif ev.wall >= straggler_from:
+                    why = Badput.STRAGGLER_SLOWDOWN
+                else:
+                    why = Badput.STEP_SLOWDOWN
+                _paint_around(painter, ev.wall - d, ev.wall, excess, _L_STEP_EXCESS, why.value, stalls, stall_ends)
 
         if s_ended and not counted_fault and run_end is not None:
             code = run_end.details.get("exit_code")

@@ -17,6 +17,8 @@ COLORS = {
     "detection": "#ff7f0e",
     "recovery": "#e377c2",
     "straggler_slowdown": "#bcbd22",
+    "checkpoint_interference": "#aec7e8",
+    "step_slowdown": "#dbdb8d",
     "waiting_for_spares": "#8c564b",
     "other": "#c7c7c7",
 }

@@ -1,0 +1,207 @@
+"""Honest productive time: the clean step time, checkpoint interference, step slowdown, clock offsets.
+
+Hand-built ledgers with exact answers, then two real runs under ``resilient-run`` (a save every step and
+one every 50 steps) whose background writes overlap the steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient.checkpoint.interval import IntervalTuner, save_costs
+from resilient.events import Event, EventKind, Ledger, read_events
+from resilient.goodput.api import CATEGORIES, Badput
+from resilient.goodput.calculator import apply_clock_offsets, compute_report, report_for_run
+from tests.goodput.conftest import finish, kill_group
+
+K = EventKind
+
+
+def ev(kind, wall, attempt=0, node="n0", rank=0, **details):
+    return Event(kind=kind, node=node, rank=rank, attempt=attempt, details=details, wall=wall, mono=wall)
+
+
+def assert_adds_up(rep):
+    assert set(rep.badput_seconds) == set(CATEGORIES)
+    assert rep.productive_seconds + math.fsum(rep.badput_seconds.values()) == pytest.approx(rep.wall_seconds)
+    assert all(v >= -1e-12 for v in rep.badput_seconds.values())
+
+
+def saving_run():
+    """Clean step 1 s. Step 2 holds a 0.2 s save stall; its local write [5.2, 6.0] slows step 3 by 0.5 s and
+    its upload [9.0, 10.5] slows step 6 by 0.3 s; step 4 is 0.2 s slow with nothing in flight."""
+    return [
+        ev(K.RUN_START, 0.0, attempt=None, rank=None),
+        ev(K.ATTEMPT_START, 1.0, rank=None, world_size=2),
+        ev(K.STEP, 3.0, step=0, seconds=2.0),  # [1, 3]: first step, 1 s of warm-up
+        ev(K.STEP, 4.0, step=1, seconds=1.0),
+        ev(K.CKPT_SAVE, 5.2, step=2, blocking_seconds=0.2),  # stall [5.0, 5.2]
+        ev(K.STEP, 5.2, step=2, seconds=1.2),  # [4.0, 5.2]: 1 s of work + the stall; clean
+        ev(K.CKPT_TIER_DONE, 6.0, step=2, tier="local", seconds=0.8),
+        ev(K.STEP, 6.7, step=3, seconds=1.5),  # [5.2, 6.7] overlaps the write: 0.5 s interference
+        ev(K.STEP, 7.9, step=4, seconds=1.2),  # nothing in flight: 0.2 s step slowdown
+        ev(K.STEP, 8.9, step=5, seconds=1.0),
+        ev(K.STEP, 10.2, step=6, seconds=1.3),  # overlaps the upload: 0.3 s interference
+        ev(K.CKPT_TIER_DONE, 10.5, step=2, tier="persistent", seconds=1.5),
+        ev(K.RUN_END, 11.0, attempt=None, rank=None, exit_code=0),
+    ]
+
+
+def test_interference_and_step_slowdown_known_answer():
+    rep = compute_report(saving_run())
+    b = rep.badput_seconds
+    assert rep.attempts[0].clean_step_seconds == pytest.approx(1.0)
+    assert rep.attempts[0].clean_step_source == "attempt"
+    assert rep.productive_seconds == pytest.approx(7 * 1.0)  # steps × clean step time
+    assert b[Badput.CHECKPOINT_INTERFERENCE.value] == pytest.approx(0.5 + 0.3)
+    assert b[Badput.STEP_SLOWDOWN.value] == pytest.approx(0.2)
+    assert b["checkpoint_save_stall"] == pytest.approx(0.2)
+    assert b["startup"] == pytest.approx(1.0 + 1.0)
+    assert b["other"] == pytest.approx(0.8)
+    assert rep.goodput == pytest.approx(7 / 11)
+    assert_adds_up(rep)
+
+
+def test_excess_is_painted_around_a_stall_at_the_step_start():
+    evs = [e for e in saving_run() if e.kind is not K.RUN_END]
+    # step 7 [10.5, 12.5], after the upload: a save stall [10.5, 11.0] at its start (overlap mode: the hook
+    # wait), 1.5 s of work of which 0.5 s beyond the clean step; no tier reported, so nothing ran behind it
+    evs += [ev(K.CKPT_SAVE, 11.0, step=7, blocking_seconds=0.5), ev(K.STEP, 12.5, step=7, seconds=2.0),
+            ev(K.RUN_END, 12.5, attempt=None, rank=None, exit_code=0)]
+    rep = compute_report(evs)
+    b = rep.badput_seconds
+    assert b["checkpoint_save_stall"] == pytest.approx(0.2 + 0.5)
+    assert b[Badput.STEP_SLOWDOWN.value] == pytest.approx(0.2 + 0.5)  # not hidden under the stall
+    assert b["other"] == pytest.approx(0.3)  # 10.2 → 10.5, between steps
+    assert rep.productive_seconds == pytest.approx(8 * 1.0)
+    assert_adds_up(rep)
+
+
+def test_clean_time_from_other_attempts_or_all_steps():
+    # attempt 1 saves every step: each step overlaps a write; its clean time comes from attempt 0
+    evs = saving_run()[:-1] + [ev(K.ATTEMPT_START, 11.0, attempt=1, rank=None, world_size=2),
+                               ev(K.STEP, 12.0, attempt=1, step=7, seconds=1.0)]
+    t = 12.0
+    for s in range(8, 12):
+        evs += [ev(K.CKPT_SAVE, t, attempt=1, step=s - 1, blocking_seconds=0.0),
+                ev(K.CKPT_TIER_DONE, t + 1.4, attempt=1, step=s - 1, tier="local", seconds=1.4),
+                ev(K.STEP, t + 1.4, attempt=1, step=s, seconds=1.4)]
+        t += 1.4
+    evs.append(ev(K.RUN_END, t, attempt=None, rank=None, exit_code=0))
+    rep = compute_report(evs)
+    a1 = rep.attempts[1]
+    assert (a1.clean_step_seconds, a1.clean_step_source) == (pytest.approx(1.0), "run")
+    assert a1.badput_seconds[Badput.CHECKPOINT_INTERFERENCE.value] == pytest.approx(4 * 0.4)
+    assert_adds_up(rep)
+    # no clean step anywhere: the median of the steps, and no interference can be claimed beyond it
+    only = [e for e in evs if e.attempt == 1 or e.kind in (K.RUN_START, K.RUN_END)]
+    rep = compute_report(only)
+    assert rep.attempts[0].clean_step_source == "all_steps"
+    assert rep.attempts[0].clean_step_seconds == pytest.approx(1.4)
+    assert rep.badput_seconds[Badput.CHECKPOINT_INTERFERENCE.value] == pytest.approx(0.0, abs=1e-12)
+    assert_adds_up(rep)
+
+
+def test_save_cost_for_the_interval_tuner(tmp_path):
+    costs = save_costs(saving_run())
+    assert costs.clean_step_seconds == pytest.approx(1.0)
+    assert costs.interference == [pytest.approx(0.8)]  # one save: its write and its upload
+    with Ledger(tmp_path) as led:
+        for e in saving_run():
+            led.write(e)
+    t = IntervalTuner.from_run_dir(tmp_path, prior_mtbf_s=3600, prior_weight=1e9)
+    i = t.inputs()
+    assert i["save_blocking_seconds"] == pytest.approx(0.2)
+    assert i["save_interference_seconds"] == pytest.approx(0.8)
+    assert t.save_seconds() == pytest.approx(1.0)
+    assert t.optimal_seconds() == pytest.approx(math.sqrt(2 * 1.0 * 3600) - 1.0, rel=1e-3)
+    # without a ledger the tuner knows only the blocking part
+    bare = IntervalTuner(prior_mtbf_s=3600)
+    bare.observe_step(1.0)
+    bare.observe_save(0.2)
+    assert bare.save_seconds() == pytest.approx(0.2)
+
+
+def test_bad_prior_mtbf_env_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESILIENT_CKPT_PRIOR_MTBF", "soon")
+    with pytest.raises(ValueError, match="RESILIENT_CKPT_PRIOR_MTBF='soon' is not a positive number"):
+        IntervalTuner.from_run_dir(tmp_path)
+    monkeypatch.setenv("RESILIENT_CKPT_PRIOR_MTBF", "1800")
+    assert IntervalTuner.from_run_dir(tmp_path).prior_mtbf_s == 1800.0
+
+
+def test_clock_offset_of_a_node_is_applied():
+    # node b's clock runs 100 s ahead of the store host's; it recorded that when it joined
+    evs = [
+        ev(K.RUN_START, 0.0, attempt=None, node="a", rank=None),
+        ev(K.NODE_JOINED, 0.3, attempt=None, node="b", rank=None, nproc=1),  # the supervisor's clock
+        ev(K.RUN_START, 100.2, attempt=None, node="b", rank=None),
+        ev(K.RENDEZVOUS_DONE, 100.5, attempt=None, node="b", rank=None, clock_offset=-100.0),
+        ev(K.ATTEMPT_START, 1.0, node="a", rank=None, world_size=2),
+        ev(K.ATTEMPT_START, 101.0, node="b", rank=None, world_size=2),
+        *[ev(K.STEP, 2.0 + s, node="a", step=s, seconds=1.0) for s in range(8)],
+        ev(K.RUN_END, 10.0, attempt=None, node="a", rank=None, exit_code=0),
+        ev(K.RUN_END, 110.0, attempt=None, node="b", rank=None, exit_code=0),
+    ]
+    fixed = {(e.node, e.kind): e.wall for e in apply_clock_offsets(evs)}
+    assert fixed[("b", K.RUN_START)] == pytest.approx(0.2) and fixed[("b", K.NODE_JOINED)] == 0.3
+    rep = compute_report(evs)
+    assert rep.wall_seconds == pytest.approx(10.0)  # not 110 s
+    assert rep.productive_seconds == pytest.approx(8.0)
+    assert_adds_up(rep)
+    # nonsense offsets are ignored
+    bad = [e if e.kind is not K.RENDEZVOUS_DONE else ev(K.RENDEZVOUS_DONE, 100.5, attempt=None, node="b",
+                                                         rank=None, clock_offset=1e300) for e in evs]
+    assert compute_report(bad).wall_seconds == pytest.approx(110.0)
+
+
+# ------------------------------------------------------------------------------------------ real runs
+CKPT_TRAIN = Path(__file__).parent / "ckpt_train.py"
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """The same job saving every step (after 15 clean calibration steps) and every 50 steps, run side by side."""
+    base = tmp_path_factory.mktemp("interference")
+    env = dict(os.environ, STEPS="80", STATE_MB="12", CALIB_STEPS="15", HIDDEN="256", BATCH="256",
+               OMP_NUM_THREADS="1")
+    procs = {}
+    for every in (1, 50):
+        run_dir = base / f"every{every}"
+        procs[every] = (run_dir, subprocess.Popen(
+            [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir",
+             str(run_dir), "--ckpt-local", str(run_dir / "ckpt"), "--ckpt-interval", str(every), str(CKPT_TRAIN)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for every, (run_dir, proc) in procs.items():
+            out = finish(proc, timeout=150)
+            assert proc.returncode == 0, out
+    finally:
+        for _, proc in procs.values():
+            kill_group(proc)
+    return {every: run_dir for every, (run_dir, _) in procs.items()}
+
+
+@pytest.mark.timeout(240)
+def test_real_runs_charge_interference_when_saves_overlap_steps(real_runs):
+    reps = {every: report_for_run(d) for every, d in real_runs.items()}
+    share = {every: r.badput_seconds[Badput.CHECKPOINT_INTERFERENCE.value] / r.wall_seconds
+             for every, r in reps.items()}
+    for every, rep in reps.items():
+        assert_adds_up(rep)
+        (a,) = rep.attempts
+        assert a.clean_step_source == "attempt" and a.clean_step_seconds > 0
+        # productive time is steps × clean step time at most
+        assert rep.productive_seconds <= a.steps * a.clean_step_seconds + 1e-6
+    assert reps[1].badput_seconds[Badput.CHECKPOINT_INTERFERENCE.value] > 0, reps[1].badput_seconds
+    assert share[1] > share[50], share
+    # the tuner sees the same cost: one interference figure per finished save
+    costs = save_costs(list(read_events(real_runs[1])))
+    saves = {e.details["step"] for e in read_events(real_runs[1]) if e.kind is K.CKPT_SAVE}
+    assert len(costs.interference) == len(saves) and sum(costs.interference) > 0
