@@ -25,6 +25,7 @@ next failure.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import logging
@@ -516,6 +517,29 @@ def simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | None
         make_policy = _policy_loader(policy)
     except PolicyError as e:
         raise PlanInputError(f"policy: {e}") from None
+    with _quiet_core():
+        return _simulate(cluster, figures, policy, make_policy, seed, trials, faults)
+
+
+class _Mute(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_core():
+    """The core logs every stop and every overruled policy as a real job's trouble; simulated ones are not."""
+    lg = logging.getLogger("resilient.supervisor.core")
+    f = _Mute()
+    lg.addFilter(f)
+    try:
+        yield
+    finally:
+        lg.removeFilter(f)
+
+
+def _simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | None, make_policy, seed: int,
+              trials: int, faults: Sequence[PlannedFault] | None) -> PlanResult:
     totals: dict[str, float] = defaultdict(float)
     actions: dict[str, float] = defaultdict(float)
     failures = stops = wall = useful = 0.0
