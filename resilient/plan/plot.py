@@ -35,7 +35,8 @@ def plot_sizes(cluster: ClusterConfig, figures: Figures, policy_dir: str | os.Pa
             # small clusters see few failures per run: more trials there, one where failures average out anyway
             trials = max(1, min(16, 4096 // max(1, gpus)))
             r = simulate(c, figures, pol, seed=seed, trials=trials)
-            row.append((nodes * cluster.gpus_per_node, r.goodput, r.cost_per_useful_step))
+            # per node: a step on more nodes does proportionally more work (data parallel, weak scaling)
+            row.append((nodes * cluster.gpus_per_node, r.goodput, r.cost_per_useful_step / nodes))
         points[pol.stem] = row
     _draw(points, cluster, path)
     return points
@@ -60,8 +61,7 @@ def _draw(points: dict[str, list[tuple[int, float, float]]], cluster: ClusterCon
         ax.set_xlabel("GPUs")
         ax.grid(True, alpha=0.3)
     ax_g.set_ylabel("expected goodput (%)")
-    ax_c.set_ylabel(f"cost per useful step ({'node-hours' if cluster.cost_per_node_hour == 1 else 'price units'})")
-    ax_c.set_yscale("log")
+    ax_c.set_ylabel(f"cost per useful step, per node ({'node-hours' if cluster.cost_per_node_hour == 1 else 'price units'})")
     ax_g.legend(fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
