@@ -1,10 +1,11 @@
-"""``resilient goodput RUN_DIR [--json] [--plot FILE.png]``: the goodput report of a run."""
+"""``resilient goodput RUN_DIR [--json] [--plot FILE.png] [--tensorboard DIR]``: the goodput report of a run."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
@@ -19,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (holds events.jsonl)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the run's timeline into this image")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write goodput, badput by category and step time as TensorBoard scalars into DIR "
+                        "(needs: pip install 'resilient[tensorboard]')")
     p.add_argument("--timeline", action="store_true", help="with --json: include the categorised time segments")
     p.add_argument("--now", type=float, default=None,
                    help="end of a run still in progress, as Unix time (default: the current time)")
@@ -54,7 +58,8 @@ def print_table(rep: GoodputReport) -> None:
         t.add_row(c, _fmt_s(rep.badput_seconds[c]), f"{rep.badput_seconds[c] / w:.1%}")
     con.print(t)
     a_t = Table(title="attempts")
-    cols = ("session", "attempt", "start", "duration", "world", "steps", "productive", "largest badput", "end")
+    cols = ("session", "attempt", "start", "duration", "world", "steps", "clean step", "productive", "largest badput",
+            "end")
     if rep.sessions == 1:
         cols = cols[1:]
     for col in cols:
@@ -66,7 +71,9 @@ def print_table(rep: GoodputReport) -> None:
             steps += f" ({a.steps_redone} redone)"
         row = [str(a.session)] if rep.sessions > 1 else []
         a_t.add_row(*row, str(a.attempt), f"+{a.start - rep.start_wall:.1f} s", _fmt_s(a.wall_seconds),
-                    str(a.world_size or "?"), steps, _fmt_s(a.productive_seconds),
+                    str(a.world_size or "?"), steps,
+                    f"{a.clean_step_seconds * 1000:.1f} ms" if a.clean_step_seconds is not None else "–",
+                    _fmt_s(a.productive_seconds),
                     f"{top[0]} {_fmt_s(top[1])}" if top[1] > 0 else "–", a.end_reason)
     con.print(a_t)
     if rep.skipped_lines:
@@ -75,6 +82,19 @@ def print_table(rep: GoodputReport) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.tensorboard:
+        import importlib.util
+
+        from resilient.goodput.tensorboard import INSTALL_HINT
+
+        if importlib.util.find_spec("tensorboard") is None:
+            print(f"resilient goodput: --tensorboard needs the tensorboard package, which is not installed; "
+                  f"install it with: {INSTALL_HINT}", file=sys.stderr)
+            return 2
+        if os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
+            print(f"resilient goodput: --tensorboard {args.tensorboard} is a file; give a directory for the "
+                  "event files", file=sys.stderr)
+            return 2
     try:
         read = read_ledger(args.run_dir)
     except FileNotFoundError:
@@ -105,12 +125,26 @@ def main(argv: list[str] | None = None) -> int:
         from resilient.goodput.plot import plot_timeline
 
         plot_timeline(events, rep, args.plot)
+    if args.tensorboard:
+        from resilient.goodput.tensorboard import TensorBoardUnavailable, export
+
+        try:
+            export(events, rep, args.tensorboard)
+        except TensorBoardUnavailable as e:
+            print(f"resilient goodput: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"resilient goodput: cannot write TensorBoard files to {args.tensorboard}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(rep.to_json(timeline=args.timeline), indent=2))
     else:
         print_table(rep)
         if args.plot:
             print(f"timeline written to {args.plot}")
+        if args.tensorboard:
+            print(f"TensorBoard scalars written to {args.tensorboard}")
     return 0
 
 

@@ -4,8 +4,8 @@ The node agent on node 0 runs one :class:`MetricsServer` when ``--metrics-port``
 registry (never the process-global one, so it adds nothing to a user's own exporter) and reads the ledger
 incrementally: each scrape parses only the lines appended since the previous one.
 
-TensorBoard export is not offered: ``torch.utils.tensorboard`` needs the ``tensorboard`` package, which
-is not a dependency.
+For TensorBoard, ``resilient goodput RUN_DIR --tensorboard DIR`` writes the same figures as scalars
+(:mod:`resilient.goodput.tensorboard`, optional extra ``[tensorboard]``).
 """
 
 from __future__ import annotations
