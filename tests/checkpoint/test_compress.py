@@ -191,7 +191,7 @@ def test_chooser_compresses_only_when_it_pays() -> None:
         cz.parse_mode("lz9")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)  # four interpreters importing torch, on busy cores
 def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs: object,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the manager, to a real GCS API server: a forced codec compresses the persistent copy only;
