@@ -66,8 +66,9 @@ class Ranks:
 
     def all_gather(self, what: str, fn: Callable[[], T],
                    catch: tuple[type[BaseException], ...] = (Exception,)) -> list[T]:
-        """Run ``fn`` here, gather every rank's result; if any rank failed, raise :class:`RanksFailedError`
-        on every rank, naming every failure (this rank's own exception is its ``local`` and its cause)."""
+        """Run ``fn`` here, gather every rank's result; if any rank failed, raise on every rank: a rank that
+        failed raises its own exception (its type kept for callers that catch it) with a note naming every
+        rank's failure; the others raise :class:`RanksFailedError` naming every failure."""
         local: BaseException | None = None
         try:
             payload: Any = ("ok", fn())
@@ -77,5 +78,20 @@ class Ranks:
         everyone = self.gather(payload)
         failures = [RankFailure(r, p[1], p[2]) for r, p in enumerate(everyone) if p[0] == "err"]
         if failures:
-            raise RanksFailedError(what, failures, local) from local
+            err = RanksFailedError(what, failures, local)
+            if local is not None:
+                if len(failures) > 1:
+                    local.add_note(str(err))
+                raise local
+            raise err
         return [p[1] for p in everyone]
+
+    def run(self, what: str, fn: Callable[[], T], catch: tuple[type[BaseException], ...] = (Exception,)) -> T:
+        """:meth:`all_gather` for a result that stays on this rank (only the outcome travels)."""
+        box: list[T] = []
+
+        def step() -> None:
+            box.append(fn())
+
+        self.all_gather(what, step, catch=catch)
+        return box[0]

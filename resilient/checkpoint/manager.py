@@ -50,7 +50,9 @@ from resilient.checkpoint.load import (BLOCK, FileLoad, FileSource, Item, MemSou
                                        bytes_blocks, file_blocks, load_files, plan_spans, undefined, whole_file)
 from resilient.signals.client import preempt_save_due as _preempt_save_due
 from resilient.checkpoint.safe import find_unsafe, load_metadata, unsafe_name
-from resilient.checkpoint.transfer import FileSpec, Transfer, ring_exchange, run_transfers
+from resilient.checkpoint.collective import Ranks
+from resilient.checkpoint.plan import plan_fetch
+from resilient.checkpoint.transfer import FileSpec, ring_exchange, run_transfers
 from resilient.checkpoint.writer import MemoryWriter
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
@@ -351,19 +353,14 @@ class CheckpointManager:
             self._ledger.emit(kind, rank=self.rank, **details)
 
     # ------------------------------------------------------------------ collectives helpers
+    def _ranks(self, group: Any) -> Ranks:
+        return Ranks(group, self.rank, self.world_size, self._dist)
+
     def _gather(self, obj: Any, group: Any) -> list[Any]:
-        if not self._dist:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        return self._ranks(group).gather(obj)
 
     def _bcast(self, obj: Any, group: Any) -> Any:
-        if not self._dist:
-            return obj
-        lst = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(lst, src=0, group=group)
-        return lst[0]
+        return self._ranks(group).broadcast(obj)
 
     # ------------------------------------------------------------------ save
     @property
@@ -1129,16 +1126,12 @@ class CheckpointManager:
             return verdict
         assert md is not None
         phases["metadata"] = time.perf_counter() - t_phase
-        error: CheckpointError | None = None
-        plan = None
-        try:
-            plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
-        except CheckpointError as e:
-            error = e
-        if not self._all(error is None):  # every rank stops here, none is left waiting in a collective
-            raise error or CheckpointError(f"checkpoint step {step} does not match another rank's state; "
-                                           "see that rank's error")
-        assert plan is not None
+        # every rank stops here if one cannot plan, none is left waiting in a collective, and every rank's
+        # error is told
+        plan = self._ranks(self._pg).run(
+            f"planning the restore of step {step}",
+            lambda: self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old),
+            catch=(CheckpointError,))
         # a world-size change some state cannot follow: every rank learns every rank's findings and all
         # raise the same error, before a single data file is fetched or a byte lands in the state
         reshard: dict[str, str] = {}
@@ -1402,26 +1395,10 @@ class CheckpointManager:
             have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
         everyone = self._gather(sorted(set(have) | set(mem)), self._pg)
 
-        transfers: list[Transfer] = []
-        downloads: list[str] = []
-        load_count = [0] * self.world_size
-        feasible = True
-        for r in range(self.world_size):
-            theirs = set(everyone[r])
-            for n in needs[r]:
-                if n in theirs:
-                    continue
-                providers = [q for q in range(self.world_size) if q != r and n in everyone[q]]
-                if providers:
-                    q = min(providers, key=lambda q: (load_count[q], q))  # the least loaded sender
-                    load_count[q] += 1
-                    transfers.append(Transfer(src=q, dst=r, name=n, size=files[n].size))
-                elif in_persistent:
-                    if r == self.rank:
-                        downloads.append(n)
-                else:
-                    feasible = False
-        if not feasible:
+        fetch_plan = plan_fetch(needs, everyone, {n: files[n].size for n in wanted}, in_persistent)
+        transfers = fetch_plan.transfers
+        downloads = list(fetch_plan.downloads.get(self.rank, []))
+        if not fetch_plan.feasible:
             logger.warning("step %d: some files are on no tier; trying an older step", step)
             return None
         for n in need:
