@@ -165,7 +165,7 @@ def save_costs(events: Iterable[Event]) -> SaveCosts:
             seen_attempts.add(ev.attempt)
             continue
         a = ev.wall - d
-        steps.append((a, ev.wall, d - overlap_seconds(a, ev.wall, stalls, stall_ends)))
+        steps.append((a, ev.wall, max(0.0, d - overlap_seconds(a, ev.wall, stalls, stall_ends))))
     clean = [net for a, b, net in steps if overlap_seconds(a, b, bg, bg_ends) <= 0]
     if not clean:
         return SaveCosts(None, [], 0, len(steps))

@@ -357,7 +357,8 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
             att.steps.sort(key=lambda e: e.wall)
             for e in att.steps:
                 d = _num(e.details, "seconds")
-                info[id(e)] = _StepInfo(d - overlap_seconds(e.wall - d, e.wall, stalls, stall_ends),
+                # never below 0: the stall is measured on wall clock values where a float's resolution is ~0.2 µs
+                info[id(e)] = _StepInfo(max(0.0, d - overlap_seconds(e.wall - d, e.wall, stalls, stall_ends)),
                                         overlap_seconds(e.wall - d, e.wall, bg, bg_ends) > 0)
             sample = att.steps[1:] if len(att.steps) > 1 else att.steps
             clean_of[id(att)] = [info[id(e)].net for e in sample if not info[id(e)].overlapped]

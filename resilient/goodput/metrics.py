@@ -114,6 +114,10 @@ class LedgerCollector(Collector):
             yield _gauge(f"{p}_attempt", "Current attempt number (restart count)", cur.attempt)
             if cur.world_size is not None:
                 yield _gauge(f"{p}_world_size", "World size of the current attempt", cur.world_size)
+            if cur.clean_step_seconds is not None:
+                yield _gauge(f"{p}_clean_step_seconds", "Clean step time of the current attempt (no checkpoint "
+                             "work in flight): each step counts as productive for at most this long",
+                             cur.clean_step_seconds)
         step = self._last.get(EventKind.STEP)
         if step is not None:
             yield _gauge(f"{p}_last_step", "Last step recorded", _f(step.details.get("step")))

@@ -91,7 +91,8 @@ def test_scrape_follows_a_growing_ledger(tmp_path, writer):
         assert value(m, "resilient_checkpoint_age_seconds", tier="local") >= 0
         assert value(m, "resilient_restarts_total") == 0 and value(m, "resilient_world_size") == 1
         cats = {lab["category"] for lab, _ in m["resilient_badput_seconds"]}
-        assert "checkpoint_save_stall" in cats and "wasted_progress" in cats
+        assert {"checkpoint_save_stall", "wasted_progress", "checkpoint_interference", "step_slowdown"} <= cats
+        assert value(m, "resilient_clean_step_seconds") >= 0
         writer("half")
         m = scrape(srv.port)  # the half line is not an event yet
         assert value(m, "resilient_restarts_total") == 0
