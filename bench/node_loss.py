@@ -53,6 +53,7 @@ import psutil  # noqa: E402
 from resilient.events.api import EventKind  # noqa: E402
 from resilient.events.ledger import read_events  # noqa: E402
 from resilient.testing.gcs import free_port  # noqa: E402
+from resilient.testing import faults  # noqa: E402
 
 STEPS = 8
 GATE_STEP = 4
@@ -156,12 +157,10 @@ class Timeout(Exception):
 
 
 def wait_for(pred, timeout: float, what: str, poll: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(poll)
-    raise Timeout(f"timed out after {timeout:.0f}s waiting for {what}")
+    try:
+        faults.wait_for(pred, timeout, what, interval=poll)
+    except AssertionError as e:
+        raise Timeout(str(e)) from None
 
 
 def listening(port: int) -> bool:

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,18 +16,10 @@ import pytest
 
 from resilient.events.ledger import read_events
 from resilient.testing.gcs import free_port
+from resilient.testing.faults import wait_for  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).resolve().parent / "train.py"
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

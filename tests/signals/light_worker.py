@@ -11,11 +11,9 @@ import time
 
 
 def wait_for(path: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            sys.exit(f"timed out waiting for {path}")
-        time.sleep(0.002)
+    from resilient.testing.faults import wait_for as wait  # stdlib only: the worker still starts in ~50 ms
+
+    wait(lambda: os.path.exists(path), timeout, path, interval=0.002)
 
 
 def main() -> None:

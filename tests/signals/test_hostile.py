@@ -13,6 +13,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
+from resilient.testing.faults import wait_for
 from tests.signals.harness import REPO
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))
@@ -30,18 +31,6 @@ def launch(tmp_path, args, env, nofile=None):
 
     return subprocess.Popen([sys.executable, "-m", "resilient.run", "--standalone", *args], cwd=tmp_path, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
-
-
-def wait_for(pred, timeout, what, proc=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            err = proc.stderr.read() if proc.stderr is not None else ""
-            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}: {err}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
