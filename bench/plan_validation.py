@@ -89,6 +89,7 @@ def predict(run_dir: str, trials: int, seed: int) -> dict:
         nodes=nodes, gpus_per_node=m.gpus_per_node or 1, spares=m.spares or 0, ckpt_interval=m.ckpt_interval or 1,
         failures_per_node_day=m.failures_per_node_day or 0.0, node_loss_share=m.node_loss_share or 0.0,
         hang_share=m.hang_share or 0.0, steps=(rep.last_step or 0) + 1, repair_hours=1e6,  # no node comes back
+        tiers=m.tiers or ("local", "peer", "persistent"),
         max_restarts=m.max_restarts if m.max_restarts is not None else 1_000_000)
     policy = str(REPO / "policies" / "default.py")
     by_rate = simulate(cluster, figures, policy, seed=seed, trials=trials)

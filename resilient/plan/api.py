@@ -77,7 +77,9 @@ class Figures:
     teardown_s: float = 0.0  # last step to the end of the job
     step_extra_s: Mapping[str, float] = field(default_factory=dict)  # per step, e.g. straggler_slowdown
     policy: str | None = None  # the policy file the run used, if the ledger says
-    source: Mapping[str, str] = field(default_factory=dict)  # figure name → "ledger" | "flag" | "default"
+    # figure name → "ledger" | "flag" | "default", or "ledger:peer" (a default that contradicted the tier order
+    # was bounded by that tier's measured figure)
+    source: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         o = "Figures"

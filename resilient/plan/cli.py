@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", help=f"policy file (default: the run's, else policies/default.py)")
     g.add_argument("--ckpt-interval", type=_interval, default=argparse.SUPPRESS,
                    help="steps between local saves, or 'none' (default: the run's, else 100)")
-    g.add_argument("--tiers", help=f"checkpoint tiers, comma-separated among {','.join(TIERS)} (default: all)")
+    g.add_argument("--tiers", help=f"checkpoint tiers, comma-separated among {','.join(TIERS)} (default: the run's, else all)")
     g.add_argument("--persistent-every", type=int, help="local saves per persistent upload (10)")
     g.add_argument("--cost-per-node-hour", type=float, help="price of one node-hour (default 1: costs in node-hours)")
     g.add_argument("--steps", type=int, help="steps to finish (full-size steps); default: the run's, else simulate --days")
@@ -143,6 +143,8 @@ def build(args: argparse.Namespace) -> tuple[ClusterConfig, Figures, str, Measur
         kw["ckpt_interval"] = m.ckpt_interval
     if args.tiers:
         kw["tiers"] = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    elif m.tiers:
+        kw["tiers"] = m.tiers  # a run without a persistent tier is not planned with one
     cluster = ClusterConfig(**kw)
     policy = args.policy or m.policy
     if policy is not None and not Path(policy).is_file():

@@ -41,6 +41,7 @@ class Measured:
     policy: str | None = None
     max_restarts: int | None = None
     faults: dict[str, int] = field(default_factory=dict)  # fault kind → disruptions
+    tiers: tuple[str, ...] | None = None  # checkpoint tiers the run saved to or restored from (None: unknown)
     running_seconds: float = 0.0  # time the job ran steps (the time failures could happen in)
     goodput: float | None = None
     report: GoodputReport | None = None
@@ -83,8 +84,10 @@ def _num(d: dict, key: str) -> float | None:
     return float(v)
 
 
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
+def _mean(xs: list[float]) -> float | None:
+    # the plan adds one figure per event, so the figure that gives back a run's total is the mean (a median
+    # of a few skewed samples, e.g. one slow start-up among quick ones, under-counts the total)
+    return statistics.fmean(xs) if xs else None
 
 
 def measure_events(events: list[Event]) -> Measured:
@@ -160,7 +163,14 @@ def measure_events(events: list[Event]) -> Measured:
                 d = restores[e.details["tier"]]
                 d[e.attempt] = max(d.get(e.attempt, 0.0), s)
     if restores:
-        fig["restore_s"] = {t: _median(list(v.values())) for t, v in restores.items()}
+        fig["restore_s"] = {t: _mean(list(v.values())) for t, v in restores.items()}
+    # the tiers the run had: those it finished a save on or read a restore from
+    seen = {e.details.get("tier") for e in evs if e.kind is EventKind.CKPT_TIER_DONE}
+    for e in evs:
+        if e.kind is EventKind.CKPT_RESTORE:
+            src = e.details.get("sources")
+            seen.update(src if isinstance(src, list) else [e.details.get("tier")])
+    m.tiers = tuple(t for t in TIERS if t in seen) or None
 
     # start-up, detection and recovery, per attempt
     actions: dict[int, str] = {}  # new round → action that made it
@@ -189,13 +199,13 @@ def measure_events(events: list[Event]) -> Measured:
         if a.detect_wall is not None and act is not None:
             recovery[act].append(a.badput_seconds.get("recovery", 0.0))
     if launch:
-        fig["launch_s"] = _median(launch)
+        fig["launch_s"] = _mean(launch)
     if startup:
-        fig["startup_s"] = _median(startup)
+        fig["startup_s"] = _mean(startup)
     if detect:
-        fig["detect_s"] = {k: _median(v) for k, v in detect.items()}
+        fig["detect_s"] = {k: _mean(v) for k, v in detect.items()}
     if recovery:
-        fig["recovery_s"] = {k: _median(v) for k, v in recovery.items()}
+        fig["recovery_s"] = {k: _mean(v) for k, v in recovery.items()}
     # the time failures could happen in: steps run and saves (the planner draws failures only while running)
     b = rep.badput_seconds
     m.running_seconds = rep.productive_seconds + b.get("wasted_progress", 0.0) + b.get("checkpoint_save_stall", 0.0) \
@@ -251,5 +261,29 @@ def figures_from(measured: Measured | None, overrides: dict[str, Any]) -> Figure
             else:
                 kw[name] = v
                 source[name] = tag
+    _bound_restore(kw["restore_s"], source)
     kw["policy"] = measured.policy if measured else None
     return Figures(**kw, source=source)
+
+
+def _bound_restore(restore: dict[str, float], source: dict[str, str]) -> None:
+    """Keep the tiers in their order (local ≤ peer ≤ persistent) around the restore times that were measured
+    or given: a default must not contradict them.
+
+    Why: a restore is labelled with the slowest tier it read from, and in a job of several nodes a restart in
+    place reads its partner's replica (the peer tier, kept on its own disk) besides its local copy, so such a
+    run measures only ``peer``. The plan restarts in place from ``local``, which then kept its 10 s default:
+    a run that restored in 0.4 s was planned at 10 s per restart (ten times the measured restore badput)."""
+    known = {t: restore[t] for t in TIERS if source.get(f"restore_s[{t}]", "default") != "default"}
+    for i, t in enumerate(TIERS):
+        if t in known:
+            continue
+        slower = [(known[x], x) for x in TIERS[i + 1:] if x in known]
+        faster = [(known[x], x) for x in TIERS[:i] if x in known]
+        if slower and restore[t] > min(slower)[0]:
+            restore[t], by = min(slower)
+        elif faster and restore[t] < max(faster)[0]:
+            restore[t], by = max(faster)
+        else:
+            continue
+        source[f"restore_s[{t}]"] = f"{source[f'restore_s[{by}]']}:{by}"

@@ -1,0 +1,113 @@
+"""Figures measured from a ledger, and a plan that replays the ledger's own faults gives back its goodput.
+
+The ledger is written here event by event as a two-node drill writes it (``bench/plan_validation.py``): one
+rank per node, a save every step, and restarts in place whose restores are labelled ``peer`` because each
+rank also reads its partner's replica kept on its own disk. No process runs: this pins the arithmetic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import Event, EventKind
+from resilient.goodput.calculator import compute_report
+from resilient.plan.api import ClusterConfig, PlannedFault
+from resilient.plan.inputs import figures_from, measure_events
+from resilient.plan.sim import simulate
+
+K = EventKind
+POLICIES = Path(__file__).resolve().parents[2] / "policies"
+STEP, STALL, RESTORE, DETECT, RECOVERY = 1.0, 0.1, 0.4, 0.05, 0.5
+
+
+def ev(kind: EventKind, wall: float, attempt: int | None = None, node: str = "a", rank: int | None = None,
+       **details) -> Event:
+    return Event(kind=kind, node=node, rank=rank, attempt=attempt, details=details, wall=wall, mono=wall)
+
+
+def drill_ledger(steps: int = 60, fault_after: tuple[int, ...] = (15, 30, 45),
+                 startups: tuple[float, ...] = (0.6, 3.0, 0.9)) -> list[Event]:
+    """Launch (2 s to the first step), steps of 1 s with a 0.1 s save stall inside, and after each step in
+    ``fault_after`` a worker killed 0.3 s into the next step; each restart spends its ``startups`` entry before
+    a 0.4 s restore of the last saved step (uneven start-ups: their median is not their mean)."""
+    members = ["a", "b"]
+    out = [ev(K.RUN_START, 0.0, nnodes="2:2", nproc_per_node=1),
+           ev(K.ACTION, 0.5, attempt=0, node="supervisor", action="start", round=0,
+              assignment={"round": 0, "attempt": 0, "members": members, "spares": [], "nproc": {"a": 1, "b": 1}})]
+    t, attempt, step = 1.0, 0, 0
+    out.append(ev(K.ATTEMPT_START, t, attempt=0, world_size=2))
+    t += 1.0  # launch → first step
+    faults = list(fault_after)
+    while step < steps:
+        if faults and step == faults[0]:
+            faults.pop(0)
+            fault = t + 0.3
+            out += [ev(K.WORKER_EXIT, fault + DETECT, attempt=attempt, node="b", rank=1, exit_code=-9,
+                       signal="SIGKILL", detect_seconds=DETECT),
+                    ev(K.ACTION, fault + DETECT, attempt=attempt + 1, node="supervisor", action="restart",
+                       round=attempt + 1, cause="worker_exit", cause_node="b"),
+                    ev(K.RESTART, fault + DETECT + 0.01, attempt=attempt + 1, cause="peer_failed", detect_seconds=0.0,
+                       action="restart")]
+            startup = startups[attempt]
+            attempt += 1
+            t = fault + DETECT + RECOVERY
+            out.append(ev(K.ATTEMPT_START, t, attempt=attempt, world_size=2))
+            t += startup + RESTORE
+            for r, node in enumerate(members):
+                out.append(ev(K.CKPT_RESTORE, t, attempt=attempt, node=node, rank=r, step=step - 1, tier="peer",
+                              seconds=RESTORE, bytes=60400, sources=["local", "peer"]))
+        start, t = t, t + STEP
+        out += [ev(K.CKPT_SAVE, start + 0.5, attempt=attempt, rank=0, step=step, blocking_seconds=STALL),
+                ev(K.CKPT_TIER_DONE, start + 0.5, attempt=attempt, rank=0, step=step, tier="local", seconds=0.0),
+                ev(K.CKPT_TIER_DONE, start + 0.5, attempt=attempt, rank=0, step=step, tier="peer", seconds=0.0),
+                ev(K.STEP, t, attempt=attempt, rank=0, step=step, seconds=STEP)]
+        step += 1
+    out.append(ev(K.RUN_END, t + 0.5, exit_code=0))
+    return out
+
+
+def test_figures_from_a_drill_ledger() -> None:
+    """The run restored only from ``peer`` (0.4 s): ``local`` may not keep its 10 s default, ``persistent`` keeps
+    its own (slower than peer), a flag still wins."""
+    m = measure_events(drill_ledger())
+    f = figures_from(m, {})
+    assert m.tiers == ("local", "peer")
+    # the plan adds one start-up per restart: the mean gives back the run's total, the median (0.9) would not
+    assert f.startup_s == pytest.approx((0.6 + 3.0 + 0.9) / 3)
+    assert f.restore_s["peer"] == pytest.approx(RESTORE) and f.source["restore_s[peer]"] == "ledger"
+    assert f.restore_s["local"] == pytest.approx(RESTORE) and f.source["restore_s[local]"] == "ledger:peer"
+    assert f.restore_s["persistent"] == 120.0 and f.source["restore_s[persistent]"] == "default"
+    flagged = figures_from(m, {"restore_s": {"local": 7.0, "persistent": 0.1}})
+    assert flagged.restore_s["local"] == 7.0 and flagged.source["restore_s[local]"] == "flag"
+    assert flagged.restore_s["persistent"] == 0.1
+    # nothing measured: the defaults stand as they are
+    assert figures_from(None, {}).restore_s == {"local": 10.0, "peer": 20.0, "persistent": 120.0}
+    # a slower tier given below a faster default pulls that default down, never the reverse
+    low = figures_from(None, {"restore_s": {"peer": 3.0}})
+    assert low.restore_s["local"] == 3.0 and low.source["restore_s[local]"] == "flag:peer"
+    high = figures_from(None, {"restore_s": {"peer": 200.0}})
+    assert high.restore_s["persistent"] == 200.0 and high.restore_s["local"] == 10.0
+
+
+def test_replaying_a_drill_gives_back_its_goodput_category_by_category() -> None:
+    """The plan of the ledger's own faults, with the figures measured from it, spends what the run spent (the
+    restores: 3 × 0.4 s, not 3 × 10 s) and lands on its goodput. Even start-ups here: a replay puts each fault
+    at its time from the launch, so a start-up off the mean would move the later faults within their step."""
+    events = drill_ledger(startups=(1.2, 1.2, 1.2))
+    rep = compute_report(events)
+    m = measure_events(events)
+    f = figures_from(m, {})
+    cluster = ClusterConfig(nodes=2, gpus_per_node=1, ckpt_interval=m.ckpt_interval, steps=rep.last_step + 1,
+                            failures_per_node_day=0.0, tiers=m.tiers)
+    faults = [PlannedFault(at=a.fault_wall - rep.start_wall, kind=a.end_reason.split(":", 1)[1])
+              for a in rep.attempts if a.fault_wall is not None and a.end_reason.startswith("fault:")]
+    assert len(faults) == 3
+    plan = simulate(cluster, f, POLICIES / "default.py", trials=1, faults=faults)
+    assert plan.actions == {"restart": 3.0}
+    for cat in ("checkpoint_restore", "startup", "checkpoint_save_stall", "detection", "recovery",
+                "wasted_progress"):
+        assert plan.badput_seconds[cat] == pytest.approx(rep.badput_seconds[cat], abs=0.05), cat
+    assert plan.wall_seconds == pytest.approx(rep.wall_seconds, abs=0.2)
+    assert abs(plan.goodput - rep.goodput) < 0.005, (plan.goodput, rep.goodput)
