@@ -43,7 +43,7 @@ def print_table(rep: GoodputReport) -> None:
 
     con = Console()
     if not con.is_terminal:
-        con = Console(width=120)  # pipes and logs: rich's 80 columns would wrap the attempts table
+        con = Console(width=140)  # pipes and logs: rich's 80 columns would wrap the attempts table
     state = "in progress" if rep.in_progress else "ended"
     con.print(f"[bold]goodput {rep.goodput:.1%}[/bold] of {_fmt_s(rep.wall_seconds)} wall ({state}) · "
               f"{rep.disruptions} disruption(s) · {rep.restarts} restart(s) · last step {rep.last_step} · "
@@ -63,7 +63,8 @@ def print_table(rep: GoodputReport) -> None:
     if rep.sessions == 1:
         cols = cols[1:]
     for col in cols:
-        a_t.add_column(col, justify="right" if col not in ("largest badput", "end") else "left")
+        a_t.add_column(col, justify="right" if col not in ("largest badput", "end") else "left",
+                       no_wrap=col == "end", min_width=20 if col == "end" else None)
     for a in rep.attempts:
         top = max(a.badput_seconds.items(), key=lambda kv: kv[1], default=("", 0.0))
         steps = f"{a.first_step}–{a.last_step}" if a.steps else "–"
@@ -72,7 +73,8 @@ def print_table(rep: GoodputReport) -> None:
         row = [str(a.session)] if rep.sessions > 1 else []
         a_t.add_row(*row, str(a.attempt), f"+{a.start - rep.start_wall:.1f} s", _fmt_s(a.wall_seconds),
                     str(a.world_size or "?"), steps,
-                    f"{a.clean_step_seconds * 1000:.1f} ms" if a.clean_step_seconds is not None else "–",
+                    (f"{a.clean_step_seconds * 1000:.1f} ms" if a.clean_step_seconds < 1 else _fmt_s(a.clean_step_seconds))
+                    if a.clean_step_seconds is not None else "–",
                     _fmt_s(a.productive_seconds),
                     f"{top[0]} {_fmt_s(top[1])}" if top[1] > 0 else "–", a.end_reason)
     con.print(a_t)
