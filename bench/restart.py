@@ -7,6 +7,12 @@ end of the first collective after the restart (the latest rank). Launchers run i
 noise hits all of them alike.
 
     python bench/restart.py [--reps 5] [--timeout 90]
+    python bench/restart.py --heavy transformers --train-seconds 15   # automatic preload vs --preload
+
+``--heavy MODULE``: the script imports MODULE first (transformers, lightning: seconds of imports) and trains
+``--train-seconds`` before the kill (a real failure comes after a while, and automatic preload warms its fork
+server meanwhile). Then the launchers are resilient-run with no flag (automatic preload), resilient-run with
+the best hand-written ``--preload MODULE``, and resilient-run with automatic preload off (``spawn``).
 
 Prints a table and writes bench/results/restart.json.
 """
@@ -26,6 +32,11 @@ from pathlib import Path
 SCRIPT = r'''
 import json, os, signal, sys, time
 import torch, torch.distributed as dist
+HEAVY = os.environ.get("BENCH_HEAVY")
+if HEAVY:
+    import importlib
+    for m in HEAVY.split(","):
+        importlib.import_module(m)
 out = sys.argv[1]
 dist.init_process_group("gloo")
 rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -34,6 +45,13 @@ dist.all_reduce(t)
 done = time.time()
 with open(os.path.join(out, f"a{attempt}_r{rank}.json"), "w") as f:
     json.dump({"sum": t.item(), "t": done}, f)
+if attempt == 0 and float(os.environ.get("BENCH_TRAIN_S", "0")) > 0:
+    t_end = time.time() + float(os.environ["BENCH_TRAIN_S"])
+    go = torch.ones(1)
+    while go.item() > 0:  # rank 0 decides when training ends, so both ranks leave the loop together
+        go.fill_(1.0 if time.time() < t_end else 0.0)
+        dist.broadcast(go, 0)
+        time.sleep(0.01)
 if rank == 1 and attempt == 0:
     with open(os.path.join(out, "kill.json"), "w") as f:
         json.dump({"t": time.time()}, f)
@@ -69,7 +87,7 @@ def reap(p: subprocess.Popen) -> None:
     p.wait(timeout=10)
 
 
-def one(name: str, cmd: list[str], workdir: Path, timeout: float) -> dict:
+def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dict | None = None) -> dict:
     out = Path(tempfile.mkdtemp(prefix="out-", dir=workdir))
     script = workdir / "crash.py"
     args = [*cmd, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
@@ -78,6 +96,7 @@ def one(name: str, cmd: list[str], workdir: Path, timeout: float) -> dict:
     args += [str(script), str(out)]
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
+    env.update(extra_env or {})
     t0 = time.time()
     p = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -99,8 +118,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=90.0, help="a run longer than this counts as a hang")
     ap.add_argument("--launchers", default=",".join(LAUNCHERS))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "restart.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--heavy", default=None, help="modules the script imports first (e.g. transformers)")
+    ap.add_argument("--train-seconds", type=float, default=15.0, help="with --heavy: training before the kill")
     a = ap.parse_args()
+    extra: dict = {}
+    if a.heavy:
+        LAUNCHERS.clear()
+        LAUNCHERS["resilient-run"] = [sys.executable, "-m", "resilient.run"]
+        LAUNCHERS["resilient-run --preload"] = [sys.executable, "-m", "resilient.run", "--preload", a.heavy]
+        LAUNCHERS["resilient-run (spawn)"] = [sys.executable, "-m", "resilient.run", "--worker-launch", "spawn"]
+        a.launchers = ",".join(LAUNCHERS)
+        extra = {"BENCH_HEAVY": a.heavy, "BENCH_TRAIN_S": str(a.train_seconds)}
+    a.out = a.out or str(Path(__file__).parent / "results" / ("restart.json" if not a.heavy else
+                                                             f"restart-preload-{a.heavy.replace(',', '+')}.json"))
     names = [n for n in a.launchers.split(",") if n]
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
@@ -108,7 +139,7 @@ def main() -> None:
         (wd / "crash.py").write_text(SCRIPT)
         for rep in range(a.reps):
             for n in names:
-                r = one(n, LAUNCHERS[n], wd, a.timeout)
+                r = one(n, LAUNCHERS[n], wd, a.timeout, extra)
                 r["rep"] = rep
                 runs.append(r)
                 print(f"  rep {rep} {n:<22} ok={r['ok']!s:<5} restart={r['restart_s'] if r['restart_s'] is None else round(r['restart_s'], 3)}",

@@ -255,6 +255,7 @@ class Agent:
     PRELOAD_KEY = "resilient/preload"  # signed list of learned modules, for the spares (and replaced nodes)
     PRELOAD_QUIET = 0.5  # seconds without a new module before the list is taken as settled
     PRELOAD_REFRESHES = 4  # fork servers started per agent for learned modules: imports cost CPU
+    PRELOAD_WAIT = 60.0  # seconds a restart waits for a warming fork server before forking from the old one
 
     def _learn(self) -> None:
         """Collect the modules workers reported loading (through the fork server)."""
@@ -649,8 +650,13 @@ class Agent:
                 setattr(w, f"{name}_fd", fd)
             self.workers.append(w)
         assert self.starter is not None
-        if self._next_starter is not None:
-            self._refresh_preload()  # ready by now? then this attempt already forks from it
+        # A fork server still warming with the learned modules started before these workers could begin importing
+        # them: waiting for it costs less than the import in every worker, and the restarts after profit too.
+        deadline = time.monotonic() + self.PRELOAD_WAIT
+        while self._next_starter is not None and time.monotonic() < deadline and self._signal is None:
+            self._refresh_preload()  # swaps it in once ready (no worker is alive here)
+            if self._next_starter is not None:
+                self._serve(0.05)
         try:
             self.starter.start(c.command, self.workers, os.getcwd())
         except ForkServerError as e:

@@ -62,7 +62,7 @@ def test_default_local_tier_master_addr_and_no_step_records(tmp_path, scripts):
     assert len(g.stderr.strip().splitlines()) == 1, g.stderr
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(280)
 def test_automatic_preload_learns_imports_and_drops_a_module_that_starts_threads(tmp_path, scripts):
     # two modules installed in a user site (a real install location; the user's own code is never preloaded)
     user_base = tmp_path / "userbase"
@@ -74,7 +74,7 @@ def test_automatic_preload_learns_imports_and_drops_a_module_that_starts_threads
     out, run = tmp_path / "out", tmp_path / "run"
     out.mkdir()
     r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", str(run),
-                      str(scripts / "learn_imports.py"), str(out)], cwd=tmp_path,
+                      str(scripts / "learn_imports.py"), str(out)], cwd=tmp_path, timeout=270,
                      env={"PYTHONUSERBASE": str(user_base), "PYTHONPATH": str(site_dir), "RESILIENT_LOG_LEVEL": "INFO"})
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
