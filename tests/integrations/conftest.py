@@ -31,7 +31,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def resilient_run(tmp: Path, script: Path, script_args: list[str], flags: list[str] = (),
                   env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
+    # --node-timeout: on a 2-core machine shared with other jobs the agent of a standalone run was once starved
+    # past the default 10 s and taken for a lost node (the run stopped); these tests are about the trainers
+    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--node-timeout", "60",
            "--run-dir", str(tmp / "run"), "--ckpt-local", str(tmp / "ckpt"), *flags, str(script), *script_args]
     return subprocess.run(cmd, cwd=tmp, env=child_env(env), capture_output=True, text=True, timeout=timeout)
 

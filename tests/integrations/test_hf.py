@@ -23,7 +23,9 @@ KILL_AT = 8
 def test_hf_trainer_killed_rank_resumes_exactly_from_our_tiers(tmp_path: Path) -> None:
     ref, hit = tmp_path / "ref", tmp_path / "hit"
     ref.mkdir(), hit.mkdir()
-    flags = ["--ckpt-interval", "3"]
+    # the fork server imports the Trainer and the model once for every worker of both attempts (a third of
+    # the CPU time of this test without it)
+    flags = ["--ckpt-interval", "3", "--preload", "transformers.trainer,transformers.models.gpt2.modeling_gpt2"]
     with cf.ThreadPoolExecutor(2) as ex:
         fa = ex.submit(resilient_run, ref, SCRIPT, ["--out", "out"], flags)
         fb = ex.submit(resilient_run, hit, SCRIPT, ["--out", "out"], [*flags, "--max-restarts", "2"],
