@@ -117,11 +117,16 @@ class FileEntry:
     # again per block; absent in manifests written before blocks existed (then the file is one block)
     block_size: int = 0
     blocks: tuple[int, ...] = ()
+    # (item offset, data offset, bytes) of each plain tensor in the file: restore reads tensor bytes from any
+    # tier straight into the state without parsing the file first
+    items: tuple[tuple[int, int, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"size": self.size, "crc32c": self.crc32c}
         if self.block_size and self.blocks:
             d["block_size"], d["blocks"] = self.block_size, list(self.blocks)
+        if self.items:
+            d["items"] = [list(i) for i in self.items]
         return d
 
     @classmethod
@@ -129,7 +134,10 @@ class FileEntry:
         bs, blocks = int(d.get("block_size", 0) or 0), tuple(int(c) for c in d.get("blocks", ()))
         if bs <= 0 or not blocks or len(blocks) != -(-int(d["size"]) // bs):
             bs, blocks = 0, ()  # inconsistent blocks: verify the whole file instead
-        return cls(size=int(d["size"]), crc32c=int(d["crc32c"]), block_size=bs, blocks=blocks)
+        items = tuple((int(a), int(b), int(c)) for a, b, c in d.get("items", ()))
+        if any(b < a or c < 0 or b + c > int(d["size"]) for a, b, c in items):
+            items = ()  # inconsistent: parse the file instead
+        return cls(size=int(d["size"]), crc32c=int(d["crc32c"]), block_size=bs, blocks=blocks, items=items)
 
 
 @dataclass(frozen=True)

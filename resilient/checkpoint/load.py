@@ -116,6 +116,22 @@ class RangeSource:
         pass
 
 
+class _Window(MemSource):
+    """Bytes ``[base, base + len(data))`` of a file, addressed by file offsets."""
+
+    def __init__(self, data: Any, base: int, tier: str):
+        super().__init__(data, tier)
+        if len(self._mv) != 0 and base < 0:
+            raise ValueError("negative base")
+        self._base = base
+
+    def readinto(self, off: int, dst: memoryview) -> None:
+        super().readinto(off - self._base, dst)
+
+    def read(self, off: int, n: int) -> Any:
+        return super().read(off - self._base, n)
+
+
 @dataclass(frozen=True)
 class Item:
     """A plain tensor stored at ``[offset, offset + length)`` of a file, to be loaded into ``target``."""
@@ -154,6 +170,19 @@ def data_span(src: Source, item_off: int, item_len: int, target: torch.Tensor) -
     """Offset in the file where ``target``'s bytes start inside its ``torch.save`` record, or None when the
     record is not a plain, uncompressed, little-endian, contiguous tensor of the target's dtype and shape
     (the item then takes DCP's own path). Reads only the record's directory and pickle."""
+    if not target.is_contiguous() or target.device.type != "cpu":
+        return None
+    got = plain_record(src, item_off, item_len)
+    if got is None:
+        return None
+    start, dtype, shape, nbytes = got
+    if target.dtype != dtype or tuple(target.shape) != tuple(shape):
+        return None
+    return start
+
+
+def plain_record(src: Source, item_off: int, item_len: int) -> tuple[int, Any, tuple[int, ...], int] | None:
+    """(data offset, dtype, shape, bytes) of a plain contiguous tensor's ``torch.save`` record, else None."""
     if item_len < 22:
         return None
     end = item_off + item_len
@@ -201,11 +230,8 @@ def data_span(src: Source, item_off: int, item_len: int, target: torch.Tensor) -
     numel = acc
     if offset != 0 or storage_numel != numel or (numel > 1 and tuple(reversed(expect)) != stride):
         return None
-    if target.dtype != dtype or tuple(target.shape) != tuple(shape) or not target.is_contiguous() \
-            or target.device.type != "cpu":
-        return None
     data = [n for n in recs if n.startswith(prefix + "data/") and not n.endswith(".pkl")]
-    nbytes = numel * target.element_size()
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     if data != [f"{prefix}data/{key}"]:
         return None
     method, csize, usize, lho = recs[data[0]]
@@ -214,7 +240,21 @@ def data_span(src: Source, item_off: int, item_len: int, target: torch.Tensor) -
     start = _record_start(src, item_off, lho)
     if start is None or start + nbytes > end:
         return None
-    return start
+    return start, dtype, tuple(shape), nbytes
+
+
+def file_layout(src: Source, items: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """(item offset, data offset, bytes) of the plain tensors among ``items`` ((offset, length) in a file),
+    for the manifest: restore then knows where each tensor's bytes are before reading the file."""
+    out = []
+    for off, length in sorted(items):
+        try:
+            got = plain_record(src, off, length)
+        except (OSError, ValueError, struct.error):
+            got = None
+        if got is not None:
+            out.append((off, got[0], got[3]))
+    return tuple(out)
 
 
 def _record_start(src: Source, item_off: int, lho: int) -> int | None:
@@ -233,17 +273,28 @@ def _record_bytes(src: Source, item_off: int, rec: tuple[int, int, int, int]) ->
     return src.read(start, csize)
 
 
-def plan_spans(src: Source, size: int, items: Sequence[Item]) -> tuple[list[Span], list[Item]]:
-    """The file cut into spans in file order (target bytes and the rest), and the items left to DCP."""
+def plan_spans(src: Source | None, size: int, items: Sequence[Item],
+               layout: Sequence[tuple[int, int, int]] = ()) -> tuple[list[Span], list[Item]]:
+    """The file cut into spans in file order (target bytes and the rest), and the items left to DCP.
+
+    With the manifest's ``layout`` no byte of the file is read to plan (the caller has checked the targets
+    against DCP's metadata, and every byte is verified against the manifest as it lands); else each item's
+    record is parsed from ``src``."""
     spans: list[Span] = []
     slow: list[Item] = []
     pos = 0
+    known = {off: (start, n) for off, start, n in layout}
     for it in sorted(items, key=lambda i: i.offset):
         start = None
-        try:
-            start = data_span(src, it.offset, it.length, it.target)
-        except (OSError, ValueError, struct.error):
-            start = None
+        if layout:
+            ok = (it.offset in known and known[it.offset][1] == it.target.numel() * it.target.element_size()
+                  and it.target.is_contiguous() and it.target.device.type == "cpu")
+            start = known[it.offset][0] if ok else None
+        elif src is not None:
+            try:
+                start = data_span(src, it.offset, it.length, it.target)
+            except (OSError, ValueError, struct.error):
+                start = None
         if start is None:
             slow.append(it)
             continue
@@ -270,6 +321,7 @@ class FileLoad:
     sources: list[Source]
     spans: list[Span] = field(default_factory=list)
     served: str | None = None  # tier of the copy that served it (the slowest one used for some block)
+    keep_gaps: Any = None  # see load_block
 
 
 def _block_work(spans: Sequence[Span], start: int, end: int) -> list[tuple[int, int, torch.Tensor | None, int]]:
@@ -285,18 +337,26 @@ def _block_work(spans: Sequence[Span], start: int, end: int) -> list[tuple[int, 
 
 
 def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: int,
-               verified: bool = False) -> bool:
+               verified: bool = False, keep: Any = None) -> bool:
     """Read ``[start, end)`` of the file from ``src`` into the targets and check the crc32c of what
-    landed against ``want``. Returns whether it matched."""
+    landed against ``want``. Returns whether it matched. ``keep``: a file-sized buffer that receives the
+    bytes no target takes (headers, objects), for DCP's path over a copy that was never whole."""
     crc = 0
+    if isinstance(src, RangeSource):
+        # a remote copy: one ranged read per block, copied from there (a few blocks in flight, no full copy)
+        src = _Window(src.read(start, end - start), start, src.tier)
     for off, n, dst, doff in _block_work(spans, start, end):
         if dst is not None:
             view = memoryview(dst[doff:doff + n].numpy())
             src.readinto(off, view)
             if not verified:
                 crc = _crc.crc32c(view, crc)
-        elif not verified:
-            crc = _crc.crc32c(src.read(off, n), crc)
+        elif not verified or keep is not None:
+            data = src.read(off, n)
+            if not verified:
+                crc = _crc.crc32c(data, crc)
+            if keep is not None:
+                keep[off:off + n] = data
     return verified or crc == want
 
 
@@ -317,7 +377,8 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
         for k, src in enumerate(f.sources):
             why = "crc32c differs from the manifest"
             try:
-                if load_block(src, f.spans, a, b, want, verified=(k == 0 and f.name in verified)):
+                if load_block(src, f.spans, a, b, want, verified=(k == 0 and f.name in verified),
+                              keep=f.keep_gaps):
                     with lock:
                         order[f.name] = max(order[f.name], k)
                     return None

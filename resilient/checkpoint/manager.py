@@ -10,6 +10,7 @@ issues the same sequence of saves, so the collective sequences match across rank
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import json
 import logging
@@ -47,11 +48,13 @@ from resilient.checkpoint.tiers import (BoundedTier, DirTier, crc_bytes, file_en
                                         map_verified, retry, verify_bytes, verify_file)
 from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
 from resilient.checkpoint.load import (BLOCK, FileLoad, FileSource, Item, MemSource, RangeSource, Source,
-                                       bytes_blocks, file_blocks, load_files, plan_spans, undefined, whole_file)
+                                       bytes_blocks, file_blocks, file_layout, load_files, plan_spans, undefined,
+                                       whole_file)
 from resilient.signals.client import preempt_save_due as _preempt_save_due
 from resilient.checkpoint.safe import find_unsafe, load_metadata, unsafe_name
 from resilient.checkpoint.collective import Ranks
 from resilient.checkpoint.plan import plan_fetch
+from resilient.checkpoint.retention import retain
 from resilient.checkpoint.transfer import FileSpec, ring_exchange, run_transfers
 from resilient.checkpoint.writer import MemoryWriter
 from resilient.events.api import EventKind
@@ -565,8 +568,10 @@ class CheckpointManager:
                        error=_one_line(error) if error else "in-memory copy failed on another rank")
             return None
         mine = {n: b for n, b in files.items() if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")}
+        entries = self._with_layout({n: _bytes_entry(b) for n, b in mine.items()}, files[DCP_METADATA],
+                                    lambda n: MemSource(mine[n], "memory"))
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size,
-                     files={n: _bytes_entry(b) for n, b in mine.items()},
+                     files=entries,
                      metadata=FileEntry.from_json(md_entry), per_rank_keys=tuple(per_rank), wall=time.time())
         mine[manifest_name(self.rank)] = json.dumps(m.to_json()).encode()
         if self.rank == 0:
@@ -644,10 +649,37 @@ class CheckpointManager:
     def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str]) -> Manifest:
         d = tier.path(step)
         files = {n: file_blocks(d / n, BLOCK) for n in self._my_files(d)}
+        files = self._with_layout(files, (d / DCP_METADATA).read_bytes(),
+                                  lambda n: FileSource(d / n, "local", files[n].size))
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files,
                      metadata=file_entry(d / DCP_METADATA), per_rank_keys=tuple(per_rank), wall=time.time())
         tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
         return m
+
+    def _with_layout(self, files: dict[str, FileEntry], metadata: bytes,
+                     open_src: Any) -> dict[str, FileEntry]:
+        """``files`` with the layout of their plain tensors (where each tensor's bytes are), for restore."""
+        try:
+            md = load_metadata(metadata, what=DCP_METADATA)
+        except FAILURES as e:  # the manifest is still valid without a layout
+            logger.debug("no layout in the manifest: %s", e)
+            return files
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for info in md.storage_data.values():
+            if info.relative_path in files and not info.transform_descriptors:
+                per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        out = dict(files)
+        for n, items in per_file.items():
+            src = None
+            try:
+                src = open_src(n)
+                out[n] = dataclasses.replace(files[n], items=file_layout(src, items))
+            except (OSError, ValueError) as e:
+                logger.debug("no layout for %s: %s", n, e)
+            finally:
+                if src is not None:
+                    src.close()
+        return out
 
     def _commit(self, tier: Any, step: int, ranks: list[int]) -> None:
         body = {"step": step, "world_size": self.world_size, "ranks": ranks, "wall": time.time()}
@@ -726,28 +758,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def _retain(self, tier: Any, keep: int, pinned_from: int | None, drop_newer_partial: bool = False) -> None:
-        """Keep the newest ``keep`` committed steps; drop older ones and abandoned partial steps.
-
-        ``pinned_from``: steps >= this are still to be uploaded by some rank and stay.
-        """
-        try:
-            steps = tier.steps()
-            committed = sorted(s for s, c in steps.items() if c)
-            if not committed:
-                if drop_newer_partial:
-                    for s in steps:
-                        tier.delete_step(s)
-                return
-            keep_set = set(committed[-keep:])
-            newest = committed[-1]
-            for s in sorted(steps):
-                if s in keep_set or (s >= newest and not (drop_newer_partial and not steps[s])):
-                    continue  # newer partial steps may be being written right now
-                if pinned_from is not None and s >= pinned_from:
-                    continue
-                tier.delete_step(s)
-        except FAILURES as e:
-            logger.warning("retention on %s failed: %s", tier, e)
+        retain(tier, keep, pinned_from, drop_newer_partial)
 
     # ------------------------------------------------------------------ persistent upload
     def _upload_floor(self) -> int | None:
@@ -1012,6 +1023,7 @@ class CheckpointManager:
         self._excluded: set[tuple[int, str]] = set()  # (step, tier) whose copy was refused as unsafe
         self._lazy: set[str] = set()  # this rank's files taken from this node unverified (verified as they land)
         self._dirty = False  # bytes of a step that then failed landed in the state
+        self._remote: set[str] = set()  # this rank's files read by blocks from the persistent tier
         unsafe: list[str] = []
         for step in candidates:
             res = None
@@ -1155,6 +1167,7 @@ class CheckpointManager:
         # land in the state); the rest is fetched from a peer or the persistent tier, verified in memory
         t_phase = time.perf_counter()
         self._lazy = set()
+        self._remote = set()
         got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True)
         if got is None:
             return None
@@ -1243,12 +1256,21 @@ class CheckpointManager:
                 if not srcs:
                     lost.append(f"{name} (no copy)")
                     continue
-                spans, left = plan_spans(srcs[0], files[name].size, items)
+                for it in items:  # the layout is trusted only for targets that match DCP's metadata
+                    m = md.state_dict_metadata[key_of_target[id(it.target)]]
+                    if m.properties.dtype != it.target.dtype:
+                        slow.add(key_of_target[id(it.target)])
+                items = [it for it in items if key_of_target[id(it.target)] not in slow]
+                spans, left = plan_spans(srcs[0], files[name].size, items, files[name].items)
                 for it in left:
                     slow.add(key_of_target[id(it.target)])
                 if left or len(items) < self._items_in(md, name):
                     slow_files.add(name)
                 loads.append(FileLoad(name, files[name], srcs, spans))
+                if name in slow_files and name in self._remote:
+                    # DCP reads the objects from the bytes kept as they passed (pages of tensor bytes
+                    # are never touched: not resident)
+                    loads[-1].keep_gaps = torch.empty(files[name].size, dtype=torch.uint8).numpy()
 
             def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
                 logger.warning("rank %d: step %d: %s block %d from the %s tier: %s; trying the next copy",
@@ -1260,7 +1282,9 @@ class CheckpointManager:
             for f in loads:
                 if f.served is not None:
                     sources[f.name] = f.served
-                if f.name in slow_files and f.name not in lost and f.sources and f.served != f.sources[0].tier:
+                if f.keep_gaps is not None and f.name not in lost:
+                    mem[f.name] = f.keep_gaps
+                elif f.name in slow_files and f.name not in lost and f.sources and f.served != f.sources[0].tier:
                     # a block of the first copy was bad: DCP reads the rest from a whole verified copy
                     mem[f.name] = self._whole(f)
         finally:
@@ -1303,7 +1327,11 @@ class CheckpointManager:
         """The copies of ``name`` this rank can read without the others, best first."""
         out: list[Source] = []
         seen: set[str] = set()
-        if name in mem:
+        if name in self._remote and self.persistent is not None:
+            tier = self.persistent
+            out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
+                                   TierName.PERSISTENT.value))
+        elif name in mem:
             out.append(MemSource(mem[name], sources.get(name, TierName.PEER.value)))
         elif name in paths:
             try:
@@ -1324,7 +1352,8 @@ class CheckpointManager:
             opened.append(src)
             out.append(src)
             seen.add(os.path.realpath(p))
-        if in_persistent and self.persistent is not None and sources.get(name) != TierName.PERSISTENT.value:
+        if in_persistent and self.persistent is not None and name not in self._remote \
+                and sources.get(name) != TierName.PERSISTENT.value:
             tier = self.persistent
             out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
                                    TierName.PERSISTENT.value))
@@ -1431,6 +1460,11 @@ class CheckpointManager:
                         logger.warning("rank %d: %s; falling back to the persistent tier", self.rank, e)
                         downloads.append(n)
             for n in downloads:
+                if lazy and files[n].items and n != DCP_METADATA:
+                    # read by blocks from the persistent tier straight into the state (see _load_direct)
+                    self._remote.add(n)
+                    sources[n] = TierName.PERSISTENT.value
+                    continue
                 if in_memory:
                     data = retry(lambda n=n: self.persistent.read_parallel(step, n, files[n].size),  # type: ignore
                                  what=f"download {n} of step {step}", retries=self.config.upload_retries,

@@ -48,3 +48,13 @@ def test_all_gather_raises_with_the_failure_on_the_failing_rank() -> None:
 def test_run_keeps_the_result_on_this_rank() -> None:
     big = object()  # not picklable across ranks: only the outcome travels
     assert Ranks(None, 0, 1, distributed=False).run("x", lambda: big) is big
+
+
+def test_retention_choice() -> None:
+    from resilient.checkpoint.retention import to_delete
+
+    steps = {1: True, 2: False, 3: True, 4: True, 5: False}
+    assert to_delete(steps, keep=2) == [1, 2]  # 5 may be being written
+    assert to_delete(steps, keep=2, pinned_from=1) == []  # still to be uploaded
+    assert to_delete(steps, keep=2, drop_newer_partial=True) == [1, 2, 5]
+    assert to_delete({7: False}, keep=1) == [] and to_delete({7: False}, keep=1, drop_newer_partial=True) == [7]
