@@ -213,6 +213,14 @@ class ResilientCheckpoint(Callback):
         if self._pos is not None:
             io.extra[DATA_KEY] = self._pos
         _ = io.manager  # collective: every rank builds its groups here, at the same point
+        strategy = trainer.strategy
+        if getattr(strategy, "checkpoint_io", None) is io and trainer.world_size > 1:
+            # Lightning's strategies write on global rank 0 only; a save through our tiers is collective, so
+            # trainer.save_checkpoint() (which every rank calls) must reach the IO on every rank
+            def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+                io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+            strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
         if self._on_scale is not None:
             import resilient
 

@@ -53,6 +53,7 @@ def main() -> None:
         model.trace = args.out
         os.makedirs(args.out, exist_ok=True)
     trainer.fit(model, loader)
+    trainer.save_checkpoint(os.path.join(args.out, "end.ckpt"))  # goes to our tiers too, from every rank
     if trainer.global_rank == 0:
         os.makedirs(args.out, exist_ok=True)
         torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))

@@ -36,4 +36,6 @@ def test_lightning_ddp_killed_rank_resumes_bit_exact_from_our_tiers(tmp_path: Pa
     assert all(d["tier"] == "local" and 2 <= d["step"] < KILL_AT for d in got), got
     assert f"restored from {got[0]['step'] + 1}" in b.stdout
     assert not list(hit.rglob("*.ckpt")), "Lightning wrote its own checkpoint"
+    for job in (ref, hit):  # trainer.save_checkpoint() after fit: a collective save of the last step
+        assert (job / "ckpt" / "step_00000013" / "COMMITTED").exists()
     assert_same_weights(ref / "out" / "final.pt", hit / "out" / "final.pt")
