@@ -1,30 +1,31 @@
-"""The main job: a real 2-worker training run under ``resilient-run`` with faults injected.
+"""``make demo``: the recipe's GPT on 2 nodes and a warm spare, losing a worker, a hang and a node.
 
-What happens (``make demo``):
-  1. a real GCS API server starts on loopback (fake-gcs-server) as the persistent tier;
-  2. ``resilient-run --standalone --nproc-per-node 2`` trains examples/train.py with a local tier,
-     gs:// uploads, hang detection and up to 5 restarts;
-  3. faults are injected from outside, driven by the run's own ledger:
-       * rank 1 is SIGKILLed mid-run                    → exit detected, in-job restart, local restore
-       * rank 0 is frozen with SIGSTOP                  → heartbeat timeout, restart, local restore
-       * the local tier is wiped, then rank 0 SIGKILLed → restore falls back to the gs:// copy
-  4. the goodput report is printed, the timeline drawn to RUN_DIR/goodput.png, the tiers listed.
-Then a second act, a node lost and replaced by a warm spare (RUN_DIR/nodes):
-  5. three ``resilient-run`` agents on this machine, each in its own session (a node = a session) with its own
-     local tier: ``--nnodes 2 --nproc-per-node 1 --spare-nodes 1`` on one c10d endpoint over loopback; the
-     first hosts the store and the supervisor, the second joins, the third joins as a spare as soon as the
-     supervisor gave the first two the job's places (it warms up, torch imported, while they train);
-  6. ``--inject kill-node:1@Ts``: the agent of group rank 1 SIGKILLs its whole node (agent, fork server,
-     worker); the demo deletes that node's local tier once its agent is gone (a lost disk);
-  7. the supervisor sees the closed connection, hot-swaps the spare in; the spare's rank restores its shards
-     from the peer tier (the survivor holds them); both remaining agents end with exit 0;
-  8. the ledger's fault, loss, swap and restore lines are printed, the time from the kill to the first step
-     after the swap, and the goodput report of that run.
+What happens:
+  1. three ``resilient-run`` agents start on this machine, each a node: a session of its own (killing the session
+     is losing the node) with its own local checkpoint tier. ``--nnodes 2 --nproc-per-node 1 --spare-nodes 1`` on
+     one c10d endpoint over loopback; node a hosts the store and the supervisor, node b joins, and the third
+     joins as the warm spare once the supervisor gave a and b the job's places (its fork server imports torch
+     while they train). They train ``recipes/pytorch/train.py`` (a byte-level GPT on the corpus shipped in the
+     repository) with three checkpoint tiers: local (each node's own directory), peer (each node's shards
+     replicated to the other node) and persistent (a ``file://`` directory; ``gs://`` on a GCS API server
+     started on loopback with ``--gcs``);
+  2. ``resilient-run --inject`` (seeded by ``--seed``) carries out three faults, each written to the ledger as
+     ``fault_injected`` before it happens:
+       * ``kill-worker``   a worker SIGKILLed             → exit seen, both nodes restart in place, local restore
+       * ``hang-worker``   a worker frozen with SIGSTOP   → heartbeat timeout, restart, local restore
+       * ``kill-node:1``   node b SIGKILLed whole (agent, fork server, worker; the demo deletes its local tier, a
+                           lost disk) → its closed connection is seen at once, the spare is hot-swapped in and
+                           restores the lost rank from the peer tier;
+     a line is printed for each fault, detection, action and restore as the ledger shows them, and a progress
+     line every tenth of the run;
+  3. at the end: a table of the faults (detection, action, tier restored from, fault to first step after), the
+     goodput report (``resilient goodput``; also RUN_DIR/goodput.json) and its timeline, RUN_DIR/goodput.png.
+     RUN_DIR/demo.json keeps what the table shows.
 
-SIGTERM, SIGHUP or Ctrl-C stop it cleanly: the run(s) get SIGTERM (then SIGKILL, every session the demo
-started), the GCS server is stopped, and no process the demo started is left behind.
+SIGTERM, SIGHUP or Ctrl-C stop it cleanly: the agents get SIGTERM (then every session the demo started is
+SIGKILLed), the GCS server is stopped, and no process the demo started is left behind.
 
-    python examples/demo.py [--steps 400] [--node-steps 400] [--kill-at 10] [--run-dir runs/demo-...]
+    python examples/demo.py [--quick] [--gcs] [--seed 0] [--steps N] [--inject SPEC] [--run-dir runs/demo-...]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,7 +43,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TERM_TIMEOUT = 10.0  # the run's --term-timeout: how long its workers get after SIGTERM
+sys.path.insert(0, str(ROOT))  # run as a script from a fresh clone: the package is this repository
+TRAIN = ROOT / "recipes" / "pytorch" / "train.py"
+TERM_TIMEOUT = 10.0  # the agents' --term-timeout: how long their workers get after SIGTERM
+BUCKET = "demo-bucket"
+
+# Faults fall due in seconds after training started; the gaps leave each recovery time to finish on two busy
+# cores before the next fault. The steps are enough that training outlasts the last fault even on an idle
+# machine (a step is at least its --step-sleep), and few enough for the time box on a loaded one.
+FULL = {"steps": 450, "inject": "kill-worker@10s,hang-worker@25s,kill-node:1@40s"}
+QUICK = {"steps": 220, "inject": "kill-worker@5s,hang-worker@13s,kill-node:1@22s"}
+STEP_SLEEP = 0.1  # seconds a step: stands in for a bigger model, and keeps the run's length predictable
+HEARTBEAT_TIMEOUT = 3.0
 
 
 class _Stopped(Exception):
@@ -54,39 +67,7 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise _Stopped(signum)
 
 
-def _descendants(keep: frozenset[int] = frozenset()) -> list:
-    """This process's descendants, except ``keep`` (the GCS server, which outlives the first act)."""
-    import psutil
-
-    try:
-        return [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
-    except psutil.Error:
-        return []
-
-
-def _stop_run(agent: subprocess.Popen, known: list, keep: frozenset[int] = frozenset()) -> None:
-    """SIGTERM the run, SIGKILL it after its own grace, then anything it started that outlived it."""
-    import psutil
-
-    if agent.poll() is None:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(TERM_TIMEOUT + 15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait(10)
-    left = []
-    for proc in known + _descendants(keep):
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                proc.kill()
-                left.append(proc)
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=10)
-
-
-def tail_steps(ledger: Path, pos: int) -> tuple[int, list[dict]]:
+def tail_events(ledger: Path, pos: int) -> tuple[int, list[dict]]:
     """New complete lines of the ledger since byte ``pos``."""
     if not ledger.exists():
         return pos, []
@@ -94,7 +75,12 @@ def tail_steps(ledger: Path, pos: int) -> tuple[int, list[dict]]:
         f.seek(pos)
         data = f.read()
     end = data.rfind(b"\n") + 1
-    out = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    out = []
+    for line in data[:end].splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a torn line is the ledger reader's business, not the demo's
+            pass
     return pos + end, out
 
 
@@ -163,79 +149,6 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def single_node_act(run_dir: Path, env: dict[str, str], args: argparse.Namespace, keep: frozenset[int]) -> int:
-    """Act 1: one node, two workers, three faults injected from outside. Returns resilient-run's exit code;
-    a stop signal is raised again once the run is stopped."""
-    local = run_dir / "ckpt-local"
-    env = dict(env)
-    env.pop("OMP_NUM_THREADS", None)
-    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "5",
-           "--run-dir", str(run_dir), "--ckpt-local", str(local), "--ckpt-persistent", "gs://demo-bucket/run",
-           "--ckpt-interval", "25", "--ckpt-persistent-every", "2", "--heartbeat-timeout", "3", "--tee", "3",
-           "--term-timeout", str(TERM_TIMEOUT),
-           "--local-ranks-filter", "0", str(ROOT / "examples" / "train.py"), "--steps", str(args.steps),
-           "--step-sleep", "0.03"]
-    print("$ " + " ".join(cmd[2:]), flush=True)
-    agent = subprocess.Popen(cmd, env=env, cwd=ROOT)
-
-    # (attempt, step at which to strike, what to do)
-    third = args.steps // 4
-    plan = [(0, third, "kill"), (1, 2 * third, "freeze"), (2, 3 * third, "wipe+kill")]
-    pids: dict[int, dict[int, int]] = {}
-    ledger = run_dir / "events.jsonl"
-    pos = 0
-    deadline = time.monotonic() + args.timeout
-    known: list = []
-    next_scan = 0.0
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    try:
-        while agent.poll() is None:
-            if time.monotonic() > deadline:
-                print(f"demo: run did not finish within {args.timeout:.0f}s; stopping it", file=sys.stderr)
-                agent.send_signal(signal.SIGTERM)
-                agent.wait(60)
-                break
-            pos, events = tail_steps(ledger, pos)
-            for ev in events:
-                if ev["kind"] == "attempt_start":
-                    pids[ev["attempt"]] = {int(r): p for r, p in ev["details"]["pids"].items()}
-                if ev["kind"] != "step" or not plan:
-                    continue
-                attempt, at, what = plan[0]
-                if ev["attempt"] == attempt and ev["details"]["step"] >= at and attempt in pids:
-                    plan.pop(0)
-                    if what == "kill":
-                        print(f"\n>>> demo: SIGKILL rank 1 at step {ev['details']['step']}\n", flush=True)
-                        os.kill(pids[attempt][1], signal.SIGKILL)
-                    elif what == "freeze":
-                        print(f"\n>>> demo: SIGSTOP rank 0 at step {ev['details']['step']} (a hang)\n", flush=True)
-                        os.kill(pids[attempt][0], signal.SIGSTOP)
-                    else:
-                        print(f"\n>>> demo: wipe the local tier and SIGKILL rank 0 at step {ev['details']['step']}\n",
-                              flush=True)
-                        shutil.rmtree(local, ignore_errors=True)
-                        os.kill(pids[attempt][0], signal.SIGKILL)
-            if time.monotonic() >= next_scan:  # the run's processes, while they are still our descendants
-                known, next_scan = _descendants(keep) or known, time.monotonic() + 1.0
-            time.sleep(0.05)  # polling a file the run appends to; the run itself never waits on us
-        code = agent.wait()
-    finally:
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the clean-up short
-        try:
-            _stop_run(agent, known, keep)
-        finally:
-            for sig, h in previous.items():
-                signal.signal(sig, h)
-    print(f"\nresilient-run exited with {code}\n", flush=True)
-    report = [sys.executable, "-m", "resilient.cli", "goodput", str(run_dir), "--plot", str(run_dir / "goodput.png")]
-    subprocess.run(report, check=False)
-    subprocess.run([sys.executable, "-m", "resilient.cli", "ckpt", "ls", str(local / "node0") if (local / "node0").exists()
-                    else str(local)], check=False)
-    print(f"\nrun directory: {run_dir}\n  ledger: {ledger}\n  timeline: {run_dir / 'goodput.png'}", flush=True)
-    return code
-
-
 def _wait(pred, timeout: float, what: str, nodes: list[Node]) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -246,91 +159,6 @@ def _wait(pred, timeout: float, what: str, nodes: list[Node]) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.05)  # polling a socket or a file the agents append to
-
-
-def node_act(run_dir: Path, env: dict[str, str], args: argparse.Namespace, nodes: list[Node]) -> int:
-    """Act 2: two nodes and a warm spare; node 1 is lost (whole node SIGKILLed, disk deleted) and the spare takes
-    its place. ``nodes`` is filled as agents start, so that the caller can stop every session on any exit.
-    Returns 0 when both remaining agents ended with 0 after a hot swap."""
-    from resilient.testing.gcs import free_port
-
-    run_dir.mkdir(parents=True)
-    env = dict(env, OMP_NUM_THREADS="1")  # three single-worker nodes share two cores
-    port = free_port()
-    ledger = run_dir / "events.jsonl"
-
-    def start(name: str) -> Node:
-        local = run_dir / f"ckpt-local-{name}"
-        cmd = [sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "demo-nodes",
-               "--local-addr", "127.0.0.1", "--max-restarts", "3", "--run-dir", str(run_dir),
-               # a killed node's closed connection is seen at once whatever this says; it only bounds how long an
-               # agent may stay silent, and one whose fork server imports torch on two busy cores can be for 10 s
-               "--node-timeout", "30",
-               "--ckpt-local", str(local), "--ckpt-persistent", "gs://demo-bucket/nodes", "--ckpt-interval", "10",
-               "--ckpt-persistent-every", "5", "--term-timeout", str(TERM_TIMEOUT),
-               "--inject", f"kill-node:1@{args.kill_at:g}s",
-               str(ROOT / "examples" / "train.py"), "--steps", str(args.node_steps), "--step-sleep", "0.03"]
-        log = run_dir / f"{name}.log"
-        if not nodes:
-            print("$ " + " ".join(cmd[2:]), flush=True)
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        node = Node(name, proc, local, log)
-        nodes.append(node)
-        print(f">>> demo: node {name} started (agent pid {proc.pid}, session {proc.pid}, local tier {local.name}, "
-              f"log {log.name})", flush=True)
-        return node
-
-    a = start("a")
-    _wait(lambda: _listening(port), 90, "node a to host the store and the supervisor", nodes)
-    b = start("b")
-    pos = 0
-
-    def placed() -> bool:
-        """The supervisor gave the job's two places to a and b: a node joining from now on waits as a spare."""
-        nonlocal pos
-        pos, evs = tail_steps(ledger, pos)
-        return any(e["kind"] == "action" and e["details"].get("action") == "start"
-                   and {a.ident, b.ident} <= set(e["details"]["assignment"]["members"]) for e in evs)
-
-    _wait(placed, 120, "the supervisor to give the job's places to nodes a and b", nodes)
-    # started now rather than once training runs: importing torch takes its fork server seconds on two busy
-    # cores, and a spare lost into before that is a cold one
-    print(">>> demo: nodes a and b hold the job's two places; a third node joins as the spare", flush=True)
-    spare = start("spare")
-    warm = _WarmWatch(spare)
-    pos = 0
-    deadline = time.monotonic() + args.timeout
-    while [n.proc.poll() for n in nodes].count(None):  # every node polled: the lost one is seen at once
-        for n in nodes:
-            if n.proc.returncode == -signal.SIGKILL and not n.disk_deleted:
-                shutil.rmtree(n.local, ignore_errors=True)  # a lost node's disk is lost with it
-                n.disk_deleted = True
-                print(f"\n>>> demo: node {n.name} is gone (agent SIGKILLed by --inject); deleted its local tier "
-                      f"{n.local.name} (a lost disk)\n", flush=True)
-        if warm.check():
-            print(f">>> demo: the spare is warm: its fork server imported torch and idles "
-                  f"({warm.seconds:.1f} s after the spare started)", flush=True)
-        pos, evs = tail_steps(ledger, pos)
-        for e in evs:
-            if e["kind"] == "node_joined" and e["node"] == spare.ident:
-                print(">>> demo: the spare joined; it waits with no workers while its fork server imports torch",
-                      flush=True)
-            elif e["kind"] == "attempt_start" and e["node"] in (a.ident, b.ident) and e["attempt"] == 0:
-                print(f">>> demo: node {'a' if e['node'] == a.ident else 'b'} trains (group rank "
-                      f"{e['details'].get('group_rank')})", flush=True)
-            elif e["kind"] == "action" and e["details"].get("action") == "hot_swap":
-                print(f">>> demo: supervisor: {e['details'].get('reason')}", flush=True)
-        if time.monotonic() > deadline:
-            print(f"demo: the node-loss run did not finish within {args.timeout:.0f}s; stopping it", file=sys.stderr)
-            return 1
-        time.sleep(0.05)  # polling files the agents append to; they never wait on us
-    codes = {n.name: n.proc.returncode for n in nodes}
-    print("\nagents exited: " + ", ".join(f"{k} {'SIGKILL' if c == -signal.SIGKILL else c}" for k, c in codes.items()),
-          flush=True)
-    return report_node_loss(run_dir, nodes, warm.wall)
 
 
 class _WarmWatch:
@@ -368,94 +196,328 @@ class _WarmWatch:
         return True
 
 
-def report_node_loss(run_dir: Path, nodes: list[Node], warm_wall: float | None = None) -> int:
-    """What the ledger says about the node loss, then the run's goodput report."""
-    _, evs = tail_steps(run_dir / "events.jsonl", 0)
-    names = {n.ident: n.name for n in nodes}
-    name = lambda ident: f"{names.get(ident, ident)} ({ident})"  # noqa: E731
-    t0 = min(e["wall"] for e in evs)
-    kill = next((e for e in evs if e["kind"] == "fault_injected" and e["details"].get("fault") == "kill-node"), None)
-    lost = next((e for e in evs if e["kind"] == "agent_lost"), None)
+_LOSS = re.compile(rb"\[train\] step (\d+) loss ([\d.]+)")
+
+
+class Progress:
+    """Turns the ledger's new lines into the demo's terminal lines: one per fault, detection, action and
+    restore, and one every tenth of the run."""
+
+    def __init__(self, nodes: list[Node], steps: int):
+        self.nodes, self.steps = nodes, steps
+        self.t0: float | None = None
+        self.every = max(1, steps // 10)
+        self.next_step = self.every
+        self.open_fault: dict | None = None  # the fault whose recovery is being followed
+        self.faults: list[dict] = []  # one row per injected fault, for the summary
+        self.newest: dict[str, int] = {}  # tier -> newest step done there
+        self.loss: tuple[int, float] | None = None
+        self.rank0: Node | None = None  # the node of group rank 0: its log has the recipe's loss lines
+        self.spare: Node | None = None  # the node the supervisor left out of the first round
+        self.warm_wall: float | None = None  # when the spare was first seen warm
+        self._log_pos = 0
+        self._trained = False
+
+    def name(self, ident: str | None) -> str:
+        return next((n.name for n in self.nodes if n.ident == ident), ident or "?")
+
+    def say(self, wall: float, text: str) -> None:
+        print(f"  +{wall - (self.t0 or wall):6.1f} s  {text}", flush=True)
+
+    def _read_loss(self) -> None:
+        """The recipe's rank 0 prints its loss; group rank 0 keeps its node throughout (the swap replaces group
+        rank 1)."""
+        if self.rank0 is None:
+            return
+        log = self.rank0.log
+        try:
+            with open(log, "rb") as f:
+                f.seek(self._log_pos)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._log_pos += end
+        for m in _LOSS.finditer(data[:end]):
+            self.loss = (int(m[1]), float(m[2]))
+
+    def feed(self, e: dict) -> None:
+        kind, d, wall = e["kind"], e.get("details") or {}, e["wall"]
+        if self.t0 is None:
+            self.t0 = wall
+        f = self.open_fault
+        if kind == "run_start":
+            self.say(wall, f"node {self.name(e['node'])}: agent up")
+        elif kind == "action" and d.get("action") == "start" and self.spare is None:
+            members = (d.get("assignment") or {}).get("members") or []
+            by_ident = {n.ident: n for n in self.nodes}
+            self.rank0 = by_ident.get(members[0]) if members else None
+            self.spare = next((n for n in self.nodes if n.ident not in members), None)
+            placed = ", ".join(f"node {self.name(m)} group rank {i}" for i, m in enumerate(members))
+            self.say(wall, f"supervisor: the job's places go to {placed}"
+                           + (f"; node {self.spare.name} is the spare" if self.spare else ""))
+        elif kind == "workers_ready" and not self._trained:
+            self._trained = True
+            self.say(wall, f"training: first step done on node {self.name(e['node'])}")
+        elif kind == "fault_injected":
+            row = {"fault": d.get("at"), "kind": d.get("fault"), "target": d.get("target"),
+                   "node": self.name(e["node"]), "wall": wall}
+            self.faults.append(row)
+            self.open_fault = row
+            what = {"kill-worker": f"SIGKILL rank {d.get('target')}", "hang-worker": f"SIGSTOP rank {d.get('target')} "
+                    "(a hang: alive, silent)", "kill-node": "SIGKILL the whole node: agent, fork server, worker"}
+            self.say(wall, f"FAULT    {d.get('at')} on node {self.name(e['node'])}: "
+                           f"{what.get(d.get('fault'), d.get('fault'))}")
+        elif kind == "worker_exit" and f and "detected" not in f:
+            f.update(detected=kind, detect_s=wall - f["wall"])
+            self.say(wall, f"detected rank {e.get('rank')} on node {self.name(e['node'])} exited "
+                           f"({d.get('signal') or 'exit code ' + str(d.get('exit_code'))})")
+        elif kind == "hang" and f and "detected" not in f:
+            f.update(detected=kind, detect_s=wall - f["wall"])
+            # the frozen rank's peers stop too (they wait for it in the next all-reduce): whichever node's
+            # heartbeat timeout expires first reports the hang
+            self.say(wall, f"detected a hang: rank {e.get('rank')} on node {self.name(e['node'])} sent no heartbeat "
+                           f"for {float(d.get('last_heartbeat_age') or 0):.1f} s (timeout {d.get('timeout')} s)")
+        elif kind == "agent_lost":
+            if f and "detected" not in f:
+                f.update(detected=kind, detect_s=wall - f["wall"])
+            self.say(wall, f"detected node {self.name(e['node'])} lost ({d.get('reason')})")
+        elif kind == "action" and d.get("action") not in ("start", "ignore"):
+            if f and "action" not in f:
+                f["action"] = d.get("action")
+            self.say(wall, f"ACTION   supervisor: {d.get('action')} ({d.get('reason')})")
+        elif kind == "ckpt_restore":
+            src = "+".join(d.get("sources") or [d.get("tier") or "?"])
+            # for a node loss, the restore that matters is the lost rank's, on the spare
+            if f and "restored_from" not in f and wall > f["wall"] and (
+                    f["kind"] != "kill-node" or (self.spare is not None and e["node"] == self.spare.ident)):
+                f.update(restored_from=src, restored_tier=d.get("tier"), restored_step=d.get("step"),
+                         restored_rank=e.get("rank"), restored_node=self.name(e["node"]))
+            self.say(wall, f"restored rank {e.get('rank')} on node {self.name(e['node'])}: step {d.get('step')} from "
+                           f"{src} ({float(d.get('bytes') or 0) / 2**20:.1f} MiB in {float(d.get('seconds') or 0):.2f} s)")
+        elif kind == "ckpt_tier_done":
+            self.newest[d.get("tier", "?")] = max(self.newest.get(d.get("tier", "?"), -1), int(d.get("step", -1)))
+        elif kind == "step":
+            step = int(d.get("step", 0))
+            if f and "first_step_s" not in f and "action" in f:
+                f.update(first_step_s=wall - f["wall"], first_step=step)
+                self.say(wall, f"training again at step {step}, {wall - f['wall']:.2f} s after the fault")
+                self.open_fault = None
+            if step >= self.next_step:
+                self.next_step = (step // self.every + 1) * self.every
+                self._read_loss()
+                loss = f" · loss {self.loss[1]:.3f} (step {self.loss[0]})" if self.loss else ""
+                tiers = ", ".join(f"{t} {s}" for t, s in sorted(self.newest.items()))
+                self.say(wall, f"step {step}/{self.steps} · {float(d.get('seconds') or 0) * 1000:.0f} ms/step{loss}"
+                               + (f" · checkpoints: {tiers}" if tiers else ""))
+        elif kind == "run_end":
+            self.say(wall, f"node {self.name(e['node'])} ended: {d.get('reason')} (exit {d.get('exit_code')})")
+
+
+def agent_cmd(args: argparse.Namespace, run_dir: Path, port: int, local: Path, persistent: str, host: bool) -> list[str]:
+    return [sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "demo",
+            # every agent shares this machine's address: which one hosts the store is said, not raced for
+            "--rdzv-conf", f"is_host={str(host).lower()}",
+            "--local-addr", "127.0.0.1", "--max-restarts", "5", "--run-dir", str(run_dir),
+            # a killed node's closed connection is seen at once whatever this says; it only bounds how long an
+            # agent may stay silent, and one whose fork server imports torch on two busy cores can be for 10 s
+            "--node-timeout", "30", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT:g}",
+            "--ckpt-local", str(local), "--ckpt-persistent", persistent, "--ckpt-interval", "10",
+            "--ckpt-persistent-every", "5", "--term-timeout", f"{TERM_TIMEOUT:g}",
+            "--inject", args.inject, "--inject-seed", str(args.seed),
+            str(TRAIN), "--steps", str(args.steps), "--step-sleep", f"{STEP_SLEEP:g}", "--log-every", "10"]
+
+
+def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persistent: str,
+            nodes: list[Node]) -> Progress:
+    """Start the three nodes, follow the ledger until every agent has exited. ``nodes`` is filled as agents start,
+    so that the caller can stop every session on any exit."""
+    from resilient.testing.gcs import free_port
+
+    env = dict(env, OMP_NUM_THREADS="1")  # three single-worker nodes share two cores
+    for k in [k for k in env if k.startswith(("RESILIENT_", "TORCHELASTIC_", "PET_"))]:
+        del env[k]  # a variable left by an outer run would reconfigure these agents
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    port = free_port()
+    ledger = run_dir / "events.jsonl"
+    progress = Progress(nodes, args.steps)
+
+    def start(name: str, host: bool) -> Node:
+        local = run_dir / f"ckpt-local-{name}"
+        cmd = agent_cmd(args, run_dir, port, local, persistent, host)
+        log = run_dir / f"{name}.log"
+        if not nodes:
+            print("$ resilient-run " + " ".join(cmd[3:]), flush=True)
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        node = Node(name, proc, local, log)
+        nodes.append(node)
+        print(f"  node {name} started (agent pid {proc.pid}, a session of its own, local tier {local.name}, log "
+              f"{log.name}){': hosts the store and the supervisor' if host else ''}", flush=True)
+        return node
+
+    # All three at once, as a job scheduler starts them: the supervisor gives the job's two places to the first two
+    # that join, and the third waits as the spare (its fork server imports torch meanwhile, so it is warm when a
+    # node is lost). The others reach node a's store once it listens: the store's clients retry until then.
+    for name in ("a", "b", "c"):
+        start(name, host=name == "a")
+    warm: _WarmWatch | None = None
+    pos = 0
+    deadline = time.monotonic() + args.timeout
+    while [n.proc.poll() for n in nodes].count(None):  # every node polled: the lost one is seen at once
+        for n in nodes:
+            if n.proc.returncode == -signal.SIGKILL and not n.disk_deleted:
+                shutil.rmtree(n.local, ignore_errors=True)  # a lost node's disk is lost with it
+                n.disk_deleted = True
+                progress.say(time.time(), f"node {n.name} is gone; the demo deleted its local tier {n.local.name} "
+                                          "(a lost disk)")
+            elif n.proc.returncode is not None and progress.spare is None:
+                raise RuntimeError(f"node {n.name} exited with {n.proc.returncode} before training started; "
+                                   f"see {n.log}")
+        if warm is None and progress.spare is not None:
+            warm = _WarmWatch(progress.spare)
+        if warm is not None and warm.check():
+            progress.say(warm.wall or time.time(), f"the spare, node {progress.spare.name}, is warm: its fork server "
+                                                   "imported torch and idles")
+        pos, evs = tail_events(ledger, pos)
+        for e in evs:
+            progress.feed(e)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the run did not finish within {args.timeout:.0f}s (--timeout); stopping it")
+        time.sleep(0.05)  # polling files the agents append to; they never wait on us
+    pos, evs = tail_events(ledger, pos)
+    for e in evs:
+        progress.feed(e)
+    progress.warm_wall = warm.wall if warm is not None else None
+    return progress
+
+
+def _secs(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f} s"
+
+
+def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progress: Progress) -> int:
+    """The faults as the ledger tells them, the goodput report and its timeline. 0 when every fault was handled
+    as expected: each one injected, detected and followed by training again; the node loss by a hot swap and a
+    restore of the lost rank on the spare; every agent but the lost one ended with 0."""
+    codes = {n.name: n.proc.returncode for n in nodes}
+    print("\nagents exited: " + ", ".join(f"{k} {'SIGKILL' if c == -signal.SIGKILL else c}" for k, c in codes.items()),
+          flush=True)
+    _, evs = tail_events(run_dir / "events.jsonl", 0)
     swap = next((e for e in evs if e["kind"] == "action" and e["details"].get("action") == "hot_swap"), None)
-    spare = swap["details"]["action_args"]["spare"] if swap else None
-    restore = next((e for e in evs if swap and e["kind"] == "ckpt_restore" and e["node"] == spare
-                    and e["wall"] > swap["wall"]), None)
-    after = [e for e in evs if swap and e["kind"] == "step" and e["wall"] > swap["wall"]]
-    print(f"\nthe node loss, from the ledger {run_dir / 'events.jsonl'}:")
-    if kill:
-        d = kill["details"]
-        print(f"  +{kill['wall'] - t0:6.2f} s  fault_injected  {d['at']} on node {name(kill['node'])}: "
-              f"agent, fork server and worker SIGKILLed")
-    if lost:
-        print(f"  +{lost['wall'] - t0:6.2f} s  agent_lost      node {name(lost['node'])}, reason "
-              f"\"{lost['details'].get('reason')}\"")
-    if swap:
-        args_ = swap["details"]["action_args"]
-        print(f"  +{swap['wall'] - t0:6.2f} s  action hot_swap  {name(args_['node'])} → spare {name(args_['spare'])} "
-              f"(round {swap['details'].get('round')}: {swap['details'].get('reason')})")
-    if restore:
-        d = restore["details"]
-        print(f"  +{restore['wall'] - t0:6.2f} s  ckpt_restore    rank {restore['rank']} on the spare: step {d['step']} "
-              f"from tier \"{d['tier']}\" ({d.get('bytes', 0) / 2**20:.1f} MiB in {d.get('seconds', 0):.2f} s)")
-    if kill:
-        print("  the spare was " + (f"warm at the kill (since +{warm_wall - t0:.2f} s)" if warm_wall and
-                                    warm_wall <= kill["wall"] else "still importing torch at the kill (a cold swap)"))
-    if kill and after:
-        first = after[0]
-        print(f"  kill → first step after the swap: {first['wall'] - kill['wall']:.2f} s "
-              f"(step {first['details']['step']}, rank {first['rank']})")
-    ok = (kill is not None and lost is not None and swap is not None and restore is not None and bool(after)
-          and all(n.proc.returncode == 0 for n in nodes if n.ident != kill["node"]))
-    if not ok:
-        print("demo: the node loss was not handled as expected; see the agents' logs in " + str(run_dir),
-              file=sys.stderr)
+    print("\nthe faults, from the ledger (times from each fault):")
+    rows = [("fault", "node", "detected by", "after", "action", "restored", "training again")]
+    for f in progress.faults:
+        restored = (f"rank {f['restored_rank']} on {f['restored_node']}: step {f['restored_step']} from "
+                    f"{f['restored_from']}" if "restored_from" in f else "–")
+        rows.append((f["fault"] or "?", f["node"], f.get("detected", "–"), _secs(f.get("detect_s")),
+                     f.get("action", "–"), restored, _secs(f.get("first_step_s"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  " + "  ".join(c.rjust(w) if i in (3, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    node_loss = next((f for f in progress.faults if f["kind"] == "kill-node"), None)
+    if node_loss is not None:
+        warm = progress.warm_wall is not None and progress.warm_wall <= node_loss["wall"]
+        print("  the spare was " + ("warm at the node loss (its fork server had imported torch)" if warm
+                                    else "still importing torch at the node loss (a cold swap)"))
+        if "first_step_s" in node_loss:
+            print(f"  node kill → first step after the swap: {node_loss['first_step_s']:.2f} s")
+    expected = {f.kind.value for f in args.faults}
+    kinds = {f["kind"] for f in progress.faults}
+    lost = {n.name for n in nodes if n.proc.returncode == -signal.SIGKILL}
+    problems = []
+    if not expected <= kinds:
+        problems.append(f"faults never injected: {', '.join(sorted(expected - kinds))} (did training end first? "
+                        "give more --steps)")
+    for f in progress.faults:
+        if "first_step_s" not in f:
+            problems.append(f"{f['fault']}: no training step after it")
+    if "kill-node" in expected and swap is None:
+        problems.append("no hot swap to the spare")
+    if node_loss is not None and node_loss.get("restored_tier") not in ("local", "peer", "persistent"):
+        problems.append("the lost rank was not restored on the spare")
+    bad = {k: c for k, c in codes.items() if k not in lost and c != 0}
+    if bad:
+        problems.append("agents ended with " + ", ".join(f"{k} {c}" for k, c in bad.items()))
+    (run_dir / "demo.json").write_text(json.dumps({
+        "inject": args.inject, "seed": args.seed, "steps": args.steps, "exit_codes": codes,
+        "faults": [{k: v for k, v in f.items() if k != "wall"} for f in progress.faults],
+        "hot_swap": swap["details"]["action_args"] if swap else None, "problems": problems}, indent=2) + "\n")
     print(flush=True)
-    subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(run_dir), "--plot",
-                    str(run_dir / "goodput.png")], check=False)
-    print(f"\nrun directory: {run_dir}\n  ledger: {run_dir / 'events.jsonl'}\n  timeline: {run_dir / 'goodput.png'}"
-          f"\n  agents' logs: " + ", ".join(n.log.name for n in nodes), flush=True)
-    return 0 if ok else 1
+    cli = [sys.executable, "-m", "resilient.cli", "goodput", str(run_dir)]
+    subprocess.run(cli + ["--plot", str(run_dir / "goodput.png")], check=False, cwd=ROOT)
+    with open(run_dir / "goodput.json", "wb") as out:
+        subprocess.run(cli + ["--json"], check=False, stdout=out, cwd=ROOT)
+    print(f"\nrun directory: {run_dir}\n  ledger: events.jsonl · timeline: goodput.png · report: goodput.json, "
+          f"demo.json · agents' logs: " + ", ".join(n.log.name for n in nodes), flush=True)
+    for p in problems:
+        print(f"demo: {p}; see the agents' logs in {run_dir}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--node-steps", type=int, default=400, help="steps of the second act (node lost, spare in)")
-    ap.add_argument("--kill-at", type=float, default=10.0,
-                    help="seconds after node 1's workers started at which --inject kills it (second act)")
+    ap.add_argument("--quick", action="store_true", help=f"a shorter run ({QUICK['steps']} steps, faults sooner)")
+    ap.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL['steps']})")
+    ap.add_argument("--inject", default=None, help=f"the faults (default {FULL['inject']})")
+    ap.add_argument("--seed", type=int, default=0, help="--inject-seed: picks the ranks the faults hit")
+    ap.add_argument("--gcs", action="store_true",
+                    help="persistent tier gs://demo-bucket on a GCS API server on loopback (default: a file:// "
+                         "directory in the run directory)")
     ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds the run may take before it is stopped")
     args = ap.parse_args()
-    if not (args.kill_at > 0 and args.kill_at < args.timeout) or args.steps < 4 or args.node_steps < 1:
-        ap.error("--kill-at must be above 0 and below --timeout; --steps at least 4; --node-steps at least 1")
-    # the default action of SIGTERM/SIGHUP ends this process at once and orphans the runs and the GCS server
+    preset = QUICK if args.quick else FULL
+    args.steps = preset["steps"] if args.steps is None else args.steps
+    args.inject = preset["inject"] if args.inject is None else args.inject
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be above 0 seconds, got {args.timeout}")
+    from resilient.testing.faults import FaultSpecError, parse_inject
+
+    try:
+        args.faults = parse_inject(args.inject, args.seed, world_size=2, nnodes=2)
+    except FaultSpecError as e:
+        ap.error(str(e))
+    # the default action of SIGTERM/SIGHUP ends this process at once and orphans the agents and the GCS server
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stopped)
 
     run_dir = Path(args.run_dir or ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
-    if run_dir.exists():
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / "events.jsonl").exists():  # only an earlier run's directory is ever deleted
+            ap.error(f"--run-dir {run_dir} exists and holds no earlier run (no events.jsonl); give a new or empty "
+                     "directory")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
 
     from resilient.testing.gcs import LocalGCS
 
-    gcs = LocalGCS(run_dir / "gcs-data")
+    gcs = LocalGCS(run_dir / "gcs-data") if args.gcs else None
     nodes: list[Node] = []
     stopped: BaseException | None = None
     code = 1
+    t_start = time.monotonic()
     try:
-        gcs.start()
-        gcs.make_bucket("demo-bucket")
-        env = dict(os.environ, **gcs.env())
-        code = single_node_act(run_dir, env, args, keep=frozenset({gcs.proc.pid}) if gcs.proc else frozenset())
-        if gcs.proc is None or gcs.proc.poll() is not None:
-            raise RuntimeError("the GCS server stopped during the first act; the second needs it")
-        print("\n" + "=" * 100 + "\nact 2: a node lost and replaced by a warm spare\n" + "=" * 100, flush=True)
-        code = node_act(run_dir / "nodes", env, args, nodes) or code
+        env = dict(os.environ)
+        if gcs is not None:
+            gcs.start()
+            gcs.make_bucket(BUCKET)
+            env.update(gcs.env())
+            persistent = f"gs://{BUCKET}/run"
+        else:
+            persistent = (run_dir / "persistent").as_uri()
+        print(f"the recipe's GPT on 2 nodes x 1 worker and a warm spare; tiers: local, peer, persistent ({persistent}); "
+              f"faults: {args.inject} (seed {args.seed})", flush=True)
+        progress = run_job(run_dir, env, args, persistent, nodes)
+        code = summarize(run_dir, args, nodes, progress)
     except (_Stopped, KeyboardInterrupt) as e:
         stopped = e
         code = 128 + (e.signum if isinstance(e, _Stopped) else signal.SIGINT)
-    except RuntimeError as e:  # an act could not go on (a node died early, a wait timed out)
+    except RuntimeError as e:  # the run could not go on (a node died early, a wait timed out)
         print(f"demo: {e}", file=sys.stderr)
         code = 1
     finally:
@@ -464,9 +526,13 @@ def main() -> int:
         try:
             _stop_nodes(nodes)
         finally:
-            gcs.stop()
+            if gcs is not None:
+                gcs.stop()
     if stopped is not None:
-        print(f"\ndemo: stopped by {stopped or 'SIGINT'}; the runs and the GCS server were stopped", file=sys.stderr)
+        print(f"\ndemo: stopped by {stopped or 'SIGINT'}; the agents"
+              f"{' and the GCS server' if gcs is not None else ''} were stopped", file=sys.stderr)
+    else:
+        print(f"demo: {time.monotonic() - t_start:.0f} s in all", flush=True)
     return code
 
 
