@@ -179,6 +179,8 @@ class Agent:
         self._preloaded: tuple[str, ...] = ()
         self._next_starter: ForkServer | None = None
         self._next_preload: tuple[str, ...] = ()
+        self._next_set: set[str] = set()
+        self._next_asked = 0.0
         self._preload_refreshes = 0
         self._next_ready_said = False
         self._preload_polled = 0.0
@@ -254,8 +256,7 @@ class Agent:
     # ---------------------------------------------------------------- automatic preload
     PRELOAD_KEY = "resilient/preload"  # signed list of learned modules, for the spares (and replaced nodes)
     PRELOAD_QUIET = 0.5  # seconds without a new module before the list is taken as settled
-    PRELOAD_REFRESHES = 4  # fork servers started per agent for learned modules: imports cost CPU
-    PRELOAD_WAIT = 60.0  # seconds a restart waits for a warming fork server before forking from the old one
+    PRELOAD_REFRESHES = 4  # fork servers warmed per agent for learned modules: imports cost CPU
 
     def _learn(self) -> None:
         """Collect the modules workers reported loading (through the fork server)."""
@@ -270,7 +271,9 @@ class Agent:
     def _refresh_preload(self) -> None:
         """Automatic preload: after the first attempt, a fork server that has already imported what the workers
         imported replaces the current one at the next restart (a spare's at once), so heavy scripts restart as
-        fast as with a hand-written --preload. It warms up beside the running one: training never waits."""
+        fast as with a hand-written --preload. It is a copy of the running one (forked: torch and the rest come for
+        free) that then imports only the learned modules, and more as the workers report them; it takes over only
+        once it has imported all it was given: training and restarts never wait for it."""
         if self.cfg.launch_method != WorkerLaunchMethod.FORK_SERVER or self.cfg.command.kind == "exec":
             return
         self._learn()
@@ -278,12 +281,23 @@ class Agent:
         if not self.active and now - self._preload_polled > 1.0:
             self._preload_polled = now
             self._fetch_learned()
+        want = tuple(m for m in self._learned if m not in self._preload_denied)
+        settled = now - self._learned_at >= self.PRELOAD_QUIET
         nxt = self._next_starter
         if nxt is not None:
             try:
-                ready = nxt.poll_ready()
+                extra = [m for m in want if m not in self._next_set]
+                if extra and settled:  # it is idle: it imports them too, before it takes over
+                    nxt.preload_more(extra)
+                    self._next_preload += tuple(extra)
+                    self._next_set.update(extra)
+                    self._next_ready_said = False
+                    if self.active:
+                        self._publish_learned(self._next_preload)
+                warm = nxt.poll_ready()
             except ForkServerError as e:
                 self._next_starter = None
+                nxt.close()
                 if e.bad_module:
                     self._preload_denied.add(e.bad_module)
                     self._save_denied()
@@ -292,41 +306,59 @@ class Agent:
                     logger.warning("automatic preload failed (%s); restarts import as before", e)
                     self._preload_refreshes = self.PRELOAD_REFRESHES
                 return
-            if ready and not self._next_ready_said:
+            if warm and not self._next_ready_said:
                 self._next_ready_said = True
-                logger.info("automatic preload: fork server ready with %d learned modules; it takes over at the next "
-                            "restart", len(self._next_preload))
-            if ready and not any(w.pid is not None and w.exit_code is None for w in self.workers):
+                logger.info("automatic preload: fork server ready with %d learned modules (warm %.2fs after it was "
+                            "asked); it takes over at the next restart", len(self._next_preload),
+                            now - self._next_asked)
+            if warm and not any(w.pid is not None and w.exit_code is None for w in self.workers):
                 self._swap_starter()
             return
-        want = tuple(m for m in self._learned if m not in self._preload_denied)
         have = set(self._preloaded)
-        if (not want or all(m in have for m in want) or now - self._learned_at < self.PRELOAD_QUIET
+        if (not want or all(m in have for m in want) or not settled
                 or self._preload_refreshes >= self.PRELOAD_REFRESHES):
             return
         self._preload_refreshes += 1
+        cur = self.starter
         try:
-            self._next_starter = self._new_fork_server(want)
-        except OSError as e:
+            if isinstance(cur, ForkServer) and cur.alive() and cur.poll_ready():
+                nxt = cur.fork()  # a copy: only the modules it lacks cost time
+                nxt.preload_more([m for m in want if m not in have])
+                how = "a copy of the running one"
+            else:
+                nxt = self._new_fork_server(want)
+                how = "a new one"
+        except (OSError, ForkServerError) as e:
             logger.warning("automatic preload: cannot start a fork server (%s)", e)
             self._preload_refreshes = self.PRELOAD_REFRESHES
             return
+        self._next_starter = nxt
         self._next_preload = want
+        self._next_set = set(want)
+        self._next_asked = now
         self._next_ready_said = False
-        logger.info("automatic preload: warming a fork server with %d modules the workers loaded", len(want))
+        logger.info("automatic preload: warming a fork server (%s) with %d modules the workers loaded", how,
+                    len(want) - len(have & set(want)))
         if self.active:
             self._publish_learned(want)
 
     def _swap_starter(self) -> None:
         """Between attempts (no live worker): the warmed fork server takes over."""
-        nxt, self._next_starter = self._next_starter, None
-        if nxt is None or not nxt.poll_ready():
-            return
+        nxt = self._next_starter
+        try:
+            if nxt is None or not nxt.poll_ready():
+                return
+        except ForkServerError:
+            return  # _refresh_preload says why and forgets it
+        self._next_starter = None
         old = self.starter
         if old is not None:
             self._learn()
             self.sel.unregister(old.fileno())
-            old.close()
+            if nxt.origin is old:
+                nxt.adopt(old)  # the copy dies with the server it was forked from: that one stays, idle
+            else:
+                old.close()
         self.starter = nxt
         self._preloaded = self._next_preload
         self.sel.register(nxt.fileno(), selectors.EVENT_READ, "exit")
@@ -650,13 +682,10 @@ class Agent:
                 setattr(w, f"{name}_fd", fd)
             self.workers.append(w)
         assert self.starter is not None
-        # A fork server still warming with the learned modules started before these workers could begin importing
-        # them: waiting for it costs less than the import in every worker, and the restarts after profit too.
-        deadline = time.monotonic() + self.PRELOAD_WAIT
-        while self._next_starter is not None and time.monotonic() < deadline and self._signal is None:
-            self._refresh_preload()  # swaps it in once ready (no worker is alive here)
-            if self._next_starter is not None:
-                self._serve(0.05)
+        # A warm fork server with the learned modules takes over now (no worker is alive here); one still warming
+        # is not waited for: this restart forks from the current one at once, and it takes over at the next.
+        if self._next_starter is not None:
+            self._refresh_preload()
         try:
             self.starter.start(c.command, self.workers, os.getcwd())
         except ForkServerError as e:

@@ -68,18 +68,83 @@ class ForkServerError(RuntimeError):
         self.bad_module = bad_module  # a learned module that made forking unsafe: never preload it again
 
 
+class _ForkedProc:
+    """The part of ``subprocess.Popen`` the agent uses, for a fork server forked by another one (not the agent's
+    child: its exit is seen through a pidfd, and the zygote it came from reaps it)."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self._pidfd: int | None = None
+        self.returncode: int | None = None
+
+    def attach(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already
+            self.returncode = -1
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._pidfd is not None:
+            import select
+
+            if select.select([self._pidfd], [], [], 0)[0]:
+                self.returncode = -1  # not our child: its status is its parent's
+                os.close(self._pidfd)
+                self._pidfd = None
+        return self.returncode if self.pid is not None else None
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.pid is not None and self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired("fork server", timeout)
+            import select
+
+            select.select([self._pidfd], [], [], min(left, 1.0))
+        return self.returncode if self.returncode is not None else -1
+
+    def kill(self) -> None:
+        if self.pid is not None and self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 class ForkServer:
     """Client of :mod:`resilient.launcher.zygote`."""
 
-    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", preload_file: str | None = None):
-        """``preload_file``: where to write the list when it is long (learned modules), passed as ``@FILE``."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock = parent
+    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", preload_file: str | None = None,
+                 _copy_of: ForkServer | None = None):
+        """``preload_file``: where to write the list when it is long (learned modules), passed as ``@FILE``.
+        ``_copy_of``: see :meth:`fork`."""
         self._buf = b""
         self._by_id: dict[str, WorkerProc] = {}
         self._events: list[dict] = []
         self.preload = tuple(preload)
         self.learned: list[str] = []  # modules the workers loaded, in order, as the zygote reported them
+        self.copy = _copy_of is not None
+        self.origin = _copy_of  # the fork server a copy was forked from
+        self.parent: ForkServer | None = None  # see adopt()
+        self._warm_sent = 0  # batches of learned modules sent (preload_more), and imported
+        self._warm_done = 0
+        self.warm_at: float | None = None  # wall time the last batch was imported
+        self._ready = False
+        if _copy_of is not None:
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock = parent
+            self.proc: subprocess.Popen[bytes] | _ForkedProc = _ForkedProc()
+            _copy_of.sock.setblocking(True)
+            try:
+                socket.send_fds(_copy_of.sock, [b'{"op": "fork", "nfds": 1}\n'], [child.fileno()])
+            finally:
+                _copy_of.sock.setblocking(False)
+                child.close()
+            return
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = parent
         spec = ",".join(preload)
         if preload_file is not None and len(spec) > 8192:
             with open(preload_file, "w") as f:
@@ -97,7 +162,31 @@ class ForkServer:
             stdin=subprocess.DEVNULL,
         )
         child.close()
-        self._ready = False
+
+    def fork(self) -> ForkServer:
+        """A copy of this (ready, idle or not) fork server, serving on a socket of its own: it has imported all
+        this one has, at no cost; :meth:`preload_more` then imports the learned modules in it, not in this one."""
+        if not self._ready:
+            raise ForkServerError("fork server not ready")
+        return ForkServer(self.preload, _copy_of=self)
+
+    def adopt(self, origin: ForkServer) -> None:
+        """This copy takes over from the fork server it was forked from, which must live (idle) as long as it does:
+        a copy dies with it. Closing this one closes it too."""
+        self.parent = origin
+
+    def preload_more(self, modules: list[str] | tuple[str, ...]) -> None:
+        """Ask this (idle: no worker started from it yet) fork server to import learned modules; it is warm again
+        once it has (:meth:`poll_ready`). A module that makes forking unsafe ends it (ForkServerError.bad_module)."""
+        self._warm_sent += 1
+        data = (json.dumps({"op": "preload", "modules": list(modules), "seq": self._warm_sent}) + "\n").encode()
+        self.sock.setblocking(True)
+        try:
+            self.sock.sendall(data)
+        except OSError as e:
+            raise ForkServerError(f"fork server gone ({e})") from e
+        finally:
+            self.sock.setblocking(not self._ready)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Block until the fork server has imported torch; it was started in the constructor so that
@@ -111,29 +200,47 @@ class ForkServer:
         if msg.get("ev") != "ready":
             self.close()
             raise ForkServerError(msg.get("why", f"unexpected first message {msg}"), msg.get("bad"))
+        if isinstance(self.proc, _ForkedProc) and self.proc.pid is None:
+            self.proc.attach(int(msg["pid"]))
         self.sock.setblocking(False)
         self._ready = True
 
     def poll_ready(self) -> bool:
-        """Without blocking: has it finished its imports? Raises ForkServerError when it failed."""
-        if self._ready:
+        """Without blocking: has it finished its imports, and every batch of :meth:`preload_more`? Raises
+        ForkServerError when it failed (``bad_module``: the learned module that made forking unsafe)."""
+        if self._ready and self._warm_done >= self._warm_sent:
             return True
+        if self.sock.fileno() < 0:
+            raise ForkServerError("fork server closed")
         self.sock.setblocking(False)
         try:
-            while b"\n" not in self._buf:
+            while True:
                 try:
                     data = self.sock.recv(65536)
                 except (BlockingIOError, InterruptedError):
-                    return False
+                    break
                 if not data:
+                    if b"\n" in self._buf:
+                        break  # its last words (why it failed) come first
                     raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
                 self._buf += data
         finally:
             if not self._ready:
                 self.sock.setblocking(True)
-        line, self._buf = self._buf.split(b"\n", 1)
-        self._first(json.loads(line))
-        return True
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if not self._ready:
+                self._first(msg)
+            elif msg.get("ev") == "warm":
+                self._warm_done = max(self._warm_done, int(msg.get("seq", 0)))
+                self.warm_at = msg.get("t")
+            elif msg.get("ev") == "failed":
+                self.close()
+                raise ForkServerError(msg.get("why", "failed"), msg.get("bad"))
+            else:
+                self._events.append(msg)  # worker events: poll_exits handles them
+        return self._ready and self._warm_done >= self._warm_sent
 
     def take_learned(self) -> list[str]:
         out, self.learned = self.learned, []
@@ -238,17 +345,24 @@ class ForkServer:
         return out
 
     def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
         try:
             self.sock.setblocking(True)
             self.sock.sendall(b'{"op": "quit"}\n')
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        if self.copy and self.proc.pid is None:
+            pass  # a copy that never answered: it ends on reading the quit, or with the fork server it came from
+        else:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
         self.sock.close()
+        if self.parent is not None:
+            self.parent.close()
 
 
 def _load_prctl() -> object | None:

@@ -18,7 +18,15 @@ starts the next fork server with them (``+name`` in the preload list), so a rest
 again. A learned module is imported only if it is installed (standard library or site-packages: never the
 user's own code) and only if the process stays single-threaded without a CUDA context afterwards; the first
 one that breaks this ends the zygote with ``{"ev": "failed", "bad": name}`` and the agent never tries it again.
-The zygote dies with the agent (PR_SET_PDEATHSIG), and workers die with the zygote.
+
+Warming is cheap: ``{"op": "fork", "nfds": 1}`` with a socket sent along makes the zygote fork a copy of itself
+that serves on that socket (it answers ``{"ev": "ready", "pid": n}`` at once: torch and everything else is
+already imported), and ``{"op": "preload", "modules": [...], "seq": n}`` to that idle copy imports the learned
+modules and answers ``{"ev": "warm", "seq": n}``. So only the learned imports cost time, in a process no worker
+is using, and the serving zygote stays pristine whatever a learned module does to its copy. The copy stays the
+child of the zygote it came from, which the agent keeps (idle) for as long as the copy serves.
+The zygote dies with the agent (PR_SET_PDEATHSIG), a copy with the zygote it came from, and workers die with the
+zygote that forked them.
 """
 
 from __future__ import annotations
@@ -138,6 +146,13 @@ def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket, mods:
     sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
 
 
+def _send_on(sock: socket.socket, msg: dict[str, Any]) -> None:
+    try:
+        sock.sendall((json.dumps(msg) + "\n").encode())
+    except OSError:
+        pass
+
+
 class Zygote:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -146,8 +161,9 @@ class Zygote:
         rfd, wfd = os.pipe()
         os.set_blocking(rfd, False)
         os.set_blocking(wfd, False)
-        self.sig_r = rfd
+        self.sig_r, self.sig_w = rfd, wfd
         signal.set_wakeup_fd(wfd)
+        self.servers: set[int] = set()  # copies of this zygote serving the agent (see fork_server)
         # workers write the names of modules they load here (non-blocking: a worker never waits on us)
         self.mods = os.pipe()
         os.set_blocking(self.mods[0], False)
@@ -167,6 +183,9 @@ class Zygote:
                 return
             if pid == 0:
                 return
+            if pid in self.servers:  # a copy that failed its imports or was told to quit: nothing to report
+                self.servers.discard(pid)
+                continue
             wid = self.children.pop(pid, None)
             if os.WIFSIGNALED(status):
                 code = -os.WTERMSIG(status)
@@ -174,8 +193,9 @@ class Zygote:
                 code = os.WEXITSTATUS(status)
             self.send({"ev": "exit", "id": wid, "pid": pid, "code": code, "t": time.time()})
 
-    def serve(self) -> dict[str, Any] | None:
-        """Serve until told to quit; in a forked child, return the job it must run."""
+    def serve(self) -> dict[str, Any] | Zygote | None:
+        """Serve until told to quit; in a forked child, return the job it must run (a worker) or the Zygote it
+        now is (a copy made by ``fork``)."""
         import select
 
         while True:
@@ -207,12 +227,17 @@ class Zygote:
                     msg = json.loads(line)
                     if msg["op"] == "quit":
                         return None
-                    if msg["op"] == "spawn":
+                    if msg["op"] in ("spawn", "fork"):
                         n = msg.get("nfds", 0)
                         my_fds, pending = pending[:n], pending[n:]
-                        job = self.spawn(msg, my_fds)
+                        job = self.spawn(msg, my_fds) if msg["op"] == "spawn" else self.fork_server(my_fds)
                         if job is not None:
+                            for fd in pending:  # the parent's, sent with later messages
+                                os.close(fd)
                             return job
+                    elif msg["op"] == "preload":
+                        if not self.preload_more(msg):
+                            return None
                 self.reap()
 
     def read_modules(self) -> None:
@@ -230,6 +255,44 @@ class Zygote:
                 new.append(name)
         if new:
             self.send({"ev": "modules", "names": new})
+
+    def fork_server(self, fds: list[int]) -> Zygote | None:
+        """A copy of this zygote serving on the socket passed in ``fds`` (in the child: that copy)."""
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return None
+        sock = socket.socket(fileno=fds[0])
+        if thread_count() != 1:  # cannot happen after the checks at start; never fork a threaded process
+            _send_on(sock, {"ev": "failed", "why": f"{thread_count()} threads in the fork server"})
+            sock.close()
+            return None
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self.sock.close()
+            for fd in (self.sig_r, self.sig_w, *self.mods):
+                os.close(fd)
+            set_pdeathsig(signal.SIGKILL)  # cleared by fork: dies with the zygote it came from, as that one does
+            if os.getppid() != parent:
+                os._exit(0)
+            z = Zygote(sock)
+            z.send({"ev": "ready", "pid": os.getpid()})
+            return z
+        sock.close()
+        self.servers.add(pid)
+        return None
+
+    def preload_more(self, msg: dict[str, Any]) -> bool:
+        """Import learned modules (only ever asked of an idle copy); False when this process must end."""
+        try:
+            preload_learned([str(m) for m in msg.get("modules", ())])
+        except UnsafePreload as e:
+            self.send({"ev": "failed", "why": str(e), "bad": e.module})
+            return False
+        self._known.update(sys.modules)
+        self.send({"ev": "warm", "seq": msg.get("seq", 0), "t": time.time()})
+        return True
 
     def spawn(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         if thread_count() != 1:
@@ -303,12 +366,17 @@ def preload_learned(names: list[str]) -> None:
     """Import what earlier workers imported, checking after each that forking stays safe."""
     import importlib
 
+    import warnings
+
     roots = _install_roots()
     for name in names:
         if name in sys.modules or not installed(name, roots):
             continue
         try:
-            importlib.import_module(name)
+            # a worker that imports it shows its warnings; the fork server must not show them on the user's terminal
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - a speed-up only: aliases, platform modules, odd packages
             pass
         why = _unsafe()
@@ -372,6 +440,9 @@ def main() -> None:
     z = Zygote(sock)
     z.send({"ev": "ready", "pid": os.getpid()})
     job = z.serve()
+    while isinstance(job, Zygote):  # this process is now a copy serving on a socket of its own
+        z = job
+        job = z.serve()
     if job is None:
         # Agent asked us to quit or went away: take our children with us.
         for pid in list(z.children):

@@ -2,13 +2,15 @@
 rank in the summary, whole lines under --tee 3, torchrun's MASTER_ADDR, a default checkpoint tier, and a
 goodput report that says when a run has no step records."""
 import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.launcher.conftest import run_launcher
+from resilient.testing.faults import cpu_burners
+from tests.launcher.conftest import run_launcher, wait_for
 
 
 @pytest.mark.timeout(120)
@@ -73,9 +75,13 @@ def test_automatic_preload_learns_imports_and_drops_a_module_that_starts_threads
                                          "daemon=True).start()\n")
     out, run = tmp_path / "out", tmp_path / "run"
     out.mkdir()
-    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", str(run),
-                      str(scripts / "learn_imports.py"), str(out)], cwd=tmp_path, timeout=270,
-                     env={"PYTHONUSERBASE": str(user_base), "PYTHONPATH": str(site_dir), "RESILIENT_LOG_LEVEL": "INFO"})
+    # under CPU contention: warming must neither be raced by the restart nor slow it down (rank 1 dies only once
+    # the agent logged that the warmed fork server is ready; a warming copy costs only the learned imports)
+    with cpu_burners(2, max_seconds=260):
+        r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", str(run),
+                          str(scripts / "learn_imports.py"), str(out)], cwd=tmp_path, timeout=250,
+                         env={"PYTHONUSERBASE": str(user_base), "PYTHONPATH": str(site_dir),
+                              "RESILIENT_LOG_LEVEL": "INFO"})
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
         assert json.loads((out / f"a0_r{rank}.json").read_text()) == {"calm": False, "thready": False}
@@ -83,3 +89,65 @@ def test_automatic_preload_learns_imports_and_drops_a_module_that_starts_threads
         assert json.loads((out / f"a1_r{rank}.json").read_text()) == {"calm": True, "thready": False}
     assert "thready" in (run / "preload" / "denied.txt").read_text().split()
     assert "thready is never preloaded again" in r.stderr
+
+
+WARM_COPY_AGENT = r'''
+import os, sys, time
+from resilient.launcher.api import WorkerCommand
+from resilient.launcher.workers import ForkServer, WorkerProc
+
+out, marker = sys.argv[1], sys.argv[2]
+fs = ForkServer((), tag=marker)
+fs.wait_ready()
+copy = fs.fork()
+copy.preload_more(["calm"])
+deadline = time.monotonic() + 60
+while not copy.poll_ready():
+    assert time.monotonic() < deadline, "the copy never got warm"
+    time.sleep(0.01)
+copy.adopt(fs)  # as the agent does when the copy takes over at a restart
+w = WorkerProc(local_rank=0, rank=0, env=dict(os.environ))
+copy.start(WorkerCommand(target=os.path.join(out, "worker.py"), args=(out,)), [w], out)
+with open(os.path.join(out, "pids.tmp"), "w") as f:
+    f.write(f"{fs.proc.pid} {copy.proc.pid} {w.pid}")
+os.rename(os.path.join(out, "pids.tmp"), os.path.join(out, "pids"))
+time.sleep(600)
+'''
+
+WARM_COPY_WORKER = r'''
+import os, sys
+with open(os.path.join(sys.argv[1], "seen.tmp"), "w") as f:
+    f.write("calm" if "calm" in sys.modules else "-")
+os.rename(os.path.join(sys.argv[1], "seen.tmp"), os.path.join(sys.argv[1], "seen"))
+import time
+time.sleep(600)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_warmed_copy_of_the_fork_server_and_its_workers_die_with_the_agent(tmp_path):
+    """The copy that took over stays the child of the fork server it was forked from (kept idle): a SIGKILLed
+    agent must still take the whole chain along."""
+    import psutil
+
+    user_base = tmp_path / "userbase"  # an install location: only installed modules are preloaded
+    site_dir = user_base / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site_dir.mkdir(parents=True)
+    (site_dir / "calm.py").write_text("VALUE = 1\n")
+    (tmp_path / "worker.py").write_text(WARM_COPY_WORKER)
+    agent = subprocess.Popen([sys.executable, "-c", WARM_COPY_AGENT, str(tmp_path), f"mark={tmp_path}"],
+                             env={**os.environ, "PYTHONUSERBASE": str(user_base), "PYTHONPATH": str(site_dir)},
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "pids").exists() and (tmp_path / "seen").exists(), 90,
+                 "a worker started by the warmed copy", agent)
+    finally:
+        agent.kill()
+        agent.wait(10)
+    pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+    assert (tmp_path / "seen").read_text() == "calm"  # imported by the copy, not by the worker
+
+    def gone() -> bool:
+        return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+    wait_for(gone, 20, "fork server, its copy and the worker to die with the agent")

@@ -21,7 +21,7 @@ with open(os.path.join(out, f"a{attempt}_r{rank}.json"), "w") as f:
     json.dump(found, f)
 if attempt == 0 and rank == 1:
     log = os.path.join(os.environ["RESILIENT_RUN_DIR"], "logs", "agent.jsonl")
-    deadline = time.monotonic() + 200  # two fork servers warm one after the other (the first fails on thready)
+    deadline = time.monotonic() + 120  # the agent's log says when its warmed copy of the fork server is ready
     while time.monotonic() < deadline:
         if os.path.exists(log) and "automatic preload: fork server ready" in open(log).read():
             break
