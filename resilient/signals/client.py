@@ -14,8 +14,10 @@ section) to the run's ledger. Outside ``resilient-run`` ``steps()`` is a plain `
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import logging
@@ -210,7 +212,82 @@ def current_wait_seconds() -> float:
     return c.wait if c is not None else 0.0
 
 
+# The third exit hazard: gloo releases a finished work on its own thread, some time after ``wait()`` has
+# returned to the caller, and with it the work's tensors. Releasing a C++ reference to a tensor that has a
+# Python object calls back into Python (``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``decref_pyobject``
+# -> ``take_gil``, seen in a core dump): the same abort if the training thread has begun finalising. So a
+# blocking collective on host tensors is issued as an async one and waited for here, and the last works are
+# kept: gloo's thread then never holds the last reference, the release happens in the training thread (when
+# a newer call pushes the work out), and at exit the kept works are pinned for good, never released at all.
+_held_works: collections.deque[Any] = collections.deque(maxlen=16)
+_pin_registered = False
+
+
+def _hold(work: Any) -> None:
+    global _pin_registered
+    if work is None:
+        return
+    _held_works.append(work)
+    if not _pin_registered:
+        _pin_registered = True
+        import atexit
+
+        atexit.register(_pin_held_works)
+
+
+def _pin_held_works() -> None:
+    """At interpreter exit: a reference nobody releases to each kept work (it costs their memory, at exit)."""
+    import ctypes
+
+    incref = ctypes.pythonapi.Py_IncRef
+    incref.argtypes = [ctypes.py_object]
+    for w in list(_held_works):
+        incref(w)
+
+
+def _on_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True if the first tensor argument lives in host memory (gloo's case; a device buffer is never held
+    longer than its caller holds it: accelerator memory is too dear)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, (list, tuple)) and a:
+            a = a[0]
+            if isinstance(a, (list, tuple)) and a:
+                a = a[0]
+        if isinstance(a, torch.Tensor):
+            return a.device.type == "cpu"
+    return False
+
+
+def _coalescing() -> bool:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    return bool(getattr(world, "pg_coalesce_state", None))
+
+
 def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        params = list(inspect.signature(fn).parameters)
+        async_pos = params.index("async_op") if "async_op" in params else -1
+    except (TypeError, ValueError):
+        async_pos = -1
+
+    def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if async_pos < 0 or len(args) > async_pos or not _on_host(args, kwargs) or _coalescing():
+            return fn(*args, **kwargs)
+        if kwargs.get("async_op"):
+            work = fn(*args, **kwargs)
+            _hold(work)
+            return work
+        work = fn(*args, **kwargs, async_op=True)
+        if work is None or not hasattr(work, "wait"):  # not a member of the group: nothing was issued
+            return None
+        _hold(work)
+        work.wait()
+        return None  # what the blocking form returns
+
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         c = _clock
@@ -218,11 +295,11 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
         # collectives) do not block the training loop; nested calls (all_gather_object → all_gather)
         # count once.
         if c is None or kwargs.get("async_op") or c.depth or threading.get_ident() != c.thread:
-            return fn(*args, **kwargs)
+            return call(args, kwargs)
         c.depth += 1
         t0 = _perf()
         try:
-            return fn(*args, **kwargs)
+            return call(args, kwargs)
         finally:
             c.wait += _perf() - t0
             c.depth -= 1

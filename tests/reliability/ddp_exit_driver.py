@@ -6,6 +6,9 @@ normal interpreter exit — the moment a communication thread still running Pyth
 process. Prints one JSON line: {"rounds": N, "codes": [[...], ...]}.
 
 Usage: ddp_exit_driver.py ROUNDS WORLD STEPS RUN_DIR
+
+Set RESILIENT_AGENT_SOCKET (any name: no agent needs to listen) or ``resilient.steps()`` is a plain range and
+the run measures torch alone; ``T_PLAIN=1`` does that on purpose.
 """
 import faulthandler
 import json
