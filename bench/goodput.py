@@ -238,14 +238,20 @@ def session_procs(sid: int) -> list:
 
 
 def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL everything in the launcher's session (a node lost, or the end of a run)."""
+    """SIGKILL the launcher and everything it started (a node lost, or the end of a run): its process tree
+    (torchrun starts each worker in a session of its own) and its session (a process whose parent died
+    is no longer in the tree)."""
     import psutil
 
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    left = session_procs(proc.pid)  # a process that left the process group is still in the session
+    left = tree + session_procs(proc.pid)
     for p in left:
         try:
             p.kill()
@@ -258,13 +264,31 @@ def kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
-def alive(pid: int) -> bool:
+def job_proc(rec: dict) -> Any:
+    """The live worker a ``start`` record names, or None: a pid the system has given to another process since
+    (the process started after the record, or runs something else) is never signalled."""
     import psutil
 
     try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        p = psutil.Process(rec["pid"])
+        if p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) or p.create_time() > rec["t"] + 1.0 \
+                or not any(a.endswith("job.py") for a in p.cmdline()):
+            return None
+        return p
     except psutil.Error:
-        return False
+        return None
+
+
+def kill_workers(log: "StepLog") -> None:
+    import psutil
+
+    procs = [p for p in map(job_proc, log.of("start")) if p is not None]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 def listening(port: int) -> bool:
@@ -335,6 +359,8 @@ def baseline_cmd(name: str, max_restarts: int, job: Path) -> list[str]:
 
 def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: list[Fault], every: int,
                  a: argparse.Namespace) -> dict[str, Any]:
+    import psutil
+
     cfg = write_cfg(d, "dcp", job_args, d / "persistent", every, a.pg_timeout)
     env = child_env({"GOODPUT_BENCH_CFG": str(cfg)})
     if name == "torchrun":
@@ -370,9 +396,9 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
             last = max((r["step"] for r in log.of("step")), default=-1)
             while pending and pending[0].due(t0, now, last):
                 f = pending.pop(0)
-                pids = {}
+                newest: dict[int, dict] = {}
                 for r in starts:  # the newest process of each rank
-                    pids[r["rank"]] = r["pid"]
+                    newest[r["rank"]] = r
                 entry = {**asdict(f), "wall": now}
                 if f.kind == "kill-node":
                     if proc.poll() is None:
@@ -381,15 +407,18 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
                     else:
                         res["skipped"].append(entry)
                     continue
-                pid = pids.get(f.target)
-                if pid is None or not alive(pid) or proc.poll() is not None:
+                target = job_proc(newest[f.target]) if f.target in newest else None
+                try:
+                    if target is None or target.status() == "stopped" or proc.poll() is not None:
+                        raise ProcessLookupError
+                    target.send_signal(signal.SIGKILL if f.kind == "kill-worker" else signal.SIGSTOP)
+                    res["injected"].append({**entry, "pid": target.pid})
+                except (ProcessLookupError, psutil.Error):  # not running now: between attempts
                     res["skipped"].append(entry)
-                    continue
-                os.kill(pid, signal.SIGKILL if f.kind == "kill-worker" else signal.SIGSTOP)
-                res["injected"].append({**entry, "pid": pid})
             if proc.poll() is not None and not log.of("end"):
                 # the launcher gave up (or its node was lost): the scheduler runs the same command again at once
                 kill_session(proc)
+                kill_workers(log)  # a worker whose launcher died first is in neither its tree nor its session
                 res["requeues"] += 1
                 proc = launch()
             if time.monotonic() > deadline:
@@ -398,6 +427,8 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
             time.sleep(0.05)  # polling files the job appends to; the job never waits on the driver
     finally:
         kill_session(proc)
+        log.poll()
+        kill_workers(log)
     res["wall_s"] = time.time() - t_launch
     res["t0_after_launch_s"] = (t0 - t_launch) if t0 else None
     res.update(progress(log))
@@ -506,12 +537,12 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
 
 # ----------------------------------------------------------------------------------------------- main
 def run_one(name: str, wd: Path, tag: str, job: Path, job_args: list[str], faults: list[Fault], every: int,
-            a: argparse.Namespace) -> dict[str, Any]:
+            a: argparse.Namespace, spare: bool = True) -> dict[str, Any]:
     d = wd / f"{name}-{tag}"
     d.mkdir(parents=True)
     load = os.getloadavg()[0]
     if name == "resilient-run":
-        r = run_resilient(d, job, job_args, faults, a, spare=not a.no_spare)
+        r = run_resilient(d, job, job_args, faults, a, spare=spare and not a.no_spare)
     else:
         r = run_baseline(name, d, job, job_args, faults, every, a)
     r["load1_at_start"] = load
@@ -573,8 +604,11 @@ def main() -> int:
             probe_every = 5
             a.timeout = a.timeout or 600.0
             for n in names:
-                r = run_one(n, wd, "clean", job, [*model, "--steps", "40"], [], probe_every, a)
-                clean[n] = {**step_stats(r.pop("_log"), skip=3), "wall_s": r["wall_s"], "finished": r["finished"]}
+                # resilient-run without its spare here: on a real cluster the spare is another machine, here its
+                # warm-up (importing torch) would take the two cores from the steps being timed
+                r = run_one(n, wd, "clean", job, [*model, "--steps", "60"], [], probe_every, a, spare=False)
+                clean[n] = {**step_stats(r.pop("_log"), skip=5), "wall_s": r["wall_s"], "finished": r["finished"],
+                            "startup_s": r["t0_after_launch_s"]}
             base = clean.get("torchrun") or clean[names[0]]
             step0 = base["plain_step_s"] or base["clean_step_s"]
             if step0 is None:
@@ -600,6 +634,9 @@ def main() -> int:
             r["useful_steps"] = steps if r["finished"] else r["steps_done"]
             r["goodput"] = (r["useful_steps"] * cs / r["wall_s"]) if cs and r["wall_s"] > 0 else None
             results[n] = r
+        ref = (clean.get("torchrun") or {}).get("clean_step_s")
+        for r in results.values():  # one yardstick for all: torchrun's clean step (a launcher's own could hide a slower step)
+            r["goodput_at_torchrun_step"] = (r["useful_steps"] * ref / r["wall_s"]) if ref and r["wall_s"] > 0 else None
     finally:
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -632,14 +669,16 @@ def print_table(results: dict[str, dict], a: argparse.Namespace) -> None:
     fmt = lambda v, p=3: f"{v:.{p}f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
     print(f"\ngoodput = useful steps x clean step time / wall time ({'quick' if a.quick else 'full'} mode, "
           f"MTBF {a.mtbf:g} s, seed {a.seed})")
-    print(f"{'launcher':<15}{'goodput':>9}{'÷ torchrun':>12}{'ledger':>9}{'steps':>7}{'redone':>8}{'wall s':>9}"
-          f"{'clean step s':>14}{'faults':>8}{'skipped':>9}{'requeues':>10}")
+    print(f"{'launcher':<15}{'goodput':>9}{'÷ torchrun':>12}{'ledger':>9}{'at tr step':>12}{'steps':>7}{'redone':>8}"
+          f"{'wall s':>9}{'startup s':>11}{'clean step s':>14}{'faults':>8}{'skipped':>9}{'requeues':>10}")
     for n, r in results.items():
         ledger = (r.get("ledger") or {}).get("goodput")
         print(f"{n:<15}{fmt(r.get('goodput')):>9}{fmt(r.get('ratio_to_torchrun'), 2):>12}{fmt(ledger):>9}"
-              f"{r.get('useful_steps', 0):>7}{r.get('steps_redone', 0):>8}{fmt(r['wall_s'], 1):>9}"
-              f"{fmt(r.get('clean_step_s'), 4):>14}{len(r.get('injected', [])):>8}{len(r.get('skipped', [])):>9}"
-              f"{r.get('requeues', 0) if 'requeues' in r else '-':>10}")
+              f"{fmt(r.get('goodput_at_torchrun_step')):>12}{r.get('useful_steps', 0):>7}{r.get('steps_redone', 0):>8}"
+              f"{fmt(r['wall_s'], 1):>9}{fmt(r.get('t0_after_launch_s'), 1):>11}{fmt(r.get('clean_step_s'), 4):>14}"
+              f"{len(r.get('injected', [])):>8}{len(r.get('skipped', [])):>9}{r.get('requeues', '-'):>10}")
+    print("ledger: resilient-run's own figure (resilient goodput RUN_DIR --json); at tr step: goodput with torchrun's "
+          "clean step time for every launcher; startup: launch to the first worker's start")
 
 
 if __name__ == "__main__":
