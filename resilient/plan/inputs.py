@@ -22,7 +22,9 @@ from resilient.events.api import Event, EventKind
 from resilient.goodput.api import GoodputError, GoodputReport
 from resilient.goodput.calculator import compute_report
 from resilient.goodput.reader import read_ledger
-from resilient.plan.api import FAULT_KINDS, RECOVERY_ACTIONS, STEP_EXTRA_CATEGORIES, TIERS, Figures, PlanInputError
+from resilient.plan.api import (
+    FAULT_KINDS, RECOVERY_ACTIONS, STEP_EXTRA_CATEGORIES, TIERS, Figures, PlanInputError, PlannedFault,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class Measured:
     policy: str | None = None
     max_restarts: int | None = None
     faults: dict[str, int] = field(default_factory=dict)  # fault kind → disruptions
+    schedule: list[PlannedFault] = field(default_factory=list)  # the run's own faults, to replay
     tiers: tuple[str, ...] | None = None  # checkpoint tiers the run saved to or restored from (None: unknown)
     running_seconds: float = 0.0  # time the job ran steps (the time failures could happen in)
     goodput: float | None = None
@@ -210,9 +213,48 @@ def measure_events(events: list[Event]) -> Measured:
     b = rep.badput_seconds
     m.running_seconds = rep.productive_seconds + b.get("wasted_progress", 0.0) + b.get("checkpoint_save_stall", 0.0) \
         + sum(b.get(c, 0.0) for c in STEP_EXTRA_CATEGORIES) + fig.get("step_gap_s", 0.0) * max(0, len(steps) - 1)
+    m.schedule = _schedule(evs, rep)
+    # spares: those in the first assignment and those that joined as spares before the first fault (a spare
+    # agent often registers a moment after the job formed, so the first assignment alone says none)
+    first_fault = m.schedule[0].at + rep.start_wall if m.schedule else math.inf
+    if start is not None and m.nodes:
+        a = start.details["assignment"]
+        members = set(a.get("members") or [])
+        spares = {n for n in (a.get("spares") or []) if isinstance(n, str)}
+        spares |= {e.node for e in evs if e.kind is EventKind.NODE_JOINED and e.details.get("spare") is True
+                   and e.wall < first_fault and e.node not in members}
+        m.spares = len(spares)
     m.figures = fig
     m.source = {k: "ledger" for k in fig}
     return m
+
+
+def _schedule(evs: list[Event], rep: GoodputReport) -> list[PlannedFault]:
+    """The run's faults as the planner replays them: seconds from the launch, the kind the calculator gave, and
+    the failing node's index among the members of the attempt it hit (the policy counts failures per node, so a
+    replay that moved every fault to one node, or spread them, would decide differently)."""
+    acts: dict[int, Event] = {}  # round → the supervisor's decision that started it
+    members: dict[int, list[str]] = {}  # round → its members in group-rank order
+    for e in evs:
+        if e.kind is EventKind.ACTION and isinstance(e.details.get("round"), int) \
+                and not isinstance(e.details.get("round"), bool):
+            acts.setdefault(e.details["round"], e)
+            a = e.details.get("assignment")
+            if isinstance(a, dict) and isinstance(a.get("members"), list):
+                members.setdefault(e.details["round"], [str(x) for x in a["members"]])
+    out = []
+    for a in rep.attempts:
+        if a.fault_wall is None or not a.end_reason.startswith("fault:"):
+            continue
+        kind = a.end_reason.split(":", 1)[1]
+        if kind not in FAULT_KINDS:
+            continue
+        act = acts.get(a.attempt + 1)
+        cause = act.details.get("cause_node") if act is not None else None
+        before = members.get(a.attempt, [])
+        node = before.index(cause) if cause in before else 0
+        out.append(PlannedFault(at=max(0.0, a.fault_wall - rep.start_wall), kind=kind, node=node))
+    return out
 
 
 def measure_run(run_dir: str | os.PathLike[str]) -> Measured:

@@ -13,7 +13,7 @@ import pytest
 
 from resilient.events.api import Event, EventKind
 from resilient.goodput.calculator import compute_report
-from resilient.plan.api import ClusterConfig, PlannedFault
+from resilient.plan.api import ClusterConfig
 from resilient.plan.inputs import figures_from, measure_events
 from resilient.plan.sim import simulate
 
@@ -28,14 +28,16 @@ def ev(kind: EventKind, wall: float, attempt: int | None = None, node: str = "a"
 
 
 def drill_ledger(steps: int = 60, fault_after: tuple[int, ...] = (15, 30, 45),
-                 startups: tuple[float, ...] = (0.6, 3.0, 0.9)) -> list[Event]:
+                 startups: tuple[float, ...] = (0.6, 3.0, 0.9), fault_nodes: str = "bab") -> list[Event]:
     """Launch (2 s to the first step), steps of 1 s with a 0.1 s save stall inside, and after each step in
     ``fault_after`` a worker killed 0.3 s into the next step; each restart spends its ``startups`` entry before
-    a 0.4 s restore of the last saved step (uneven start-ups: their median is not their mean)."""
+    a 0.4 s restore of the last saved step (uneven start-ups: their median is not their mean). A warm spare
+    registers just after the job formed, as a spare agent does."""
     members = ["a", "b"]
     out = [ev(K.RUN_START, 0.0, nnodes="2:2", nproc_per_node=1),
            ev(K.ACTION, 0.5, attempt=0, node="supervisor", action="start", round=0,
-              assignment={"round": 0, "attempt": 0, "members": members, "spares": [], "nproc": {"a": 1, "b": 1}})]
+              assignment={"round": 0, "attempt": 0, "members": members, "spares": [], "nproc": {"a": 1, "b": 1}}),
+           ev(K.NODE_JOINED, 0.8, node="s", nproc=1, spare=True)]
     t, attempt, step = 1.0, 0, 0
     out.append(ev(K.ATTEMPT_START, t, attempt=0, world_size=2))
     t += 1.0  # launch → first step
@@ -43,11 +45,13 @@ def drill_ledger(steps: int = 60, fault_after: tuple[int, ...] = (15, 30, 45),
     while step < steps:
         if faults and step == faults[0]:
             faults.pop(0)
-            fault = t + 0.3
-            out += [ev(K.WORKER_EXIT, fault + DETECT, attempt=attempt, node="b", rank=1, exit_code=-9,
-                       signal="SIGKILL", detect_seconds=DETECT),
+            fault, node = t + 0.3, fault_nodes[attempt]
+            out += [ev(K.WORKER_EXIT, fault + DETECT, attempt=attempt, node=node, rank=members.index(node),
+                       exit_code=-9, signal="SIGKILL", detect_seconds=DETECT),
                     ev(K.ACTION, fault + DETECT, attempt=attempt + 1, node="supervisor", action="restart",
-                       round=attempt + 1, cause="worker_exit", cause_node="b"),
+                       round=attempt + 1, cause="worker_exit", cause_node=node,
+                       assignment={"round": attempt + 1, "attempt": attempt + 1, "members": members,
+                                   "spares": ["s"], "nproc": {"a": 1, "b": 1}}),
                     ev(K.RESTART, fault + DETECT + 0.01, attempt=attempt + 1, cause="peer_failed", detect_seconds=0.0,
                        action="restart")]
             startup = startups[attempt]
@@ -73,7 +77,10 @@ def test_figures_from_a_drill_ledger() -> None:
     its own (slower than peer), a flag still wins."""
     m = measure_events(drill_ledger())
     f = figures_from(m, {})
-    assert m.tiers == ("local", "peer")
+    assert m.tiers == ("local", "peer") and m.nodes == 2 and m.spares == 1 and m.ckpt_interval == 1
+    # each fault at its time from the launch, on the node it hit (index in the attempt's members)
+    assert [(round(p.at, 2), p.kind, p.node) for p in m.schedule] == [
+        (17.3, "worker_exit", 1), (34.15, "worker_exit", 0), (53.4, "worker_exit", 1)]
     # the plan adds one start-up per restart: the mean gives back the run's total, the median (0.9) would not
     assert f.startup_s == pytest.approx((0.6 + 3.0 + 0.9) / 3)
     assert f.restore_s["peer"] == pytest.approx(RESTORE) and f.source["restore_s[peer]"] == "ledger"
@@ -99,15 +106,24 @@ def test_replaying_a_drill_gives_back_its_goodput_category_by_category() -> None
     rep = compute_report(events)
     m = measure_events(events)
     f = figures_from(m, {})
-    cluster = ClusterConfig(nodes=2, gpus_per_node=1, ckpt_interval=m.ckpt_interval, steps=rep.last_step + 1,
-                            failures_per_node_day=0.0, tiers=m.tiers)
-    faults = [PlannedFault(at=a.fault_wall - rep.start_wall, kind=a.end_reason.split(":", 1)[1])
-              for a in rep.attempts if a.fault_wall is not None and a.end_reason.startswith("fault:")]
-    assert len(faults) == 3
-    plan = simulate(cluster, f, POLICIES / "default.py", trials=1, faults=faults)
+    cluster = ClusterConfig(nodes=m.nodes, gpus_per_node=1, spares=m.spares, ckpt_interval=m.ckpt_interval,
+                            steps=rep.last_step + 1, failures_per_node_day=0.0, tiers=m.tiers)
+    plan = simulate(cluster, f, POLICIES / "default.py", trials=1, faults=m.schedule)
     assert plan.actions == {"restart": 3.0}
     for cat in ("checkpoint_restore", "startup", "checkpoint_save_stall", "detection", "recovery",
                 "wasted_progress"):
         assert plan.badput_seconds[cat] == pytest.approx(rep.badput_seconds[cat], abs=0.05), cat
     assert plan.wall_seconds == pytest.approx(rep.wall_seconds, abs=0.2)
     assert abs(plan.goodput - rep.goodput) < 0.005, (plan.goodput, rep.goodput)
+
+
+def test_three_failures_of_one_node_replay_as_the_policy_decided() -> None:
+    """The default policy swaps a node out for the spare at its third failure within the hour: a replay that
+    keeps each fault on its node (and knows the spare that joined after the start) makes the same decision."""
+    m = measure_events(drill_ledger(fault_nodes="bbb"))
+    assert [p.node for p in m.schedule] == [1, 1, 1] and m.spares == 1
+    c = ClusterConfig(nodes=2, gpus_per_node=1, spares=m.spares, ckpt_interval=1, steps=60,
+                      failures_per_node_day=0.0, tiers=m.tiers)
+    f = figures_from(m, {})
+    assert simulate(c, f, POLICIES / "default.py", trials=1, faults=m.schedule).actions == {
+        "restart": 2.0, "hot_swap": 1.0}
