@@ -4,7 +4,7 @@ Each drill is a real job: two node agents of one worker each plus a warm spare (
 each agent in its own session with its own local tier, as ``tests/cluster`` runs them), the deterministic
 data-parallel script of ``tests/cluster/train.py`` (a checkpoint every step), and a seeded ``--inject``
 schedule of worker kills, hangs (SIGSTOP, caught by the heartbeat timeout) and node losses (SIGKILL of a
-whole node, its disk deleted: the spare takes its place).
+whole node, its disk deleted: the spare takes its place; always the second node, as the first hosts the store).
 
 For each drill the measured goodput comes from its ledger (``resilient.goodput.calculator.report_for_run``);
 the prediction is ``resilient plan RUN_DIR --rate-from-run``: the figures measured from the same ledger,
@@ -50,7 +50,10 @@ def schedule(seed: int, faults: int, span: float) -> list[tuple[str, int, float]
     out = []
     for i, k in enumerate(kinds):
         at = round(gap * (i + 1) + rng.uniform(-0.3, 0.3) * gap, 1)
-        out.append((k, rng.randrange(2), at))
+        target = rng.randrange(2)
+        # the first node's agent hosts the store and the supervisor here: losing it leaves the job without
+        # its control plane (the survivors retry the store for good), which is no drill of the planner
+        out.append((k, 1 if k == "kill-node" else target, at))
     return out
 
 
