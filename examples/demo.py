@@ -25,7 +25,7 @@ What happens:
 SIGTERM, SIGHUP or Ctrl-C stop it cleanly: the agents get SIGTERM (then every session the demo started is
 SIGKILLed), the GCS server is stopped, and no process the demo started is left behind.
 
-    python examples/demo.py [--quick] [--gcs] [--seed 0] [--steps N] [--inject SPEC] [--run-dir runs/demo-...]
+    python examples/demo.py [--quick] [--gcs] [--seed 4] [--steps N] [--inject SPEC] [--run-dir runs/demo-...]
 """
 
 from __future__ import annotations
@@ -443,8 +443,11 @@ def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progre
         problems.append("agents ended with " + ", ".join(f"{k} {c}" for k, c in bad.items()))
     (run_dir / "demo.json").write_text(json.dumps({
         "inject": args.inject, "seed": args.seed, "steps": args.steps, "exit_codes": codes,
-        "faults": [{k: v for k, v in f.items() if k != "wall"} for f in progress.faults],
-        "hot_swap": swap["details"]["action_args"] if swap else None, "problems": problems}, indent=2) + "\n")
+        "faults": [{k: round(v, 3) if isinstance(v, float) else v for k, v in f.items() if k != "wall"}
+                   for f in progress.faults],
+        "hot_swap": {"lost": progress.name(swap["details"]["action_args"].get("node")),
+                     "spare": progress.name(swap["details"]["action_args"].get("spare"))} if swap else None,
+        "problems": problems}, indent=2) + "\n")
     print(flush=True)
     cli = [sys.executable, "-m", "resilient.cli", "goodput", str(run_dir)]
     subprocess.run(cli + ["--plot", str(run_dir / "goodput.png")], check=False, cwd=ROOT)
@@ -462,7 +465,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help=f"a shorter run ({QUICK['steps']} steps, faults sooner)")
     ap.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL['steps']})")
     ap.add_argument("--inject", default=None, help=f"the faults (default {FULL['inject']})")
-    ap.add_argument("--seed", type=int, default=0, help="--inject-seed: picks the ranks the faults hit")
+    ap.add_argument("--seed", type=int, default=4,
+                    help="--inject-seed: picks the ranks the faults leave open (default 4: a worker of node a is killed, one of "
+                         "node b hangs)")
     ap.add_argument("--gcs", action="store_true",
                     help="persistent tier gs://demo-bucket on a GCS API server on loopback (default: a file:// "
                          "directory in the run directory)")
