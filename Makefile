@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/python -m pytest -q tests
 
+# make demo DEMO_FLAGS=--gcs: the persistent tier on the bundled GCS server; --quick, --seed N, --steps N
+DEMO_FLAGS ?=
 demo: venv
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/demo.py $(DEMO_FLAGS)
 
 bench: venv
 	$(BIN)/python bench/restart.py
