@@ -460,6 +460,12 @@ def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progre
     return 1 if problems else 0
 
 
+def _bad(message: str) -> int:
+    """Bad input: one line saying what is wrong and what to do, exit code 2, nothing started."""
+    print(f"demo: {message}", file=sys.stderr)
+    return 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"a shorter run ({QUICK['steps']} steps, faults sooner)")
@@ -478,24 +484,26 @@ def main() -> int:
     args.steps = preset["steps"] if args.steps is None else args.steps
     args.inject = preset["inject"] if args.inject is None else args.inject
     if args.steps < 1:
-        ap.error(f"--steps must be at least 1, got {args.steps}")
+        return _bad(f"--steps must be at least 1, got {args.steps}")
     if not args.timeout > 0:
-        ap.error(f"--timeout must be above 0 seconds, got {args.timeout}")
+        return _bad(f"--timeout must be above 0 seconds, got {args.timeout}")
     from resilient.testing.faults import FaultSpecError, parse_inject
 
     try:
         args.faults = parse_inject(args.inject, args.seed, world_size=2, nnodes=2)
     except FaultSpecError as e:
-        ap.error(str(e))
+        return _bad(f"{e}")
     # the default action of SIGTERM/SIGHUP ends this process at once and orphans the agents and the GCS server
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stopped)
 
     run_dir = Path(args.run_dir or ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        return _bad(f"--run-dir {run_dir} is a file; give a directory for the run")
     if run_dir.exists() and any(run_dir.iterdir()):
         if not (run_dir / "events.jsonl").exists():  # only an earlier run's directory is ever deleted
-            ap.error(f"--run-dir {run_dir} exists and holds no earlier run (no events.jsonl); give a new or empty "
-                     "directory")
+            return _bad(f"--run-dir {run_dir} exists and holds no earlier run (no events.jsonl), so it is left alone; "
+                        "give a new or empty directory")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
 
