@@ -67,6 +67,7 @@ class ResilientCheckpointIO(CheckpointIO):
         self._options = manager_options
         self.extra: dict[str, Any] = {}  # more Stateful objects saved and restored with every checkpoint
         self.restored_rng: dict[str, Any] | None = None
+        self.last_step: int | None = None  # the last step this IO saved
 
     @property
     def manager(self) -> Any:
@@ -82,14 +83,24 @@ class ResilientCheckpointIO(CheckpointIO):
         return st
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any = None, storage_options: Any = None) -> None:
-        """Save now (asynchronously: returns once the state is copied to host memory)."""
+        """Save now (asynchronously: returns once the state is copied to host memory).
+
+        A step already saved at its step boundary is not saved again: Lightning's state after ``fit`` stopped
+        early (a preemption, ``should_stop``) counts the epoch as completed and would resume at the next
+        epoch; the boundary's copy resumes exactly."""
         step = int(checkpoint.get("global_step", 0)) - 1
+        if step == self.last_step:
+            logger.info("step %d is already on the tiers (saved at its step boundary); not saving it again", step)
+            return
         self.save_step(step, lambda: checkpoint, force=True)
 
     def save_step(self, step: int, dump: Callable[[], Mapping[str, Any]], force: bool = False) -> bool:
         """Save step ``step`` if the interval says so (or ``force``); ``dump`` builds the checkpoint dict
         only when a save is due."""
-        return bool(self.manager.save(step, {**self.state(None), LIGHTNING_KEY: _Lazy(dump)}, force=force))
+        saved = bool(self.manager.save(step, {**self.state(None), LIGHTNING_KEY: _Lazy(dump)}, force=force))
+        if saved:
+            self.last_step = step
+        return saved
 
     def load_checkpoint(self, path: Any = None, map_location: Any = None, weights_only: Any = None,
                         set_rng: bool = True) -> dict[str, Any]:
@@ -246,6 +257,7 @@ class ResilientCheckpoint(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         import resilient
 
+        _quiet_sigterm()
         self._start = trainer.global_step
         if self.restored_step is not None and self.io is not None and self.io.restored_rng is not None:
             # the RNG states as they were after the saved step: set only now, since creating the epoch's data
@@ -281,6 +293,18 @@ class ResilientCheckpoint(Callback):
             return  # gradient accumulation: no optimizer step finished in this batch
         conn = trainer._checkpoint_connector
         self.io.save_step(step, lambda: conn.dump_checkpoint(weights_only=False))
+        from resilient.signals.client import preempt_save_due
+
+        if self._steps is not None and preempt_save_due(step):
+            # the last step every rank agreed on after a preemption notice: it was just saved (the manager
+            # forces it); stop here, and let steps() record the clean stop so the launcher exits "preempted"
+            trainer.should_stop = True
+            for _ in self._steps:
+                pass
+
+    @property
+    def drives_steps(self) -> bool:
+        return self._steps is not None
 
     def _finish(self) -> None:
         if self._steps is not None:
@@ -298,12 +322,32 @@ class ResilientCheckpoint(Callback):
         self._finish()
 
 
+def _quiet_sigterm() -> None:
+    """Replace Lightning's SIGTERM handler while training runs (it broadcasts on the default group from inside
+    the handler, which can cross a collective in flight) with ``resilient``'s: it only records the notice;
+    the ranks agree on a step at the next step boundary. Lightning restores its own handlers at teardown."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    from resilient.signals.client import _on_sigterm
+
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError) as e:
+        logger.warning("cannot take over SIGTERM (%s); Lightning's own handler stays", e)
+
+
 class ResilientPreemption(Callback):
     """Stop at a step every rank agrees on when preempted, after saving it through ``ckpt``.
 
     Noticed from ``resilient``'s own notice (SIGTERM forwarded by ``resilient-run``, a ``RUN_DIR/preempt``
-    file) or Lightning's SIGTERM flag. Agreement runs over a gloo group of its own (CPU tensors: any device,
-    any default backend). ``ckpt``: the ``ResilientCheckpoint`` whose IO saves the last step.
+    file) or Lightning's SIGTERM flag. Lightning's SIGTERM handler (a broadcast on the default group from
+    inside the handler) is replaced by one that only records the notice. With a ``ResilientCheckpoint`` that
+    drives ``resilient.steps`` (``ckpt``), that machinery agrees on the step, saves it and makes
+    ``resilient-run`` exit 75; without one, the ranks agree over a gloo group of this callback's own (CPU
+    tensors: any device, any default backend) and the trainer stops.
     """
 
     def __init__(self, ckpt: ResilientCheckpoint | None = None, timeout_s: float = 120.0) -> None:
@@ -316,6 +360,9 @@ class ResilientPreemption(Callback):
         if stage == "fit" and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        _quiet_sigterm()
+
     @staticmethod
     def _noticed(trainer: "pl.Trainer") -> bool:
         from resilient.signals.client import preempted
@@ -324,6 +371,8 @@ class ResilientPreemption(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        if self.ckpt is not None and self.ckpt.drives_steps:
+            return  # ResilientCheckpoint's steps() agrees on the step, the manager saves it, the launcher exits 75
         flag = torch.tensor([1 if self._noticed(trainer) else 0], dtype=torch.int32)
         if self._group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)

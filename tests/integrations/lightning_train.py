@@ -32,10 +32,24 @@ class Model(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)}
 
 
+class NoticeAt(L.Callback):
+    """Rank 0 leaves a preemption notice file after step ``step``, once per output directory (a drill)."""
+
+    def __init__(self, step: int, out: str) -> None:
+        self.step, self.mark = step, os.path.join(out, "notice-sent")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 0 and trainer.global_step - 1 == self.step and not os.path.exists(self.mark):
+            os.makedirs(os.path.dirname(self.mark), exist_ok=True)
+            open(self.mark, "w").close()
+            open(os.path.join(os.environ["RESILIENT_RUN_DIR"], "preempt"), "w").close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--notice-at", type=int, default=None, help="leave a preemption notice after this step")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(96, 16, generator=g)
@@ -43,10 +57,11 @@ def main() -> None:
     sampler = ResumableSampler(data, seed=0)  # 96 samples / (8 × 2 ranks): epochs of 6 steps
     loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
     ckpt = ResilientCheckpoint(sampler=sampler)
+    drill = [NoticeAt(args.notice_at, args.out)] if args.notice_at is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
                         max_steps=args.steps, enable_checkpointing=False, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        plugins=[ResilientCheckpointIO()], callbacks=[ckpt, ResilientPreemption(ckpt)],
+                        plugins=[ResilientCheckpointIO()], callbacks=[ckpt, ResilientPreemption(ckpt), *drill],
                         default_root_dir=args.out)
     model = Model()
     if os.environ.get("LIGHTNING_TRACE"):
