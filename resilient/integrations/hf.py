@@ -125,6 +125,14 @@ class ResilientCallback(TrainerCallback):
         self.manager.save(step, self.state(model, dump))
         if self.replace_saves:
             control.should_save = False
+        from resilient.signals.client import preempt_save_due
+
+        if self._steps is not None and preempt_save_due(step):
+            # the last step the ranks agreed on after a preemption notice, just saved: stop, and let steps()
+            # record the clean stop so that resilient-run exits 75 (requeue and rerun the same command)
+            control.should_training_stop = True
+            for _ in self._steps:
+                pass
 
     def _finish(self) -> None:
         if self._steps is not None:
