@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import io
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from resilient.checkpoint.load import (BLOCK, FileLoad, FileSource, Item, MemSou
                                        bytes_blocks, file_blocks, file_layout, load_files, plan_spans, undefined,
                                        whole_file)
 from resilient.signals.client import preempt_save_due as _preempt_save_due
-from resilient.checkpoint.safe import find_unsafe, load_metadata, unsafe_name
+from resilient.checkpoint.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
 from resilient.checkpoint.collective import Ranks
 from resilient.checkpoint.plan import plan_fetch
 from resilient.checkpoint.retention import retain
@@ -1287,6 +1288,24 @@ class CheckpointManager:
                 elif f.name in slow_files and f.name not in lost and f.sources and f.served != f.sources[0].tier:
                     # a block of the first copy was bad: DCP reads the rest from a whole verified copy
                     mem[f.name] = self._whole(f)
+            if not lost:
+                # whole objects (a step count, a data position) from the verified bytes, as DCP's load_bytes
+                # through the restricted unpickler would, without a DCP pass for them
+                for key in sorted(slow):
+                    m, infos = md.state_dict_metadata.get(key), by_fqn.get(key, [])
+                    if not (isinstance(m, BytesStorageMetadata) and len(infos) == 1
+                            and not infos[0].transform_descriptors):
+                        continue
+                    f = next((x for x in loads if x.name == infos[0].relative_path), None)
+                    if f is None or not f.sources:
+                        continue
+                    src = MemSource(mem[f.name], "memory") if f.name in mem else f.sources[0]
+                    data = bytes(src.read(infos[0].offset, infos[0].length))
+                    try:
+                        plan.load_sd[key] = safe_torch_load(io.BytesIO(data), what=f"item {key!r}")
+                    except UnsafeCheckpointError:
+                        continue  # DCP's path refuses it and names the file (see _refused)
+                    slow.discard(key)
         finally:
             for src in opened:
                 src.close()
