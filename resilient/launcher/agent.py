@@ -203,6 +203,7 @@ class Agent:
         self._store_lost_at: float | None = None
         self._unsent: list[Event] = []  # reports that found no supervisor
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
+        self._clock = None  # ClockSample: the supervisor host's clock minus ours, measured when joining
         self._last_reconnect = 0.0
         self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
         self._next_plan: dict | None = None  # a verified plan seen while workers ran
@@ -468,8 +469,8 @@ class Agent:
             self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
         self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
         store.wait([T.PRESENCE], timedelta(seconds=c.rendezvous_timeout))
-        self._presence = T.presence_connect(store.get(T.PRESENCE).decode(), self.signer, self.node,
-                                            timeout=min(30.0, c.rendezvous_timeout))
+        self._presence, self._clock = T.presence_connect_clocked(store.get(T.PRESENCE).decode(), self.signer,
+                                                                 self.node, timeout=min(30.0, c.rendezvous_timeout))
         self._last_hb = time.monotonic()
         # past the join, a store call must fail within a node timeout, not a rendezvous timeout: a dead or
         # hung supervisor must not freeze this loop (the workers go on either way)
@@ -975,8 +976,12 @@ class Agent:
             attempt = a.attempt
             self.restart_count = attempt
             if not self._ran:
+                # this node's clock against the supervisor host's, so the job-level report reads one clock
+                clock = {} if self._clock is None else {"clock_offset": round(self._clock.offset, 6),
+                                                        "clock_rtt": round(self._clock.rtt, 6)}
                 self.ledger.emit(EventKind.RENDEZVOUS_DONE, group_rank=self.group_rank,
-                                 group_world_size=self.group_world_size, seconds=round(time.monotonic() - self._t_join, 4))
+                                 group_world_size=self.group_world_size, seconds=round(time.monotonic() - self._t_join, 4),
+                                 **clock)
             if a.previous_world_size is not None and a.previous_world_size != a.world_size:
                 self._record_previous_world(a)
             if self._ran:

@@ -231,6 +231,11 @@ class PresenceServer:
                 del self._pending[conn]
                 self._nodes[conn] = node
                 logger.info("presence: %s connected (fd %d)", node, conn.fileno())
+                try:
+                    # this host's clock, for the agent to measure its offset (the job's reports use one clock)
+                    conn.send(self.signer.seal({"node": node, "t": time.time()}) + b"\n")  # type: ignore[union-attr]
+                except OSError:
+                    pass  # a small line on a fresh connection; if it cannot go, the agent just lacks an offset
                 hello.append(node)
             elif len(buf) > 4096:
                 self._close(conn)
@@ -276,8 +281,48 @@ class PresenceServer:
 
 def presence_connect(addr: str, signer: Signer, node: str, timeout: float) -> Any:
     """The agent's end: a connection that lives as long as the agent (the kernel closes it when it dies)."""
+    return presence_connect_clocked(addr, signer, node, timeout, clock_timeout=0.0)[0]
+
+
+@dataclass(frozen=True)
+class ClockSample:
+    """The supervisor host's clock minus this host's, from one round trip (error at most ``rtt / 2``)."""
+
+    offset: float
+    rtt: float
+
+
+def presence_connect_clocked(addr: str, signer: Signer, node: str, timeout: float, *,
+                             clock_timeout: float = 2.0) -> tuple[Any, ClockSample | None]:
+    """:func:`presence_connect`, and the clock offset from the supervisor's signed reply to the hello
+    (None if it does not come within ``clock_timeout`` or does not verify: the offset is a refinement)."""
     host, port = addr.rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=timeout)
-    conn.sendall(signer.seal({"node": node, "t": time.time()}) + b"\n")
+    t0 = time.time()
+    conn.sendall(signer.seal({"node": node, "t": t0}) + b"\n")
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    return conn
+    if clock_timeout <= 0:
+        return conn, None
+    sample = None
+    buf = b""
+    deadline = time.monotonic() + clock_timeout
+    try:
+        while b"\n" not in buf and len(buf) < 4096:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(left)
+            data = conn.recv(4096)
+            if not data:
+                break
+            buf += data
+        if b"\n" in buf:
+            t1 = time.time()
+            reply = signer.open(buf.split(b"\n", 1)[0])
+            if reply.get("node") == node:
+                sample = ClockSample(offset=float(reply["t"]) - (t0 + t1) / 2, rtt=t1 - t0)
+    except (OSError, BadMessage, KeyError, TypeError, ValueError) as e:
+        logger.debug("no clock sample from the supervisor: %s", e)
+    finally:
+        conn.settimeout(timeout)
+    return conn, sample

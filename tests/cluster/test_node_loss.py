@@ -85,6 +85,10 @@ def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
              "the spare to join")
     b.kill()  # the whole node: agent, fork server, workers, local disk
+    # the survivors stay at the gate until the loss is known: released earlier, a's next collective fails and
+    # its report can reach the supervisor before the closed connection does (a restart, then the swap)
+    wait_for(lambda: any(e.kind == EventKind.AGENT_LOST and e.node == node_name(b) for e in c.events()), 60,
+             "the supervisor to see node b lost")
     (gate / "go").touch()
     wait_for(lambda: a.proc.poll() is not None and spare.proc.poll() is not None, 150, "the job to end")
     assert a.proc.returncode == 0, a.output()
@@ -105,6 +109,10 @@ def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path
     restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(spare)]
     assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
     assert_same(reference, final(out, 2))
+    # every node measured its clock against the supervisor's host when it joined (one host here: ~0)
+    joined = [e for e in evs if e.kind == EventKind.RENDEZVOUS_DONE]
+    assert {e.node for e in joined} == {node_name(a), node_name(b), node_name(spare)}
+    assert all(abs(e.details["clock_offset"]) <= e.details["clock_rtt"] / 2 + 0.05 for e in joined), joined
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
