@@ -1,29 +1,30 @@
 """``make demo``: the recipe's GPT on 2 nodes and a warm spare, losing a worker, a hang and a node.
 
 What happens:
-  1. three ``resilient-run`` agents start on this machine, each a node: a session of its own (killing the session
-     is losing the node) with its own local checkpoint tier. ``--nnodes 2 --nproc-per-node 1 --spare-nodes 1`` on
-     one c10d endpoint over loopback; node a hosts the store and the supervisor, node b joins, and the third
-     joins as the warm spare once the supervisor gave a and b the job's places (its fork server imports torch
-     while they train). They train ``recipes/pytorch/train.py`` (a byte-level GPT on the corpus shipped in the
-     repository) with three checkpoint tiers: local (each node's own directory), peer (each node's shards
-     replicated to the other node) and persistent (a ``file://`` directory; ``gs://`` on a GCS API server
-     started on loopback with ``--gcs``);
-  2. ``resilient-run --inject`` (seeded by ``--seed``) carries out three faults, each written to the ledger as
-     ``fault_injected`` before it happens:
-       * ``kill-worker``   a worker SIGKILLed             → exit seen, both nodes restart in place, local restore
-       * ``hang-worker``   a worker frozen with SIGSTOP   → heartbeat timeout, restart, local restore
-       * ``kill-node:1``   node b SIGKILLed whole (agent, fork server, worker; the demo deletes its local tier, a
-                           lost disk) → its closed connection is seen at once, the spare is hot-swapped in and
-                           restores the lost rank from the peer tier;
+  1. ``resilient supervisor`` starts on its own (a CPU host in real life): it hosts the job's store, so no
+     training node is special. Three ``resilient-run`` agents start on this machine at once, each a node: a
+     session of its own (killing the session is losing the node) with its own local checkpoint tier,
+     ``--nnodes 2 --nproc-per-node 1 --spare-nodes 1``. The supervisor gives the job's two places to the first
+     two that join; the third waits as the warm spare (its fork server imports torch while the others train).
+     They train ``recipes/pytorch/train.py`` (a byte-level GPT on the corpus shipped in the repository) with
+     three checkpoint tiers: local (each node's own directory), peer (each node's shards replicated to the other
+     node) and persistent (a ``file://`` directory; ``gs://`` on a GCS API server started on loopback with
+     ``--gcs``);
+  2. ``resilient-run --inject`` (targets drawn from ``--seed``) carries out three faults, each written to the
+     ledger as ``fault_injected`` before it happens:
+       * ``kill-worker``  a worker SIGKILLed            → exit seen, both nodes restart in place, restore
+       * ``hang-worker``  a worker frozen with SIGSTOP  → heartbeat timeout, restart, restore
+       * ``kill-node``    a node SIGKILLed whole (agent, fork server, worker; the demo deletes its local tier, a
+                          lost disk) → its closed connection is seen at once, the spare is hot-swapped in and
+                          restores the lost rank from the peer tier;
      a line is printed for each fault, detection, action and restore as the ledger shows them, and a progress
      line every tenth of the run;
-  3. at the end: a table of the faults (detection, action, tier restored from, fault to first step after), the
-     goodput report (``resilient goodput``; also RUN_DIR/goodput.json) and its timeline, RUN_DIR/goodput.png.
-     RUN_DIR/demo.json keeps what the table shows.
+  3. at the end: a table of the faults (detection, action, what was restored from where, fault to first step
+     after), the goodput report (``resilient goodput``; also RUN_DIR/goodput.json) and its timeline,
+     RUN_DIR/goodput.png. RUN_DIR/demo.json keeps what the table shows.
 
-SIGTERM, SIGHUP or Ctrl-C stop it cleanly: the agents get SIGTERM (then every session the demo started is
-SIGKILLed), the GCS server is stopped, and no process the demo started is left behind.
+SIGTERM, SIGHUP or Ctrl-C stop it cleanly: the agents and the supervisor get SIGTERM (then every session the demo
+started is SIGKILLed), the GCS server is stopped, and no process the demo started is left behind.
 
     python examples/demo.py [--quick] [--gcs] [--seed 4] [--steps N] [--inject SPEC] [--run-dir runs/demo-...]
 """
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -46,13 +48,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a fresh clone: the package is this repository
 TRAIN = ROOT / "recipes" / "pytorch" / "train.py"
 TERM_TIMEOUT = 10.0  # the agents' --term-timeout: how long their workers get after SIGTERM
+SECRET_FILE = "job-secret"
 BUCKET = "demo-bucket"
 
 # Faults fall due in seconds after training started; the gaps leave each recovery time to finish on two busy
 # cores before the next fault. The steps are enough that training outlasts the last fault even on an idle
 # machine (a step is at least its --step-sleep), and few enough for the time box on a loaded one.
-FULL = {"steps": 450, "inject": "kill-worker@10s,hang-worker@25s,kill-node:1@40s"}
-QUICK = {"steps": 200, "inject": "kill-worker@5s,hang-worker@13s,kill-node:1@21s"}
+FULL = {"steps": 450, "inject": "kill-worker@10s,hang-worker@25s,kill-node@40s"}
+QUICK = {"steps": 200, "inject": "kill-worker@5s,hang-worker@13s,kill-node@21s"}
 STEP_SLEEP = 0.1  # seconds a step: stands in for a bigger model, and keeps the run's length predictable
 HEARTBEAT_TIMEOUT = 3.0
 
@@ -285,16 +288,24 @@ class Progress:
         elif kind == "action" and d.get("action") not in ("start", "ignore"):
             if f and "action" not in f:
                 f["action"] = d.get("action")
+            if d.get("action") == "hot_swap" and self.rank0 is not None and self.spare is not None and \
+                    (d.get("action_args") or {}).get("node") == self.rank0.ident:
+                self.rank0, self._log_pos = self.spare, 0  # the spare took group rank 0: the loss is in its log
             self.say(wall, f"ACTION   supervisor: {d.get('action')} ({d.get('reason')})")
         elif kind == "ckpt_restore":
             src = "+".join(d.get("sources") or [d.get("tier") or "?"])
-            # for a node loss, the restore that matters is the lost rank's, on the spare
-            if f and "restored_from" not in f and wall > f["wall"] and (
-                    f["kind"] != "kill-node" or (self.spare is not None and e["node"] == self.spare.ident)):
+            # the restore that matters is the hit rank's; for a node loss, the lost rank's on the spare
+            mine = (self.spare is not None and e["node"] == self.spare.ident) if f and f["kind"] == "kill-node" \
+                else (f is not None and e.get("rank") == f["target"])
+            if f and "restored_from" not in f and wall > f["wall"] and mine:
                 f.update(restored_from=src, restored_tier=d.get("tier"), restored_step=d.get("step"),
                          restored_rank=e.get("rank"), restored_node=self.name(e["node"]))
             self.say(wall, f"restored rank {e.get('rank')} on node {self.name(e['node'])}: step {d.get('step')} from "
                            f"{src} ({float(d.get('bytes') or 0) / 2**20:.1f} MiB in {float(d.get('seconds') or 0):.2f} s)")
+        elif kind == "ckpt_tier_failed":
+            why = re.sub(r"\[/[^\]]*\]\s*", "", str(d.get("error") or "")).split(". ")[0]  # no source paths
+            self.say(wall, f"checkpoint step {d.get('step')} not complete on the {d.get('tier')} tier (rank "
+                           f"{e.get('rank')}: {why[:100]}); a restore takes only complete steps")
         elif kind == "ckpt_tier_done":
             self.newest[d.get("tier", "?")] = max(self.newest.get(d.get("tier", "?"), -1), int(d.get("step", -1)))
         elif kind == "step":
@@ -314,11 +325,11 @@ class Progress:
             self.say(wall, f"node {self.name(e['node'])} ended: {d.get('reason')} (exit {d.get('exit_code')})")
 
 
-def agent_cmd(args: argparse.Namespace, run_dir: Path, port: int, local: Path, persistent: str, host: bool) -> list[str]:
+def agent_cmd(args: argparse.Namespace, run_dir: Path, port: int, local: Path, persistent: str) -> list[str]:
     return [sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "demo",
-            # every agent shares this machine's address: which one hosts the store is said, not raced for
-            "--rdzv-conf", f"is_host={str(host).lower()}",
+            # the supervisor hosts the store: an agent started before it listens must wait for it, not host one
+            "--rdzv-conf", "is_host=false", "--job-secret-file", str(run_dir / SECRET_FILE),
             "--local-addr", "127.0.0.1", "--max-restarts", "5", "--run-dir", str(run_dir),
             # a killed node's closed connection is seen at once whatever this says; it only bounds how long an
             # agent may stay silent, and one whose fork server imports torch on two busy cores can be for 10 s
@@ -329,45 +340,63 @@ def agent_cmd(args: argparse.Namespace, run_dir: Path, port: int, local: Path, p
             str(TRAIN), "--steps", str(args.steps), "--step-sleep", f"{STEP_SLEEP:g}", "--log-every", "10"]
 
 
+def supervisor_cmd(run_dir: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "resilient.cli", "supervisor", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "--max-restarts", "5",
+            "--node-timeout", "30", "--last-call-timeout", "0", "--advertise-addr", "127.0.0.1",
+            "--job-secret-file", str(run_dir / SECRET_FILE), "--run-dir", str(run_dir)]
+
+
 def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persistent: str,
-            nodes: list[Node]) -> Progress:
-    """Start the three nodes, follow the ledger until every agent has exited. ``nodes`` is filled as agents start,
-    so that the caller can stop every session on any exit."""
+            procs: list[Node]) -> tuple[Progress, Node]:
+    """Start the supervisor and the three nodes, follow the ledger until every agent has exited. ``procs`` is
+    filled as they start, so that the caller can stop every session on any exit."""
     from resilient.testing.gcs import free_port
 
     env = dict(env, OMP_NUM_THREADS="1")  # three single-worker nodes share two cores
     for k in [k for k in env if k.startswith(("RESILIENT_", "TORCHELASTIC_", "PET_"))]:
         del env[k]  # a variable left by an outer run would reconfigure these agents
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    secret = run_dir / SECRET_FILE  # signs the messages between agents and supervisor
+    secret.touch(mode=0o600)
+    secret.write_text(secrets.token_hex(32))
     port = free_port()
     ledger = run_dir / "events.jsonl"
-    progress = Progress(nodes, args.steps)
+    agents: list[Node] = []
+    progress = Progress(agents, args.steps)
 
-    def start(name: str, host: bool) -> Node:
-        local = run_dir / f"ckpt-local-{name}"
-        cmd = agent_cmd(args, run_dir, port, local, persistent, host)
+    def start(name: str, cmd: list[str], local: Path) -> Node:
         log = run_dir / f"{name}.log"
-        if not nodes:
-            print("$ resilient-run " + " ".join(cmd[3:]), flush=True)
         with open(log, "wb") as f:
             proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         node = Node(name, proc, local, log)
-        nodes.append(node)
-        print(f"  node {name} started (agent pid {proc.pid}, a session of its own, local tier {local.name}, log "
-              f"{log.name}){': hosts the store and the supervisor' if host else ''}", flush=True)
+        procs.append(node)
         return node
 
-    # All three at once, as a job scheduler starts them: the supervisor gives the job's two places to the first two
-    # that join, and the third waits as the spare (its fork server imports torch meanwhile, so it is warm when a
-    # node is lost). The others reach node a's store once it listens: the store's clients retry until then.
+    # The supervisor on its own (a CPU host in real life) hosts the store: no training node is special, and
+    # losing the node of group rank 0 is like losing any other.
+    cmd = supervisor_cmd(run_dir, port)
+    print("$ resilient " + " ".join(cmd[3:]), flush=True)
+    sup = start("supervisor", cmd, run_dir / "none")
+    print(f"  supervisor started (pid {sup.proc.pid}, a session of its own, log {sup.log.name})", flush=True)
+    # All three nodes at once, as a job scheduler starts them: the supervisor gives the job's two places to the
+    # first two that join, and the third waits as the spare (its fork server imports torch meanwhile, so it is
+    # warm when a node is lost). Agents reach the store once the supervisor listens: its clients retry until then.
     for name in ("a", "b", "c"):
-        start(name, host=name == "a")
+        local = run_dir / f"ckpt-local-{name}"
+        cmd = agent_cmd(args, run_dir, port, local, persistent)
+        if not agents:
+            print("$ resilient-run " + " ".join(cmd[3:]), flush=True)
+        node = start(name, cmd, local)
+        agents.append(node)
+        print(f"  node {name} started (agent pid {node.proc.pid}, a session of its own, local tier {local.name}, "
+              f"log {node.log.name})", flush=True)
     warm: _WarmWatch | None = None
     pos = 0
     deadline = time.monotonic() + args.timeout
-    while [n.proc.poll() for n in nodes].count(None):  # every node polled: the lost one is seen at once
-        for n in nodes:
+    while [n.proc.poll() for n in agents].count(None):  # every node polled: the lost one is seen at once
+        for n in agents:
             if n.proc.returncode == -signal.SIGKILL and not n.disk_deleted:
                 shutil.rmtree(n.local, ignore_errors=True)  # a lost node's disk is lost with it
                 n.disk_deleted = True
@@ -376,6 +405,9 @@ def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persis
             elif n.proc.returncode is not None and progress.spare is None:
                 raise RuntimeError(f"node {n.name} exited with {n.proc.returncode} before training started; "
                                    f"see {n.log}")
+        if sup.proc.poll() is not None and progress.spare is None:
+            raise RuntimeError(f"the supervisor exited with {sup.proc.returncode} before training started; see "
+                               f"{sup.log}")
         if warm is None and progress.spare is not None:
             warm = _WarmWatch(progress.spare)
         if warm is not None and warm.check():
@@ -387,11 +419,15 @@ def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persis
         if time.monotonic() > deadline:
             raise RuntimeError(f"the run did not finish within {args.timeout:.0f}s (--timeout); stopping it")
         time.sleep(0.05)  # polling files the agents append to; they never wait on us
+    try:
+        sup.proc.wait(30)  # it ends with the job: every place reported done
+    except subprocess.TimeoutExpired:
+        pass
     pos, evs = tail_events(ledger, pos)
     for e in evs:
         progress.feed(e)
     progress.warm_wall = warm.wall if warm is not None else None
-    return progress
+    return progress, sup
 
 
 def _secs(x: float | None) -> str:
@@ -401,10 +437,11 @@ def _secs(x: float | None) -> str:
 def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progress: Progress) -> int:
     """The faults as the ledger tells them, the goodput report and its timeline. 0 when every fault was handled
     as expected: each one injected, detected and followed by training again; the node loss by a hot swap and a
-    restore of the lost rank on the spare; every agent but the lost one ended with 0."""
+    restore of the lost rank on the spare; the supervisor and every node but the lost one ended with 0."""
     codes = {n.name: n.proc.returncode for n in nodes}
-    print("\nagents exited: " + ", ".join(f"{k} {'SIGKILL' if c == -signal.SIGKILL else c}" for k, c in codes.items()),
-          flush=True)
+    print("\nexited: " + ", ".join(f"{'' if k == 'supervisor' else 'node '}{k} "
+                                   f"{'SIGKILL' if c == -signal.SIGKILL else 'still running' if c is None else c}"
+                                   for k, c in codes.items()), flush=True)
     _, evs = tail_events(run_dir / "events.jsonl", 0)
     swap = next((e for e in evs if e["kind"] == "action" and e["details"].get("action") == "hot_swap"), None)
     print("\nthe faults, from the ledger (times from each fault):")
@@ -458,7 +495,7 @@ def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progre
     except Exception as e:  # noqa: BLE001 - the table above already told the user; the file is an extra
         print(f"demo: could not write goodput.json: {e}", file=sys.stderr)
     print(f"\nrun directory: {run_dir}\n  ledger: events.jsonl · timeline: goodput.png · report: goodput.json, "
-          f"demo.json · agents' logs: " + ", ".join(n.log.name for n in nodes), flush=True)
+          f"demo.json · logs: " + ", ".join(n.log.name for n in nodes), flush=True)
     for p in problems:
         print(f"demo: {p}; see the agents' logs in {run_dir}", file=sys.stderr)
     return 1 if problems else 0
@@ -476,8 +513,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL['steps']})")
     ap.add_argument("--inject", default=None, help=f"the faults (default {FULL['inject']})")
     ap.add_argument("--seed", type=int, default=4,
-                    help="--inject-seed: picks the ranks the faults leave open (default 4: a worker of node a is killed, one of "
-                         "node b hangs)")
+                    help="--inject-seed: draws the targets the faults leave open (default 4: rank 0 killed, rank 1 "
+                         "frozen, the node of group rank 0 lost)")
     ap.add_argument("--gcs", action="store_true",
                     help="persistent tier gs://demo-bucket on a GCS API server on loopback (default: a file:// "
                          "directory in the run directory)")
@@ -529,7 +566,7 @@ def main() -> int:
             persistent = (run_dir / "persistent").as_uri()
         print(f"the recipe's GPT on 2 nodes x 1 worker and a warm spare; tiers: local, peer, persistent ({persistent}); "
               f"faults: {args.inject} (seed {args.seed})", flush=True)
-        progress = run_job(run_dir, env, args, persistent, nodes)
+        progress, _ = run_job(run_dir, env, args, persistent, nodes)
         code = summarize(run_dir, args, nodes, progress)
     except (_Stopped, KeyboardInterrupt) as e:
         stopped = e

@@ -65,7 +65,7 @@ class Demo:
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.sids = {self.proc.pid}  # the demo's session and, once they are named, one per node
+        self.sids = {self.proc.pid}  # the demo's session and, once they are named, the supervisor's and the nodes'
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -75,9 +75,9 @@ class Demo:
 
     def _take(self, line: str) -> None:
         self.lines.append(line)
-        m = re.search(r"node \w+ started \(agent pid (\d+), a session of its own", line)
+        m = re.search(r"(?:node \w+|supervisor) started \((?:agent )?pid (\d+), a session of its own", line)
         if m:
-            self.sids.add(int(m[1]))  # started with start_new_session: the agent's pid is its session's id
+            self.sids.add(int(m[1]))  # started with start_new_session: its pid is its session's id
 
     def wait_line(self, pattern: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -138,7 +138,7 @@ def test_demo_quick_loses_a_worker_a_hang_and_a_node_and_ends_with_the_report(tm
         code = demo.finish(220)
         text = demo.text
         assert code == 0, text[-6000:]
-        assert len(demo.sids) == 4, (demo.sids, text[-3000:])  # the demo's session and one per node
+        assert len(demo.sids) == 5, (demo.sids, text[-3000:])  # the demo's, the supervisor's, one per node
         evs = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
         injected = sorted(e["details"]["fault"] for e in evs if e["kind"] == "fault_injected")
         assert injected == ["hang-worker", "kill-node", "kill-worker"], injected
@@ -186,7 +186,7 @@ def test_demo_stopped_by_sigterm_leaves_no_process(tmp_path: Path) -> None:
         code = demo.finish(60)
         assert code == 128 + signal.SIGTERM, demo.text[-4000:]
         assert "demo: stopped by SIGTERM; the agents and the GCS server were stopped" in demo.text, demo.text[-3000:]
-        assert len(demo.sids) == 4
+        assert len(demo.sids) == 5
         assert not _sessions_left(demo.sids)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in gcs)
     finally:

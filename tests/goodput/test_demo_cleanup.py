@@ -65,6 +65,9 @@ def test_demo_stopped_by_a_signal_leaves_nothing_running(tmp_path, sig):
             time.sleep(0.1)
         sessions |= agent_sessions(run)
         assert len(sessions) == 4, sessions  # the demo's, and node a's, node b's and the spare's
+        # and the supervisor's: the demo's child that leads a session of its own and is no node
+        sessions |= {c.pid for c in psutil.Process(demo.pid).children() if os.getsid(c.pid) == c.pid}
+        assert len(sessions) == 5, sessions
         members = [p for sid in sessions for p in session_members(sid)]
         # the demo, each agent and its fork server, the two workers
         assert len(members) >= 8, members
