@@ -84,6 +84,7 @@ class ResilientCallback(TrainerCallback):
         self.trainer: Any = None  # set by ResilientTrainer: the stateful callbacks' states are saved too
         self._steps: Iterator[int] | None = None
         self._start = 0
+        self._saved: int | None = None  # the last step saved
 
     @property
     def manager(self) -> Any:
@@ -111,7 +112,7 @@ class ResilientCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                    lr_scheduler: Any = None, **kw: Any) -> None:
+                    lr_scheduler: Any = None, _force: bool = False, **kw: Any) -> None:
         step = state.global_step - 1  # the optimizer step just completed (0-based)
 
         def dump() -> dict[str, Any]:
@@ -122,12 +123,13 @@ class ResilientCallback(TrainerCallback):
                 out["scheduler"] = lr_scheduler.state_dict()
             return out
 
-        self.manager.save(step, self.state(model, dump))
+        if self.manager.save(step, self.state(model, dump), force=_force):
+            self._saved = step
         if self.replace_saves:
             control.should_save = False
         from resilient.signals.client import preempt_save_due
 
-        if self._steps is not None and preempt_save_due(step):
+        if self._steps is not None and not _force and preempt_save_due(step):
             # the last step the ranks agreed on after a preemption notice, just saved: stop, and let steps()
             # record the clean stop so that resilient-run exits 75 (requeue and rerun the same command)
             control.should_training_stop = True
@@ -141,8 +143,14 @@ class ResilientCallback(TrainerCallback):
                 close()
             self._steps = None
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                     lr_scheduler: Any = None, **kw: Any) -> None:
         self._finish()
+        last = state.global_step - 1
+        if self._manager is not None and last >= self._start and last != self._saved:
+            # the end of training is saved whatever the interval: a rerun of a finished job has nothing to redo
+            self.on_step_end(args, state, control, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                             _force=True)
         if self._manager is not None:
             self._manager.wait(timeout=self._manager.config.collective_timeout_s)
 
@@ -168,6 +176,11 @@ class ResilientTrainer(Trainer):
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         resume_dir = self._restore()
+        done = self._already_done(resume_dir)
+        if done is not None:
+            shutil.rmtree(resume_dir, ignore_errors=True)  # type: ignore[arg-type]
+            self._resume = None
+            return done
         try:
             return super().train(resume_dir, *args, **kwargs)
         finally:
@@ -194,6 +207,20 @@ class ResilientTrainer(Trainer):
         logger.info("restored step %d (global step %d) from the %s tier", start - 1, restored.global_step,
                     getattr(self.resilient.manager.last_restore, "tier", "?"))
         return d
+
+    def _already_done(self, resume_dir: str | None) -> Any:
+        """A rerun of a finished job: the Trainer would run one more step past ``max_steps``; run none."""
+        if resume_dir is None or self.args.max_steps <= 0:
+            return None
+        st = TrainerState.load_from_json(os.path.join(resume_dir, TRAINER_STATE_NAME))
+        if st.global_step < self.args.max_steps:
+            return None
+        from transformers.trainer_utils import TrainOutput
+
+        self.state = st
+        logger.info("the checkpoint is at global step %d, max_steps is %d: nothing left to train",
+                    st.global_step, self.args.max_steps)
+        return TrainOutput(st.global_step, 0.0, {})
 
     def _ours(self, checkpoint: str | None) -> bool:
         return (self._resume is not None and checkpoint is not None
