@@ -517,8 +517,16 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
     res["t0_after_launch_s"] = (min(r["t"] for r in starts) - t_launch) if starts else None
     res.update(progress(log))
     evs = events()
-    res["injected"] = [{"fault": e.details.get("fault"), "target": e.details.get("target"), "wall": e.wall}
+    named = {"kill": "kill-worker", "stop": "hang-worker"}  # a step fault is recorded by the worker, as its "how"
+    res["injected"] = [{"fault": named.get(e.details.get("fault"), e.details.get("fault")),
+                        "target": e.details.get("target"), "wall": e.wall}
                        for e in evs if e.kind.value == "fault_injected"]
+    left = [asdict(f) for f in faults]
+    for e in res["injected"]:  # a fault whose target was not running when it fell due is dropped by the agent
+        m = next((f for f in left if f["kind"] == e["fault"] and f["target"] == e["target"]), None)
+        if m is not None:
+            left.remove(m)
+    res["skipped"] = left
     res["actions"] = [e.details.get("action") for e in evs if e.kind.value == "action"]
     try:
         rep = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(run_dir), "--json"],
