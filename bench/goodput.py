@@ -368,7 +368,8 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
     cmd = baseline_cmd(name, a.max_restarts, job)
     log = StepLog(d / "out")
     pending = list(faults)
-    res: dict[str, Any] = {"config": name, "injected": [], "skipped": [], "requeues": 0, "finished": False}
+    res: dict[str, Any] = {"config": name, "injected": [], "skipped": [], "requeues": 0, "stall_requeues": 0,
+                           "finished": False}
     launches = 0
 
     def launch() -> subprocess.Popen:
@@ -383,14 +384,15 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
     deadline = time.monotonic() + a.timeout
     proc = launch()
     t0: float | None = None
+    seen, quiet_since = 0, time.monotonic()
     try:
         while True:
             log.poll()
             starts = log.of("start")
             if t0 is None and starts:
                 t0 = min(r["t"] for r in starts)
-            if log.of("end") and proc.poll() is not None:
-                res["finished"] = proc.returncode == 0
+            if log.of("end") and (proc.poll() is not None or time.monotonic() - quiet_since > a.stall):
+                res["finished"], res["launcher_exit"] = True, proc.poll()  # the training is done either way
                 break
             now = time.time()
             last = max((r["step"] for r in log.of("step")), default=-1)
@@ -415,12 +417,20 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
                     res["injected"].append({**entry, "pid": target.pid})
                 except (ProcessLookupError, psutil.Error):  # not running now: between attempts
                     res["skipped"].append(entry)
-            if proc.poll() is not None and not log.of("end"):
+            if log.records and len(log.records) != seen:
+                seen, quiet_since = len(log.records), time.monotonic()
+            stalled = time.monotonic() - quiet_since > a.stall
+            if stalled and proc.poll() is None:
+                # nothing written for --stall seconds: the job is stuck (a restart that never completes); what an
+                # operator or a progress watchdog does to a stuck torchrun job is what the scheduler does here
+                res["stall_requeues"] += 1
+            if (proc.poll() is not None or stalled) and not log.of("end"):
                 # the launcher gave up (or its node was lost): the scheduler runs the same command again at once
                 kill_session(proc)
                 kill_workers(log)  # a worker whose launcher died first is in neither its tree nor its session
                 res["requeues"] += 1
                 proc = launch()
+                quiet_since = time.monotonic()
             if time.monotonic() > deadline:
                 res["error"] = f"not done within {a.timeout:.0f} s"
                 break
@@ -570,6 +580,9 @@ def main() -> int:
     ap.add_argument("--pg-timeout", type=float, default=30.0,
                     help="collective timeout of the job's process group, every launcher (gloo's default: 1800 s)")
     ap.add_argument("--max-restarts", type=int, default=100)
+    ap.add_argument("--stall", type=float, default=150.0,
+                    help="a baseline job that writes nothing for this long is stuck: killed and started again "
+                         "(longer than --pg-timeout plus torchrun's 30 s SIGTERM grace plus a restart)")
     ap.add_argument("--step-sleep", type=float, default=0.2,
                     help="the recipe's --step-sleep in full mode: seconds a step waits, standing in for a bigger model")
     ap.add_argument("--no-spare", action="store_true", help="resilient-run without the spare node")
@@ -579,10 +592,10 @@ def main() -> int:
     a = ap.parse_args()
     names = [n for n in a.configs.split(",") if n]
     bad = [n for n in names if n not in CONFIGS]
-    nums = (a.minutes, a.mtbf, a.pg_timeout) + ((a.timeout,) if a.timeout is not None else ())
+    nums = (a.minutes, a.mtbf, a.pg_timeout, a.stall) + ((a.timeout,) if a.timeout is not None else ())
     if bad or not names or not all(math.isfinite(v) and v > 0 for v in nums) or a.max_restarts < 1:
         what = f"unknown configuration(s) {bad}: choose from {','.join(CONFIGS)}" if bad or not names else \
-            "--minutes, --mtbf, --pg-timeout and --timeout must be finite positive seconds, --max-restarts >= 1"
+            "--minutes, --mtbf, --pg-timeout, --stall and --timeout must be finite positive seconds, --max-restarts >= 1"
         print(f"goodput.py: {what}", file=sys.stderr)
         return 2
     if "ft_launcher" in names and not (BIN / "ft_launcher").exists():
@@ -604,7 +617,7 @@ def main() -> int:
                      "--step-sleep", "0.05", "--log-every", "1000"]
             steps, every, delta, step0 = 40, 10, None, None
             faults = [Fault("kill-worker", 1, 0.0, at_step=15)]
-            a.timeout = a.timeout or 150.0
+            a.timeout = a.timeout or 300.0
             a.no_spare = True  # one worker kill: the spare would only add its start-up to a one-minute check
         else:
             model = ["--step-sleep", str(a.step_sleep), "--log-every", "1000"]
