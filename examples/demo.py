@@ -411,8 +411,8 @@ def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persis
         if warm is None and progress.spare is not None:
             warm = _WarmWatch(progress.spare)
         if warm is not None and warm.check():
-            progress.say(warm.wall or time.time(), f"the spare, node {progress.spare.name}, is warm: its fork server "
-                                                   "imported torch and idles")
+            progress.say(time.time(), f"the spare, node {progress.spare.name}, is warm: its fork server imported "
+                                      "torch and idles")
         pos, evs = tail_events(ledger, pos)
         for e in evs:
             progress.feed(e)
@@ -565,7 +565,8 @@ def main() -> int:
         else:
             persistent = (run_dir / "persistent").as_uri()
         print(f"the recipe's GPT on 2 nodes x 1 worker and a warm spare; tiers: local, peer, persistent ({persistent}); "
-              f"faults: {args.inject} (seed {args.seed})", flush=True)
+              f"faults: {', '.join(f.describe() for f in args.faults)} (targets drawn with seed {args.seed})",
+              flush=True)
         progress, _ = run_job(run_dir, env, args, persistent, nodes)
         code = summarize(run_dir, args, nodes, progress)
     except (_Stopped, KeyboardInterrupt) as e:
@@ -583,7 +584,7 @@ def main() -> int:
             if gcs is not None:
                 gcs.stop()
     if stopped is not None:
-        print(f"\ndemo: stopped by {stopped or 'SIGINT'}; the agents"
+        print(f"\ndemo: stopped by {stopped or 'SIGINT'}; the supervisor, the agents"
               f"{' and the GCS server' if gcs is not None else ''} were stopped", file=sys.stderr)
     else:
         print(f"demo: {time.monotonic() - t_start:.0f} s in all", flush=True)

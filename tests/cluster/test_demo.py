@@ -185,7 +185,7 @@ def test_demo_stopped_by_sigterm_leaves_no_process(tmp_path: Path) -> None:
         demo.proc.send_signal(signal.SIGTERM)
         code = demo.finish(60)
         assert code == 128 + signal.SIGTERM, demo.text[-4000:]
-        assert "demo: stopped by SIGTERM; the agents and the GCS server were stopped" in demo.text, demo.text[-3000:]
+        assert "demo: stopped by SIGTERM; the supervisor, the agents and the GCS server were stopped" in demo.text, demo.text[-3000:]
         assert len(demo.sids) == 5
         assert not _sessions_left(demo.sids)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in gcs)
