@@ -155,7 +155,7 @@ def test_demo_quick_loses_a_worker_a_hang_and_a_node_and_ends_with_the_report(tm
         assert all(f["first_step_s"] > 0 for f in summary["faults"]), summary
         # the lost node's disk went with it; the persistent tier (file:// by default) holds complete steps
         assert not (run / f"ckpt-local-{summary['hot_swap']['lost']}").exists()
-        assert any((run / "persistent").glob("step_*/.metadata")), list((run / "persistent").iterdir())
+        assert any((run / "persistent").glob("step_*/COMMITTED")), list((run / "persistent").iterdir())
         # a line per fault as it happened, then the table, the report and the timeline
         for pat in (r"FAULT +kill-worker:\d@5s on node \w: SIGKILL rank \d", r"FAULT +hang-worker:\d@13s",
                     r"FAULT +kill-node:1@21s on node \w: SIGKILL the whole node", r"detected a hang: rank \d",
