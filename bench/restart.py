@@ -11,10 +11,12 @@ noise hits all of them alike.
 
 ``--heavy MODULE``: the script imports MODULE first (transformers, lightning: seconds of imports) and trains
 ``--train-seconds`` before the kill (a real failure comes after a while, and automatic preload warms its fork
-server meanwhile). Then the launchers are resilient-run with no flag (automatic preload), resilient-run with
-the best hand-written ``--preload MODULE``, and resilient-run with automatic preload off (``spawn``).
+server meanwhile). Then the launchers are resilient-run with no flag (automatic preload) and resilient-run with
+the best hand-written ``--preload MODULE`` (``--with-spawn`` adds fresh interpreters, no fork server), their
+order alternating between repetitions; the goal is no flag within 10% of ``--preload`` (median restart). Each
+run also records how long automatic preload took to warm its copy of the fork server (from its log).
 
-Prints a table and writes bench/results/restart.json.
+Prints a table and writes bench/results/restart.json (restart-preload-MODULE.json with ``--heavy``).
 """
 
 from __future__ import annotations
@@ -107,10 +109,35 @@ def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dic
     reap(p)
     ok = code == 0 and all((out / f"a1_r{r}.json").exists() for r in (0, 1))
     restart = None
+    kill = None
     if ok and (out / "kill.json").exists():
         kill = json.loads((out / "kill.json").read_text())["t"]
         restart = max(json.loads((out / f"a1_r{r}.json").read_text())["t"] for r in (0, 1)) - kill
-    return {"launcher": name, "ok": ok, "exit": code, "restart_s": restart, "wall_s": wall}
+    r = {"launcher": name, "ok": ok, "exit": code, "restart_s": restart, "wall_s": wall}
+    r.update(_preload_log(out / "run" / "logs" / "agent.jsonl", kill))
+    return r
+
+
+def _preload_log(path: Path, kill: float | None) -> dict:
+    """From resilient-run's log: how long automatic preload took to warm, and whether it was warm before the kill."""
+    import re
+
+    if not path.exists():
+        return {}
+    warm_s, warm_wall = None, None
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        m = re.search(r"automatic preload: fork server ready with \d+ learned modules \(warm ([\d.]+)s",
+                      rec.get("message", ""))
+        if m and warm_wall is None:
+            warm_s, warm_wall = float(m.group(1)), rec.get("wall")
+    if warm_s is None:
+        return {"preload_warm_s": None, "warm_before_kill": False}
+    return {"preload_warm_s": warm_s,
+            "warm_before_kill": kill is not None and warm_wall is not None and warm_wall < kill}
 
 
 def main() -> None:
@@ -121,15 +148,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--heavy", default=None, help="modules the script imports first (e.g. transformers)")
     ap.add_argument("--train-seconds", type=float, default=15.0, help="with --heavy: training before the kill")
+    ap.add_argument("--with-spawn", action="store_true", help="with --heavy: also fresh interpreters (no fork server)")
     a = ap.parse_args()
     extra: dict = {}
     if a.heavy:
         LAUNCHERS.clear()
         LAUNCHERS["resilient-run"] = [sys.executable, "-m", "resilient.run"]
         LAUNCHERS["resilient-run --preload"] = [sys.executable, "-m", "resilient.run", "--preload", a.heavy]
-        LAUNCHERS["resilient-run (spawn)"] = [sys.executable, "-m", "resilient.run", "--worker-launch", "spawn"]
+        if a.with_spawn:
+            LAUNCHERS["resilient-run (spawn)"] = [sys.executable, "-m", "resilient.run", "--worker-launch", "spawn"]
         a.launchers = ",".join(LAUNCHERS)
-        extra = {"BENCH_HEAVY": a.heavy, "BENCH_TRAIN_S": str(a.train_seconds)}
+        # INFO: the agent's log then says when automatic preload was warm (both launchers log alike)
+        extra = {"BENCH_HEAVY": a.heavy, "BENCH_TRAIN_S": str(a.train_seconds), "RESILIENT_LOG_LEVEL": "INFO"}
     a.out = a.out or str(Path(__file__).parent / "results" / ("restart.json" if not a.heavy else
                                                              f"restart-preload-{a.heavy.replace(',', '+')}.json"))
     names = [n for n in a.launchers.split(",") if n]
@@ -138,7 +168,7 @@ def main() -> None:
         wd = Path(d)
         (wd / "crash.py").write_text(SCRIPT)
         for rep in range(a.reps):
-            for n in names:
+            for n in (names if rep % 2 == 0 else names[::-1]):  # alternate the order: no launcher always goes first
                 r = one(n, LAUNCHERS[n], wd, a.timeout, extra)
                 r["rep"] = rep
                 runs.append(r)
@@ -159,9 +189,25 @@ def main() -> None:
         fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
         print(f"{n:<24}{s['successes']:>5}/{s['reps']:<6}{fmt(med):>10}{fmt(s['min_restart_s']):>9}{fmt(s['max_restart_s']):>9}{ratio:>17}")
         s["ratio_to_resilient_run"] = (med / base) if med and base else None
+    doc: dict = {"summary": summary, "runs": runs, "reps": a.reps,
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if a.heavy:
+        hand = summary.get("resilient-run --preload", {}).get("median_restart_s")
+        ratio = base / hand if base and hand else None
+        auto = [r for r in runs if r["launcher"] == "resilient-run"]
+        warm = [r["preload_warm_s"] for r in auto if r.get("preload_warm_s") is not None]
+        doc["automatic_preload"] = {
+            "heavy": a.heavy, "train_seconds": a.train_seconds,
+            "median_no_flag_s": base, "median_preload_s": hand,
+            "no_flag_over_preload": ratio, "goal": "<= 1.10", "goal_met": ratio is not None and ratio <= 1.10,
+            "median_warm_s": statistics.median(warm) if warm else None,
+            "warm_before_kill": f"{sum(bool(r.get('warm_before_kill')) for r in auto)}/{len(auto)}",
+            "load_avg_1m_at_end": round(os.getloadavg()[0], 1),
+        }
+        print(f"\nno flag / --preload {a.heavy}: " + (f"{ratio:.2f}" if ratio else "-")
+              + f" (goal <= 1.10); automatic preload warm after {doc['automatic_preload']['median_warm_s']} s (median)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"summary": summary, "runs": runs, "reps": a.reps,
-                                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
+    Path(a.out).write_text(json.dumps(doc, indent=2))
     print(f"\nwrote {a.out}")
 
 

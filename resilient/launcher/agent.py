@@ -767,7 +767,7 @@ class Agent:
                 if due is not None:
                     timeout = min(timeout, due)
                 self.injector.fire({w.rank: w.pid for w in self.workers if w.exit_code is None and w.pid},
-                                   self.group_rank, self.cfg.ckpt_local, self._kill_node)
+                                   self.group_rank, self.cfg.ckpt_local or self._default_ckpt_local(), self._kill_node)
             exited = self._serve(timeout)
             failed = False
             for w in exited:  # every failing worker of the batch is recorded: simultaneous failures all matter
@@ -835,6 +835,10 @@ class Agent:
         """One wait on the agent's descriptors: signals, detector events (recorded, and forwarded when they may
         need a decision), worker output; returns the workers whose exits arrived."""
         exited: list[WorkerProc] = []
+        if isinstance(self.starter, ForkServer) and self.starter.buffered():
+            # read along with the spawn answers (a fast exit, learned modules): the socket won't wake us for them
+            exited += self._collect_exits()
+            timeout = 0
         for key, _ in self.sel.select(timeout=timeout):
             if key.data == "exit":
                 exited += self._collect_exits()
@@ -922,7 +926,7 @@ class Agent:
             return
         self.monitor_socket = f"@resilient-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         cfg = MonitorConfig(socket_path=self.monitor_socket, heartbeat_timeout=self.cfg.heartbeat_timeout,
-                            ckpt_local=self.cfg.ckpt_local)
+                            ckpt_local=self.cfg.ckpt_local or self._default_ckpt_local())  # the default tier's disk too
         try:
             self.monitor = create_node_monitor(cfg, self.ledger, self.group_rank)
         except Exception as e:  # noqa: BLE001 - fail static: training goes on without the detectors

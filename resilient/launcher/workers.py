@@ -131,6 +131,7 @@ class ForkServer:
         self._warm_sent = 0  # batches of learned modules sent (preload_more), and imported
         self._warm_done = 0
         self.warm_at: float | None = None  # wall time the last batch was imported
+        self._out = b""  # preload requests not yet taken by the server
         self._ready = False
         if _copy_of is not None:
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -179,14 +180,19 @@ class ForkServer:
         """Ask this (idle: no worker started from it yet) fork server to import learned modules; it is warm again
         once it has (:meth:`poll_ready`). A module that makes forking unsafe ends it (ForkServerError.bad_module)."""
         self._warm_sent += 1
-        data = (json.dumps({"op": "preload", "modules": list(modules), "seq": self._warm_sent}) + "\n").encode()
-        self.sock.setblocking(True)
-        try:
-            self.sock.sendall(data)
-        except OSError as e:
-            raise ForkServerError(f"fork server gone ({e})") from e
-        finally:
-            self.sock.setblocking(not self._ready)
+        self._out += (json.dumps({"op": "preload", "modules": list(modules), "seq": self._warm_sent}) + "\n").encode()
+        self._flush()
+
+    def _flush(self) -> None:
+        # never blocks: the server reads only between imports, and the agent must not wait on it meanwhile
+        while self._out:
+            try:
+                n = self.sock.send(self._out, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                raise ForkServerError(f"fork server gone ({e})") from e
+            self._out = self._out[n:]
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Block until the fork server has imported torch; it was started in the constructor so that
@@ -212,6 +218,7 @@ class ForkServer:
             return True
         if self.sock.fileno() < 0:
             raise ForkServerError("fork server closed")
+        self._flush()
         self.sock.setblocking(False)
         try:
             while True:
@@ -333,6 +340,11 @@ class ForkServer:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def buffered(self) -> bool:
+        """Events already read from the socket (along with the answers :meth:`start` waited for): the socket will
+        not become readable for them, so the caller must call :meth:`poll_exits` without waiting for it."""
+        return bool(self._events) or b"\n" in self._buf
 
     def poll_exits(self) -> list[WorkerProc]:
         self._drain()
