@@ -569,7 +569,9 @@ class CheckpointManager:
                        error=_one_line(error) if error else "in-memory copy failed on another rank")
             return None
         mine = {n: b for n, b in files.items() if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")}
-        entries = self._with_layout({n: _bytes_entry(b) for n, b in mine.items()}, files[DCP_METADATA],
+        # only rank 0 holds .metadata in memory: the other ranks' manifests go without a layout (restore then
+        # parses their files)
+        entries = self._with_layout({n: _bytes_entry(b) for n, b in mine.items()}, files.get(DCP_METADATA),
                                     lambda n: MemSource(mine[n], "memory"))
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size,
                      files=entries,
@@ -657,9 +659,11 @@ class CheckpointManager:
         tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
         return m
 
-    def _with_layout(self, files: dict[str, FileEntry], metadata: bytes,
+    def _with_layout(self, files: dict[str, FileEntry], metadata: bytes | None,
                      open_src: Any) -> dict[str, FileEntry]:
         """``files`` with the layout of their plain tensors (where each tensor's bytes are), for restore."""
+        if metadata is None:
+            return files
         try:
             md = load_metadata(metadata, what=DCP_METADATA)
         except FAILURES as e:  # the manifest is still valid without a layout
