@@ -338,8 +338,9 @@ class Agent:
         self._next_set = set(want)
         self._next_asked = now
         self._next_ready_said = False
-        logger.info("automatic preload: warming a fork server (%s) with %d modules the workers loaded", how,
-                    len(want) - len(have & set(want)))
+        new = [m for m in want if m not in have]
+        logger.info("automatic preload: warming a fork server (%s) with %d modules the workers loaded (%s%s)", how,
+                    len(new), ", ".join(new[:5]), ", ..." if len(new) > 5 else "")
         if self.active:
             self._publish_learned(want)
 
