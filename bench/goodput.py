@@ -27,8 +27,11 @@ falls due while its target is not running (between attempts) is skipped and coun
 
 Goodput = useful steps x clean step time / wall time, the same for all three: useful steps are the job's
 steps (every run ends at the same step), the clean step time is the median step time of a fault-free run
-of the same job under the same launcher, the wall time runs from the first launch to the last exit. For
-resilient-run the ledger's own figure (``resilient goodput RUN_DIR --json``) is printed beside it.
+of the same job under the same launcher (run just before the faulted one; the faulted run's own median step
+when that is lower, as the machine's load drifts: a step time the launcher beat under faults would give a
+goodput above 1), the wall time runs from the first launch to the last exit. Beside it: resilient-run's
+ledger figure (``resilient goodput RUN_DIR --json``), and every launcher's goodput with torchrun's clean step
+time (one yardstick: a launcher's own clean step could hide a slower step).
 
     python bench/goodput.py                  # full: ~10 min of training per launcher, MTBF 60 s
     python bench/goodput.py --quick          # CI: a tiny job, one worker kill each, about a minute
@@ -563,7 +566,7 @@ def run_one(name: str, wd: Path, tag: str, job: Path, job_args: list[str], fault
         r = run_resilient(d, job, job_args, faults, a, spare=spare and not a.no_spare)
     else:
         r = run_baseline(name, d, job, job_args, faults, every, a)
-    r["load1_at_start"] = load
+    r["load1_at_start"], r["load1_at_end"] = load, os.getloadavg()[0]
     print(f"  {tag:<6} {name:<14} finished={r['finished']!s:<5} wall={r['wall_s']:.1f}s steps={r['steps_done']} "
           f"faults={len(r.get('injected', []))} load={load:.1f}" + (f" error={r['error']}" if r.get("error") else ""),
           file=sys.stderr, flush=True)
@@ -624,13 +627,16 @@ def main() -> int:
             # a fault-free run under torchrun: the step time sizes the job, the save cost sets N (Young/Daly)
             probe_every = 5
             a.timeout = a.timeout or 600.0
-            for n in names:
+
+            def measure_clean(n: str) -> None:
                 # resilient-run without its spare here: on a real cluster the spare is another machine, here its
                 # warm-up (importing torch) would take the two cores from the steps being timed
                 r = run_one(n, wd, "clean", job, [*model, "--steps", "60"], [], probe_every, a, spare=False)
                 clean[n] = {**step_stats(r.pop("_log"), skip=5), "wall_s": r["wall_s"], "finished": r["finished"],
-                            "startup_s": r["t0_after_launch_s"]}
-            base = clean.get("torchrun") or clean[names[0]]
+                            "startup_s": r["t0_after_launch_s"], "load1_at_start": r["load1_at_start"]}
+
+            measure_clean(names[0])  # torchrun's, when it runs: it sets the job's length and its interval
+            base = clean[names[0]]
             step0 = base["plain_step_s"] or base["clean_step_s"]
             if step0 is None:
                 print("goodput.py: the fault-free run recorded no steps; see --keep", file=sys.stderr)
@@ -646,16 +652,22 @@ def main() -> int:
                   file=sys.stderr, flush=True)
         job_args = [*model, "--steps", str(steps)]
         for n in names:
+            if not a.quick and n not in clean:
+                measure_clean(n)  # just before its faulted run: the machine's load drifts over a long benchmark
             r = run_one(n, wd, "faults", job, job_args, faults, every, a)
             log = r.pop("_log")
+            r["faulted_median_step_s"] = step_stats(log, skip=5)["clean_step_s"]
             if a.quick:  # no clean runs: the faulted run's median step stands in for it
                 clean[n] = {**step_stats(log, skip=3), "from": "the faulted run (quick mode)"}
-            cs = clean[n]["clean_step_s"]
+            # the fault-free run's median step, or the faulted run's own median when the machine was less loaded
+            # then: never a step time longer than the launcher showed under faults (goodput above 1 otherwise)
+            cs = min(v for v in (clean[n]["clean_step_s"], r["faulted_median_step_s"]) if v) \
+                if clean[n]["clean_step_s"] or r["faulted_median_step_s"] else None
             r["clean_step_s"] = cs
             r["useful_steps"] = steps if r["finished"] else r["steps_done"]
             r["goodput"] = (r["useful_steps"] * cs / r["wall_s"]) if cs and r["wall_s"] > 0 else None
             results[n] = r
-        ref = (clean.get("torchrun") or {}).get("clean_step_s")
+        ref = (results.get("torchrun") or {}).get("clean_step_s")
         for r in results.values():  # one yardstick for all: torchrun's clean step (a launcher's own could hide a slower step)
             r["goodput_at_torchrun_step"] = (r["useful_steps"] * ref / r["wall_s"]) if ref and r["wall_s"] > 0 else None
     finally:
