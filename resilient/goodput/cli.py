@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
 from resilient.goodput.calculator import compute_report
@@ -37,6 +38,22 @@ def _fmt_s(x: float) -> str:
     return f"{x:.2f} s"
 
 
+def badput_table(title: str, wall: float, productive: float, badput: dict[str, float]) -> Any:
+    """Productive time and every badput category, largest first, with its share of ``wall`` (a rich Table;
+    the planner prints its prediction with the same one)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("category")
+    t.add_column("time", justify="right")
+    t.add_column("share", justify="right")
+    w = wall or 1.0
+    t.add_row("[green]productive[/green]", _fmt_s(productive), f"{productive / w:.1%}")
+    for c in sorted(CATEGORIES, key=lambda c: -badput.get(c, 0.0)):
+        t.add_row(c, _fmt_s(badput.get(c, 0.0)), f"{badput.get(c, 0.0) / w:.1%}")
+    return t
+
+
 def print_table(rep: GoodputReport) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -48,15 +65,7 @@ def print_table(rep: GoodputReport) -> None:
     con.print(f"[bold]goodput {rep.goodput:.1%}[/bold] of {_fmt_s(rep.wall_seconds)} wall ({state}) · "
               f"{rep.disruptions} disruption(s) · {rep.restarts} restart(s) · last step {rep.last_step} · "
               f"{rep.steps_redone} of {rep.steps_recorded} step records redone")
-    t = Table(title="where the time went")
-    t.add_column("category")
-    t.add_column("time", justify="right")
-    t.add_column("share", justify="right")
-    w = rep.wall_seconds or 1.0
-    t.add_row("[green]productive[/green]", _fmt_s(rep.productive_seconds), f"{rep.productive_seconds / w:.1%}")
-    for c in sorted(CATEGORIES, key=lambda c: -rep.badput_seconds[c]):
-        t.add_row(c, _fmt_s(rep.badput_seconds[c]), f"{rep.badput_seconds[c] / w:.1%}")
-    con.print(t)
+    con.print(badput_table("where the time went", rep.wall_seconds, rep.productive_seconds, rep.badput_seconds))
     a_t = Table(title="attempts")
     cols = ("session", "attempt", "start", "duration", "world", "steps", "clean step", "productive", "largest badput",
             "end")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -122,3 +122,18 @@ def manager_from(manager: Any, options: Mapping[str, Any]) -> Any:
     from resilient.checkpoint.manager import CheckpointManager
 
     return CheckpointManager.from_env(**dict(options))
+
+
+class LazyState:
+    """A Stateful the manager asks for ``state_dict()`` only when a save is due (building a trainer's full
+    checkpoint is not free); it is never restored into: ``restore_hint`` says what restores instead."""
+
+    def __init__(self, dump: Callable[[], Mapping[str, Any]], restore_hint: str) -> None:
+        self._dump = dump
+        self._hint = restore_hint
+
+    def state_dict(self) -> dict[str, Any]:
+        return pack(self._dump())
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:  # pragma: no cover - never restored into
+        raise RuntimeError(f"restore through {self._hint}")

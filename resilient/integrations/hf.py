@@ -47,17 +47,6 @@ TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer reads its state from th
 _RESUME_MARK = ".resilient-resume"  # a resume directory of ours holds this file and the state, nothing else
 
 
-class _Lazy:
-    def __init__(self, dump: Callable[[], Mapping[str, Any]]) -> None:
-        self._dump = dump
-
-    def state_dict(self) -> dict[str, Any]:
-        return _state.pack(self._dump())
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:  # pragma: no cover - never restored into
-        raise RuntimeError("restore through ResilientTrainer")
-
-
 def _trainer_state_json(trainer: Any, state: Any) -> str:
     """The Trainer's state as its own checkpoints store it (stateful callbacks brought up to date first)."""
     if trainer is not None:
@@ -93,7 +82,8 @@ class ResilientCallback(TrainerCallback):
         return self._manager
 
     def state(self, model: Any, dump: Callable[[], Mapping[str, Any]] | None) -> dict[str, Any]:
-        return {MODEL_KEY: model, HF_KEY: _Lazy(dump) if dump is not None else _state.empty_packed(),
+        lazy = _state.LazyState(dump, "ResilientTrainer") if dump is not None else _state.empty_packed()
+        return {MODEL_KEY: model, HF_KEY: lazy,
                 RNG_KEY: _state.rng_state()}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -97,7 +97,8 @@ class ResilientCheckpointIO(CheckpointIO):
     def save_step(self, step: int, dump: Callable[[], Mapping[str, Any]], force: bool = False) -> bool:
         """Save step ``step`` if the interval says so (or ``force``); ``dump`` builds the checkpoint dict
         only when a save is due."""
-        saved = bool(self.manager.save(step, {**self.state(None), LIGHTNING_KEY: _Lazy(dump)}, force=force))
+        lazy = _state.LazyState(dump, "ResilientCheckpointIO.load_checkpoint")
+        saved = bool(self.manager.save(step, {**self.state(None), LIGHTNING_KEY: lazy}, force=force))
         if saved:
             self.last_step = step
         return saved
@@ -125,19 +126,6 @@ class ResilientCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         if self._manager is not None:
             self._manager.wait(timeout=self._manager.config.collective_timeout_s)
-
-
-class _Lazy:
-    """A Stateful the manager asks for ``state_dict()`` only when a save is due."""
-
-    def __init__(self, dump: Callable[[], Mapping[str, Any]]) -> None:
-        self._dump = dump
-
-    def state_dict(self) -> dict[str, Any]:
-        return _state.pack(self._dump())
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:  # pragma: no cover - never restored into
-        raise RuntimeError("restore through ResilientCheckpointIO.load_checkpoint")
 
 
 def _map(tree: Any, loc: Any) -> Any:

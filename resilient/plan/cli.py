@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from resilient.goodput.api import CATEGORIES
+from resilient.goodput.cli import badput_table
 from resilient.plan.api import (
     FAULT_KINDS, RECOVERY_ACTIONS, TIERS, ClusterConfig, Figures, PlanInputError, PlanResult, mtbf_to_rate,
 )
@@ -186,15 +186,7 @@ def print_table(res: PlanResult, cluster: ClusterConfig, figures: Figures, measu
               f"{res.trials} trials, seed {res.seed}")
     if measured is not None and measured.goodput is not None:
         con.print(f"the run itself measured {measured.goodput:.1%}")
-    t = Table(title="where the time would go")
-    t.add_column("category")
-    t.add_column("time", justify="right")
-    t.add_column("share", justify="right")
-    w = res.wall_seconds or 1.0
-    t.add_row("[green]productive[/green]", _fmt_s(res.productive_seconds), f"{res.productive_seconds / w:.1%}")
-    for c in sorted(CATEGORIES, key=lambda c: -res.badput_seconds[c]):
-        t.add_row(c, _fmt_s(res.badput_seconds[c]), f"{res.badput_seconds[c] / w:.1%}")
-    con.print(t)
+    con.print(badput_table("where the time would go", res.wall_seconds, res.productive_seconds, res.badput_seconds))
     ft = Table(title="figures used")
     ft.add_column("figure")
     ft.add_column("seconds", justify="right")

@@ -10,22 +10,9 @@ from pathlib import Path
 import pytest
 
 from resilient.plan.cli import main
-from tests.goodput.conftest import finish, kill_group, launch
+from tests.goodput.conftest import crashed_run as real_run  # noqa: F401 - the same real run, as a fixture here
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory) -> Path:
-    """A real 2-rank resilient-run job: rank 1 SIGKILLed at step 23, restarted from the step-19 checkpoint."""
-    run_dir = tmp_path_factory.mktemp("plan_run")
-    proc = launch(run_dir, steps=40, save_every=5, crash_at=23)
-    try:
-        out = finish(proc)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, out
-    return run_dir
 
 
 def _json(capsys, argv: list[str]) -> dict:
