@@ -790,7 +790,7 @@ class Agent:
                 if hung:
                     return Outcome.HUNG
             self._heartbeat()
-            self._kick()
+            # no supervisor pass here: the loop's own thread ticks; kicks follow only this agent's reports
             self._maybe_reconnect()
             self._refresh_preload()
             # only a plan that carries the job's signature counts: a forged key must not restart anything
@@ -863,7 +863,6 @@ class Agent:
             if self._signal is not None:
                 return None
             self._heartbeat()
-            self._kick()
             self._maybe_reconnect()
             self._refresh_preload()
             plan = self._new_plan()
