@@ -24,7 +24,9 @@ class LedgerTail:
         self._ino: int | None = None
         self.skipped = 0  # malformed lines seen (each once)
 
-    def read_new(self, max_bytes: int = 64 << 20) -> list[Event]:
+    def read_new(self, max_bytes: int = 64 << 20, *, contains: bytes | None = None) -> list[Event]:
+        """The events appended since the last call; with ``contains``, only lines holding those bytes are
+        parsed (a follower that wants one kind skips the cost of decoding every other line)."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -47,7 +49,7 @@ class LedgerTail:
                 lines = data.split(b"\n")
                 self._partial = lines.pop()  # b"" after a complete line, else the unfinished one
                 for raw in lines:
-                    if not raw.strip():
+                    if not raw.strip() or (contains is not None and contains not in raw):
                         continue
                     ev = parse_line(raw)
                     if ev is None:

@@ -130,7 +130,8 @@ class SupervisorLoop:
         for msg in self.chan.drain():
             out += self._on_message(msg, now)
         if self._tail is not None:
-            for ev in self._tail.read_new():
+            # only checkpoint boundaries matter here: every other line is skipped undecoded
+            for ev in self._tail.read_new(contains=f'"{EventKind.CKPT_TIER_DONE.value}"'.encode()):
                 if ev.kind == EventKind.CKPT_TIER_DONE:
                     out += self.core.handle(ev, now)
         for node in gone:
