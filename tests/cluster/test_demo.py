@@ -161,8 +161,10 @@ def test_demo_quick_loses_a_worker_a_hang_and_a_node_and_ends_with_the_report(tm
                     r"FAULT +kill-node:1@21s on node \w: SIGKILL the whole node", r"detected a hang: rank \d",
                     r"ACTION +supervisor: hot_swap", r"restored rank 1 on node \w: step \d+ from peer",
                     r"node kill → first step after the swap: \d+\.\d\d s",
-                    r"goodput [\d.]+% of .* \(ended\) · \d+ disruption\(s\) · \d+ restart\(s\) · last step 199"):
-            assert re.search(pat, text), (pat, text[-5000:])
+                    # the report's own figures are checked in goodput.json below: the printed line is rich's
+                    # to wrap (its width depends on where the output goes)
+                    r"goodput [\d.]+% of "):
+            assert re.search(pat, text), (pat, [ln for ln in text.splitlines() if "goodput" in ln], text[-5000:])
         report = json.loads((run / "goodput.json").read_text())
         assert report["last_step"] == 199 and not report["in_progress"] and report["disruptions"] >= 3, report
         png = run / "goodput.png"

@@ -47,8 +47,10 @@ def test_lightning_ddp_killed_then_preempted_resumes_bit_exact_from_our_tiers(tm
     got = restores(hit / "run")
     assert {d["rank"] for d in got} == {0, 1} and all(d["tier"] == "local" for d in got), got
     steps = sorted({d["step"] for d in got})
-    assert len(steps) == 2 and 2 <= steps[0] < KILL_AT and steps[1] == STOP, got
-    assert f"restored from {STOP + 1}" in runs[1].stdout
+    # the first rank to see the notice proposes the step after the one it is in: which one depends on where
+    # each rank was when rank 0 wrote the file (STOP under no load, one less when rank 1 looked first)
+    assert len(steps) == 2 and 2 <= steps[0] < KILL_AT and steps[1] in (STOP - 1, STOP), got
+    assert f"restored from {steps[1] + 1}" in runs[1].stdout
     assert not list(hit.rglob("*.ckpt")), "Lightning wrote its own checkpoint"
     for job in (ref, hit):  # trainer.save_checkpoint() after fit: a collective save of the last step
         assert (job / "ckpt" / "step_00000013" / "COMMITTED").exists()
