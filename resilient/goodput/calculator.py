@@ -35,7 +35,8 @@ Layers, lowest first:
 7. ``checkpoint_save_stall``: ``[wall - blocking_seconds, wall]`` of each CKPT_SAVE.
 
 Clock skew: an agent may record ``clock_offset`` (seconds to add to its node's clock to read the clock
-of the rendezvous store's host, measured when it joined) in the details of an event it writes. Every
+of the rendezvous store's host, measured when it joined; an offset within half its ``clock_rtt`` is
+measurement error and taken as 0) in the details of an event it writes. Every
 event of that node is then shifted by the latest offset it recorded at or before the event (the first
 one for earlier events), except the kinds the supervisor writes on the store host's own clock
 (``node_joined``, ``agent_lost``, ``action``). Offsets beyond a day are ignored as nonsense.
@@ -193,6 +194,11 @@ def apply_clock_offsets(events: Iterable[Event]) -> list[Event]:
         if math.isnan(off) or abs(off) > _MAX_CLOCK_OFFSET:
             logger.debug("clock_offset %r of node %s ignored", ev.details.get("clock_offset"), ev.node)
             continue
+        rtt = _num(ev.details, "clock_rtt", 0.0)
+        if not math.isnan(rtt) and abs(off) <= rtt / 2:
+            # within the measurement's own error: the clocks cannot be told apart, and shifting by noise
+            # would only reorder the node's last events around its loss
+            off = 0.0
         offsets[ev.node].append((ev.wall, off))
     if not offsets:
         return evs

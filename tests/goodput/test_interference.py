@@ -161,6 +161,27 @@ def test_clock_offset_of_a_node_is_applied():
     assert compute_report(bad).wall_seconds == pytest.approx(110.0)
 
 
+def test_an_offset_within_its_own_error_is_not_applied_and_a_lost_node_stays_lost():
+    # one host: node c measured +0.04 s with a 0.1 s round trip (noise); its last step, 0.01 s before the
+    # supervisor saw it lost, must not move past the loss (the job would then look still in progress)
+    evs = [
+        ev(K.RUN_START, 0.0, attempt=None, node="a", rank=None),
+        ev(K.RUN_START, 0.0, attempt=None, node="c", rank=None),
+        ev(K.RENDEZVOUS_DONE, 0.5, attempt=None, node="c", rank=None, clock_offset=0.04, clock_rtt=0.1),
+        ev(K.ATTEMPT_START, 1.0, node="a", rank=None, world_size=2),
+        *[ev(K.STEP, 2.0 + s, node="c", step=s, seconds=1.0) for s in range(4)],
+        ev(K.AGENT_LOST, 5.01, attempt=None, node="c", rank=None, reason="disconnected"),
+        ev(K.RUN_END, 9.0, attempt=None, node="a", rank=None, exit_code=0),
+    ]
+    assert [e.wall for e in apply_clock_offsets(evs)] == [e.wall for e in evs]
+    assert not compute_report(evs, now=100.0).in_progress
+    # the same offset measured precisely (a 10 ms round trip) is applied
+    precise = [e if e.kind is not K.RENDEZVOUS_DONE else ev(K.RENDEZVOUS_DONE, 0.5, attempt=None, node="c",
+                                                            rank=None, clock_offset=0.04, clock_rtt=0.01)
+               for e in evs]
+    assert [e.wall for e in apply_clock_offsets(precise) if e.kind is K.STEP][0] == pytest.approx(2.04)
+
+
 # ------------------------------------------------------------------------------------------ real runs
 CKPT_TRAIN = Path(__file__).parent / "ckpt_train.py"
 
