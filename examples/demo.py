@@ -212,6 +212,7 @@ class Progress:
         self.every = max(1, steps // 10)
         self.next_step = self.every
         self.open_fault: dict | None = None  # the fault whose recovery is being followed
+        self.attempt = 0  # the newest attempt the ledger has shown
         self.faults: list[dict] = []  # one row per injected fault, for the summary
         self.newest: dict[str, int] = {}  # tier -> newest step done there
         self.loss: tuple[int, float] | None = None
@@ -248,6 +249,8 @@ class Progress:
         kind, d, wall = e["kind"], e.get("details") or {}, e["wall"]
         if self.t0 is None:
             self.t0 = wall
+        if isinstance(e.get("attempt"), int):
+            self.attempt = max(self.attempt, e["attempt"])
         f = self.open_fault
         if kind == "run_start":
             self.say(wall, f"node {self.name(e['node'])}: agent up")
@@ -264,7 +267,7 @@ class Progress:
             self.say(wall, f"training: first step done on node {self.name(e['node'])}")
         elif kind == "fault_injected":
             row = {"fault": d.get("at"), "kind": d.get("fault"), "target": d.get("target"),
-                   "node": self.name(e["node"]), "wall": wall}
+                   "node": self.name(e["node"]), "wall": wall, "attempt": self.attempt}
             self.faults.append(row)
             self.open_fault = row
             what = {"kill-worker": f"SIGKILL rank {d.get('target')}", "hang-worker": f"SIGSTOP rank {d.get('target')} "
@@ -310,7 +313,8 @@ class Progress:
             self.newest[d.get("tier", "?")] = max(self.newest.get(d.get("tier", "?"), -1), int(d.get("step", -1)))
         elif kind == "step":
             step = int(d.get("step", 0))
-            if f and "first_step_s" not in f and "action" in f:
+            # training again = a step of a later attempt (a survivor's step in flight at the fault is not)
+            if f and "first_step_s" not in f and "action" in f and (e.get("attempt") or 0) > f["attempt"]:
                 f.update(first_step_s=wall - f["wall"], first_step=step)
                 self.say(wall, f"training again at step {step}, {wall - f['wall']:.2f} s after the fault")
                 self.open_fault = None
