@@ -1,20 +1,24 @@
 """The default policy (used when no ``--policy`` is given, and whenever another policy fails).
 
-Escalates from the cheapest recovery to the most drastic:
+Restarts in place for what a restart fixes; takes a node out only on node-level evidence:
 
-* worker exit / hang: ``Restart`` in place; after 3 failures of one node within the failure window,
-  ``HotSwap`` it to a spare (the node is cordoned); no spare: ``ScaleDown`` without it if ``--nnodes MIN``
-  allows, else keep restarting in place.
+* worker exit / hang: ``Restart`` in place. A rank that dies or hangs while its agent stays connected does
+  not condemn its node. Only failures that single a node out do: at least 3 within the failure window, and
+  a chance below 1% that bad luck alone put that many of the job's failures on it (failures falling on
+  nodes in proportion to their workers: a binomial tail). With 2 nodes that is 7 in a row on one node.
+  Then ``HotSwap`` it to a spare; no spare: ``ScaleDown`` if ``--nnodes MIN`` allows, else keep restarting.
 * node lost: ``HotSwap`` to a spare; no spare: ``ScaleDown`` if MIN allows; else ``Stop``.
+* host / GPU unhealthy: ``HotSwap`` to a free spare; no spare: ``Ignore`` (it keeps training).
+* a node swapped out while its agent is connected is benched, not cordoned: after ``cool_down`` (600 s), if
+  its agent still reports and is healthy, it is a warm spare again.
 * a spare joins while the job runs below MAX: ``ScaleUp`` at the next checkpoint boundary.
-* straggler, host/GPU unhealthy: ``Ignore`` (recorded; see ``evict_stragglers.py`` to act on them).
-* preemption notice: ``Ignore`` (the agents save a checkpoint themselves).
+* straggler, preemption notice: ``Ignore`` (recorded; the agents save on a notice).
 * restart budget (``--max-restarts``) spent: ``Stop``.
 
 The logic lives in ``resilient.supervisor.default_policy`` so that it ships with the package; this file is
-the copy-and-edit starting point.
+the copy-and-edit starting point: change the numbers below.
 """
 
 from resilient.supervisor.default_policy import DefaultPolicy
 
-policy = DefaultPolicy(failures_to_swap=3)
+policy = DefaultPolicy(failures_to_swap=3, luck=0.01, cool_down=600.0)

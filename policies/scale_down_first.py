@@ -5,14 +5,15 @@
   when MIN allows, else keep restarting in place.
 * spares are never swapped in; they are only used to grow back: a spare joining while the job runs below
   MAX gives ``ScaleUp`` at the next checkpoint boundary (as the default).
+* host / GPU unhealthy: ``Ignore`` (recorded; the node keeps training).
 * everything else: the default policy.
 
 Suits jobs whose spares are shared or slow to warm, and models that tolerate a changing world size.
 """
 
 from resilient.events.api import EventKind
-from resilient.supervisor.api import Action, HotSwap, JobView, Restart, ScaleDown, Stop
-from resilient.supervisor.default_policy import DefaultPolicy
+from resilient.supervisor.api import Action, HotSwap, Ignore, JobView, Restart, ScaleDown, Stop
+from resilient.supervisor.default_policy import HEALTH_KINDS, DefaultPolicy
 
 
 class ScaleDownFirst(DefaultPolicy):
@@ -31,6 +32,8 @@ class ScaleDownFirst(DefaultPolicy):
             return Restart(reason=f"{why}; at --nnodes min: restarting")
         action = super().decide(event, view)
         if isinstance(action, HotSwap):  # never spend a spare on a replacement
+            if event.kind in HEALTH_KINDS:  # a failing check alone does not shrink the job: it keeps training
+                return Ignore(reason=action.reason.split(":")[0] + ": recorded (spares only grow the job)")
             return Restart(reason=action.reason + " (spares only grow the job)")
         return action
 

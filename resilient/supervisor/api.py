@@ -45,11 +45,16 @@ class Restart(Action):
 
 @dataclass(frozen=True)
 class HotSwap(Action):
-    """Give ``spare`` the group rank of ``node`` (lost or cordoned); its workers restore that node's shards."""
+    """Give ``spare`` the group rank of ``node`` (lost or cordoned); its workers restore that node's shards.
+
+    ``cool_down``: None (the default) cordons an active ``node`` for good; a number of seconds benches it
+    instead: once they have passed, a node whose agent is still connected and healthy becomes a warm spare
+    again (a node swapped out on suspicion, not on proof, is not lost to the job)."""
 
     kind: ClassVar[str] = "hot_swap"
     node: str
     spare: str
+    cool_down: float | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class ScaleDown(Action):
 
     kind: ClassVar[str] = "scale_down"
     nodes: tuple[str, ...]
+    cool_down: float | None = field(default=None, kw_only=True)  # as for HotSwap: None cordons for good
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -104,7 +110,7 @@ class NodeState(str, enum.Enum):
     ACTIVE = "active"  # holds a group rank in the current assignment
     SPARE = "spare"  # joined and warm (fork server ready), no workers
     LOST = "lost"  # stopped reporting for --node-timeout, or its connection dropped
-    CORDONED = "cordoned"  # excluded by a Cordon action
+    CORDONED = "cordoned"  # excluded by a Cordon action, or benched by a swap/scale-down with a cool-down
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,7 @@ class _Node:
     healthy: bool = True
     failures: collections.deque = field(default_factory=collections.deque)  # times
     stragglers: collections.deque = field(default_factory=collections.deque)
+    returns_at: float | None = None  # benched (CORDONED with a cool-down): when it may be a spare again
 
 
 @dataclass
@@ -363,8 +364,8 @@ class SupervisorCore:
         current = event.attempt is None or event.attempt == self._assignment.attempt
         member = node.state is NodeState.ACTIVE
         if event.kind is EventKind.AGENT_LOST:
-            if node.state in (NodeState.ACTIVE, NodeState.SPARE):
-                node.state = NodeState.LOST
+            if node.state in (NodeState.ACTIVE, NodeState.SPARE) or node.returns_at is not None:
+                node.state, node.returns_at = NodeState.LOST, None  # a benched node that died comes back by joining
             if not member:
                 return []  # a spare or an already-replaced node: nothing to decide
             node.failures.append(now)
@@ -384,6 +385,11 @@ class SupervisorCore:
         if self._assignment is None or self._stopped or self._finished:
             return out
         for name, n in list(self._nodes.items()):
+            if n.returns_at is not None and now >= n.returns_at:
+                out += self._cooled_down(name, n, now)
+                if self._stopped:
+                    return out
+        for name, n in list(self._nodes.items()):
             if n.state in (NodeState.ACTIVE, NodeState.SPARE) and now - n.last_seen > self.cfg.node_timeout:
                 ev = Event(kind=EventKind.AGENT_LOST, node=name, attempt=None,
                            details={"reason": "timeout", "last_seen_age": round(now - n.last_seen, 3)},
@@ -395,6 +401,24 @@ class SupervisorCore:
         if p is not None and now - p.decided >= self.cfg.scale_up_wait:
             out += self._apply_scale_up(None, now, f"no checkpoint within {self.cfg.scale_up_wait:g} s")
         return out
+
+    def _cooled_down(self, name: str, n: _Node, now: float) -> list[Decision]:
+        """A benched node's cool-down is over: a spare again if its agent still reports and is healthy (the
+        policy is asked as for any joining spare), lost if it went quiet; an unhealthy one stays benched."""
+        if not n.healthy or n.state is not NodeState.CORDONED:
+            if n.state is not NodeState.CORDONED:
+                n.returns_at = None
+            return []
+        n.returns_at = None
+        if now - n.last_seen > self.cfg.node_timeout:
+            n.state = NodeState.LOST  # it may still come back by joining again
+            return []
+        n.state = NodeState.SPARE
+        ev = Event(kind=EventKind.NODE_JOINED, node=name, attempt=None,
+                   details={"nproc": n.nproc, "spare": True, "after": "cool_down"}, mono=now, wall=time.time())
+        self._recent.append(ev)
+        logger.info("node %s is a spare again after its cool-down", name)
+        return self._decide(ev, now)
 
     def _ckpt_done(self, event: Event, now: float) -> list[Decision]:
         tier, step = event.details.get("tier"), event.details.get("step")
@@ -481,6 +505,9 @@ class SupervisorCore:
                 raise _Budget(a)
 
         try:
+            cd = getattr(a, "cool_down", None)
+            if cd is not None and (isinstance(cd, bool) or not isinstance(cd, (int, float)) or not 0 <= cd < float("inf")):
+                raise _Invalid(f"{a.kind}: cool_down must be None or a finite number of seconds >= 0, got {cd!r}")
             if isinstance(a, Stop):
                 return a
             if isinstance(a, Ignore):
@@ -570,6 +597,8 @@ class SupervisorCore:
             node = self._nodes[n]
             if cordon or node.state is NodeState.ACTIVE:
                 node.state = NodeState.CORDONED
+                cool = None if cordon else getattr(a, "cool_down", None)
+                node.returns_at = None if cool is None else now + cool  # benched, not cordoned for good
             # a lost node stays LOST: it may come back as a spare
 
         if isinstance(a, Restart):
@@ -596,6 +625,7 @@ class SupervisorCore:
             return [d]
         if isinstance(a, Cordon):
             self._nodes[a.node].state = NodeState.CORDONED
+            self._nodes[a.node].returns_at = None
             if self._pending is not None and a.node in self._pending.spares:
                 self._pending.spares.remove(a.node)
                 if not self._pending.spares:

@@ -1,20 +1,36 @@
-"""The default policy: escalate from the cheapest recovery to the most drastic.
+"""The default policy: restart in place for what a restart fixes, replace a node only on node-level evidence.
 
 ========================  ================================================================================
 event                     action
 ========================  ================================================================================
-worker_exit / hang        ``Restart`` (in-job restart, same nodes and ranks). After ``failures_to_swap`` (3)
-                          failures of one node within the failure window: ``HotSwap`` it to a spare (it is
-                          cordoned); no spare: ``ScaleDown`` without it if ``--nnodes MIN`` allows; else
-                          keep restarting in place.
+worker_exit / hang        ``Restart`` (in-job restart, same nodes and ranks): a rank that dies or hangs while
+                          its agent stays connected and healthy says nothing about the node by itself (the
+                          rank that fails first is often the survivor of a peer's failure, and faults come
+                          at random). A node is replaced for worker failures only when they single it out
+                          (see *a bad node* below); then ``HotSwap`` to a spare, benched for ``cool_down``;
+                          no spare: ``ScaleDown`` without it if ``--nnodes MIN`` allows; else keep
+                          restarting in place.
 agent_lost (node lost)    ``HotSwap`` to a spare; no spare: ``ScaleDown`` if MIN allows; else ``Stop``.
+host / GPU unhealthy      ``HotSwap`` to a free spare, benched (it returns only once it reports healthy);
+                          no spare: ``Ignore`` (the node still trains; a failing check is not a failure).
 node_joined (a spare)     ``ScaleUp`` when the job runs below MAX (carried out at the next checkpoint
                           boundary); otherwise ``Ignore`` (it waits warm).
-straggler / host or GPU   ``Ignore``: recorded; a node that really breaks shows up as failures, which
-unhealthy                 escalate as above (``policies/evict_stragglers.py`` acts on persistent ones).
+straggler                 ``Ignore``: recorded (``policies/evict_stragglers.py`` acts on persistent ones).
 preemption_notice         ``Ignore``: the agents save a checkpoint themselves on a notice.
 restart budget spent      ``Stop`` with the reason.
 ========================  ================================================================================
+
+**A bad node** (``node_is_bad``): it has at least ``failures_to_swap`` (3) failures within the view's failure
+window (``JobView.failure_window``), and bad luck alone would put that many of the job's failures on it
+with a chance below ``luck`` (1%). Under bad luck every failure of the job falls on a node in proportion to
+its share of the workers, so a node's count is Binomial(F, share), F being the failures of all current
+members within the window; the chance is that binomial's upper tail. With 2 equal nodes it takes 7
+failures in a row on one node (0.5**7 < 1%); with 8 nodes, 3 of 3. A single-node job has no other node to
+compare with: worker failures never replace its node (a lost or unhealthy node still is).
+
+**Benched, not cordoned.** A node swapped out while its agent is connected (failures, a failing check) is
+benched for ``cool_down`` seconds (600); after it, if its agent still reports and is healthy, it is a warm
+spare again (the core carries this out: see ``HotSwap.cool_down``). ``cool_down=None`` cordons for good.
 
 The policy only reads the view, so it can be used anywhere, including as the fallback when a user's
 policy fails. Extend it by subclassing :class:`DefaultPolicy` and calling ``super().decide``.
@@ -22,20 +38,48 @@ policy fails. Extend it by subclassing :class:`DefaultPolicy` and calling ``supe
 
 from __future__ import annotations
 
+import math
+
 from resilient.events.api import Event, EventKind
-from resilient.supervisor.api import Action, HotSwap, Ignore, JobView, Restart, ScaleDown, ScaleUp, Stop
+from resilient.supervisor.api import (
+    Action, HotSwap, Ignore, JobView, NodeState, Restart, ScaleDown, ScaleUp, Stop,
+)
 
 FAILURE_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST})
+HEALTH_KINDS = frozenset({EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY})
+
+
+def bad_luck_chance(k: int, total: int, share: float) -> float:
+    """P(X >= k) for X ~ Binomial(total, share): the chance that ``k`` or more of ``total`` failures fall on a
+    node holding ``share`` of the workers when failures strike at random."""
+    if k <= 0:
+        return 1.0
+    if k > total:
+        return 0.0
+    if share >= 1.0:
+        return 1.0
+    if share <= 0.0:
+        return 0.0
+    return min(1.0, sum(math.comb(total, i) * share ** i * (1.0 - share) ** (total - i) for i in range(k, total + 1)))
 
 
 class DefaultPolicy:
-    """Escalating policy (see the module docstring). ``failures_to_swap``: failures of one node within the
-    view's failure window after which it is replaced rather than restarted."""
+    """See the module docstring. ``failures_to_swap``: the fewest failures of one node within the failure window
+    that can single it out; ``luck``: how unlikely bad luck must be before the node is blamed; ``cool_down``:
+    seconds a node swapped out while its agent is healthy stays benched before it is a spare again (None:
+    cordoned for good)."""
 
-    def __init__(self, failures_to_swap: int = 3) -> None:
-        if failures_to_swap < 1:
-            raise ValueError(f"failures_to_swap must be >= 1, got {failures_to_swap}")
+    def __init__(self, failures_to_swap: int = 3, luck: float = 0.01, cool_down: float | None = 600.0) -> None:
+        if isinstance(failures_to_swap, bool) or not isinstance(failures_to_swap, int) or failures_to_swap < 1:
+            raise ValueError(f"failures_to_swap must be an integer >= 1, got {failures_to_swap!r}")
+        if isinstance(luck, bool) or not isinstance(luck, (int, float)) or not 0.0 < luck < 1.0:
+            raise ValueError(f"luck must be a probability between 0 and 1 (exclusive), got {luck!r}")
+        if cool_down is not None and (isinstance(cool_down, bool) or not isinstance(cool_down, (int, float))
+                                      or not 0.0 <= cool_down < math.inf):
+            raise ValueError(f"cool_down must be None or a finite number of seconds >= 0, got {cool_down!r}")
         self.failures_to_swap = failures_to_swap
+        self.luck = float(luck)
+        self.cool_down = None if cool_down is None else float(cool_down)
 
     # -- helpers subclasses use
     @staticmethod
@@ -47,21 +91,38 @@ class DefaultPolicy:
         """Healthy spares not already promised to a pending scale-up."""
         return tuple(s for s in view.spares if s not in view.pending_scale_up)
 
-    def replace(self, node: str, view: JobView, why: str, *, last_resort: Action | None = None) -> Action:
+    def node_is_bad(self, node: str, view: JobView) -> tuple[bool, str]:
+        """Whether ``node``'s failures within the window single it out (see the module docstring), and why."""
+        v = view.nodes.get(node)
+        members = [m for m in view.members if m in view.nodes]
+        if v is None or node not in members:
+            return False, f"{node} holds no group rank"
+        k = v.failures
+        total = sum(view.nodes[m].failures for m in members)
+        workers = sum(view.nodes[m].nproc for m in members)
+        share = v.nproc / workers if workers > 0 else 1.0
+        p = bad_luck_chance(k, total, share)
+        why = (f"{node} had {k} of the job's {total} failure(s) within {view.failure_window:g} s holding "
+               f"{share:.0%} of the workers (bad luck: {p:.2%})")
+        return k >= self.failures_to_swap and p < self.luck, why
+
+    def replace(self, node: str, view: JobView, why: str, *, last_resort: Action | None = None,
+                cool_down: float | None = None) -> Action:
         """Take ``node`` out of the job: a spare takes its place, else the job shrinks, else ``last_resort``
-        (``Stop`` when not given)."""
+        (``Stop`` when not given). ``cool_down``: bench it rather than cordon it (a lost node needs none: it
+        comes back as a spare by joining again)."""
         spares = self.free_spares(view) or view.spares
         if spares:
-            return HotSwap(node, spares[0], reason=f"{why}: spare {spares[0]} takes its place")
+            return HotSwap(node, spares[0], reason=f"{why}: spare {spares[0]} takes its place", cool_down=cool_down)
         if self.can_scale_down(view):
-            return ScaleDown((node,), reason=f"{why}: no spare, continuing on {len(view.members) - 1} node(s)")
+            return ScaleDown((node,), reason=f"{why}: no spare, continuing on {len(view.members) - 1} node(s)",
+                             cool_down=cool_down)
         if last_resort is not None:
             return last_resort
         return Stop(reason=f"{why}: no spare, and --nnodes min {view.min_nodes} forbids scaling down")
 
     def decide(self, event: Event, view: JobView) -> Action:
         kind = event.kind
-        node = view.nodes.get(event.node)
         if kind is EventKind.NODE_JOINED:
             room = view.max_nodes - len(view.members) - len(view.pending_scale_up)
             spares = self.free_spares(view)
@@ -70,18 +131,27 @@ class DefaultPolicy:
                 return ScaleUp(grow, reason=f"{', '.join(grow)} joined while the job runs on "
                                             f"{len(view.members)} of max {view.max_nodes} node(s)")
             return Ignore(reason=f"{event.node} waits as a spare")
+        if kind in HEALTH_KINDS:
+            node = view.nodes.get(event.node)
+            spares = self.free_spares(view)
+            if (node is not None and node.state is NodeState.ACTIVE and event.node in view.members and spares
+                    and view.restarts_left > 0):
+                check = event.details.get("check") if isinstance(event.details, dict) else None
+                return HotSwap(event.node, spares[0], cool_down=self.cool_down,
+                               reason=f"{kind.value} on {event.node} ({check or 'check failing'}): spare "
+                                      f"{spares[0]} takes its place")
+            return Ignore(reason=f"{kind.value} on {event.node} recorded (no free spare: it keeps training)")
         if kind not in FAILURE_KINDS:
             return Ignore(reason=f"{kind.value} on {event.node} recorded")
         if view.restarts_left <= 0:
             return Stop(reason=f"restart budget spent ({kind.value} on {event.node})")
         if kind is EventKind.AGENT_LOST:
             return self.replace(event.node, view, f"node {event.node} lost")
-        failures = node.failures if node is not None else 0
-        if failures >= self.failures_to_swap:
-            why = f"{event.node} failed {failures} times within {view.failure_window:g} s"
-            return self.replace(event.node, view, why,
+        bad, why = self.node_is_bad(event.node, view)
+        if bad:
+            return self.replace(event.node, view, why, cool_down=self.cool_down,
                                 last_resort=Restart(reason=f"{why}; no spare and at --nnodes min: restarting"))
-        return Restart(reason=f"{kind.value} on {event.node} (rank {event.rank})")
+        return Restart(reason=f"{kind.value} on {event.node} (rank {event.rank}): in-job restart; {why}")
 
 
 def default_policy() -> DefaultPolicy:

@@ -103,6 +103,33 @@ def restart(*members: str, **kw: Any) -> Expect:
     return Expect("restart", members=members, **kw)
 
 
+def crashes(node: str, start: float, n: int) -> tuple[On, ...]:
+    """``n`` worker crashes of ``node``, one a second from ``start``."""
+    return tuple(crash(node, start + i) for i in range(n))
+
+
+# The headline benchmark's seeded schedule (bench/goodput.py, seed 0, MTBF 60 s) as the supervisor sees it: 2
+# nodes x 1 worker at --nnodes 2 and a spare; a kill or hang of rank r is reported by node r (its peer may
+# report first in a real run: tests/supervisor/test_default_policy.py tries both), the node loss is b's.
+_BENCH_FAULTS = ((20.1, "worker_exit", "a"), (120.7, "worker_exit", "b"), (131.9, "hang", "a"),
+                 (138.6, "worker_exit", "a"), (145.5, "worker_exit", "b"), (150.0, "worker_exit", "b"),
+                 (222.7, "hang", "a"), (420.3, "agent_lost", "b"), (454.7, "worker_exit", "s"),
+                 (510.0, "worker_exit", "s"))
+
+
+def _bench_steps() -> tuple[Step, ...]:
+    out: list[Step] = []
+    for at, kind, node in _BENCH_FAULTS:
+        out.append(Seen(tuple(n for n in ("a", "b", "s") if not (n == "b" and at >= 420.3)), at - 0.5))
+        if kind == "agent_lost":
+            out.append(On(kind, node, at, attempt=None, details={"reason": "disconnected"}))
+        elif kind == "hang":
+            out.append(On(kind, node, at, rank=0, details={"last_heartbeat_age": 5.0}))
+        else:
+            out.append(crash(node, at))
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------------------------- broken policies
 class _Wrapper:
     """Broken on worker exits (and on node loss for ``invalid``); the policy under test decides the rest."""
@@ -180,18 +207,59 @@ SCENARIOS: tuple[Scenario, ...] = (
         (),
     ),
     Scenario(
-        "repeated_crash_swap", "the third crash of one node within the window swaps it for the spare",
-        _TWO, joins("a", "b", "s") + (crash("b", 5), crash("b", 6), crash("b", 7)),
-        (restart("a", "b"), restart("a", "b"), Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"))),
+        "repeated_crash_swap", "7 crashes in a row of one of 2 nodes single it out (bad luck: 0.8%): swapped for "
+                               "the spare, benched",
+        {**_TWO, "max_restarts": 10}, joins("a", "b", "s") + crashes("b", 5, 7),
+        (*(restart("a", "b"),) * 6, Expect("hot_swap", {"node": "b", "spare": "s", "cool_down": 600.0}, ("a", "s"))),
         overrides={
             "hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),),
             "scale_down_first": (restart("a", "b"), restart("a", "b"), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
         },
     ),
     Scenario(
-        "repeated_crash_no_spare", "repeated crashes and no spare: scale down without the node",
-        _TWO, joins("a", "b") + (crash("b", 5), crash("b", 6), crash("b", 7)),
-        (restart("a", "b"), restart("a", "b"), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+        "three_crashes_are_bad_luck", "3 crashes of one of 2 nodes within seconds: bad luck (12.5%), restarts",
+        _TWO, joins("a", "b", "s") + crashes("b", 5, 3),
+        (restart("a", "b"),) * 3,
+        overrides={
+            "hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),),
+            "scale_down_first": (restart("a", "b"), restart("a", "b"), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+        },
+    ),
+    Scenario(
+        "repeated_crash_no_spare", "a node singled out by its crashes, no spare: scale down without it",
+        {**_TWO, "max_restarts": 10}, joins("a", "b") + crashes("b", 5, 7),
+        (*(restart("a", "b"),) * 6, Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+        overrides={
+            "scale_down_first": (restart("a", "b"), restart("a", "b"), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+        },
+    ),
+    Scenario(
+        "benched_node_returns", "a node swapped out for its crashes is a spare again after the cool-down, and "
+                                "takes the place of the next lost node",
+        {**_TWO_AT_MIN, "max_restarts": 10},
+        joins("a", "b", "s") + crashes("b", 5, 7) + (Seen(("a", "b", "s"), 300), Seen(("a", "b", "s"), 605),
+                                                     Tick(611.5), Seen(("a", "b"), 615), Tick(616.5)),
+        (*(restart("a", "b"),) * 6, Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),
+         Expect("ignore"), Expect("hot_swap", {"node": "s", "spare": "b"}, ("a", "b"))),
+        overrides={
+            "hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),
+                               Expect("stop")),  # b is cordoned for good: nothing replaces s
+            "scale_down_first": (restart("a", "b"),) * 7,  # s stays a spare: its loss decides nothing
+        },
+    ),
+    Scenario(
+        "bench_schedule", "the headline benchmark's seeded faults (seed 0): in-job restarts, the spare only for "
+                          "the node loss",
+        {**_TWO_AT_MIN, "nproc_per_node": 1, "max_restarts": 100},
+        tuple(Join(n, 0.0, nproc=1) for n in ("a", "b", "s")) + (Form(0.0),) + _bench_steps(),
+        (*(restart("a", "b"),) * 7, Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),
+         restart("a", "s"), restart("a", "s")),
+        overrides={
+            # a's later reports come from a node outside the job (the scenario's names are fixed): ignored
+            "hot_swap_first": (Expect("hot_swap", {"node": "a", "spare": "s"}, ("s", "b")),
+                               *(restart("s", "b"),) * 3, Expect("stop")),
+            "scale_down_first": (*(restart("a", "b"),) * 7, Expect("stop")),
+        },
     ),
     Scenario(
         "repeated_crash_at_min", "repeated crashes, no spare, at --nnodes min: keep restarting in place",
@@ -301,10 +369,15 @@ SCENARIOS: tuple[Scenario, ...] = (
                                         Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")))},
     ),
     Scenario(
-        "unhealthy_node", "a GPU reported unhealthy: recorded (hot_swap_first swaps it)",
+        "unhealthy_node", "a GPU reported unhealthy: a free spare takes its place",
         _TWO, joins("a", "b", "s") + (On("gpu_unhealthy", "b", 5, details={"index": 0, "check": "xid"}),),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),),
+        overrides={"scale_down_first": (Expect("ignore"),)},
+    ),
+    Scenario(
+        "unhealthy_node_no_spare", "a host check failing and no spare: recorded, the node keeps training",
+        _TWO, joins("a", "b") + (On("host_unhealthy", "b", 5, details={"check": "memory", "value": 97.0}),),
         (Expect("ignore"),),
-        overrides={"hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),)},
     ),
     Scenario(
         "preemption_notice_ignored", "a preemption notice: the agents save; no action",

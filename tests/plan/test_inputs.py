@@ -118,12 +118,13 @@ def test_replaying_a_drill_gives_back_its_goodput_category_by_category() -> None
 
 
 def test_three_failures_of_one_node_replay_as_the_policy_decided() -> None:
-    """The default policy swaps a node out for the spare at its third failure within the hour: a replay that
-    keeps each fault on its node (and knows the spare that joined after the start) makes the same decision."""
+    """scale_down_first drops a node at its third failure within the hour (the default policy asks for more:
+    3 of 3 on one of 2 nodes is bad luck): a replay that keeps each fault on its node (and knows the spare
+    that joined after the start) makes the same decision."""
     m = measure_events(drill_ledger(fault_nodes="bbb"))
     assert [p.node for p in m.schedule] == [1, 1, 1] and m.spares == 1
     c = ClusterConfig(nodes=2, gpus_per_node=1, spares=m.spares, ckpt_interval=1, steps=60,
-                      failures_per_node_day=0.0, tiers=m.tiers)
+                      failures_per_node_day=0.0, tiers=m.tiers, min_nodes=1)
     f = figures_from(m, {})
-    assert simulate(c, f, POLICIES / "default.py", trials=1, faults=m.schedule).actions == {
-        "restart": 2.0, "hot_swap": 1.0}
+    assert simulate(c, f, POLICIES / "scale_down_first.py", trials=1, faults=m.schedule).actions == {
+        "restart": 2.0, "scale_down": 1.0}

@@ -36,7 +36,7 @@ def test_scenarios_json_records_fallbacks() -> None:
     by = {s["scenario"]: s for s in out["scenarios"]}
     assert "RuntimeError: policy bug" in by["policy_raises"]["decisions"][0]["fallback"]
     assert by["repeated_crash_swap"]["decisions"][-1]["action_args"] == {"action": "hot_swap", "reason": by[
-        "repeated_crash_swap"]["decisions"][-1]["reason"], "node": "b", "spare": "s"}
+        "repeated_crash_swap"]["decisions"][-1]["reason"], "node": "b", "spare": "s", "cool_down": 600.0}
 
 
 def test_a_user_policy_is_compared_with_the_default(tmp_path: Path) -> None:
