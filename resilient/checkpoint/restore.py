@@ -1,0 +1,721 @@
+"""Restore: the newest step complete on some tier, into the caller's state, from the fastest verified copies.
+
+Each rank reads from the fastest tier holding a verified copy of each file (this node's local and partner
+copies, another rank's copy over gloo, the persistent tier), falling back file by file and tier by tier.
+Plain tensors land straight in the target tensors, each block verified right after it lands (``load.py``);
+the rest of the state goes through DCP's reader over verified files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from resilient.checkpoint.api import (DCP_METADATA, TIER_ORDER, CheckpointError, CheckpointMismatchError,
+                                      CheckpointReshardError, CorruptFileError, FileEntry, Manifest,
+                                      NoRestorableStepError, RestoreResult, StateUndefinedError, TierName,
+                                      UnsafeCheckpointError)
+from resilient.checkpoint.context import FAILURES, Component
+from resilient.checkpoint.context import one_line as _one_line
+from resilient.checkpoint.context import per_rank_key as _per_rank_key
+from resilient.checkpoint.context import quiet as _quiet
+from resilient.checkpoint.context import rmdir_quiet as _rmdir_quiet
+from resilient.checkpoint.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, load_files,
+                                       plan_spans, undefined, whole_file)
+from resilient.checkpoint.plan import plan_fetch
+from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
+from resilient.checkpoint.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
+from resilient.checkpoint.stage import flatten, is_stateful, plain_state, set_path
+from resilient.checkpoint.tiers import map_verified, read_manifest, retry, verify_bytes, verify_file
+from resilient.checkpoint.transfer import run_transfers
+from resilient.events.api import EventKind
+
+logger = logging.getLogger(__name__)
+
+
+def _memory_budget() -> int:
+    """Fetched files are kept in memory up to a quarter of the available RAM, else spilled to disk."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available * 0.25)
+    except Exception:
+        return 1 << 30
+
+
+@dataclass
+class _Unsafe:
+    """A restore attempt refused a file as unsafe (see :meth:`Restorer._refused`)."""
+
+    errors: list[str]
+
+
+def _manifest_problem(m: Manifest) -> str | None:
+    for n in m.files:
+        problem = unsafe_name(n)
+        if problem:
+            return problem
+    return None
+
+
+def _checked(m: Manifest) -> Manifest:
+    problem = _manifest_problem(m)
+    if problem:
+        raise UnsafeCheckpointError(f"manifest-rank{m.rank}.json of step {m.step}", None, problem)
+    return m
+
+
+@dataclass
+class _LoadPlan:
+    plain: dict[str, Any]
+    leaves: dict[str, tuple[tuple[Any, ...], Any]]
+    load_sd: dict[str, Any]  # checkpoint key -> target (tensor loaded in place, or a placeholder)
+    key_of: dict[str, str]  # state fqn -> checkpoint key
+    expand: dict[str, list[str]]  # empty containers filled from the checkpoint's keys under them
+    reshard: dict[str, str] = field(default_factory=dict)  # state fqn -> why it cannot be resharded here
+
+
+class Restorer(Component):
+    """Restore for one rank (collective on the manager's group: every rank calls :meth:`restore`)."""
+
+    def _tiers(self) -> list[Any]:
+        return [t for t in (self.local, self.peer, self.persistent) if t is not None]
+
+    def _scan(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for t in self._tiers():
+            try:
+                if t is self.persistent:
+                    # a bounded probe: a dead store must not hold the start of training
+                    steps = t.steps(timeout_s=self.config.restore_probe_s)
+                else:
+                    steps = t.steps()
+                out[t.name] = sorted(s for s, c in steps.items() if c)
+            except FAILURES as e:
+                out[t.name] = []
+                if t is self.persistent:
+                    others = [x.name for x in self._tiers() if x is not t]
+                    msg = (f"unreachable at restore ({_one_line(e)}); restoring from "
+                           f"{' and '.join(others) if others else 'nothing'} without it")
+                    logger.warning("persistent tier %s: %s", t.url(), msg)
+                    self._emit(EventKind.CKPT_TIER_FAILED, step=None, tier=t.name, error=msg)
+                else:
+                    logger.warning("cannot list %s: %s", t, e)
+        return out
+
+    def restore(self, state: Mapping[str, Any]) -> RestoreResult:
+        """Load the newest step complete on some tier into ``state``; return the step to run next.
+
+        Each rank reads from the fastest tier holding a verified copy of each file, falling back
+        tier by tier (local → partner node over gloo → persistent) on a missing or corrupt file.
+        Returns 0 when there is nothing to restore.
+        """
+        t0 = time.perf_counter()
+        views = self._gather(self._scan(), self._pg)
+        candidates = sorted({s for v in views for steps in v.values() for s in steps}, reverse=True)
+        if self.local is not None and self.local_rank == 0:
+            # partial steps left by a crash are garbage now (nothing is writing before restore)
+            for tier in (self.local, self.peer):
+                if tier is not None:
+                    self._retain(tier, 10**9, pinned_from=None, drop_newer_partial=True)
+        if not candidates:
+            return RestoreResult(step=None, tier=None, seconds=time.perf_counter() - t0, bytes=0)
+        failures = []
+        self._excluded: set[tuple[int, str]] = set()  # (step, tier) whose copy was refused as unsafe
+        self._lazy: set[str] = set()  # this rank's files taken from this node unverified (verified as they land)
+        self._dirty = False  # bytes of a step that then failed landed in the state
+        self._remote: set[str] = set()  # this rank's files read by blocks from the persistent tier
+        unsafe: list[str] = []
+        for step in candidates:
+            res = None
+            for _ in TIER_ORDER:  # an unsafe copy on one tier: the same step again from the next tier
+                got = self._try_restore(step, state, views, t0)
+                if isinstance(got, _Unsafe):
+                    unsafe.extend(got.errors)
+                    continue
+                res = got
+                break
+            if res is not None:
+                self._emit(EventKind.CKPT_RESTORE, step=step, tier=res.tier, seconds=res.seconds, bytes=res.bytes,
+                           sources=sorted(set(res.sources.values())))
+                logger.info("rank %d restored step %d from %s in %.2f s", self.rank, step, res.tier, res.seconds)
+                return res
+            failures.append(step)
+        extra = f"; refused as unsafe: {'; '.join(sorted(set(unsafe))[:5])}" if unsafe else ""
+        if self._dirty:
+            msg = (f"committed steps {failures} exist but none could be loaded from verified blocks on any tier; "
+                   f"bytes of a checkpoint already landed in the state, which is now undefined{extra}: restore "
+                   "from another checkpoint directory or start from a fresh state; see the log for the blocks")
+            self._emit(EventKind.CKPT_TIER_FAILED, step=failures[0] if failures else None, tier="all",
+                       error=msg, state_undefined=True)
+            raise StateUndefinedError(msg)
+        raise NoRestorableStepError(f"committed steps {failures} exist but none could be assembled from verified "
+                                    f"files on any tier; the state is undefined{extra}; see the log for the "
+                                    "corrupt or missing files")
+
+    def _local_copies(self, step: int) -> list[tuple[str, Path]]:
+        out = []
+        for t in (self.local, self.peer):
+            if t is not None and t.path(step).is_dir() and (step, t.name) not in getattr(self, "_excluded", ()):
+                out.append((t.name, t.path(step)))
+        fetched = self._fetch_dir(step)
+        if fetched.is_dir():
+            out.append(("fetched", fetched))
+        return out
+
+    def _fetch_dir(self, step: int) -> Path:
+        return self._scratch / ".fetch" / f"rank{self.rank}" / f"step_{step:08d}"
+
+    def _try_restore(self, step: int, state: Mapping[str, Any], views: list[dict[str, list[int]]],
+                     t0: float) -> "RestoreResult | _Unsafe | None":
+        in_persistent = (any(step in v.get(TierName.PERSISTENT.value, []) for v in views)
+                         and (step, TierName.PERSISTENT.value) not in self._excluded)
+        # 1. manifests: each rank contributes those it holds, the persistent tier fills gaps
+        mine: dict[int, dict[str, Any]] = {}
+        for _, d in self._local_copies(step):
+            for p in d.glob("manifest-rank*.json"):
+                try:
+                    m = Manifest.from_json(json.loads(p.read_bytes()))
+                    problem = _manifest_problem(m)
+                    if problem:
+                        logger.warning("manifest %s skipped: unsafe: %s", p, problem)
+                        continue
+                    if m.step == step:
+                        mine.setdefault(m.rank, m.to_json())
+                except (OSError, ValueError, KeyError, TypeError):
+                    logger.warning("unreadable manifest %s skipped", p)
+        manifests: dict[int, Manifest] = {}
+        for theirs in self._gather(mine, self._pg):
+            for r, mj in theirs.items():
+                manifests.setdefault(r, Manifest.from_json(mj))
+        world_old = next(iter(manifests.values())).world_size if manifests else None
+        if in_persistent and (world_old is None or len(manifests) < world_old):
+            missing = [r for r in range(world_old or 0) if r not in manifests] if world_old else None
+            try:
+                if missing is None:
+                    m0 = _checked(retry(lambda: read_manifest(self.persistent, step, 0),  # type: ignore
+                                        what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
+                    manifests[0] = m0
+                    world_old = m0.world_size
+                    missing = [r for r in range(world_old) if r not in manifests]
+                for r in missing:
+                    manifests[r] = _checked(retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
+                                                  what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
+            except FAILURES as e:
+                logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
+        ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
+        if not self._all(ok_manifests):
+            logger.warning("step %d: manifests of some ranks are on no tier; trying an older step", step)
+            return None
+        assert world_old is not None
+        files: dict[str, FileEntry] = {DCP_METADATA: manifests[0].metadata}
+        for m in manifests.values():
+            files.update(m.files)
+        per_rank_keys = set(manifests[0].per_rank_keys)
+
+        # 2. DCP's .metadata first: it says which files hold the keys this rank loads
+        phases = {"manifests": time.perf_counter() - t0}
+        t_phase = time.perf_counter()
+        got = self._assemble(step, {DCP_METADATA}, files, in_persistent)
+        if got is None:
+            return None
+        paths, mem, sources = got
+        md, refused = None, None
+        try:
+            md = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes(),
+                               what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
+        except UnsafeCheckpointError as e:
+            refused = (sources.get(DCP_METADATA), str(e))
+        except FAILURES as e:
+            logger.warning("rank %d: step %d: %s", self.rank, step, _one_line(e))
+            refused = ("", "")
+        verdict = self._refused(step, refused)
+        if verdict is not None:
+            mem.clear()
+            return verdict
+        assert md is not None
+        phases["metadata"] = time.perf_counter() - t_phase
+        # every rank stops here if one cannot plan, none is left waiting in a collective, and every rank's
+        # error is told
+        plan = self._ranks(self._pg).run(
+            f"planning the restore of step {step}",
+            lambda: self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old),
+            catch=(CheckpointError,))
+        # a world-size change some state cannot follow: every rank learns every rank's findings and all
+        # raise the same error, before a single data file is fetched or a byte lands in the state
+        reshard: dict[str, str] = {}
+        for theirs in self._gather(plan.reshard, self._pg):
+            for k, why in theirs.items():
+                reshard.setdefault(k, why)
+        if reshard:
+            err = CheckpointReshardError(step, world_old, self.world_size, reshard)
+            if self.rank == 0:
+                logger.error("%s", err)
+            raise err
+        keys = set(plan.load_sd)
+        need = {DCP_METADATA} | {info.relative_path for idx, info in md.storage_data.items() if idx.fqn in keys}
+        missing = sorted(n for n in need if n not in files)
+        if not self._all(not missing):
+            logger.warning("step %d: .metadata names files no manifest lists (%s); trying an older step",
+                           step, missing[:5])
+            return None
+
+        # 3. the data files: copies on this node are taken as they are (verified block by block as they
+        # land in the state); the rest is fetched from a peer or the persistent tier, verified in memory
+        t_phase = time.perf_counter()
+        self._lazy = set()
+        self._remote = set()
+        got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True)
+        if got is None:
+            return None
+        paths, mem, sources = got
+        phases["fetch"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+
+        # 4. plain tensors straight into the state, each block verified right after it lands; a bad block
+        # comes again from the next copy into the same place; the rest of the state through DCP
+        slow_keys = self._load_direct(step, md, plan, need, files, paths, mem, sources, in_persistent)
+        if slow_keys is None:
+            mem.clear()
+            return None
+        phases["direct"] = time.perf_counter() - t_phase
+        refused = None
+        if slow_keys:
+            slow_sd = {k: plan.load_sd[k] for k in slow_keys}
+            view = self._scratch / ".restore" / f"rank{self.rank}"
+            shutil.rmtree(view, ignore_errors=True)
+            view.mkdir(parents=True)
+            for n, p in paths.items():
+                if n not in mem:
+                    os.symlink(os.path.abspath(p), view / n)
+            try:
+                reader = FastReader(view, mem)
+                try:
+                    _quiet(dcp.load, slow_sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+                    plan.load_sd.update(slow_sd)
+                except FAILURES as e:
+                    bad = find_unsafe(e)
+                    if bad is None:
+                        raise
+                    name = bad.path.rsplit("/", 1)[-1]
+                    refused = (sources.get(name, sources.get(DCP_METADATA)), str(bad))
+            finally:
+                shutil.rmtree(view, ignore_errors=True)
+                _rmdir_quiet(view.parent)
+        mem.clear()
+        verdict = self._refused(step, refused)  # every rank takes part: the agreement point after loading
+        if verdict is not None:
+            return verdict
+        self._finish_load(state, plan)
+        phases["load"] = time.perf_counter() - t_phase
+        used = {sources[n] for n in need}
+        tier = max(used, key=lambda t: [x.value for x in TIER_ORDER].index(t)) if used else None
+        nbytes = sum(files[n].size for n in need)
+        res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes,
+                            sources={n: sources[n] for n in need}, phases=phases)
+        logger.debug("rank %d restore of step %d phases: %s", self.rank, step, phases)
+        shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
+        _rmdir_quiet(self._scratch / ".fetch")
+        return res
+
+    def _load_direct(self, step: int, md: Any, plan: "_LoadPlan", need: set[str], files: dict[str, FileEntry],
+                     paths: dict[str, Path], mem: dict[str, Any], sources: dict[str, str],
+                     in_persistent: bool) -> set[str] | None:
+        """Collective: load the plain tensors of ``plan`` straight into their targets (see ``load.py``).
+
+        Returns the checkpoint keys left to DCP; every file DCP will read is verified whole by then.
+        Returns None on every rank when some rank has a block no tier holds a good copy of (after this
+        node's other copies, the persistent tier by ranged reads, then other ranks' copies over gloo).
+        """
+        by_fqn: dict[str, list[Any]] = {}
+        for idx, info in md.storage_data.items():
+            by_fqn.setdefault(idx.fqn, []).append(info)
+        per_file: dict[str, list[Item]] = {}
+        slow: set[str] = set()
+        for key, v in plan.load_sd.items():
+            m = md.state_dict_metadata.get(key)
+            infos = by_fqn.get(key, [])
+            if (isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
+                    and len(infos) == 1 and not infos[0].transform_descriptors
+                    and all(o == 0 for o in m.chunks[0].offsets) and tuple(m.chunks[0].sizes) == tuple(v.shape)):
+                per_file.setdefault(infos[0].relative_path, []).append(Item(infos[0].offset, infos[0].length, v))
+            else:
+                slow.add(key)
+        loads: list[FileLoad] = []
+        opened: list[Source] = []
+        key_of_target = {id(v): k for k, v in plan.load_sd.items() if isinstance(v, torch.Tensor)}
+        slow_files: set[str] = set()
+        lost: list[str] = []
+        try:
+            for name in sorted(need - {DCP_METADATA}):
+                srcs = self._sources(step, name, files[name], paths, mem, sources, in_persistent, opened)
+                items = per_file.get(name, [])
+                if not srcs:
+                    lost.append(f"{name} (no copy)")
+                    continue
+                for it in items:  # the layout is trusted only for targets that match DCP's metadata
+                    m = md.state_dict_metadata[key_of_target[id(it.target)]]
+                    if m.properties.dtype != it.target.dtype:
+                        slow.add(key_of_target[id(it.target)])
+                items = [it for it in items if key_of_target[id(it.target)] not in slow]
+                spans, left = plan_spans(srcs[0], files[name].size, items, files[name].items)
+                for it in left:
+                    slow.add(key_of_target[id(it.target)])
+                if left or len(items) < self._items_in(md, name):
+                    slow_files.add(name)
+                loads.append(FileLoad(name, files[name], srcs, spans))
+                if name in slow_files and name in self._remote:
+                    # DCP reads the objects from the bytes kept as they passed (pages of tensor bytes
+                    # are never touched: not resident)
+                    loads[-1].keep_gaps = torch.empty(files[name].size, dtype=torch.uint8).numpy()
+
+            def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
+                logger.warning("rank %d: step %d: %s block %d from the %s tier: %s; trying the next copy",
+                               self.rank, step, f.name, block, tier, why)
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier,
+                           error=f"{f.name} block {block}: {why}")
+
+            lost += load_files(loads, on_bad=on_bad, verified=frozenset(n for n in mem if n not in self._lazy))
+            for f in loads:
+                if f.served is not None:
+                    sources[f.name] = f.served
+                if f.keep_gaps is not None and f.name not in lost:
+                    mem[f.name] = f.keep_gaps
+                elif f.name in slow_files and f.name not in lost and f.sources and f.served != f.sources[0].tier:
+                    # a block of the first copy was bad: DCP reads the rest from a whole verified copy
+                    mem[f.name] = self._whole(f)
+            if not lost:
+                # whole objects (a step count, a data position) from the verified bytes, as DCP's load_bytes
+                # through the restricted unpickler would, without a DCP pass for them
+                for key in sorted(slow):
+                    m, infos = md.state_dict_metadata.get(key), by_fqn.get(key, [])
+                    if not (isinstance(m, BytesStorageMetadata) and len(infos) == 1
+                            and not infos[0].transform_descriptors):
+                        continue
+                    f = next((x for x in loads if x.name == infos[0].relative_path), None)
+                    if f is None or not f.sources:
+                        continue
+                    src = MemSource(mem[f.name], "memory") if f.name in mem else f.sources[0]
+                    data = bytes(src.read(infos[0].offset, infos[0].length))
+                    try:
+                        plan.load_sd[key] = safe_torch_load(io.BytesIO(data), what=f"item {key!r}")
+                    except UnsafeCheckpointError:
+                        continue  # DCP's path refuses it and names the file (see _refused)
+                    slow.discard(key)
+        finally:
+            for src in opened:
+                src.close()
+        lost_files = sorted({x.split(" ")[0] for x in lost})
+        # last resort, collective: files with lost blocks from another rank's copy over gloo
+        if any(self._gather(lost_files, self._pg)):
+            got = self._assemble(step, set(lost_files), files, in_persistent, have_already=({}, {}, {}),
+                                 exclude=frozenset(lost_files))
+            again: list[str] = []
+            if got is None:
+                again = lost
+            else:
+                _, got_mem, got_sources = got
+                for f in loads:
+                    if f.name in lost_files and f.name in got_mem:
+                        f.sources = [MemSource(got_mem[f.name], got_sources[f.name])]
+                        again += load_files([f], verified=frozenset({f.name}))
+                        sources[f.name] = got_sources[f.name]
+                        mem[f.name] = got_mem[f.name]
+                    elif f.name in lost_files:
+                        again.append(f"{f.name} (no copy on any tier)")
+            if again:
+                logger.error("rank %d: %s", self.rank, undefined(again, step))
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier="all",
+                           error=f"no good copy of {'; '.join(again[:5])}")
+            if not self._all(not again):
+                # bytes of this step landed in the state: an older step, fully loaded, may still define it
+                self._dirty = True
+                return None
+        return slow
+
+    @staticmethod
+    def _items_in(md: Any, name: str) -> int:
+        return sum(1 for info in md.storage_data.values() if info.relative_path == name)
+
+    def _sources(self, step: int, name: str, entry: FileEntry, paths: dict[str, Path], mem: dict[str, Any],
+                 sources: dict[str, str], in_persistent: bool, opened: list[Source]) -> list[Source]:
+        """The copies of ``name`` this rank can read without the others, best first."""
+        out: list[Source] = []
+        seen: set[str] = set()
+        if name in self._remote and self.persistent is not None:
+            tier = self.persistent
+            out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
+                                   TierName.PERSISTENT.value))
+        elif name in mem:
+            out.append(MemSource(mem[name], sources.get(name, TierName.PEER.value)))
+        elif name in paths:
+            try:
+                src = FileSource(paths[name], sources.get(name, TierName.LOCAL.value), entry.size)
+                opened.append(src)
+                out.append(src)
+                seen.add(os.path.realpath(paths[name]))
+            except OSError as e:
+                logger.warning("rank %d: %s: %s", self.rank, name, e)
+        for tier_name, d in self._local_copies(step):
+            p = d / name
+            if os.path.realpath(p) in seen or not p.exists():
+                continue
+            try:
+                src = FileSource(p, tier_name if tier_name != "fetched" else TierName.PEER.value, entry.size)
+            except OSError:
+                continue
+            opened.append(src)
+            out.append(src)
+            seen.add(os.path.realpath(p))
+        if in_persistent and self.persistent is not None and name not in self._remote \
+                and sources.get(name) != TierName.PERSISTENT.value:
+            tier = self.persistent
+            out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
+                                   TierName.PERSISTENT.value))
+        return out
+
+    def _whole(self, f: FileLoad) -> Any:
+        for src in f.sources:
+            try:
+                return whole_file(src, f.entry)
+            except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+                logger.warning("rank %d: whole copy of %s from the %s tier: %s", self.rank, f.name, src.tier, e)
+        raise undefined([f"{f.name} (whole file)"])
+
+    def _refused(self, step: int, refused: tuple[str | None, str] | None) -> "_Unsafe | None":
+        """Collective: did some rank refuse a file of ``step``? Then the tiers that served refused files
+        are excluded for this step (on every rank) and the step is tried again from the next tier."""
+        if refused is not None and refused[1]:
+            tier, msg = refused
+            logger.error("rank %d: %s", self.rank, msg)
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier or "unknown", error=f"unsafe: {msg}")
+        everyone = self._gather(refused, self._pg)
+        if all(r is None for r in everyone):
+            return None
+        for r in everyone:
+            if r is not None and r[0]:
+                self._excluded.add((step, r[0]))
+        return _Unsafe([r[1] for r in everyone if r is not None and r[1]])
+
+    def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
+                  have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None,
+                  lazy: bool = False, exclude: frozenset[str] = frozenset()
+                  ) -> tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None:
+        """Collective: make every file in ``need`` (this rank's; others pass theirs) available here, verified.
+
+        Sources, fastest first: a verified copy on this node (local dir, partner replica), another rank's
+        verified copy over gloo, the persistent tier. Returns (paths on disk, bytes in memory, name ->
+        tier), or None on every rank if some rank could not get some file.
+
+        ``lazy``: this rank's own data files found on this node are only size-checked here; they are
+        verified block by block as they land in the state (see ``load.py``). ``exclude``: names whose
+        copies on this node failed verification (fetched from elsewhere, never offered to others).
+        """
+        paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
+        needs = self._gather(sorted(need), self._pg)
+        wanted = set().union(*(set(n) for n in needs))
+        # copies on this node of anything some rank needs: verified when this rank loads them; a copy
+        # only sent to others is verified by its receiver (one read instead of two)
+        have: dict[str, tuple[str, Path]] = {}
+        for tier_name, d in self._local_copies(step):
+            for n in sorted(wanted):
+                if n in have or n in mem or n in exclude or not (d / n).exists():
+                    continue
+                try:
+                    if n in need and lazy and n != DCP_METADATA:
+                        if os.path.getsize(d / n) != files[n].size:
+                            raise CorruptFileError(f"{d / n}: size differs from the manifest (torn or "
+                                                   "truncated write)")
+                        self._lazy.add(n)
+                    elif n in need:
+                        # verified and loaded from one mapping of the file: one pass over its bytes
+                        mem[n] = map_verified(d / n, files[n])
+                    elif os.path.getsize(d / n) != files[n].size:
+                        raise CorruptFileError(f"{d / n}: size differs from the manifest")
+                    have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
+                except (CorruptFileError, OSError) as e:
+                    logger.warning("rank %d: %s copy of step %d skipped: %s", self.rank, tier_name, step, e)
+        for n, p in paths.items():
+            have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
+        everyone = self._gather(sorted(set(have) | set(mem)), self._pg)
+
+        fetch_plan = plan_fetch(needs, everyone, {n: files[n].size for n in wanted}, in_persistent)
+        transfers = fetch_plan.transfers
+        downloads = list(fetch_plan.downloads.get(self.rank, []))
+        if not fetch_plan.feasible:
+            logger.warning("step %d: some files are on no tier; trying an older step", step)
+            return None
+        for n in need:
+            if n in have:
+                sources.setdefault(n, have[n][0])
+                paths.setdefault(n, have[n][1])
+
+        fetch = self._fetch_dir(step)
+        ok = True
+        incoming = sum(t.size for t in transfers if t.dst == self.rank) + sum(files[n].size for n in downloads)
+        in_memory = incoming <= _memory_budget()
+        try:
+            if transfers:
+                src_path = {n: str(p) for n, (_, p) in have.items()}
+                src_mem = {n: b for n, b in mem.items()}
+                received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
+                                         out_dir=None if in_memory else fetch, to_memory=in_memory)
+                for n, got in received.items():
+                    try:
+                        if in_memory:
+                            verify_bytes(got.data, files[n], what=f"{n} from a peer", crc=got.crc32c)
+                            mem[n] = got.data
+                        else:
+                            verify_file(got, files[n])
+                            paths[n] = got
+                        sources[n] = TierName.PEER.value
+                    except CorruptFileError as e:
+                        if not in_persistent:
+                            raise
+                        logger.warning("rank %d: %s; falling back to the persistent tier", self.rank, e)
+                        downloads.append(n)
+            for n in downloads:
+                if lazy and files[n].items and n != DCP_METADATA:
+                    # read by blocks from the persistent tier straight into the state (see _load_direct)
+                    self._remote.add(n)
+                    sources[n] = TierName.PERSISTENT.value
+                    continue
+                if in_memory:
+                    data = retry(lambda n=n: self.persistent.read_parallel(step, n, files[n].size),  # type: ignore
+                                 what=f"download {n} of step {step}", retries=self.config.upload_retries,
+                                 backoff_s=self.config.upload_backoff_s,
+                                 backoff_max_s=self.config.upload_backoff_max_s)
+                    verify_bytes(data, files[n], what=f"{n} from the persistent tier")
+                    mem[n] = data
+                else:
+                    fetch.mkdir(parents=True, exist_ok=True)
+                    dst = fetch / n
+                    retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst), files[n].size),  # type: ignore
+                          what=f"download {n} of step {step}", retries=self.config.upload_retries,
+                          backoff_s=self.config.upload_backoff_s, backoff_max_s=self.config.upload_backoff_max_s)
+                    verify_file(dst, files[n])
+                    paths[n] = dst
+                sources[n] = TierName.PERSISTENT.value
+        except FAILURES as e:
+            ok = False
+            logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
+        if not self._all(ok):
+            return None
+        return paths, mem, sources
+
+    def _plan_load(self, step: int, state: Mapping[str, Any], md: dict[str, Any], per_rank_keys: set[str],
+                   world_old: int) -> "_LoadPlan":
+        """What this rank loads, under which checkpoint keys; raises if the state does not fit the checkpoint."""
+        plain = plain_state(state)
+        leaves = flatten(plain)
+        load_sd: dict[str, Any] = {}
+        key_of: dict[str, str] = {}
+        expand: dict[str, list[str]] = {}
+        missing, shape_mismatch = [], {}
+        reshard: dict[str, str] = {}
+        resized = world_old != self.world_size
+        for fqn, (path, v) in leaves.items():
+            key = fqn
+            if fqn in per_rank_keys:
+                pk = _per_rank_key(self.rank, fqn)
+                own = pk in md or any(k.startswith(pk + ".") for k in md)
+                if resized and self._is_object(v, md, fqn, world_old):
+                    # a per-rank object (a data position, a shard index, a counter) cannot be split, merged
+                    # or copied: a copy makes two ranks repeat the same data, a dropped one skips data
+                    gone = [r for r in range(self.world_size, world_old) if _per_rank_key(r, fqn) in md]
+                    if not own:
+                        reshard[fqn] = f"a per-rank object with no value saved for rank {self.rank}"
+                        continue
+                    if gone:
+                        reshard[fqn] = (f"a per-rank object whose values of ranks {gone[0]}-{gone[-1]} would be "
+                                        "dropped" if len(gone) > 1 else
+                                        f"a per-rank object whose value of rank {gone[0]} would be dropped")
+                        continue
+                if own:
+                    key = pk
+                elif self.rank == 0 or self.rank >= world_old:
+                    # tensors (RNG states, running statistics): a copy of a saved rank's value is a valid start
+                    logger.warning("per-rank value %r has no entry for rank %d (saved with %d ranks); "
+                                   "using the shared one", fqn, self.rank, world_old)
+                m = md.get(key)
+                if resized and isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) \
+                        and tuple(m.size) != tuple(v.shape):
+                    reshard[fqn] = (f"a per-rank tensor saved as {list(m.size)}, here {list(v.shape)} (its size "
+                                    "follows the number of ranks)")
+                    continue
+            key_of[fqn] = key
+            if isinstance(v, Mapping) and not v:
+                # an empty container (a fresh optimizer's state) is filled from what the checkpoint holds
+                sub = [k for k in md if k.startswith(key + ".")]
+                expand[fqn] = sub
+                for k in sub:
+                    m = md[k]
+                    if isinstance(m, TensorStorageMetadata):
+                        load_sd[k] = torch.empty(m.size, dtype=m.properties.dtype)
+                    else:
+                        load_sd[k] = None
+                continue
+            if key not in md and not any(k.startswith(key + ".") for k in md):
+                missing.append(fqn)
+                continue
+            m = md.get(key)
+            if isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata):
+                if tuple(m.size) != tuple(v.shape):
+                    shape_mismatch[fqn] = (tuple(m.size), tuple(v.shape))
+                    continue
+            elif isinstance(v, torch.Tensor) and isinstance(m, BytesStorageMetadata):
+                shape_mismatch[fqn] = ((), tuple(v.shape))
+                continue
+            load_sd[key] = v
+        if missing or shape_mismatch:
+            known = set(leaves)
+            unexpected = sorted(k for k in md if not k.startswith("__rank") and
+                                not any(k == f or k.startswith(f + ".") for f in known))
+            raise CheckpointMismatchError(step, sorted(missing), unexpected, shape_mismatch)
+        return _LoadPlan(plain=plain, leaves=leaves, load_sd=load_sd, key_of=key_of, expand=expand,
+                         reshard=reshard)
+
+    @staticmethod
+    def _is_object(v: Any, md: dict[str, Any], fqn: str, world_old: int) -> bool:
+        """Is the per-rank value ``fqn`` a Python object (in the state, or as saved) rather than a tensor?"""
+        if not isinstance(v, torch.Tensor):
+            return True
+        saved = [md.get(_per_rank_key(r, fqn)) for r in range(world_old)] + [md.get(fqn)]
+        return any(isinstance(m, BytesStorageMetadata) for m in saved)
+
+    def _finish_load(self, state: Mapping[str, Any], plan: "_LoadPlan") -> None:
+        """Put loaded values back where the state keeps them; hand Stateful objects their state dicts."""
+        plain, load_sd = plan.plain, plan.load_sd
+        for fqn, (path, v) in plan.leaves.items():
+            if fqn in plan.expand:
+                prefix = plan.key_of[fqn] + "."
+                value: dict[Any, Any] = {}
+                for k in plan.expand[fqn]:
+                    parts = [int(p) if p.isdigit() else p for p in k[len(prefix):].split(".")]
+                    cur = value
+                    for p in parts[:-1]:
+                        cur = cur.setdefault(p, {})
+                    cur[parts[-1]] = load_sd[k]
+                new = value
+            else:
+                new = load_sd[plan.key_of[fqn]]
+            if path:
+                set_path(plain, path, new)
+        for k, v in state.items():
+            if is_stateful(v):
+                v.load_state_dict(plain[k])
+            elif isinstance(state, dict) and plain[k] is not v:
+                state[k] = plain[k]

@@ -1,0 +1,206 @@
+"""Uploads to the persistent tier: one thread copies committed local steps (or in-memory copies of steps the
+local tier could not hold) to the store on a gloo group of its own, newest requested step first."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, CheckpointError, CorruptFileError, Manifest,
+                                      TierName)
+from resilient.checkpoint.context import FAILURES, Component, Context
+from resilient.checkpoint.context import one_line as _one_line
+from resilient.checkpoint.tiers import DirTier, manifest_name, read_manifest, retry, verify_bytes, verify_file
+from resilient.events.api import EventKind
+
+logger = logging.getLogger(__name__)
+
+
+class Uploader(Component):
+    """The upload queue and its thread. ``interval`` is the manager's save schedule (its tuner learns the
+    upload time)."""
+
+    def __init__(self, ctx: Context, interval: Any):
+        super().__init__(ctx)
+        self._interval = interval
+        self.closed = False  # the manager is closing: see _give_up
+        self._up_abandon = False
+        self._up_cv = threading.Condition()
+        self._up_pending: list[int] = []
+        self._up_mem: dict[int, dict[str, bytes]] = {}  # steps the local tier could not hold
+        self._up_busy = False
+        self._up_current: int | None = None  # the step being uploaded
+        self._up_closing = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._upload_loop, name="resilient-ckpt-upload", daemon=True)
+        self._thread.start()
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until no upload is pending or running, at most until ``deadline`` (monotonic)."""
+        with self._up_cv:
+            while self._up_pending or self._up_busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._up_cv.wait(left)
+        return True
+
+    def abandon(self) -> list[int]:
+        """Stop retrying (exit): the steps still pending or in flight, now abandoned."""
+        self._up_abandon = True
+        with self._up_cv:
+            return sorted(set(self._up_pending) | ({self._up_current} if self._up_current is not None else set()))
+
+    def stop(self) -> None:
+        with self._up_cv:
+            self._up_closing = True
+            self._up_cv.notify_all()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _upload_floor(self) -> int | None:
+        with self._up_cv:
+            pend = list(self._up_pending)
+            return min(pend) if pend else None
+
+    def _request_upload(self, step: int, files: dict[str, bytes] | None = None) -> None:
+        """Queue ``step`` for upload, from the local tier or (``files``) from memory."""
+        with self._up_cv:
+            self._up_pending.append(step)
+            if files is not None:
+                self._up_mem[step] = files
+            self._up_cv.notify_all()
+
+    def _drop_pending(self, keep: Any) -> None:
+        """(under _up_cv) keep only pending steps for which ``keep(step)``; their in-memory copies too."""
+        self._up_pending = [s for s in self._up_pending if keep(s)]
+        for s in [s for s in self._up_mem if not keep(s)]:
+            del self._up_mem[s]
+
+    def _upload_loop(self) -> None:
+        while True:
+            step: int | None = None
+            with self._up_cv:
+                while not self._up_pending and not self._up_closing:
+                    self._up_cv.wait()
+                if not self._up_pending:
+                    return
+                newest = max(self._up_pending)
+                self._up_busy = True
+            try:
+                # ranks may have seen different numbers of requests: agree on one every rank has
+                step = min(self._gather(newest, self._pg_up))
+                with self._up_cv:
+                    self._drop_pending(lambda s: s >= step)
+                    mem = self._up_mem.get(step)
+                    self._up_current = step
+                assert self.local is not None
+                self._upload_step(step, self.local, group=self._pg_up, mem=mem)
+            except BaseException as e:  # the uploader must outlive any one upload
+                logger.exception("upload loop error: %s", e)
+            finally:
+                with self._up_cv:
+                    if step is not None:
+                        self._drop_pending(lambda s: s > step)
+                    self._up_busy = False
+                    self._up_current = None
+                    self._up_cv.notify_all()
+
+    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> None:
+        """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
+        persistent tier; rank 0 commits."""
+        assert self.persistent is not None
+        from resilient.checkpoint import compress
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        # collective, so before any call to the store (a rank stuck on a dead store must not hold others in it)
+        coded = compress.prepare_upload(self, step, src, group) if mem is None else None
+        ok, error, nbytes = True, None, 0
+        try:
+            # a step uploaded again (a job restored from an older step saves this number anew) must not stay
+            # visible as complete while its files are replaced: each rank removes the marker before its own
+            # first write (no collective for it: a rank must never wait in one while another is stuck on a
+            # dead store), and only rank 0 writes it back, after every rank's files are in
+            retry(lambda: self.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
+                  what=f"uncommit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                  backoff_max_s=cfg.upload_backoff_max_s, should_stop=lambda: self._give_up(step))
+            if mem is not None:
+                m = Manifest.from_json(json.loads(mem[manifest_name(self.rank)]))
+            else:
+                m = read_manifest(src, step, self.rank)
+            d = src.path(step)
+            if coded is not None:
+                d, m = coded  # the same step with every item compressed, and its manifest
+            t_put = time.perf_counter()
+            names = list(m.files) + [manifest_name(self.rank)]
+            if self.rank == 0:
+                names.append(DCP_METADATA)
+            for n in names:
+                fe = m.all_files().get(n)
+                if mem is not None:
+                    data = mem[n]
+                    if fe is not None:
+                        verify_bytes(data, fe, what=f"{n} of step {step} in memory")
+                    put = (lambda n=n, data=data: self.persistent.write_bytes(step, n, data))  # type: ignore
+                    size = len(data)
+                else:
+                    if fe is not None:
+                        verify_file(d / n, fe)  # never upload a copy that rotted on the local disk
+                    put = (lambda n=n: self.persistent.put_file(step, n, str(d / n)))  # type: ignore
+                    size = (d / n).stat().st_size
+                retry(put, what=f"upload {n} of step {step}", retries=cfg.upload_retries,
+                      backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
+                      should_stop=lambda: self._give_up(step))
+                nbytes += size
+            compress.observe_upload(self, nbytes, time.perf_counter() - t_put)
+        except FAILURES as e:
+            ok, error = False, e
+            newer = self._newer_pending(step)
+            if newer is not None and not isinstance(e, CorruptFileError):
+                # retrying an old step against a store that is down only delays the newer one
+                error = CheckpointError(f"gave up: step {newer} is waiting ({_one_line(e)})")
+            logger.error("upload of step %d failed: %s", step, _one_line(error))
+        if coded is not None:
+            compress.clear(coded[0])
+        results = self._gather((ok, nbytes), group)
+        if all(r[0] for r in results) and self.rank == 0:
+            try:
+                retry(lambda: self._commit(self.persistent, step, ranks=list(range(self.world_size))),
+                      what=f"commit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                      backoff_max_s=cfg.upload_backoff_max_s)
+                seconds = time.perf_counter() - t0
+                self._emit(EventKind.CKPT_TIER_DONE, step=step, tier=TierName.PERSISTENT.value,
+                           seconds=seconds, bytes=sum(r[1] for r in results))
+                tuner = self._interval.tuner
+                if tuner is not None and hasattr(tuner, "observe_upload"):
+                    try:
+                        with self._interval.lock:
+                            tuner.observe_upload(seconds)
+                    except FAILURES as e:
+                        logger.debug("tuner.observe_upload failed: %s", e)
+                self._retain(self.persistent, cfg.keep_persistent, pinned_from=None)
+            except FAILURES as e:
+                ok, error = False, e
+        if not ok:
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
+                       error=_one_line(error) if not isinstance(error, CheckpointError) else str(error))
+
+    def _newer_pending(self, step: int) -> int | None:
+        """A later step queued for upload on this rank, if any."""
+        with self._up_cv:
+            newer = [s for s in self._up_pending if s > step]
+        return max(newer) if newer else None
+
+    def _give_up(self, step: int) -> bool:
+        """Stop retrying the upload of ``step``: exit abandons it, or a newer step waits behind it (each rank
+        decides alone; the upload's closing gather makes every rank drop the step if one did)."""
+        return (self.closed and self._up_abandon) or self._newer_pending(step) is not None
+
