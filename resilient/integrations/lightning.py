@@ -253,6 +253,8 @@ class ResilientCheckpoint(Callback):
             # at the start of the epoch, not here
             _state.set_rng_state(self.io.restored_rng)
             self.io.restored_rng = None
+            if _resumed_after_last_batch(trainer):
+                _start_next_epoch(trainer)
         self._steps = iter(resilient.steps(self._start))
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -308,6 +310,50 @@ class ResilientCheckpoint(Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._finish()
+
+
+def _resumed_after_last_batch(trainer: "pl.Trainer") -> bool:
+    """True when Lightning resumed from a checkpoint saved at ``on_train_batch_end`` of an epoch's last batch
+    (the same test its ``FitLoop.reset`` uses to count that epoch as finished)."""
+    loop = trainer.fit_loop
+    epoch_loop = loop.epoch_loop
+    try:
+        return bool(loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
+                    and epoch_loop.batch_progress.is_last_batch)
+    except AttributeError:  # another Lightning version: its loops decide alone
+        logger.warning("cannot tell whether Lightning resumed at an epoch's end; a resume there may not be exact")
+        return False
+
+
+def _start_next_epoch(trainer: "pl.Trainer") -> None:
+    """Do what an uninterrupted run does at the start of the epoch after the restored step, and Lightning skips
+    when it resumes after an epoch's last batch (it treats the next epoch as one restarted mid-way): set the
+    sampler's epoch, count the epoch as ready and started, run the ``on_train_epoch_start`` hooks, and create
+    the epoch's data iterator. Creating it draws a seed from the global RNG; Lightning made the iterator it
+    would use before the restored RNG state was set, so the first step of the epoch ran with a different
+    RNG state (dropout) than the uninterrupted run, and the weights differed from then on. Called right after
+    the RNG is restored, which is where the uninterrupted run was at that point."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    try:
+        from lightning.pytorch.trainer import call
+    except ImportError:
+        from pytorch_lightning.trainer import call  # type: ignore[no-redef]
+
+    loop = trainer.fit_loop
+    progress = loop.epoch_progress
+    combined = loop._combined_loader
+    if combined is not None:
+        for dl in combined.flattened:
+            _set_sampler_epoch(dl, progress.current.processed)
+    progress.increment_ready()
+    call._call_callback_hooks(trainer, "on_train_epoch_start")
+    call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    progress.increment_started()
+    if loop._data_fetcher is not None:
+        iter(loop._data_fetcher)
+    logger.info("resumed after the last batch of epoch %d: epoch %d starts as in an uninterrupted run",
+                progress.current.processed - 1, progress.current.processed)
 
 
 def _quiet_sigterm() -> None:

@@ -12,7 +12,8 @@ In-worker faults (``how``):
 * ``raise``     raise :class:`InjectedFault` (a Python error in the training step);
 * ``slow``      sleep ``seconds`` every step from then on (a straggler);
 * ``wipe-tier`` delete this node's local checkpoint tier (a lost local SSD);
-* ``hang-collective`` wait in ``dist.recv`` for a message no peer sends (a deadlock inside communication).
+* ``hang-collective`` wait in ``dist.recv`` for a message no peer sends (a deadlock inside communication);
+* ``preempt``   a preemption notice (``RUN_DIR/preempt``) after which every rank stops after exactly this step.
 
 Scripts read the plan from ``RESILIENT_FAULTS`` (written by :func:`plan_env`), e.g.
 ``kill:rank=1:step=30:attempt=0,slow:rank=0:step=5:seconds=0.05``.
@@ -60,6 +61,7 @@ class FaultHow(str, enum.Enum):
     WIPE_TIER = "wipe-tier"
     HANG_COLLECTIVE = "hang-collective"  # blocked in dist.recv for a message no peer sends: a deadlock in
     # communication (alive, not stopped; the peers wait in their next collective)
+    PREEMPT = "preempt"  # a preemption notice that stops the job after exactly this step (see _preempt_notice)
     # Faults placed in a checkpoint's life; they need the script's CheckpointManager (arm_checkpoint_faults
     # once after it is made, after_save after each save):
     KILL_AFTER_SAVE = "kill-after-save"  # SIGKILL once the save of the step is complete on every tier
@@ -256,10 +258,32 @@ def fail_at(rank: int, step: int, how: FaultHow | str, *, current_rank: int | No
         import torch.distributed as dist
 
         dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
+    elif how == FaultHow.PREEMPT:
+        _preempt_notice(step)
     elif how == FaultHow.WIPE_TIER:
         d = tier_dir or os.environ.get("RESILIENT_CKPT_LOCAL")
         if d:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _preempt_notice(step: int) -> None:
+    """Agree on ``step`` as the preempted attempt's last step, then drop the notice file. Which step the ranks
+    agree on for a real notice depends on where each rank is when it first looks (see
+    ``resilient.signals.client``); a drill picks it, so a test reproduces each case. Every rank that notices
+    the file later reads this agreement from the store; none can be past ``step`` yet (this rank has not
+    taken part in the step's collectives)."""
+    import torch.distributed as dist
+
+    from resilient.signals import client
+
+    if dist.is_available() and dist.is_initialized():
+        c = client._client()
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(f"resilient/preempt_stop/{c.attempt if c is not None else -1}", "", str(step))
+    run_dir = os.environ.get(renv.RUN_DIR)
+    if run_dir:
+        with open(os.path.join(run_dir, client.PREEMPT_NOTICE_FILE), "w"):
+            pass
 
 
 def maybe_fail(step: int) -> None:

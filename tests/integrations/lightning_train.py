@@ -12,6 +12,12 @@ from resilient.data import ResumableSampler
 from resilient.integrations.lightning import ResilientCheckpoint, ResilientCheckpointIO, ResilientPreemption
 
 
+def _rng() -> str:
+    import hashlib
+
+    return hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:10]
+
+
 class Model(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -23,33 +29,33 @@ class Model(L.LightningModule):
         x, y = batch
         if self.trace is not None:
             with open(os.path.join(self.trace, f"trace-{self.global_rank}.txt"), "a") as f:
-                f.write(f"{self.global_step} {x.sum().item():.6f} {torch.get_rng_state().float().sum().item()} "
-                        f"{self.net[0].weight.sum().item():.8f} {self.trainer.optimizers[0].param_groups[0]['lr']}\n")
+                f.write(f"{self.global_step} {x.sum().item():.6f} {_rng()} "
+                        f"{self.net[0].weight.sum().item():.8f} {self.trainer.optimizers[0].param_groups[0]['lr']} "
+                        f"ep={self.current_epoch} bi={batch_idx} sched={self.lr_schedulers().last_epoch}\n")
         return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    # LIGHTNING_TRACE=1: data, RNG, weights, gradients and optimizer state per step, to find where two runs part
+    def on_before_optimizer_step(self, optimizer):
+        if self.trace is not None:
+            st = optimizer.state.get(self.net[0].weight, {})
+            with open(os.path.join(self.trace, f"trace-{self.global_rank}.txt"), "a") as f:
+                f.write(f"  grad {self.net[0].weight.grad.sum().item():.8f} step {float(st.get('step', -1))} "
+                        f"m {float(st['exp_avg'].sum()) if 'exp_avg' in st else 0:.8f}\n")
+
+    def on_train_epoch_start(self):
+        if self.trace is not None:
+            with open(os.path.join(self.trace, f"trace-{self.global_rank}.txt"), "a") as f:
+                f.write(f" epoch start {self.current_epoch} rng {_rng()}\n")
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)}
 
 
-class NoticeAt(L.Callback):
-    """Rank 0 leaves a preemption notice file after step ``step``, once per output directory (a drill)."""
-
-    def __init__(self, step: int, out: str) -> None:
-        self.step, self.mark = step, os.path.join(out, "notice-sent")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_rank == 0 and trainer.global_step - 1 == self.step and not os.path.exists(self.mark):
-            os.makedirs(os.path.dirname(self.mark), exist_ok=True)
-            open(self.mark, "w").close()
-            open(os.path.join(os.environ["RESILIENT_RUN_DIR"], "preempt"), "w").close()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--notice-at", type=int, default=None, help="leave a preemption notice after this step")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(96, 16, generator=g)
@@ -57,11 +63,10 @@ def main() -> None:
     sampler = ResumableSampler(data, seed=0)  # 96 samples / (8 × 2 ranks): epochs of 6 steps
     loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
     ckpt = ResilientCheckpoint(sampler=sampler)
-    drill = [NoticeAt(args.notice_at, args.out)] if args.notice_at is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
                         max_steps=args.steps, enable_checkpointing=False, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        plugins=[ResilientCheckpointIO()], callbacks=[ckpt, ResilientPreemption(ckpt), *drill],
+                        plugins=[ResilientCheckpointIO()], callbacks=[ckpt, ResilientPreemption(ckpt)],
                         default_root_dir=args.out)
     model = Model()
     if os.environ.get("LIGHTNING_TRACE"):

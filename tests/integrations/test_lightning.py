@@ -1,9 +1,11 @@
-"""Lightning DDP (gloo, 2 ranks) under the real ``resilient-run``: a rank SIGKILLed mid-run; the job resumes
-from our tiers (Lightning writes no checkpoint of its own here) and ends bit-exact with an uninterrupted run."""
+"""Lightning DDP (gloo, 2 ranks) under the real ``resilient-run``: a rank SIGKILLed mid-run, and preemption
+notices that stop the job at either step the ranks can agree on; the job resumes from our tiers (Lightning
+writes no checkpoint of its own here) and ends bit-exact with an uninterrupted run."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,28 +18,51 @@ from .conftest import HERE, assert_same_weights, resilient_run, restores  # noqa
 
 SCRIPT = HERE / "lightning_train.py"
 KILL_AT = 8
+# 96 samples / (8 × 2 ranks): epochs of 6 steps. A notice seen at step 10 stops the job after step 12 (the
+# usual step: the first rank to look was at the start of step 11) or after step 11 (a rank saw it while saving
+# step 10). Step 11 is the last of epoch 1: Lightning resumes after it without starting epoch 2 the way an
+# uninterrupted run does (that resume once ended with different weights). The drill picks the step.
+EARLY_STOP, USUAL_STOP = 11, 12
+FLAGS = ["--ckpt-interval", "3"]
+
+
+def _preempted_then_rerun(job: Path, faults: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
+    first = resilient_run(job, SCRIPT, ["--out", "out"], [*FLAGS, "--max-restarts", "2"], faults)
+    if first.returncode != 75:
+        return [first]
+    return [first, resilient_run(job, SCRIPT, ["--out", "out"], [*FLAGS, "--max-restarts", "2"], faults)]  # requeue
 
 
 @pytest.mark.timeout(300)
-def test_lightning_ddp_killed_resumes_bit_exact_from_our_tiers(tmp_path: Path) -> None:
-    # (a preemption notice in the middle of this run is not tested here: when the ranks agreed to stop
-    # one step earlier than usual (the notice seen during a save), the rerun was not bit-exact: an open bug)
-    ref, hit = tmp_path / "ref", tmp_path / "hit"
-    ref.mkdir(), hit.mkdir()
-    flags = ["--ckpt-interval", "3"]
-    drill = plan_env(WorkerFault(FaultHow.KILL, rank=1, step=KILL_AT))
-    with cf.ThreadPoolExecutor(2) as ex:  # both jobs at once: half the wall time on a small machine
-        fa = ex.submit(resilient_run, ref, SCRIPT, ["--out", "out"], flags)
-        fb = ex.submit(resilient_run, hit, SCRIPT, ["--out", "out"], [*flags, "--max-restarts", "2"], drill)
-        a, b = fa.result(), fb.result()
+def test_lightning_ddp_killed_and_preempted_resumes_bit_exact_from_our_tiers(tmp_path: Path) -> None:
+    ref, early, usual = tmp_path / "ref", tmp_path / "early", tmp_path / "usual"
+    for d in (ref, early, usual):
+        d.mkdir()
+    # early: rank 1 killed at step 8 (resumed from an interval save), then a notice that stops after step 11 in
+    # the restarted attempt; usual: a notice that stops after step 12
+    early_faults = plan_env(WorkerFault(FaultHow.KILL, rank=1, step=KILL_AT),
+                            WorkerFault(FaultHow.PREEMPT, rank=1, step=EARLY_STOP, attempt=1))
+    usual_faults = plan_env(WorkerFault(FaultHow.PREEMPT, rank=0, step=USUAL_STOP))
+    with cf.ThreadPoolExecutor(3) as ex:
+        fa = ex.submit(resilient_run, ref, SCRIPT, ["--out", "out"], FLAGS)
+        fe = ex.submit(_preempted_then_rerun, early, early_faults)
+        fu = ex.submit(_preempted_then_rerun, usual, usual_faults)
+        a, runs_e, runs_u = fa.result(), fe.result(), fu.result()
     assert a.returncode == 0, a.stderr[-4000:]
     assert "restored from None" in a.stdout
-    assert b.returncode == 0, b.stderr[-4000:]
-    got = restores(hit / "run")
-    assert {d["rank"] for d in got} == {0, 1} and all(d["tier"] == "local" for d in got), got
-    steps = sorted({d["step"] for d in got})
-    assert len(steps) == 1 and 2 <= steps[0] < KILL_AT, got
-    assert not list(hit.rglob("*.ckpt")), "Lightning wrote its own checkpoint"
-    for job in (ref, hit):  # trainer.save_checkpoint() after fit: a collective save of the last step
+    for job, runs, stop in ((early, runs_e, EARLY_STOP), (usual, runs_u, USUAL_STOP)):
+        assert runs[0].returncode == 75, (f"{job.name}: expected exit 75 (preempted)", runs[0].stderr[-4000:])
+        assert len(runs) == 2 and runs[1].returncode == 0, runs[-1].stderr[-4000:]
+        assert f"restored from {stop + 1}" in runs[1].stdout, runs[1].stdout[-2000:]
+        got = restores(job / "run")
+        assert {d["rank"] for d in got} == {0, 1} and all(d["tier"] == "local" for d in got), got
+        steps = sorted({d["step"] for d in got})
+        if job is early:
+            assert len(steps) == 2 and 2 <= steps[0] < KILL_AT and steps[1] == stop, got
+        else:
+            assert steps == [stop], got
+        assert not list(job.rglob("*.ckpt")), "Lightning wrote its own checkpoint"
+    for job in (ref, early, usual):  # trainer.save_checkpoint() after fit: a collective save of the last step
         assert (job / "ckpt" / "step_00000013" / "COMMITTED").exists()
-    assert_same_weights(ref / "out" / "final.pt", hit / "out" / "final.pt")
+    for job in (early, usual):
+        assert_same_weights(ref / "out" / "final.pt", job / "out" / "final.pt")
