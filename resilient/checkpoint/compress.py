@@ -36,11 +36,13 @@ import shutil
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import numpy as np
 import zstandard
@@ -52,6 +54,8 @@ from resilient import env as _renv
 from resilient.checkpoint.api import DCP_METADATA, CheckpointConfigError, CheckpointError, FileEntry, Manifest
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAGIC = b"RBGZ"
 BLOCK = 4 << 20  # raw bytes per block: bounds memory, and blocks are coded on several threads
@@ -96,12 +100,29 @@ class CompressError(CheckpointError):
 
 
 # ------------------------------------------------------------------ the codec
-def _planes_encode(raw: memoryview, es: int, cctx: Any, stored: list[bool]) -> bytes:
+# plane i of an element is its byte i (little-endian): reading elements as integers and shifting is a
+# vectorised pass per plane; a strided byte transpose (reshape(-1, es).T.copy()) was ~10x slower and was
+# most of the codec's time on bf16 (bench/compress.py)
+_UINT = {2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def _split(whole: memoryview, es: int) -> list[Any]:
+    """The ``es`` byte planes of ``whole`` (a whole number of elements of ``es`` bytes)."""
+    if es == 1:
+        return [whole]
+    dt = _UINT.get(es)
+    if dt is None:  # 16-byte elements: no integer that wide
+        return list(np.frombuffer(whole, dtype=np.uint8).reshape(-1, es).T.copy())
+    a = np.frombuffer(whole, dtype=dt)
+    return [(a >> (8 * i)).astype(np.uint8) if i else a.astype(np.uint8) for i in range(es)]
+
+
+def _planes_encode(raw: memoryview, es: int, cctx: Any, stored: list[bool]) -> list[Any]:
+    """One block: its length, then per plane (length, zstd frame or the plane itself), then the tail."""
     n = len(raw)
     whole = n - n % es  # a torch.save item is any length: its tail of less than one element is stored
-    out = [_U32.pack(n)]
-    planes: Any = [raw[:whole]] if es == 1 else np.frombuffer(raw[:whole], dtype=np.uint8).reshape(-1, es).T.copy()
-    for i, p in enumerate(planes):
+    out: list[Any] = [_U32.pack(n)]
+    for i, p in enumerate(_split(raw[:whole], es) if whole else [b""] * es):
         pb = memoryview(p).cast("B")
         c = b"" if stored[i] else cctx.compress(pb)
         if stored[i] or len(c) * _STORE_BELOW >= len(pb):
@@ -110,7 +131,7 @@ def _planes_encode(raw: memoryview, es: int, cctx: Any, stored: list[bool]) -> b
         else:
             out += [_U32.pack(len(c)), c]
     out.append(raw[whole:])
-    return b"".join(out)
+    return out
 
 
 def encode(data: Any, elem_size: int, threads: int = 1) -> bytes:
@@ -129,7 +150,7 @@ def encode(data: Any, elem_size: int, threads: int = 1) -> bytes:
     if threads > 1 and len(rest) > 1:
         local = threading.local()
 
-        def one(b: memoryview) -> bytes:
+        def one(b: memoryview) -> list[Any]:
             c = getattr(local, "c", None) or _cctx()
             local.c = c
             return _planes_encode(b, elem_size, c, list(stored))
@@ -139,7 +160,7 @@ def encode(data: Any, elem_size: int, threads: int = 1) -> bytes:
     else:
         c = _cctx()
         coded = [_planes_encode(b, elem_size, c, list(stored)) for b in rest]
-    return b"".join([head, first, *coded])
+    return b"".join([head, *first, *(x for blk in coded for x in blk)])
 
 
 def decode(data: Any) -> bytearray:
@@ -167,12 +188,12 @@ def decode(data: Any) -> bytearray:
         if n > BLOCK:
             raise CompressError(f"resilient.bgzstd/1 stream: block of {n} bytes exceeds {BLOCK}")
         plen = n // es
-        planes = np.empty((es, plen), dtype=np.uint8)
+        elems = np.empty((plen, es), dtype=np.uint8)  # planes land in their columns: one strided write each
         for i in range(es):
             (c,) = _U32.unpack(take(4))
             body = take(c)
             if c == plen:
-                planes[i] = np.frombuffer(body, dtype=np.uint8)
+                elems[:, i] = np.frombuffer(body, dtype=np.uint8)
             else:
                 try:
                     got = dctx.decompress(body, max_output_size=plen)
@@ -180,8 +201,9 @@ def decode(data: Any) -> bytearray:
                     raise CompressError(f"resilient.bgzstd/1 stream: {e}") from None
                 if len(got) != plen:
                     raise CompressError("resilient.bgzstd/1 stream: a plane decodes to the wrong length")
-                planes[i] = np.frombuffer(got, dtype=np.uint8)
-        out += planes.T.tobytes() if es > 1 else planes.tobytes()
+                elems[:, i] = np.frombuffer(got, dtype=np.uint8)
+        if plen:
+            out += memoryview(elems).cast("B")
         out += take(n % es)
     return out
 
@@ -247,21 +269,38 @@ DESCRIPTOR = {Codec.BGZSTD: "resilient.bgzstd/1", Codec.ZSTD: "stream.zstd/1"}
 
 
 # ------------------------------------------------------------------ rewriting a step for a transfer
+CHUNK = 2 << 20  # raw bytes per coding job: small enough that coding runs ahead of the network early
+INFLIGHT = 4  # coding jobs queued or running ahead of the one being sent: bounds memory per rank
+PART = 4 << 20  # bytes per request of a streamed upload (a multiple of 256 KiB, as GCS requires)
+
+
 @dataclass
 class Transcoded:
-    """This rank's part of a step rewritten with a codec: the new files are in the output directory;
+    """This rank's part of a step rewritten with a codec, sent to a sink (a directory or the store);
     ``storage`` is what ``.metadata`` must say of their items (gathered from every rank)."""
 
     codec: Codec
     files: dict[str, FileEntry]
     storage: dict[Any, _StorageInfo]
     raw_bytes: int
-    seconds: float
+    seconds: float  # wall time of the whole rewrite (coding and sending overlapped)
+    codec_seconds: float = 0.0  # coding time summed over the coding threads
+    threads: int = 1
+    send_seconds: float = 0.0  # time blocked sending (writes and the final commit)
 
     @property
     def ratio(self) -> float:
         coded = sum(f.size for f in self.files.values())
         return self.raw_bytes / coded if coded else 1.0
+
+    @property
+    def coded_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    @property
+    def codec_bps(self) -> float:
+        """Raw bytes per second the coding threads sustained together."""
+        return self.raw_bytes / max(self.codec_seconds / max(self.threads, 1), 1e-9)
 
 
 def _elem_sizes(md: Any) -> dict[str, int]:
@@ -273,24 +312,211 @@ def _elem_sizes(md: Any) -> dict[str, int]:
     return out
 
 
-def _code_item(codec: Codec, raw: memoryview, es: int, threads: int) -> bytes:
-    if codec is Codec.BGZSTD:
-        return encode(raw, es, threads=threads)
-    return _cctx(threads if threads > 1 else 0).compress(raw)
+@dataclass(frozen=True)
+class _Piece:
+    """Bytes ``start:end`` of the source file, part of item ``item``; ``first``: its stream header goes first."""
+
+    item: int
+    start: int
+    end: int
+    first: bool
 
 
-def transcode_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata: Any, codec: Codec,
-                    out_dir: str | os.PathLike[str], threads: int | None = None) -> Transcoded:
-    """Rewrite this rank's ``.distcp`` files ``names`` of a plain step in ``src_dir`` into ``out_dir``
-    (same names), every item coded with ``codec``. ``metadata``: the step's DCP metadata. Local work
-    only; the caller gathers :attr:`Transcoded.storage` from every rank for :func:`finish_step`."""
-    from resilient.checkpoint.tiers import crc_bytes
+def _jobs(items: Sequence[tuple[Any, _StorageInfo]], codec: Codec, chunk: int) -> list[list[_Piece]]:
+    """Items cut into pieces (a bgzstd block of at most BLOCK bytes, or a whole item for zstd: DCP's
+    ``stream.zstd`` reads one frame per item), grouped in file order into jobs of about ``chunk`` bytes."""
+    jobs: list[list[_Piece]] = []
+    cur: list[_Piece] = []
+    fill = 0
+    for k, (_, info) in enumerate(items):
+        a, end = info.offset, info.offset + info.length
+        step = BLOCK if codec is Codec.BGZSTD else max(info.length, 1)
+        starts = range(a, end, step) or range(a, a + 1)  # an empty item is one empty piece
+        for j, s in enumerate(starts):
+            e = min(s + step, end)
+            if cur and fill + (e - s) > chunk:
+                jobs.append(cur)
+                cur, fill = [], 0
+            cur.append(_Piece(k, s, e, j == 0))
+            fill += e - s
+    if cur:
+        jobs.append(cur)
+    return jobs
+
+
+def _code_job(codec: Codec, src: memoryview, pieces: Sequence[_Piece], es_of: Sequence[int],
+              local: threading.local) -> tuple[list[int], list[Any], float]:
+    """(coded length of each piece, the coded buffers in order, seconds)."""
+    t0 = time.perf_counter()
+    cctx = getattr(local, "cctx", None) or _cctx()
+    local.cctx = cctx
+    lens: list[int] = []
+    out: list[Any] = []
+    for p in pieces:
+        raw = src[p.start:p.end]
+        if codec is Codec.BGZSTD:
+            es = es_of[p.item]
+            bufs: list[Any] = [MAGIC + bytes([es])] if p.first else []
+            if len(raw):
+                # each block learns on its own which planes are stored: incompressible planes are
+                # recognised by zstd at GB/s, so learning costs little, and blocks need not wait for each other
+                bufs += _planes_encode(raw, es, cctx, [False] * es)
+        else:
+            bufs = [cctx.compress(raw)]
+        lens.append(sum(len(b) for b in bufs))
+        out += bufs
+    return lens, out, time.perf_counter() - t0
+
+
+class _Blocks:
+    """crc32c of a file written in pieces, whole and per manifest block (what restore verifies by)."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.size, self.crc, self.blocks, self._bcrc, self._bfill = block_size, 0, 0, [], 0, 0
+
+    def update(self, buf: Any) -> None:
+        from resilient.checkpoint.tiers import crc_bytes
+
+        mv = memoryview(buf).cast("B")
+        self.crc = crc_bytes(mv, self.crc)
+        self.size += len(mv)
+        while len(mv):
+            k = min(len(mv), self.block_size - self._bfill)
+            self._bcrc = crc_bytes(mv[:k], self._bcrc)
+            self._bfill += k
+            mv = mv[k:]
+            if self._bfill == self.block_size:
+                self.blocks.append(self._bcrc)
+                self._bcrc, self._bfill = 0, 0
+
+    def entry(self) -> FileEntry:
+        blocks = self.blocks + ([self._bcrc] if self._bfill else [])
+        return FileEntry(size=self.size, crc32c=self.crc, block_size=self.block_size if self.size else 0,
+                         blocks=tuple(blocks) if self.size else ())
+
+
+class Sink:
+    """One file being written in parts; nothing shows under its name until :meth:`close` returns.
+
+    Every call runs on a sender thread and is waited for at most ``timeout_s`` plus the time its bytes
+    take at ``min_rate`` (a dead store must not hold the uploader forever); the caller meanwhile codes
+    the next parts on other threads."""
+
+    def __init__(self, open_fn: Callable[[], Any], commit: Callable[[Any], None], discard: Callable[[Any], None],
+                 what: str, timeout_s: float = 30.0, min_rate: float = 8 << 20):
+        self.what, self.timeout_s, self.min_rate = what, timeout_s, min_rate
+        self._commit, self._discard = commit, discard
+        self._ex = ThreadPoolExecutor(1, thread_name_prefix="resilient-ckpt-send")
+        self.sent, self.seconds, self._buffered = 0, 0.0, 0
+        self._f = self._call("open", open_fn, 0)
+
+    def _call(self, what: str, fn: Callable[[], T], nbytes: int) -> T:
+        t0 = time.perf_counter()
+        fut = self._ex.submit(fn)
+        try:
+            return fut.result(timeout=self.timeout_s + nbytes / self.min_rate)
+        except FutureTimeout:
+            raise TimeoutError(f"{self.what}: {what} got no answer within "
+                               f"{self.timeout_s + nbytes / self.min_rate:.1f} s (is the store reachable?)") from None
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def write(self, buf: Any) -> None:
+        n = len(memoryview(buf).cast("B"))
+        self._buffered += n  # a write may send what earlier writes buffered
+        self._call("write", lambda: self._f.write(buf), self._buffered)
+        if self._buffered >= PART:
+            self._buffered = 0
+        self.sent += n
+
+    def close(self) -> None:
+        f = self._f
+        self._call("close", lambda: self._commit(f), self._buffered)
+        self._ex.shutdown(wait=False)
+
+    def abort(self) -> None:
+        f = self._f
+        try:
+            self._call("discard", lambda: self._discard(f), 0)
+        except Exception as e:  # the file was never committed: nothing shows under its name either way
+            logger.debug("%s: discard failed: %s", self.what, e)
+        self._ex.shutdown(wait=False)
+
+
+def dir_sink(out_dir: Path, name: str) -> Sink:
+    """A file of a local directory, written under a temporary name and renamed when closed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp, dst = out_dir / f".{name}.tmp", out_dir / name
+
+    def commit(f: Any) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, dst)
+
+    def discard(f: Any) -> None:
+        f.close()
+        tmp.unlink(missing_ok=True)
+
+    return Sink(lambda: open(tmp, "wb"), commit, discard, what=str(dst), timeout_s=600.0)
+
+
+def tier_sink(tier: Any, step: int, name: str) -> Sink:
+    """File ``name`` of ``step`` on a tier (a :class:`~resilient.checkpoint.tiers.BoundedTier` or the tier
+    itself): an fsspec file opened without autocommit (on GCS a resumable upload, finalised by commit;
+    an aborted one leaves no object), or a temporary file renamed in a directory tier."""
+    from resilient.checkpoint.tiers import step_dirname
+
+    inner = getattr(tier, "inner", tier)
+    timeout_s = float(getattr(tier, "timeout_s", 30.0))
+    min_rate = float(getattr(tier, "min_rate", 8 << 20))
+    fs = getattr(inner, "fs", None)
+    if fs is None:  # a directory tier
+        s = dir_sink(Path(inner.path(step)), name)
+        s.timeout_s, s.min_rate = timeout_s, min_rate
+        return s
+    path = f"{inner.root}/{step_dirname(step)}/{name}"
+
+    def open_() -> Any:
+        from fsspec.implementations.local import LocalFileSystem
+
+        if isinstance(fs, LocalFileSystem):
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        return fs.open(path, "wb", block_size=PART, autocommit=False)
+
+    def commit(f: Any) -> None:
+        f.close()
+        f.commit()
+
+    def discard(f: Any) -> None:
+        f.discard()
+        try:
+            # an unclosed gcsfs file is closed when collected, which would upload what it buffered
+            f.closed = True
+        except AttributeError:
+            pass
+
+    return Sink(open_, commit, discard, what=f"{inner!r}/{step_dirname(step)}/{name}", timeout_s=timeout_s,
+                min_rate=min_rate)
+
+
+def stream_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata: Any, codec: Codec,
+                 open_sink: Callable[[str], Sink], expected: dict[str, FileEntry] | None = None,
+                 threads: int | None = None, inflight: int = INFLIGHT, chunk: int = CHUNK) -> Transcoded:
+    """Code this rank's ``.distcp`` files ``names`` of a plain step in ``src_dir`` with ``codec`` and write
+    each to ``open_sink(name)`` as it is coded: coding threads work up to ``inflight`` jobs of ``chunk`` raw
+    bytes ahead while the calling thread sends, so the codec and the network overlap and memory stays
+    bounded (about ``(inflight + 2) * chunk`` plus one upload part). ``expected``: the local manifest's
+    entries, verified before a byte is sent (a copy that rotted on the local disk is never uploaded).
+    ``metadata``: the step's DCP metadata. Local work and this rank's sink only; the caller gathers
+    :attr:`Transcoded.storage` from every rank for :func:`merged_metadata`."""
+    from resilient.checkpoint.load import BLOCK as VERIFY_BLOCK
+    from resilient.checkpoint.tiers import map_verified
 
     t0 = time.perf_counter()
     threads = threads or min(2, os.cpu_count() or 1)
     sizes = _elem_sizes(metadata)
-    src, out = Path(src_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    src = Path(src_dir)
     mine = set(names)
     by_file: dict[str, list[tuple[Any, _StorageInfo]]] = {}
     for idx, info in metadata.storage_data.items():
@@ -300,34 +526,68 @@ def transcode_files(src_dir: str | os.PathLike[str], names: Sequence[str], metad
             by_file.setdefault(info.relative_path, []).append((idx, info))
     files: dict[str, FileEntry] = {}
     storage: dict[Any, _StorageInfo] = {}
-    raw_total = 0
-    for name in names:
-        items = sorted(by_file.get(name, []), key=lambda p: p[1].offset)
-        data = (src / name).read_bytes()
-        raw_total += len(data)
-        mv = memoryview(data)
-        crc, off = 0, 0
-        tmp = out / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            # items are coded on several threads each; items are many and small, so a pool over items too
-            def one(p: tuple[Any, _StorageInfo]) -> bytes:
-                idx, info = p
-                return _code_item(codec, mv[info.offset:info.offset + info.length], sizes.get(idx.fqn, 1),
-                                  threads=1 if len(items) > 1 else threads)
+    raw_total, busy, send = 0, 0.0, 0.0
+    local = threading.local()
+    with ThreadPoolExecutor(threads, thread_name_prefix="resilient-ckpt-code") as pool:
+        for name in names:
+            items = sorted(by_file.get(name, []), key=lambda p: p[1].offset)
+            fe = (expected or {}).get(name)
+            data: Any = map_verified(src / name, fe) if fe is not None else (src / name).read_bytes()
+            mv = memoryview(data).cast("B")
+            raw_total += len(mv)
+            es_of = [sizes.get(idx.fqn, 1) for idx, _ in items]
+            todo = iter(_jobs(items, codec, chunk))
+            pending: deque[tuple[list[_Piece], Future[Any]]] = deque()
 
-            with ThreadPoolExecutor(threads) as ex:
-                for (idx, info), coded in zip(items, ex.map(one, items)):
-                    f.write(coded)
-                    crc = crc_bytes(coded, crc)
-                    storage[idx] = dataclasses.replace(info, offset=off, length=len(coded),
-                                                       transform_descriptors=[DESCRIPTOR[codec]])
-                    off += len(coded)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / name)
-        files[name] = FileEntry(size=off, crc32c=crc)
+            def ahead() -> None:
+                while len(pending) < inflight:
+                    job = next(todo, None)
+                    if job is None:
+                        return
+                    pending.append((job, pool.submit(_code_job, codec, mv, job, es_of, local)))
+
+            crc = _Blocks(VERIFY_BLOCK)
+            start: dict[int, int] = {}
+            length: dict[int, int] = {}
+            sink = open_sink(name)
+            try:
+                ahead()
+                while pending:
+                    job, fut = pending.popleft()
+                    lens, bufs, secs = fut.result()
+                    ahead()  # keep the coders busy while this job's bytes go out
+                    busy += secs
+                    off = crc.size
+                    for p, n in zip(job, lens):
+                        if p.first:
+                            start[p.item] = off
+                        length[p.item] = length.get(p.item, 0) + n
+                        off += n
+                    for b in bufs:
+                        crc.update(b)
+                    sink.write(b"".join(bufs))
+                sink.close()
+            except BaseException:
+                for _, fut in pending:
+                    fut.cancel()
+                sink.abort()
+                raise
+            finally:
+                send += sink.seconds
+            files[name] = crc.entry()
+            for k, (idx, info) in enumerate(items):
+                storage[idx] = dataclasses.replace(info, offset=start[k], length=length[k],
+                                                   transform_descriptors=[DESCRIPTOR[codec]])
     return Transcoded(codec=codec, files=files, storage=storage, raw_bytes=raw_total,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, codec_seconds=busy, threads=threads, send_seconds=send)
+
+
+def transcode_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata: Any, codec: Codec,
+                    out_dir: str | os.PathLike[str], threads: int | None = None) -> Transcoded:
+    """Rewrite this rank's ``.distcp`` files ``names`` of a plain step in ``src_dir`` into ``out_dir``
+    (same names), every item coded with ``codec`` (:func:`stream_files` into a directory)."""
+    out = Path(out_dir)
+    return stream_files(src_dir, names, metadata, codec, lambda n: dir_sink(out, n), threads=threads)
 
 
 def merged_metadata(metadata: Any, parts: Iterable[dict[Any, _StorageInfo]]) -> bytes:
@@ -346,6 +606,7 @@ def finish_step(out_dir: str | os.PathLike[str], manifest: Manifest, part: Trans
     from resilient.checkpoint.tiers import crc_bytes
 
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / DCP_METADATA).write_bytes(metadata_bytes)
     m = dataclasses.replace(manifest, files=dict(part.files),
                             metadata=FileEntry(size=len(metadata_bytes), crc32c=crc_bytes(metadata_bytes)))
@@ -359,19 +620,29 @@ class Decision:
     tier: str
     codec: Codec
     reason: str
-    link_mbps: float | None = None
-    codec_mbps: float | None = None
+    link_mbps: float | None = None  # the link as last measured (bytes on the wire per second)
+    codec_mbps: float | None = None  # the codec as last measured on this run's data (raw bytes per second)
     ratio: float | None = None
+    mode: str = CompressMode.AUTO.value
+
+    @property
+    def decision(self) -> str:
+        return "plain" if self.codec is Codec.NONE else "compress"
 
     def to_json(self) -> dict[str, Any]:
-        return {"tier": self.tier, "codec": self.codec.value, "reason": self.reason, "link_mbps": self.link_mbps,
-                "codec_mbps": self.codec_mbps, "ratio": self.ratio}
+        return {"tier": self.tier, "mode": self.mode, "codec": self.codec.value, "decision": self.decision,
+                "reason": self.reason, "link_mbps": self.link_mbps, "codec_mbps": self.codec_mbps,
+                "ratio": self.ratio}
+
+
+MARGIN = 1.1  # compress only when the estimate beats plain by this much: per-step costs the model leaves out
 
 
 class Chooser:
-    """Per tier, per run: compress a transfer only if coding it then sending the smaller bytes is expected
-    to take less time than sending it plain, from the measured link throughput (plain bytes per second
-    of the last transfer) and the codec's measured throughput and ratio on this run's own data.
+    """Per tier, per run: compress a transfer only if it is expected to take less time than sending it
+    plain, from the measured link throughput (bytes on the wire per second of the last transfer) and the
+    codec's measured throughput and ratio on this run's own data. Coding and sending overlap (a pipeline),
+    so a coded transfer takes about max(coding, sending the smaller bytes).
 
     With ``auto``, transfers under ``min_bytes`` per rank go plain; the first transfer of a tier goes plain
     (it measures the link); the codec is measured on
@@ -388,6 +659,7 @@ class Chooser:
         self._since_probe = 0
         self._lock = threading.Lock()
         self.last: Decision | None = None
+        self.streamed = False  # the last transfer's data went out coded: its link was measured on the stream
 
     def decide(self, nbytes: int | None = None) -> Decision:
         """``nbytes``: this rank's plain bytes to send."""
@@ -398,33 +670,37 @@ class Chooser:
 
     def _decide(self, nbytes: int | None) -> Decision:
         mb = (lambda v: None if v is None else round(v / 1e6, 1))
+
+        def dec(codec: Codec, reason: str) -> Decision:
+            return Decision(self.tier, codec, reason, mb(self.link_bps), mb(self.codec_bps),
+                            None if self.ratio is None else round(self.ratio, 3), self.mode.value)
+
         if self.mode is not CompressMode.AUTO:
-            return Decision(self.tier, Codec(self.mode.value), "forced by --ckpt-compress")
+            return dec(Codec(self.mode.value), "forced by --ckpt-compress")
         if nbytes is not None and nbytes < self.min_bytes:
             # a small transfer's time is round trips, not bandwidth; and it stays readable by plain dcp.load
-            return Decision(self.tier, Codec.NONE, f"{nbytes} bytes per rank: below {self.min_bytes}")
+            return dec(Codec.NONE, f"{nbytes} bytes per rank: below {self.min_bytes}")
         if self.link_bps is None:
-            return Decision(self.tier, Codec.NONE, "link not measured yet: this transfer measures it")
+            return dec(Codec.NONE, "link not measured yet: this transfer measures it")
         if self.codec_bps is None or self.ratio is None or self._since_probe >= self.probe_every:
             self._since_probe = 0
-            return Decision(self.tier, Codec.BGZSTD, "codec not measured on this run's data yet: probing",
-                            mb(self.link_bps))
+            return dec(Codec.BGZSTD, "codec not measured on this run's data yet: probing")
         self._since_probe += 1
         plain = 1 / self.link_bps
-        coded = 1 / self.codec_bps + 1 / (self.ratio * self.link_bps)
-        pays = coded < plain
-        why = (f"plain {plain * 1e6:.1f} s/MB vs coded {coded * 1e6:.1f} s/MB "
-               f"(codec {self.codec_bps / 1e6:.0f} MB/s, ratio {self.ratio:.2f}, link {self.link_bps / 1e6:.0f} MB/s)")
-        return Decision(self.tier, Codec.BGZSTD if pays else Codec.NONE, why, mb(self.link_bps),
-                        mb(self.codec_bps), round(self.ratio, 3))
+        coded = max(1 / self.codec_bps, 1 / (self.ratio * self.link_bps))
+        pays = coded * MARGIN < plain
+        why = (f"plain {plain * 1e6:.1f} s/MB vs coded {coded * 1e6:.1f} s/MB (x{MARGIN} margin; "
+               f"codec {self.codec_bps / 1e6:.0f} MB/s, ratio {self.ratio:.2f}, link {self.link_bps / 1e6:.0f} MB/s)")
+        return dec(Codec.BGZSTD if pays else Codec.NONE, why)
 
-    def observe_link(self, raw_bytes: int, seconds: float) -> None:
-        """A transfer of ``raw_bytes`` (on the wire) took ``seconds``."""
-        if seconds > 0 and raw_bytes > 0:
+    def observe_link(self, wire_bytes: int, seconds: float) -> None:
+        """A transfer of ``wire_bytes`` (as sent) took ``seconds``."""
+        if seconds > 0 and wire_bytes > 0:
             with self._lock:
-                self.link_bps = raw_bytes / seconds
+                self.link_bps = wire_bytes / seconds
 
     def observe_codec(self, raw_bytes: int, seconds: float, ratio: float) -> None:
+        """The codec turned ``raw_bytes`` into ``raw_bytes / ratio`` in ``seconds`` (all its threads together)."""
         if seconds > 0 and raw_bytes > 0:
             with self._lock:
                 self.codec_bps, self.ratio = raw_bytes / seconds, ratio
@@ -478,9 +754,9 @@ def clear(out_dir: str | os.PathLike[str]) -> None:
     shutil.rmtree(out_dir, ignore_errors=True)
 
 
-__all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode", "Decision", "ZStandard",
-           "decode", "encode", "export_step", "extension_registry", "finish_step", "merged_metadata",
-           "parse_mode", "transcode_files"]
+__all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode", "Decision", "Prepared", "Sink",
+           "ZStandard", "decode", "encode", "export_step", "extension_registry", "finish_step", "merged_metadata",
+           "parse_mode", "prepare_upload", "sent_bytes", "stream_files", "tier_sink", "transcode_files"]
 
 
 # ------------------------------------------------------------------ the manager's upload hook
@@ -504,17 +780,44 @@ def _chooser(mgr: Any) -> Chooser:
     return c
 
 
-def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> tuple[Path, Manifest] | None:
-    """Collective on ``group`` (every rank, before any call to the store): decide, with rank 0's measurements,
-    whether this step goes to the persistent tier compressed; if so rewrite this rank's files of ``step``
-    from the local tier ``src`` into a scratch step directory. Returns (that directory, its manifest), or
-    None to upload the local files as they are (also when any rank failed to rewrite its part)."""
+class Prepared(tuple):  # type: ignore[type-arg]
+    """``(directory, manifest)`` for the uploader: what is left to upload from that directory (this rank's
+    manifest, and ``.metadata`` on rank 0; the manifest's ``files`` are empty because the data files went
+    to the store as they were coded). ``sent``: the bytes of those data files."""
+
+    sent: int
+
+    def __new__(cls, directory: Path, manifest: Manifest, sent: int) -> "Prepared":
+        t = super().__new__(cls, (directory, manifest))
+        t.sent = sent
+        return t
+
+
+def sent_bytes(coded: Any) -> int:
+    """Bytes :func:`prepare_upload` already sent to the store (0 for None or an older result)."""
+    return int(getattr(coded, "sent", 0) or 0)
+
+
+def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None:
+    """Collective on ``group`` (every rank): decide, with rank 0's measurements, whether this step goes to
+    the persistent tier compressed (rank 0 writes the decision to the ledger); if so send this rank's files
+    of ``step`` from the local tier ``src`` to the store as they are coded (:func:`stream_files`: coding
+    overlaps sending), gather every rank's item layout, and write this rank's manifest and the step's
+    ``.metadata`` into a scratch directory. Returns (that directory, the manifest without the files already
+    sent), or None to upload the local files as they are: compression off, not paying, or any rank failed
+    to send its part (every rank then uploads plain, over whatever was sent).
+
+    The decision is gathered before any call to the store. The layout is gathered after this rank's sends,
+    which are bounded in time (:class:`Sink`), like the uploader's own gather of results that follows."""
+    from resilient.checkpoint.api import COMMIT_MARKER
     from resilient.checkpoint.safe import load_metadata
-    from resilient.checkpoint.tiers import read_manifest
+    from resilient.checkpoint.tiers import manifest_name, read_manifest
+    from resilient.events.api import EventKind
 
     chooser = _chooser(mgr)
     if chooser.mode is CompressMode.NONE:
         return None  # no collective, no work: compression off costs nothing
+    chooser.streamed = False
     try:
         m: Manifest | None = read_manifest(src, step, mgr.rank)
     except (OSError, ValueError, KeyError) as e:
@@ -524,32 +827,54 @@ def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> tuple[Path, Man
     decision = mgr._gather(mine, group)[0]  # rank 0's measurements decide for every rank
     if mgr.rank == 0:
         logger.info("step %d to the %s tier: %s (%s)", step, decision.tier, decision.codec.value, decision.reason)
+        mgr._emit(EventKind.CKPT_COMPRESS, step=step, **decision.to_json())
     if decision.codec is Codec.NONE:
         return None
     out = Path(src.root) / ".coded" / f"step_{step:08d}"
     clear(out)
     part: Transcoded | None = None
+    tier = mgr.persistent
     try:
         if m is None:
             raise CompressError("no manifest")
         d = Path(src.path(step))
         md = load_metadata((d / DCP_METADATA).read_bytes(), what=f"{d / DCP_METADATA}")
-        part = transcode_files(d, sorted(m.files), md, decision.codec, out)
-    except (OSError, ValueError, KeyError, CheckpointError) as e:
-        logger.warning("compressing step %d for upload failed (%s: %s); uploading it plain", step,
+        # a step uploaded again (a job restored from an older step saves this number anew) must not stay
+        # visible as complete while its files are replaced: the marker goes before this rank's first write
+        tier.delete_file(step, COMMIT_MARKER)
+        part = stream_files(d, sorted(m.files), md, decision.codec, lambda n: tier_sink(tier, step, n),
+                            expected=m.files)
+    except Exception as e:  # never fatal: the plain upload that follows retries, and reports what it finds
+        logger.warning("compressed upload of step %d failed (%s: %s); uploading it plain", step,
                        type(e).__name__, e)
     parts = mgr._gather(part.storage if part else None, group)
-    if part is None or any(p is None for p in parts):
+    if part is None or m is None or any(p is None for p in parts):
         clear(out)
         return None
-    chooser.observe_codec(part.raw_bytes, part.seconds, part.ratio)
-    m2 = finish_step(out, m, part, merged_metadata(md, parts), f"manifest-rank{mgr.rank}.json")
+    m2: Manifest | None = None
+    try:
+        m2 = finish_step(out, m, part, merged_metadata(md, parts), manifest_name(mgr.rank))
+    except Exception as e:  # a full scratch disk: every rank must then go plain, or .metadata would lie
+        logger.warning("step %d: writing the compressed manifest failed (%s: %s); uploading it plain", step,
+                       type(e).__name__, e)
+    if not all(mgr._gather(m2 is not None, group)) or m2 is None:
+        clear(out)
+        return None
+    chooser.observe_codec(part.raw_bytes, part.codec_seconds / max(part.threads, 1), part.ratio)
+    chooser.observe_link(part.coded_bytes, part.send_seconds)
+    chooser.streamed = True
     if mgr.rank == 0:
-        logger.info("step %d: %s %.2fx in %.2f s (%.0f MB/s)", step, decision.codec.value, part.ratio, part.seconds,
-                    part.raw_bytes / max(part.seconds, 1e-9) / 1e6)
-    return out, m2
+        logger.info("step %d: %s %.2fx, sent in %.2f s (codec %.0f MB/s on %d threads, %.2f s blocked sending)",
+                    step, decision.codec.value, part.ratio, part.seconds, part.codec_bps / 1e6, part.threads,
+                    part.send_seconds)
+    return Prepared(out, dataclasses.replace(m2, files={}), part.coded_bytes)
 
 
 def observe_upload(mgr: Any, nbytes: int, seconds: float) -> None:
-    """The bytes this rank sent to the store and how long that took: the link's measured throughput."""
-    _chooser(mgr).observe_link(nbytes, seconds)
+    """The bytes this rank sent to the store and how long that took: the link's measured throughput
+    (unless the data went out coded: then the stream measured it, and what is left is a few small files)."""
+    c = _chooser(mgr)
+    if c.streamed:
+        c.streamed = False
+        return
+    c.observe_link(nbytes, seconds)

@@ -54,6 +54,9 @@ class EventKind(str, enum.Enum):
     CKPT_TIER_FAILED = "ckpt_tier_failed"  # details: step, tier, error
     CKPT_RESTORE = "ckpt_restore"  # details: step, tier, seconds, bytes
     CKPT_INTERVAL = "ckpt_interval"  # details: interval, persistent_every, inputs
+    # rank 0, per upload unless --ckpt-compress none; details: step, tier, mode, codec, decision ("compress" |
+    # "plain"), reason, link_mbps, codec_mbps, ratio (as measured before this transfer; None until measured)
+    CKPT_COMPRESS = "ckpt_compress"
 
     LOG = "log"  # anything else worth keeping; details: message
 
