@@ -322,6 +322,7 @@ class FileLoad:
     spans: list[Span] = field(default_factory=list)
     served: str | None = None  # tier of the copy that served it (the slowest one used for some block)
     keep_gaps: Any = None  # see load_block
+    blocks: frozenset[int] | None = None  # only these blocks (the rest landed verified already)
 
 
 def _block_work(spans: Sequence[Span], start: int, end: int) -> list[tuple[int, int, torch.Tensor | None, int]]:
@@ -368,8 +369,9 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
 
     Returns the blocks no source could serve ("name block i (bytes a-b)"), empty when all landed verified.
     """
-    tasks = [(f, i, blk) for f in files for i, blk in enumerate(blocks_of(f.entry)) if blk[1] > blk[0]]
-    order = {t.name: 0 for t in files}
+    tasks = [(f, i, blk) for f in files for i, blk in enumerate(blocks_of(f.entry))
+             if blk[1] > blk[0] and (f.blocks is None or i in f.blocks)]
+    order = {t.name: -1 for t in files}
     lock = threading.Lock()
 
     def run(task: tuple[FileLoad, int, tuple[int, int, int]]) -> str | None:
@@ -394,8 +396,10 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
     else:
         results = [run(t) for t in tasks]
     for f in files:
-        if f.sources:
+        if f.sources and order[f.name] >= 0:
             f.served = f.sources[order[f.name]].tier
+        elif f.sources and f.served is None:
+            f.served = f.sources[0].tier
     return [r for r in results if r is not None]
 
 

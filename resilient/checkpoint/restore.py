@@ -33,14 +33,14 @@ from resilient.checkpoint.context import one_line as _one_line
 from resilient.checkpoint.context import per_rank_key as _per_rank_key
 from resilient.checkpoint.context import quiet as _quiet
 from resilient.checkpoint.context import rmdir_quiet as _rmdir_quiet
-from resilient.checkpoint.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, load_files,
-                                       plan_spans, undefined, whole_file)
+from resilient.checkpoint.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, Span,
+                                       load_files, plan_spans, undefined, whole_file)
 from resilient.checkpoint.plan import plan_fetch
 from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
 from resilient.checkpoint.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
 from resilient.checkpoint.stage import flatten, is_stateful, plain_state, set_path
 from resilient.checkpoint.tiers import map_verified, read_manifest, retry, verify_bytes, verify_file
-from resilient.checkpoint.transfer import run_transfers
+from resilient.checkpoint.transfer import Landed, Landing, run_transfers
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,20 @@ class _LoadPlan:
     key_of: dict[str, str]  # state fqn -> checkpoint key
     expand: dict[str, list[str]]  # empty containers filled from the checkpoint's keys under them
     reshard: dict[str, str] = field(default_factory=dict)  # state fqn -> why it cannot be resharded here
+
+
+@dataclass
+class _Direct:
+    """What of a step's data files lands straight in the state: planned from DCP's metadata and the
+    manifests' layouts before any data file is fetched (peer transfers land by it)."""
+
+    by_fqn: dict[str, list[Any]]  # checkpoint key -> its storage items
+    per_file: dict[str, list[Item]]  # plain tensors per file, targets checked against DCP's metadata
+    key_of: dict[int, str]  # id(target) -> checkpoint key
+    slow: set[str]  # checkpoint keys left to DCP (or read as objects)
+    slow_files: set[str]  # files DCP (or the object path) reads some bytes of
+    spans: dict[str, list[Span]]  # files whose manifest gives the layout: spans planned without a read
+    items_in: dict[str, int]  # file -> number of storage items in it
 
 
 class Restorer(Component):
@@ -138,6 +152,7 @@ class Restorer(Component):
         self._lazy: set[str] = set()  # this rank's files taken from this node unverified (verified as they land)
         self._dirty = False  # bytes of a step that then failed landed in the state
         self._remote: set[str] = set()  # this rank's files read by blocks from the persistent tier
+        self._landed: dict[str, Landed] = {}  # this rank's files received from a peer straight into the state
         unsafe: list[str] = []
         for step in candidates:
             res = None
@@ -274,11 +289,16 @@ class Restorer(Component):
             return None
 
         # 3. the data files: copies on this node are taken as they are (verified block by block as they
-        # land in the state); the rest is fetched from a peer or the persistent tier, verified in memory
+        # land in the state); a peer's copy lands straight in the state, verified block by block as it
+        # arrives; the persistent tier is read by blocks in step 4
         t_phase = time.perf_counter()
         self._lazy = set()
         self._remote = set()
-        got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True)
+        self._landed = {}
+        direct = self._direct_plan(md, plan, need, files)
+        land = {n: Landing(direct.spans[n], keep=n in direct.slow_files) for n in direct.spans}
+        got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True,
+                             land=land)
         if got is None:
             return None
         paths, mem, sources = got
@@ -287,7 +307,7 @@ class Restorer(Component):
 
         # 4. plain tensors straight into the state, each block verified right after it lands; a bad block
         # comes again from the next copy into the same place; the rest of the state through DCP
-        slow_keys = self._load_direct(step, md, plan, need, files, paths, mem, sources, in_persistent)
+        slow_keys = self._load_direct(step, md, plan, direct, need, files, paths, mem, sources, in_persistent)
         if slow_keys is None:
             mem.clear()
             return None
@@ -331,51 +351,81 @@ class Restorer(Component):
         _rmdir_quiet(self._scratch / ".fetch")
         return res
 
-    def _load_direct(self, step: int, md: Any, plan: "_LoadPlan", need: set[str], files: dict[str, FileEntry],
-                     paths: dict[str, Path], mem: dict[str, Any], sources: dict[str, str],
-                     in_persistent: bool) -> set[str] | None:
+    def _direct_plan(self, md: Any, plan: "_LoadPlan", need: set[str], files: dict[str, FileEntry]) -> _Direct:
+        """Which plain tensors of ``plan`` land straight in their targets, and where in each file (no I/O)."""
+        by_fqn: dict[str, list[Any]] = {}
+        items_in: dict[str, int] = {}
+        for idx, info in md.storage_data.items():
+            by_fqn.setdefault(idx.fqn, []).append(info)
+            items_in[info.relative_path] = items_in.get(info.relative_path, 0) + 1
+        per_file: dict[str, list[Item]] = {}
+        key_of: dict[int, str] = {}
+        slow: set[str] = set()
+        sdm = md.state_dict_metadata
+        for key, v in plan.load_sd.items():
+            m = sdm.get(key)
+            infos = by_fqn.get(key, [])
+            # the layout is trusted only for targets that match DCP's metadata
+            if (isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
+                    and len(infos) == 1 and not infos[0].transform_descriptors
+                    and m.properties.dtype == v.dtype
+                    and all(o == 0 for o in m.chunks[0].offsets) and tuple(m.chunks[0].sizes) == tuple(v.shape)):
+                per_file.setdefault(infos[0].relative_path, []).append(Item(infos[0].offset, infos[0].length, v))
+                key_of[id(v)] = key
+            else:
+                slow.add(key)
+        slow_files: set[str] = set()
+        spans: dict[str, list[Span]] = {}
+        for name in sorted(need - {DCP_METADATA}):
+            entry = files[name]
+            if not entry.items:
+                continue  # no layout in the manifest: planned from the file itself when it is read
+            items = per_file.get(name, [])
+            spans[name], left = plan_spans(None, entry.size, items, entry.items)
+            for it in left:
+                slow.add(key_of[id(it.target)])
+            if left or len(items) < items_in.get(name, 0):
+                slow_files.add(name)
+        return _Direct(by_fqn=by_fqn, per_file=per_file, key_of=key_of, slow=slow, slow_files=slow_files,
+                       spans=spans, items_in=items_in)
+
+    def _load_direct(self, step: int, md: Any, plan: "_LoadPlan", direct: _Direct, need: set[str],
+                     files: dict[str, FileEntry], paths: dict[str, Path], mem: dict[str, Any],
+                     sources: dict[str, str], in_persistent: bool) -> set[str] | None:
         """Collective: load the plain tensors of ``plan`` straight into their targets (see ``load.py``).
 
         Returns the checkpoint keys left to DCP; every file DCP will read is verified whole by then.
         Returns None on every rank when some rank has a block no tier holds a good copy of (after this
         node's other copies, the persistent tier by ranged reads, then other ranks' copies over gloo).
+        Files received from a peer (``self._landed``) are in the state already: only their bad blocks are
+        read again, from the next copy.
         """
-        by_fqn: dict[str, list[Any]] = {}
-        for idx, info in md.storage_data.items():
-            by_fqn.setdefault(idx.fqn, []).append(info)
-        per_file: dict[str, list[Item]] = {}
-        slow: set[str] = set()
-        for key, v in plan.load_sd.items():
-            m = md.state_dict_metadata.get(key)
-            infos = by_fqn.get(key, [])
-            if (isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
-                    and len(infos) == 1 and not infos[0].transform_descriptors
-                    and all(o == 0 for o in m.chunks[0].offsets) and tuple(m.chunks[0].sizes) == tuple(v.shape)):
-                per_file.setdefault(infos[0].relative_path, []).append(Item(infos[0].offset, infos[0].length, v))
-            else:
-                slow.add(key)
+        self._dirty = True  # from here bytes of this step land in the state
+        by_fqn, slow, slow_files, key_of_target = direct.by_fqn, direct.slow, direct.slow_files, direct.key_of
         loads: list[FileLoad] = []
         opened: list[Source] = []
-        key_of_target = {id(v): k for k, v in plan.load_sd.items() if isinstance(v, torch.Tensor)}
-        slow_files: set[str] = set()
         lost: list[str] = []
         try:
             for name in sorted(need - {DCP_METADATA}):
                 srcs = self._sources(step, name, files[name], paths, mem, sources, in_persistent, opened)
-                items = per_file.get(name, [])
+                landed = self._landed.get(name)
+                if landed is not None:
+                    # in the state already; the blocks that failed come again from the next copy
+                    loads.append(FileLoad(name, files[name], srcs, direct.spans[name], served=sources[name],
+                                          keep_gaps=landed.keep, blocks=frozenset(landed.bad)))
+                    continue
                 if not srcs:
                     lost.append(f"{name} (no copy)")
                     continue
-                for it in items:  # the layout is trusted only for targets that match DCP's metadata
-                    m = md.state_dict_metadata[key_of_target[id(it.target)]]
-                    if m.properties.dtype != it.target.dtype:
+                if name in direct.spans:
+                    spans = direct.spans[name]
+                else:
+                    items = direct.per_file.get(name, [])
+                    spans, left = plan_spans(srcs[0], files[name].size, items, ())
+                    for it in left:
                         slow.add(key_of_target[id(it.target)])
-                items = [it for it in items if key_of_target[id(it.target)] not in slow]
-                spans, left = plan_spans(srcs[0], files[name].size, items, files[name].items)
-                for it in left:
-                    slow.add(key_of_target[id(it.target)])
-                if left or len(items) < self._items_in(md, name):
-                    slow_files.add(name)
+                    if left or len(items) < direct.items_in.get(name, 0):
+                        slow_files.add(name)
                 loads.append(FileLoad(name, files[name], srcs, spans))
                 if name in slow_files and name in self._remote:
                     # DCP reads the objects from the bytes kept as they passed (pages of tensor bytes
@@ -446,10 +496,6 @@ class Restorer(Component):
                 return None
         return slow
 
-    @staticmethod
-    def _items_in(md: Any, name: str) -> int:
-        return sum(1 for info in md.storage_data.values() if info.relative_path == name)
-
     def _sources(self, step: int, name: str, entry: FileEntry, paths: dict[str, Path], mem: dict[str, Any],
                  sources: dict[str, str], in_persistent: bool, opened: list[Source]) -> list[Source]:
         """The copies of ``name`` this rank can read without the others, best first."""
@@ -512,7 +558,8 @@ class Restorer(Component):
 
     def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
                   have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None,
-                  lazy: bool = False, exclude: frozenset[str] = frozenset()
+                  lazy: bool = False, exclude: frozenset[str] = frozenset(),
+                  land: dict[str, Landing] | None = None
                   ) -> tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None:
         """Collective: make every file in ``need`` (this rank's; others pass theirs) available here, verified.
 
@@ -523,6 +570,9 @@ class Restorer(Component):
         ``lazy``: this rank's own data files found on this node are only size-checked here; they are
         verified block by block as they land in the state (see ``load.py``). ``exclude``: names whose
         copies on this node failed verification (fetched from elsewhere, never offered to others).
+        ``land``: with ``lazy``, where this rank's files received from a peer land (the state's tensors):
+        a data file whose manifest gives its layout travels cut at its tensors and lands there, each block
+        verified as it arrives (``self._landed``); its bad blocks are read again in ``_load_direct``.
         """
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
         needs = self._gather(sorted(need), self._pg)
@@ -565,15 +615,31 @@ class Restorer(Component):
 
         fetch = self._fetch_dir(step)
         ok = True
-        incoming = sum(t.size for t in transfers if t.dst == self.rank) + sum(files[n].size for n in downloads)
+        # the same on every rank (the sender cuts the file the way the receiver lands it)
+        wire = {n: files[n] for n in sorted(wanted) if lazy and files[n].items and n != DCP_METADATA}
+        incoming = (sum(t.size for t in transfers if t.dst == self.rank and t.name not in wire)
+                    + sum(files[n].size for n in downloads))
         in_memory = incoming <= _memory_budget()
         try:
             if transfers:
                 src_path = {n: str(p) for n, (_, p) in have.items()}
                 src_mem = {n: b for n, b in mem.items()}
                 received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
-                                         out_dir=None if in_memory else fetch, to_memory=in_memory)
+                                         out_dir=None if in_memory else fetch, to_memory=in_memory,
+                                         wire=wire, land=land)
                 for n, got in received.items():
+                    if isinstance(got, Landed):
+                        self._landed[n] = got
+                        self._dirty = True
+                        sources[n] = TierName.PEER.value
+                        for b in got.bad:
+                            logger.warning("rank %d: step %d: %s block %d from a peer: crc32c differs from the "
+                                           "manifest; %s", self.rank, step, n, b,
+                                           "falling back to the persistent tier" if in_persistent
+                                           else "trying the next copy")
+                            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PEER.value,
+                                       error=f"{n} block {b}: crc32c differs from the manifest")
+                        continue
                     try:
                         if in_memory:
                             verify_bytes(got.data, files[n], what=f"{n} from a peer", crc=got.crc32c)

@@ -4,10 +4,16 @@ Two patterns: a ring (every rank sends its files to its partner and receives its
 all at once with isend/irecv) for replication, and a list of point-to-point transfers executed in one
 global order (each rank does only the ones it takes part in, so the earliest unfinished transfer
 always has both ends ready: no deadlock) for restore.
+
+A restored file whose manifest gives each tensor's byte range travels *cut at those ranges*
+(:func:`wire_pieces`, computed by both ends from the same manifest entry), so the receiver lands each piece
+straight in the target tensor's memory (no receive buffer the size of the file) and checks each manifest
+block's crc32c right after its last piece lands.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import warnings
@@ -19,11 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.checkpoint.api import FileEntry
+from resilient.checkpoint.load import Span, blocks_of
 from resilient.checkpoint.tiers import crc_bytes, readinto_exactly
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 32 << 20
+# tensors at least this large are received straight into their target; smaller ones (and the bytes between
+# tensors) arrive together in a staging piece and are copied out: one message per few KiB tensor would cost
+# more than the copy
+DIRECT_MIN = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -178,14 +190,30 @@ class Transfer:
 
 def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
                   src_path: dict[str, str], out_dir: str | os.PathLike[str] | None,
-                  to_memory: bool = False, src_mem: dict[str, Any] | None = None) -> dict[str, Any]:
+                  to_memory: bool = False, src_mem: dict[str, Any] | None = None,
+                  wire: dict[str, FileEntry] | None = None,
+                  land: dict[str, Landing] | None = None) -> dict[str, Any]:
     """Execute ``transfers`` (identical list on every rank) in order.
 
     Returns name -> received file: a path under ``out_dir`` (scratch, not fsynced), or with
     ``to_memory`` a :class:`Received` (the bytes and their crc32c, computed while later pieces arrive).
+    Files in ``wire`` (name -> manifest entry, the same on every rank) travel in :func:`wire_pieces` and land
+    where ``land`` says (see :class:`Landing`; a file with no landing lands whole in a kept buffer): those
+    come back as :class:`Landed`.
     """
     received: dict[str, Any] = {}
     for t in transfers:
+        if wire is not None and t.name in wire and t.src != t.dst:
+            entry = wire[t.name]
+            if t.src == rank:
+                if src_mem and t.name in src_mem:
+                    send_pieces(group, t.dst, entry, data=src_mem[t.name])
+                else:
+                    send_pieces(group, t.dst, entry, path=src_path[t.name])
+            elif t.dst == rank:
+                how = (land or {}).get(t.name) or Landing([Span(0, entry.size)], keep=True)
+                received[t.name] = receive_into(group, t.src, entry, how)
+            continue
         pieces = _chunks([FileSpec(t.name, t.size)])
         if t.src == rank and t.dst != rank and src_mem and t.name in src_mem:
             data = _as_tensor(src_mem[t.name]) if t.size else None
@@ -236,3 +264,135 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
                 writer.abort()
                 raise
     return received
+
+
+def wire_pieces(entry: FileEntry) -> list[tuple[int, int]]:
+    """(offset, length) pieces a file travels in when it lands in the receiver's tensors: cut at the
+    manifest's verification blocks and around the bytes of every tensor of at least ``DIRECT_MIN`` bytes
+    (the manifest's layout), at most ``CHUNK`` long. Both ends compute it from the same manifest entry."""
+    size = entry.size
+    cuts = {a for a, _, _ in blocks_of(entry)} | {0, size}
+    for _, start, n in entry.items:
+        if n >= DIRECT_MIN and 0 <= start and start + n <= size:
+            cuts.update((start, start + n))
+    pts = sorted(cuts)
+    out = []
+    for a, b in zip(pts, pts[1:]):
+        while a < b:
+            k = min(CHUNK, b - a)
+            out.append((a, k))
+            a += k
+    return out
+
+
+@dataclass
+class Landing:
+    """Where the bytes of a file received from a peer go: ``spans`` (file order, covering the file: into a
+    uint8 view of a target tensor, or with no target only checked) and, with ``keep``, the bytes no target
+    takes are also kept in a file-sized buffer (objects DCP reads afterwards)."""
+
+    spans: list[Span]
+    keep: bool = False
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A file received into its targets: the manifest blocks whose crc32c differed (their bytes are to be
+    fetched again from another copy) and the kept bytes (or None)."""
+
+    bad: tuple[int, ...]
+    keep: Any = None
+
+
+class _Pieces:
+    """Where each wire piece of a file lands, given the receiver's spans."""
+
+    def __init__(self, spans: Sequence[Span]):
+        self._spans = sorted(spans, key=lambda s: s.off)
+        self._starts = [s.off for s in self._spans]
+
+    def covering(self, a: int, n: int) -> list[Span]:
+        i = max(0, bisect.bisect_right(self._starts, a) - 1)
+        out = []
+        while i < len(self._spans) and self._spans[i].off < a + n:
+            s = self._spans[i]
+            if s.off + s.n > a:
+                out.append(s)
+            i += 1
+        return out
+
+
+def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> Landed:
+    """Receive a file sent with :func:`send_pieces` straight into ``landing``'s targets; the crc32c of each
+    manifest block is computed over what landed, while the next piece is in flight."""
+    pieces = wire_pieces(entry)
+    blocks = blocks_of(entry)
+    starts = [a for a, _, _ in blocks]
+    crcs = [0] * len(blocks)
+    where = _Pieces(landing.spans)
+    keep = receive_buffer(entry.size) if landing.keep and entry.size else None
+    keep_t = torch.from_numpy(keep) if keep is not None else None
+    slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+
+    def post(k: int) -> tuple[Any, int, int, torch.Tensor, list[Span] | None]:
+        a, n = pieces[k]
+        over = where.covering(a, n)
+        if len(over) == 1 and over[0].dst is not None:
+            s = over[0]
+            buf = s.dst[a - s.off:a - s.off + n]
+            staged = None
+        else:
+            if keep_t is not None:
+                buf = keep_t[a:a + n]
+            else:
+                if slots[k % 2].numel() < n:
+                    slots[k % 2] = torch.empty(max(n, 1 << 20), dtype=torch.uint8)
+                buf = slots[k % 2][:n]
+            staged = [s for s in over if s.dst is not None]
+        return dist.irecv(buf, src=src, group=group), a, n, buf, staged
+
+    def finish(p: tuple[Any, int, int, torch.Tensor, list[Span] | None]) -> None:
+        work, a, n, buf, staged = p
+        work.wait()
+        b = bisect.bisect_right(starts, a) - 1
+        crcs[b] = crc_bytes(memoryview(buf.numpy()), crcs[b])
+        for s in staged or ():
+            x, y = max(a, s.off), min(a + n, s.off + s.n)
+            assert s.dst is not None
+            s.dst[x - s.off:y - s.off].copy_(buf[x - a:y - a])
+
+    prev = None
+    for k in range(len(pieces)):
+        cur = post(k)
+        if prev is not None:
+            finish(prev)
+        prev = cur
+    if prev is not None:
+        finish(prev)
+    bad = tuple(i for i, (a, b, want) in enumerate(blocks) if b > a and crcs[i] != want)
+    return Landed(bad, keep)
+
+
+def send_pieces(group: Any, dst: int, entry: FileEntry, *, path: str | None = None, data: Any = None) -> None:
+    """Send a file (``path`` on disk, or ``data`` in memory) in :func:`wire_pieces`; one piece is read while
+    the previous one is in flight."""
+    pieces = wire_pieces(entry)
+    if data is not None:
+        t = _as_tensor(data) if entry.size else None
+        for a, n in pieces:
+            assert t is not None
+            dist.send(t[a:a + n], dst=dst, group=group)
+        return
+    assert path is not None
+    reader = _Reader([path])
+    try:
+        inflight = None
+        for k, (a, n) in enumerate(pieces):
+            work = dist.isend(reader.read(0, a, n, slot=k % 2), dst=dst, group=group)
+            if inflight is not None:
+                inflight.wait()  # frees the other slot for the next read
+            inflight = work
+        if inflight is not None:
+            inflight.wait()
+    finally:
+        reader.close()
