@@ -178,6 +178,8 @@ class SupervisorCore:
         self._ckpt_steps: dict[str, int] = {}
         self._pending: _PendingScaleUp | None = None
         self._next_id = 1
+        # attempt -> (node blamed for the failure that ended it, when that fault happened, when it was counted)
+        self._blame: dict[int, tuple[str, float, float]] = {}
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -371,14 +373,46 @@ class SupervisorCore:
             node.failures.append(now)
             return self._decide(event, now)
         if not (current and member):
+            self._reblame(event, node)
             return []  # a stale attempt's report, or a node outside the job
         if event.kind is EventKind.WORKER_EXIT and not _nonzero_exit(event):
             return []
         if event.kind in _FAILURES:
             node.failures.append(now)
+            w = _fault_wall(event)
+            if event.attempt is not None and w is not None:
+                self._blame[event.attempt] = (event.node, w, now)
+                for old in [k for k in self._blame if k < event.attempt - 4]:
+                    del self._blame[old]
         elif event.kind is EventKind.STRAGGLER:
             node.stragglers.append(now)
         return self._decide(event, now)
+
+    def _reblame(self, event: Event, node: _Node) -> None:
+        """A later report of a failure in an attempt already decided, from another node, whose fault happened
+        first (by its agent's clock): that node's failure started it (the first report to arrive may be a
+        survivor's, failing in a collective with the dead rank). The decision stands; the blame moves, so that
+        a node's failure count says what its own workers did."""
+        if event.kind not in (EventKind.WORKER_EXIT, EventKind.HANG) or event.attempt is None:
+            return
+        if event.kind is EventKind.WORKER_EXIT and not _nonzero_exit(event):
+            return
+        b = self._blame.get(event.attempt)
+        w = _fault_wall(event)
+        if b is None or b[0] == event.node or w is None or not w < b[1]:
+            return
+        blamed, _, t = b
+        old = self._nodes.get(blamed)
+        if old is not None and t in old.failures:
+            old.failures.remove(t)
+        q = node.failures  # kept in time order: the window is pruned from the left
+        i = len(q)
+        while i > 0 and q[i - 1] > t:
+            i -= 1
+        q.insert(i, t)
+        self._blame[event.attempt] = (event.node, w, t)
+        logger.info("failure of attempt %d blamed on %s rather than %s (its fault came %.3f s earlier)",
+                    event.attempt, event.node, blamed, b[1] - w)
 
     def tick(self, now: float) -> list[Decision]:
         out: list[Decision] = []
@@ -668,6 +702,15 @@ class _Cordoning(Action):
 
     inner: Action = field(default_factory=Ignore)
     kind = "cordon"
+
+
+def _fault_wall(ev: Event) -> float | None:
+    """When the fault an event reports happened, on its agent's clock: a hang began at its last heartbeat."""
+    wall = ev.wall
+    if not isinstance(wall, (int, float)):
+        return None
+    age = ev.details.get("last_heartbeat_age") if ev.kind is EventKind.HANG else None
+    return wall - age if isinstance(age, (int, float)) and not isinstance(age, bool) and age >= 0 else wall
 
 
 def _nonzero_exit(ev: Event) -> bool:

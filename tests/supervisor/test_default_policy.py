@@ -48,14 +48,18 @@ class Job:
                 self.core.seen(n, t)
         self.t = t
 
-    def fail(self, node: str, t: float, kind: EventKind = EventKind.WORKER_EXIT):
+    def fail(self, node: str, t: float, kind: EventKind = EventKind.WORKER_EXIT, *, wall: float | None = None,
+             attempt: int | None = None):
         self.at(t)
         a = self.core.assignment
         details = {"exit_code": -9, "signal": "SIGKILL"} if kind is EventKind.WORKER_EXIT else {}
         if kind is EventKind.AGENT_LOST:
             details = {"reason": "disconnected"}
-        ev = Event(kind=kind, node=node, rank=None if kind is EventKind.AGENT_LOST else a.members.index(node),
-                   attempt=None if kind is EventKind.AGENT_LOST else a.attempt, details=details, mono=t, wall=t)
+        elif kind is EventKind.HANG:
+            details = {"last_heartbeat_age": 3.0}
+        rank = None if kind is EventKind.AGENT_LOST else (a.members.index(node) if node in a.members else 0)
+        ev = Event(kind=kind, node=node, rank=rank, details=details, mono=t, wall=t if wall is None else wall,
+                   attempt=None if kind is EventKind.AGENT_LOST else (a.attempt if attempt is None else attempt))
         return self.core.handle(ev, t)
 
 
@@ -129,6 +133,38 @@ def test_bench_schedule_restarts_in_place_and_keeps_the_spare_for_the_node_loss(
     swap = actions[7]
     assert isinstance(swap, HotSwap) and swap.node == "b" and swap.spare == "s" and swap.cool_down is None
     assert job.core.stopped is None and job.core.assignment.members == ("a", "s")
+
+
+def test_the_peer_reporting_first_does_not_take_the_blame() -> None:
+    """Every worker fault of the bench's schedule reported first by the survivor (its rank failed in a collective
+    0.2 s later, but its agent was quicker to tell), then by the victim's agent: the restart is decided on the
+    first report, the blame moves to the victim's node, whose fault came first."""
+    job = Job()
+    for t, kind, rank in _bench_events(set()):
+        victim = job.core.assignment.members[rank]
+        if kind is EventKind.AGENT_LOST:
+            job.fail(victim, t, kind)
+            continue
+        peer = job.core.assignment.members[1 - rank]
+        attempt = job.core.assignment.attempt
+        (d,) = job.fail(peer, t, kind, wall=t + 0.2)
+        assert d.action.kind == "restart"
+        assert job.fail(victim, t + 0.01, kind, wall=t, attempt=attempt) == []  # stale: decided already
+    counts = {n: v.failures for n, v in job.core.view(520.0).nodes.items()}
+    assert counts == {"a": 4, "b": 4, "s": 2}, counts  # b: 3 kills and its loss; a: 2 kills, 2 hangs
+
+
+def test_blame_moves_only_to_an_earlier_fault_of_another_node() -> None:
+    job = Job()
+    job.fail("a", 1.0, wall=100.0)
+    assert job.fail("b", 1.1, wall=100.5, attempt=0) == []  # later: a survivor's report, a keeps the blame
+    assert job.fail("a", 1.2, wall=99.0, attempt=0) == []  # the same node again: nothing to move
+    job.fail("b", 1.3, EventKind.WORKER_EXIT, wall=50.0, attempt=7)  # an attempt never decided: nothing
+    v = job.core.view(2.0).nodes
+    assert (v["a"].failures, v["b"].failures) == (1, 0)
+    assert job.fail("b", 1.4, EventKind.HANG, wall=101.0, attempt=0) == []  # hung since 98.0: first
+    v = job.core.view(2.0).nodes
+    assert (v["a"].failures, v["b"].failures) == (0, 1)
 
 
 def test_bench_schedule_schedule_is_what_the_bench_runs() -> None:
