@@ -1,9 +1,11 @@
-"""transformers.Trainer (a tiny GPT-2, 2 ranks on gloo) under the real ``resilient-run``: a rank SIGKILLed
-mid-run, resumed from our tiers, ending with the same weights as an uninterrupted run."""
+"""transformers.Trainer (a tiny GPT-2, 2 ranks on gloo) under the real ``resilient-run``: a preemption notice,
+the same command run again, then a rank SIGKILLed; resumed from our tiers each time, ending with the same
+weights as an uninterrupted run."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,26 +19,40 @@ from .conftest import HERE, assert_same_weights, resilient_run, restores  # noqa
 
 SCRIPT = HERE / "hf_train.py"
 KILL_AT = 8
+STOP = 5  # the preempted attempt's last step: the last of epoch 0 (48 samples / (4 × 2 ranks): 6 steps an epoch)
 
 
 @pytest.mark.timeout(300)
-def test_hf_trainer_killed_rank_resumes_exactly_from_our_tiers(tmp_path: Path) -> None:
+def test_hf_trainer_preempted_then_killed_resumes_exactly_from_our_tiers(tmp_path: Path) -> None:
     ref, hit = tmp_path / "ref", tmp_path / "hit"
     ref.mkdir(), hit.mkdir()
     # the fork server imports the Trainer and the model once for every worker of both attempts (a third of
     # the CPU time of this test without it)
     flags = ["--ckpt-interval", "3", "--preload", "transformers.trainer,transformers.models.gpt2.modeling_gpt2"]
+    # the first run is preempted after STOP; the rerun (the same command, as a scheduler's requeue) loses rank 1
+    faults = plan_env(WorkerFault(FaultHow.PREEMPT, rank=1, step=STOP),
+                      WorkerFault(FaultHow.KILL, rank=1, step=KILL_AT))
+
+    def interrupted() -> list[subprocess.CompletedProcess[str]]:
+        first = resilient_run(hit, SCRIPT, ["--out", "out"], [*flags, "--max-restarts", "2"], faults)
+        if first.returncode != 75:
+            return [first]
+        return [first, resilient_run(hit, SCRIPT, ["--out", "out"], [*flags, "--max-restarts", "2"], faults)]
+
     with cf.ThreadPoolExecutor(2) as ex:
         fa = ex.submit(resilient_run, ref, SCRIPT, ["--out", "out"], flags)
-        fb = ex.submit(resilient_run, hit, SCRIPT, ["--out", "out"], [*flags, "--max-restarts", "2"],
-                       plan_env(WorkerFault(FaultHow.KILL, rank=1, step=KILL_AT)))
-        a, b = fa.result(), fb.result()
+        fb = ex.submit(interrupted)
+        a, runs = fa.result(), fb.result()
     assert a.returncode == 0, a.stderr[-4000:]
-    assert b.returncode == 0, b.stderr[-4000:]
     assert "done at step 12, restored from None" in a.stdout
+    assert runs[0].returncode == 75, ("expected exit 75 (preempted)", runs[0].stderr[-4000:])
+    assert len(runs) == 2 and runs[1].returncode == 0, runs[-1].stderr[-4000:]
     got = restores(hit / "run")
     assert {d["rank"] for d in got} == {0, 1}
-    assert all(d["tier"] == "local" and 2 <= d["step"] < KILL_AT for d in got), got
-    assert f"done at step 12, restored from {got[0]['step'] + 1}" in b.stdout
+    assert all(d["tier"] == "local" for d in got), got
+    assert sorted({d["step"] for d in got if d["attempt"] == 0}) == [STOP], got  # the rerun's start
+    after_kill = [d for d in got if d["attempt"] == 1]
+    assert {d["rank"] for d in after_kill} == {0, 1} and all(STOP <= d["step"] < KILL_AT for d in after_kill), got
+    assert f"done at step 12, restored from {after_kill[0]['step'] + 1}" in runs[1].stdout
     assert not list((hit / "out").glob("checkpoint-*")), "the Trainer wrote its own checkpoint"
     assert_same_weights(ref / "out" / "final.pt", hit / "out" / "final.pt")
