@@ -271,7 +271,7 @@ DESCRIPTOR = {Codec.BGZSTD: "resilient.bgzstd/1", Codec.ZSTD: "stream.zstd/1"}
 # ------------------------------------------------------------------ rewriting a step for a transfer
 CHUNK = 2 << 20  # raw bytes per coding job: small enough that coding runs ahead of the network early
 INFLIGHT = 4  # coding jobs queued or running ahead of the one being sent: bounds memory per rank
-PART = 4 << 20  # bytes per request of a streamed upload (a multiple of 256 KiB, as GCS requires)
+PART = 4 << 20  # bytes per request of a streamed item (a multiple of 256 KiB, as GCS requires)
 
 
 @dataclass
@@ -320,6 +320,7 @@ class _Piece:
     start: int
     end: int
     first: bool
+    last: bool
 
 
 def _jobs(items: Sequence[tuple[Any, _StorageInfo]], codec: Codec, chunk: int) -> list[list[_Piece]]:
@@ -337,7 +338,7 @@ def _jobs(items: Sequence[tuple[Any, _StorageInfo]], codec: Codec, chunk: int) -
             if cur and fill + (e - s) > chunk:
                 jobs.append(cur)
                 cur, fill = [], 0
-            cur.append(_Piece(k, s, e, j == 0))
+            cur.append(_Piece(k, s, e, j == 0, e == end))
             fill += e - s
     if cur:
         jobs.append(cur)
@@ -345,13 +346,13 @@ def _jobs(items: Sequence[tuple[Any, _StorageInfo]], codec: Codec, chunk: int) -
 
 
 def _code_job(codec: Codec, src: memoryview, pieces: Sequence[_Piece], es_of: Sequence[int],
-              local: threading.local) -> tuple[list[int], list[Any], float]:
-    """(coded length of each piece, the coded buffers in order, seconds)."""
+              local: threading.local) -> tuple[list[int], list[list[Any]], float]:
+    """(coded length of each piece, each piece's coded buffers, seconds)."""
     t0 = time.perf_counter()
     cctx = getattr(local, "cctx", None) or _cctx()
     local.cctx = cctx
     lens: list[int] = []
-    out: list[Any] = []
+    out: list[list[Any]] = []
     for p in pieces:
         raw = src[p.start:p.end]
         if codec is Codec.BGZSTD:
@@ -364,7 +365,7 @@ def _code_job(codec: Codec, src: memoryview, pieces: Sequence[_Piece], es_of: Se
         else:
             bufs = [cctx.compress(raw)]
         lens.append(sum(len(b) for b in bufs))
-        out += bufs
+        out.append(bufs)
     return lens, out, time.perf_counter() - t0
 
 
@@ -500,16 +501,87 @@ def tier_sink(tier: Any, step: int, name: str) -> Sink:
                 min_rate=min_rate)
 
 
+def part_name(name: str, k: int) -> str:
+    """The ``k``-th part of a coded file: the file's own name first, then ``__0_0.p1.distcp``, ... (DCP's
+    ``.metadata`` says which file holds each item, so a coded file may be several objects)."""
+    if k == 0:
+        return name
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}.p{k}.{ext}" if dot and ext == "distcp" else f"{name}.p{k}"
+
+
+def part_size(raw_bytes: int) -> int:
+    """Coded bytes per part object: about 8 parts per file, so sending starts early and parts go out two at
+    a time, from 4 MiB (fewer requests) to 64 MiB (fewer objects)."""
+    return int(min(64 << 20, max(4 << 20, raw_bytes // 8)))
+
+
+class DirDest:
+    """Parts written as files of a local directory (tmp + rename)."""
+
+    def __init__(self, out_dir: str | os.PathLike[str]):
+        self.out = Path(out_dir)
+        self.timeout_s, self.min_rate = 600.0, float(8 << 20)
+
+    def deadline(self, nbytes: int) -> float:
+        return self.timeout_s + nbytes / self.min_rate
+
+    def put(self, name: str, data: Any) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / name)
+
+    def open(self, name: str) -> Sink:
+        return dir_sink(self.out, name)
+
+
+class TierDest:
+    """Parts written to ``step`` of a tier: a part in one request (``write_bytes``: a single-request upload
+    on GCS), retried like any upload; an item larger than a part streamed through a :class:`Sink`."""
+
+    def __init__(self, tier: Any, step: int, retries: int = 0, backoff_s: float = 0.5, backoff_max_s: float = 10.0,
+                 should_stop: Callable[[], bool] | None = None):
+        self.tier, self.step = tier, step
+        self.retries, self.backoff_s, self.backoff_max_s, self.should_stop = retries, backoff_s, backoff_max_s, should_stop
+        self.timeout_s = float(getattr(tier, "timeout_s", 30.0))
+        self.min_rate = float(getattr(tier, "min_rate", 8 << 20))
+
+    def deadline(self, nbytes: int) -> float:
+        """How long one part's upload may take, every retry included (each attempt is bounded by the tier)."""
+        return (self.timeout_s + nbytes / self.min_rate + self.backoff_max_s) * (self.retries + 1)
+
+    def put(self, name: str, data: Any) -> None:
+        from resilient.checkpoint.tiers import retry
+
+        retry(lambda: self.tier.write_bytes(self.step, name, data), what=f"upload {name} of step {self.step}",
+              retries=self.retries, backoff_s=self.backoff_s, backoff_max_s=self.backoff_max_s,
+              should_stop=self.should_stop)
+
+    def open(self, name: str) -> Sink:
+        return tier_sink(self.tier, self.step, name)
+
+
+SENDERS = 2  # part objects sent at once
+
+
 def stream_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata: Any, codec: Codec,
-                 open_sink: Callable[[str], Sink], expected: dict[str, FileEntry] | None = None,
-                 threads: int | None = None, inflight: int = INFLIGHT, chunk: int = CHUNK) -> Transcoded:
-    """Code this rank's ``.distcp`` files ``names`` of a plain step in ``src_dir`` with ``codec`` and write
-    each to ``open_sink(name)`` as it is coded: coding threads work up to ``inflight`` jobs of ``chunk`` raw
-    bytes ahead while the calling thread sends, so the codec and the network overlap and memory stays
-    bounded (about ``(inflight + 2) * chunk`` plus one upload part). ``expected``: the local manifest's
-    entries, verified before a byte is sent (a copy that rotted on the local disk is never uploaded).
-    ``metadata``: the step's DCP metadata. Local work and this rank's sink only; the caller gathers
-    :attr:`Transcoded.storage` from every rank for :func:`merged_metadata`."""
+                 dest: DirDest | TierDest, expected: dict[str, FileEntry] | None = None,
+                 threads: int | None = None, inflight: int = INFLIGHT, chunk: int = CHUNK,
+                 part: int | None = None) -> Transcoded:
+    """Code this rank's ``.distcp`` files ``names`` of a plain step in ``src_dir`` with ``codec`` and send
+    them to ``dest`` as they are coded: coding threads work up to ``inflight`` jobs of ``chunk`` raw bytes
+    ahead; the coded bytes of whole items are cut into part objects of about ``part`` bytes
+    (:func:`part_size`; :func:`part_name`), each sent on a sender thread while coding goes on; an item
+    larger than a part is streamed on its own (:class:`Sink`). Codec and network overlap; memory stays
+    bounded by a few chunks and parts (and by the largest item for DCP's ``stream.zstd``).
+
+    ``expected``: the local manifest's entries, verified before a byte is sent (a copy that rotted on the
+    local disk is never uploaded). ``metadata``: the step's DCP metadata. Returns this rank's part files
+    and item layout; the caller gathers :attr:`Transcoded.storage` from every rank for :func:`merged_metadata`."""
     from resilient.checkpoint.load import BLOCK as VERIFY_BLOCK
     from resilient.checkpoint.tiers import map_verified
 
@@ -528,56 +600,108 @@ def stream_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata
     storage: dict[Any, _StorageInfo] = {}
     raw_total, busy, send = 0, 0.0, 0.0
     local = threading.local()
-    with ThreadPoolExecutor(threads, thread_name_prefix="resilient-ckpt-code") as pool:
-        for name in names:
-            items = sorted(by_file.get(name, []), key=lambda p: p[1].offset)
-            fe = (expected or {}).get(name)
-            data: Any = map_verified(src / name, fe) if fe is not None else (src / name).read_bytes()
-            mv = memoryview(data).cast("B")
-            raw_total += len(mv)
-            es_of = [sizes.get(idx.fqn, 1) for idx, _ in items]
-            todo = iter(_jobs(items, codec, chunk))
-            pending: deque[tuple[list[_Piece], Future[Any]]] = deque()
+    sent: deque[tuple[str, int, Future[Any], float]] = deque()  # (part, bytes, future, when submitted)
 
-            def ahead() -> None:
-                while len(pending) < inflight:
-                    job = next(todo, None)
-                    if job is None:
-                        return
-                    pending.append((job, pool.submit(_code_job, codec, mv, job, es_of, local)))
-
-            crc = _Blocks(VERIFY_BLOCK)
-            start: dict[int, int] = {}
-            length: dict[int, int] = {}
-            sink = open_sink(name)
+    def wait_sent(keep: int) -> None:
+        nonlocal send
+        while len(sent) > keep:
+            n, nbytes, fut, _ = sent.popleft()
+            t = time.perf_counter()
             try:
-                ahead()
-                while pending:
-                    job, fut = pending.popleft()
-                    lens, bufs, secs = fut.result()
-                    ahead()  # keep the coders busy while this job's bytes go out
-                    busy += secs
-                    off = crc.size
-                    for p, n in zip(job, lens):
-                        if p.first:
-                            start[p.item] = off
-                        length[p.item] = length.get(p.item, 0) + n
-                        off += n
-                    for b in bufs:
-                        crc.update(b)
-                    sink.write(b"".join(bufs))
-                sink.close()
-            except BaseException:
-                for _, fut in pending:
-                    fut.cancel()
-                sink.abort()
-                raise
+                fut.result(timeout=dest.deadline(nbytes))
+            except FutureTimeout:
+                raise TimeoutError(f"upload of {n} got no answer in time (is the store reachable?)") from None
             finally:
-                send += sink.seconds
-            files[name] = crc.entry()
-            for k, (idx, info) in enumerate(items):
-                storage[idx] = dataclasses.replace(info, offset=start[k], length=length[k],
-                                                   transform_descriptors=[DESCRIPTOR[codec]])
+                send += time.perf_counter() - t
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="resilient-ckpt-code") as pool, \
+            ThreadPoolExecutor(SENDERS, thread_name_prefix="resilient-ckpt-send") as senders:
+        try:
+            for name in names:
+                items = sorted(by_file.get(name, []), key=lambda p: p[1].offset)
+                fe = (expected or {}).get(name)
+                data: Any = map_verified(src / name, fe) if fe is not None else (src / name).read_bytes()
+                mv = memoryview(data).cast("B")
+                raw_total += len(mv)
+                psize = part or part_size(len(mv))
+                es_of = [sizes.get(idx.fqn, 1) for idx, _ in items]
+                big = [info.length > psize for _, info in items]  # streamed alone: a part could not hold it
+                todo = iter(_jobs(items, codec, chunk))
+                pending: deque[tuple[list[_Piece], Future[Any]]] = deque()
+
+                def ahead() -> None:
+                    while len(pending) < inflight:
+                        job = next(todo, None)
+                        if job is None:
+                            return
+                        pending.append((job, pool.submit(_code_job, codec, mv, job, es_of, local)))
+
+                k = 0  # next part number
+                buf: list[Any] = []
+                crc = _Blocks(VERIFY_BLOCK)
+                where: dict[int, tuple[str, int]] = {}  # item -> (part, offset)
+                length: dict[int, int] = {}
+                sink: Sink | None = None
+
+                def ship() -> None:
+                    # the buffered whole items become part k, sent while coding goes on
+                    nonlocal k, buf, crc
+                    pname, body = part_name(name, k), b"".join(buf)
+                    files[pname] = crc.entry()
+                    wait_sent(SENDERS)  # bounded: at most SENDERS parts queued behind the ones sending
+                    sent.append((pname, len(body), senders.submit(dest.put, pname, body), time.perf_counter()))
+                    k, buf, crc = k + 1, [], _Blocks(VERIFY_BLOCK)
+
+                try:
+                    ahead()
+                    while pending:
+                        job, fut = pending.popleft()
+                        lens, bufs, secs = fut.result()
+                        ahead()  # keep the coders busy while this job's bytes go out
+                        busy += secs
+                        for p, n, out in zip(job, lens, bufs):
+                            if big[p.item]:
+                                if p.first:
+                                    if buf:
+                                        ship()  # the big item starts a part of its own
+                                    pname = part_name(name, k)
+                                    sink, where[p.item], length[p.item] = dest.open(pname), (pname, 0), 0
+                                assert sink is not None
+                                blob = b"".join(out)
+                                crc.update(blob)
+                                sink.write(blob)
+                                length[p.item] += n
+                                if p.last:
+                                    sink.close()
+                                    send += sink.seconds
+                                    files[part_name(name, k)] = crc.entry()
+                                    sink, k, crc = None, k + 1, _Blocks(VERIFY_BLOCK)
+                            else:
+                                if p.first:
+                                    where[p.item], length[p.item] = (part_name(name, k), crc.size), 0
+                                for b in out:
+                                    crc.update(b)
+                                buf += out
+                                length[p.item] += n
+                                if p.last and crc.size >= psize:
+                                    ship()
+                    if buf or k == 0:
+                        ship()
+                except BaseException:
+                    for _, fut in pending:
+                        fut.cancel()
+                    if sink is not None:
+                        sink.abort()
+                    raise
+                for i, (idx, info) in enumerate(items):
+                    pname, off = where[i]
+                    storage[idx] = dataclasses.replace(info, relative_path=pname, offset=off, length=length[i],
+                                                       transform_descriptors=[DESCRIPTOR[codec]])
+            wait_sent(0)
+        except BaseException:
+            for _, _, fut, _ in sent:
+                fut.cancel()
+            raise
     return Transcoded(codec=codec, files=files, storage=storage, raw_bytes=raw_total,
                       seconds=time.perf_counter() - t0, codec_seconds=busy, threads=threads, send_seconds=send)
 
@@ -585,9 +709,8 @@ def stream_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata
 def transcode_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata: Any, codec: Codec,
                     out_dir: str | os.PathLike[str], threads: int | None = None) -> Transcoded:
     """Rewrite this rank's ``.distcp`` files ``names`` of a plain step in ``src_dir`` into ``out_dir``
-    (same names), every item coded with ``codec`` (:func:`stream_files` into a directory)."""
-    out = Path(out_dir)
-    return stream_files(src_dir, names, metadata, codec, lambda n: dir_sink(out, n), threads=threads)
+    (:func:`stream_files` into a directory: the coded parts, the first under each file's own name)."""
+    return stream_files(src_dir, names, metadata, codec, DirDest(out_dir), threads=threads)
 
 
 def merged_metadata(metadata: Any, parts: Iterable[dict[Any, _StorageInfo]]) -> bytes:
@@ -842,8 +965,12 @@ def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None
         # a step uploaded again (a job restored from an older step saves this number anew) must not stay
         # visible as complete while its files are replaced: the marker goes before this rank's first write
         tier.delete_file(step, COMMIT_MARKER)
-        part = stream_files(d, sorted(m.files), md, decision.codec, lambda n: tier_sink(tier, step, n),
-                            expected=m.files)
+        cfg = mgr.config
+        give_up = getattr(mgr, "_give_up", None)
+        dest = TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                        backoff_max_s=cfg.upload_backoff_max_s,
+                        should_stop=(lambda: bool(give_up(step))) if give_up is not None else None)
+        part = stream_files(d, sorted(m.files), md, decision.codec, dest, expected=m.files)
     except Exception as e:  # never fatal: the plain upload that follows retries, and reports what it finds
         logger.warning("compressed upload of step %d failed (%s: %s); uploading it plain", step,
                        type(e).__name__, e)
