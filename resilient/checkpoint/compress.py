@@ -510,10 +510,13 @@ def part_name(name: str, k: int) -> str:
     return f"{stem}.p{k}.{ext}" if dot and ext == "distcp" else f"{name}.p{k}"
 
 
+PART_MIN, PART_MAX = 4 << 20, 64 << 20
+
+
 def part_size(raw_bytes: int) -> int:
     """Coded bytes per part object: about 8 parts per file, so sending starts early and parts go out two at
-    a time, from 4 MiB (fewer requests) to 64 MiB (fewer objects)."""
-    return int(min(64 << 20, max(4 << 20, raw_bytes // 8)))
+    a time, from PART_MIN (fewer requests) to PART_MAX (fewer objects)."""
+    return int(min(PART_MAX, max(PART_MIN, raw_bytes // 8)))
 
 
 class DirDest:

@@ -123,7 +123,7 @@ class Uploader(Component):
         t0 = time.perf_counter()
         # collective, so before any call to the store (a rank stuck on a dead store must not hold others in it)
         coded = compress.prepare_upload(self, step, src, group) if mem is None else None
-        ok, error, nbytes = True, None, 0
+        ok, error, nbytes = True, None, compress.sent_bytes(coded)  # parts prepare_upload already sent
         try:
             # a step uploaded again (a job restored from an older step saves this number anew) must not stay
             # visible as complete while its files are replaced: each rank removes the marker before its own

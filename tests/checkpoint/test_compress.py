@@ -241,7 +241,11 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
 
     from .test_cli import cli
 
+    from resilient.events.ledger import read_events
+
     monkeypatch.setenv(cz.ENV_MODE, "bgzstd")
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(cz, "PART_MIN", 32 << 10)  # a small state in several parts, one item streamed alone
     gcs.make_bucket("ckz")  # type: ignore[attr-defined]
     url = f"gs://ckz/{tmp_path.name}"
     s = _state()
@@ -253,8 +257,16 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
     local_m = read_manifest(ck.local, 7, 0)  # type: ignore[arg-type]
     remote_m = read_manifest(ck.persistent, 7, 0)
     assert sum(f.size for f in remote_m.files.values()) < sum(f.size for f in local_m.files.values())
+    assert len(remote_m.files) >= 3 and set(local_m.files) < set(remote_m.files)
     md = load_metadata(ck.persistent.read_bytes(7, DCP_METADATA), what=DCP_METADATA)
     assert all(i.transform_descriptors == ["resilient.bgzstd/1"] for i in md.storage_data.values())
+    assert {i.relative_path for i in md.storage_data.values()} == set(remote_m.files)
+    ev = [e.details for e in read_events(tmp_path / "run") if e.kind.value == "ckpt_compress"]
+    assert len(ev) == 1 and ev[0]["step"] == 7 and ev[0]["tier"] == "persistent", ev
+    assert (ev[0]["mode"], ev[0]["codec"], ev[0]["decision"]) == ("bgzstd", "bgzstd", "compress")
+    done = [e.details for e in read_events(tmp_path / "run") if e.kind.value == "ckpt_tier_done"
+            and e.details["tier"] == "persistent"]
+    assert done and done[0]["bytes"] >= sum(f.size for f in remote_m.files.values())  # the parts are counted
     assert not (tmp_path / "local" / ".coded" / "step_00000007").exists()  # scratch copy removed
     shutil.rmtree(tmp_path / "local")
     ck2 = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1)
@@ -273,6 +285,35 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
     assert r.returncode == 2 and len(ours) == 1 and "not empty" in ours[0] and "Traceback" not in r.stderr
     p = _plain_load(tmp_path, tmp_path / "plain", s)
     assert p.returncode == 0 and "plain-ok" in p.stdout, p.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_auto_decisions_are_written_to_the_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto``, three uploads of an 18 MB state: the first measures the link (plain), the second probes the
+    codec (compressed), the third is decided from both measurements; each decision is a ledger event."""
+    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.events.ledger import read_events
+
+    monkeypatch.setenv(cz.ENV_MODE, "auto")
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    g = torch.Generator().manual_seed(5)
+    s = {"w": torch.randn(4_500_000, generator=g) * 0.02}  # above the 16 MiB below which transfers go plain
+    ck = CheckpointManager(local=tmp_path / "local", persistent=f"file://{tmp_path}/bucket", interval=1,
+                           persistent_every=1, keep_persistent=3)
+    for step in range(3):
+        ck.save(step, s)
+        assert ck.wait(60)
+    ck.close()
+    ev = [e.details for e in read_events(tmp_path / "run") if e.kind.value == "ckpt_compress"]
+    assert [e["step"] for e in ev] == [0, 1, 2], ev
+    assert all(e["tier"] == "persistent" and e["mode"] == "auto" for e in ev)
+    assert (ev[0]["decision"], ev[0]["codec"], ev[0]["link_mbps"]) == ("plain", "none", None)
+    assert (ev[1]["decision"], ev[1]["codec"]) == ("compress", "bgzstd") and ev[1]["link_mbps"] > 0
+    assert "probing" in ev[1]["reason"] and ev[1]["codec_mbps"] is None
+    last = ev[2]  # both measured: the decision follows from them, whichever way it went
+    assert last["link_mbps"] > 0 and last["codec_mbps"] > 0 and last["ratio"] > 1.1
+    assert last["decision"] in ("plain", "compress") and "s/MB" in last["reason"]
+    assert ck.persistent is not None and set(ck.persistent.steps()) == {0, 1, 2}
 
 
 def test_launcher_flag_sets_the_workers_mode_and_refuses_unknown_codecs(tmp_path: Path,
