@@ -956,7 +956,8 @@ def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None
         mgr._emit(EventKind.CKPT_COMPRESS, step=step, **decision.to_json())
     if decision.codec is Codec.NONE:
         return None
-    out = Path(src.root) / ".coded" / f"step_{step:08d}"
+    # per rank: ranks of a node share the local tier, and each clears its own scratch when done
+    out = Path(src.root) / ".coded" / f"step_{step:08d}-rank{mgr.rank}"
     clear(out)
     part: Transcoded | None = None
     tier = mgr.persistent

@@ -267,7 +267,7 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
     done = [e.details for e in read_events(tmp_path / "run") if e.kind.value == "ckpt_tier_done"
             and e.details["tier"] == "persistent"]
     assert done and done[0]["bytes"] >= sum(f.size for f in remote_m.files.values())  # the parts are counted
-    assert not (tmp_path / "local" / ".coded" / "step_00000007").exists()  # scratch copy removed
+    assert not any((tmp_path / "local" / ".coded").iterdir())  # scratch removed
     shutil.rmtree(tmp_path / "local")
     ck2 = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1)
     got = _zeroed(s)
@@ -314,6 +314,88 @@ def test_auto_decisions_are_written_to_the_ledger(tmp_path: Path, monkeypatch: p
     assert last["link_mbps"] > 0 and last["codec_mbps"] > 0 and last["ratio"] > 1.1
     assert last["decision"] in ("plain", "compress") and "s/MB" in last["reason"]
     assert ck.persistent is not None and set(ck.persistent.steps()) == {0, 1, 2}
+
+
+COUNT = """
+import json, os, sys
+import torch, torch.distributed as dist, zstandard
+from torch._C._distributed_c10d import ProcessGroup
+
+calls = []  # (group name, op): every collective of this process, as the process group runs it
+for op in ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "_allgather_base", "allreduce",
+           "allreduce_coalesced", "alltoall", "alltoall_base", "barrier", "broadcast", "gather", "monitored_barrier",
+           "recv", "recv_anysource", "reduce", "reduce_scatter", "_reduce_scatter_base", "scatter", "send"):
+    if hasattr(ProcessGroup, op):
+        def counted(self, *a, _f=getattr(ProcessGroup, op), _op=op, **k):
+            calls.append((self.group_name, _op))
+            return _f(self, *a, **k)
+        setattr(ProcessGroup, op, counted)
+coded = []  # zstd contexts made: the codec's only engine
+_Z = zstandard.ZstdCompressor
+zstandard.ZstdCompressor = lambda *a, **k: (coded.append(1), _Z(*a, **k))[1]
+
+dist.init_process_group("gloo")
+r = dist.get_rank()
+from resilient.checkpoint import compress as cz
+from resilient.checkpoint.manager import CheckpointManager
+
+streamed = []
+real = {"prepare_upload": cz.prepare_upload, "observe_upload": cz.observe_upload, "stream_files": cz.stream_files}
+cz.stream_files = lambda *a, **k: (streamed.append(1), real["stream_files"](*a, **k))[1]
+root = sys.argv[1]
+g = torch.Generator().manual_seed(r)
+state = {"w": torch.randn(200_000, generator=g) * 0.02, "b": torch.randn(1000, generator=g).bfloat16()}
+res = {}
+for mode in ("before", "none", "bgzstd"):
+    if mode == "before":  # the uploader as it was before compression existed: no hook at all
+        cz.prepare_upload = lambda *a, **k: None
+        cz.observe_upload = lambda *a, **k: None
+        os.environ[cz.ENV_MODE] = "none"
+    else:
+        cz.prepare_upload, cz.observe_upload = real["prepare_upload"], real["observe_upload"]
+        os.environ[cz.ENV_MODE] = mode
+    c0, z0, s0 = len(calls), len(coded), len(streamed)
+    ck = CheckpointManager(local=f"{root}/{mode}/local", persistent=f"file://{root}/{mode}/bucket", interval=1,
+                           persistent_every=1)
+    up = ck._pg_up.group_name
+    for step in range(2):  # one upload at a time: each save's upload is done before the next save
+        ck.save(step, state)
+        assert ck.wait(60)
+    ck.close()
+    if r == 0:  # rank 0 commits, after the other ranks' parts are in
+        assert ck.persistent.steps() == {0: True, 1: True}, mode
+    mine = calls[c0:]
+    res[mode] = {"upload_group": [op for name, op in mine if name == up],
+                 "other_groups": sorted(op for name, op in mine if name != up),
+                 "codec": len(coded) - z0, "streamed": len(streamed) - s0}
+json.dump(res, open(os.path.join(root, f"count{r}.json"), "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_compression_off_runs_no_codec_and_adds_no_collective(tmp_path: Path, workers: object) -> None:
+    """Two ranks on real gloo groups, every collective counted where the process group runs it: with
+    ``--ckpt-compress none`` uploads make exactly the collectives of an uploader without the compression
+    hook, and no codec runs; with ``bgzstd`` the same counters see the codec and its three gathers per upload."""
+    import json
+
+    from .conftest import ok
+
+    script = tmp_path / "count.py"
+    script.write_text(COUNT)
+    ok(workers.run(script, [str(tmp_path)], 2))  # type: ignore[attr-defined]
+    for r in range(2):
+        res = json.loads((tmp_path / f"count{r}.json").read_text())
+        before, off, on = res["before"], res["none"], res["bgzstd"]
+        assert before["upload_group"], res  # the counters see the uploader's own collectives
+        assert off["upload_group"] == before["upload_group"], res
+        assert off["other_groups"] == before["other_groups"], res
+        assert off["codec"] == 0 and off["streamed"] == 0, res
+        assert on["codec"] > 0 and on["streamed"] == 2, res
+        # decision, layout and agreement: three object gathers per upload (gloo runs each as two allgathers:
+        # sizes, then bytes), two uploads
+        assert len(on["upload_group"]) == len(before["upload_group"]) + 2 * 3 * 2, res
 
 
 def test_launcher_flag_sets_the_workers_mode_and_refuses_unknown_codecs(tmp_path: Path,
