@@ -16,6 +16,12 @@ the best hand-written ``--preload MODULE`` (``--with-spawn`` adds fresh interpre
 order alternating between repetitions; the goal is no flag within 10% of ``--preload`` (median restart). Each
 run also records how long automatic preload took to warm its copy of the fork server (from its log).
 
+``--kills N`` (default 2 with ``--heavy``, else 1): rank 1 kills itself in each of the first N attempts (the later
+ones after ``--train2-seconds``), so the second restart is measured too: the first tears down workers the launcher
+started before it learned anything, the second workers forked from the warmed fork server. Each restart is split
+from resilient-run's ledger into when the agent saw the exit, when the attempt's other workers were gone and when
+the new ones were spawned (seconds after the kill).
+
 Prints a table and writes bench/results/restart.json (restart-preload-MODULE.json with ``--heavy``).
 """
 
@@ -47,15 +53,17 @@ dist.all_reduce(t)
 done = time.time()
 with open(os.path.join(out, f"a{attempt}_r{rank}.json"), "w") as f:
     json.dump({"sum": t.item(), "t": done}, f)
-if attempt == 0 and float(os.environ.get("BENCH_TRAIN_S", "0")) > 0:
-    t_end = time.time() + float(os.environ["BENCH_TRAIN_S"])
+kills = int(os.environ.get("BENCH_KILLS", "1"))
+train_s = float(os.environ.get("BENCH_TRAIN_S" if attempt == 0 else "BENCH_TRAIN2_S", "0"))
+if attempt < kills and train_s > 0:
+    t_end = time.time() + train_s
     go = torch.ones(1)
     while go.item() > 0:  # rank 0 decides when training ends, so both ranks leave the loop together
         go.fill_(1.0 if time.time() < t_end else 0.0)
         dist.broadcast(go, 0)
         time.sleep(0.01)
-if rank == 1 and attempt == 0:
-    with open(os.path.join(out, "kill.json"), "w") as f:
+if rank == 1 and attempt < kills:
+    with open(os.path.join(out, f"kill{attempt}.json"), "w") as f:
         json.dump({"t": time.time()}, f)
     os.kill(os.getpid(), signal.SIGKILL)
 dist.barrier()
@@ -89,16 +97,18 @@ def reap(p: subprocess.Popen) -> None:
     p.wait(timeout=10)
 
 
-def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dict | None = None) -> dict:
+def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dict | None = None,
+        kills: int = 1) -> dict:
     out = Path(tempfile.mkdtemp(prefix="out-", dir=workdir))
     script = workdir / "crash.py"
-    args = [*cmd, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    args = [*cmd, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(kills)]
     if name.startswith("resilient"):
         args += ["--run-dir", str(out / "run")]
     args += [str(script), str(out)]
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     env.update(extra_env or {})
+    env["BENCH_KILLS"] = str(kills)
     t0 = time.time()
     p = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -107,15 +117,57 @@ def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dic
         code = "timeout"
     wall = time.time() - t0
     reap(p)
-    ok = code == 0 and all((out / f"a1_r{r}.json").exists() for r in (0, 1))
-    restart = None
-    kill = None
-    if ok and (out / "kill.json").exists():
-        kill = json.loads((out / "kill.json").read_text())["t"]
-        restart = max(json.loads((out / f"a1_r{r}.json").read_text())["t"] for r in (0, 1)) - kill
-    r = {"launcher": name, "ok": ok, "exit": code, "restart_s": restart, "wall_s": wall}
-    r.update(_preload_log(out / "run" / "logs" / "agent.jsonl", kill))
+    ok = code == 0 and all((out / f"a{kills}_r{r}.json").exists() for r in (0, 1))
+    # restart k: from rank 1's kill in attempt k to the end of the first collective of attempt k+1 (latest rank)
+    restarts: list[float | None] = []
+    kill_walls: list[float | None] = []
+    for k in range(kills):
+        kf = out / f"kill{k}.json"
+        done = [out / f"a{k + 1}_r{r}.json" for r in (0, 1)]
+        if ok and kf.exists() and all(f.exists() for f in done):
+            kt = json.loads(kf.read_text())["t"]
+            kill_walls.append(kt)
+            restarts.append(max(json.loads(f.read_text())["t"] for f in done) - kt)
+        else:
+            kill_walls.append(None)
+            restarts.append(None)
+    r = {"launcher": name, "ok": ok, "exit": code, "restart_s": restarts[0], "wall_s": wall}
+    if kills > 1:
+        r["restart2_s"] = restarts[1]
+    r.update(_preload_log(out / "run" / "logs" / "agent.jsonl", kill_walls[0]))
+    phases = _restart_phases(out / "run" / "events.jsonl", kill_walls)
+    if phases:
+        r["phases"] = phases
     return r
+
+
+def _restart_phases(path: Path, kill_walls: list[float | None]) -> list[dict]:
+    """Where each restart's time went, from resilient-run's ledger (seconds after the kill): the agent saw the
+    exit (``exit_seen``), the attempt's other workers were gone (``stopped``: its ``attempt_end``), the new
+    workers were spawned (``spawned``: the next ``attempt_start``)."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    out = []
+    for k, kt in enumerate(kill_walls):
+        if kt is None:
+            out.append({})
+            continue
+
+        def first(kind: str, attempt: int) -> float | None:
+            for e in events:
+                if e.get("kind") == kind and e.get("attempt") == attempt and e.get("wall", 0) >= kt - 1:
+                    return round(e["wall"] - kt, 4)
+            return None
+
+        out.append({"exit_seen": first("worker_exit", k), "stopped": first("attempt_end", k),
+                    "spawned": first("attempt_start", k + 1)})
+    return out
 
 
 def _preload_log(path: Path, kill: float | None) -> dict:
@@ -140,6 +192,15 @@ def _preload_log(path: Path, kill: float | None) -> dict:
             "warm_before_kill": kill is not None and warm_wall is not None and warm_wall < kill}
 
 
+def _second_restart(summary: dict, kills: int) -> dict:
+    if kills < 2:
+        return {}
+    auto = summary.get("resilient-run", {}).get("median_restart2_s")
+    hand = summary.get("resilient-run --preload", {}).get("median_restart2_s")
+    return {"median_no_flag_second_s": auto, "median_preload_second_s": hand,
+            "no_flag_over_preload_second": auto / hand if auto and hand else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -149,8 +210,15 @@ def main() -> None:
     ap.add_argument("--heavy", default=None, help="modules the script imports first (e.g. transformers)")
     ap.add_argument("--train-seconds", type=float, default=15.0, help="with --heavy: training before the kill")
     ap.add_argument("--with-spawn", action="store_true", help="with --heavy: also fresh interpreters (no fork server)")
+    ap.add_argument("--kills", type=int, default=None,
+                    help="rank 1 kills itself in each of the first N attempts (default: 2 with --heavy, else 1)")
+    ap.add_argument("--train2-seconds", type=float, default=3.0,
+                    help="with --kills 2 or more: training in each later attempt before its kill")
     a = ap.parse_args()
-    extra: dict = {}
+    kills = a.kills if a.kills is not None else (2 if a.heavy else 1)
+    if kills < 1:
+        ap.error(f"--kills must be >= 1, got {kills}")
+    extra: dict = {"BENCH_TRAIN2_S": str(a.train2_seconds)}
     if a.heavy:
         LAUNCHERS.clear()
         LAUNCHERS["resilient-run"] = [sys.executable, "-m", "resilient.run"]
@@ -159,7 +227,7 @@ def main() -> None:
             LAUNCHERS["resilient-run (spawn)"] = [sys.executable, "-m", "resilient.run", "--worker-launch", "spawn"]
         a.launchers = ",".join(LAUNCHERS)
         # INFO: the agent's log then says when automatic preload was warm (both launchers log alike)
-        extra = {"BENCH_HEAVY": a.heavy, "BENCH_TRAIN_S": str(a.train_seconds), "RESILIENT_LOG_LEVEL": "INFO"}
+        extra.update(BENCH_HEAVY=a.heavy, BENCH_TRAIN_S=str(a.train_seconds), RESILIENT_LOG_LEVEL="INFO")
     a.out = a.out or str(Path(__file__).parent / "results" / ("restart.json" if not a.heavy else
                                                              f"restart-preload-{a.heavy.replace(',', '+')}.json"))
     names = [n for n in a.launchers.split(",") if n]
@@ -169,11 +237,13 @@ def main() -> None:
         (wd / "crash.py").write_text(SCRIPT)
         for rep in range(a.reps):
             for n in (names if rep % 2 == 0 else names[::-1]):  # alternate the order: no launcher always goes first
-                r = one(n, LAUNCHERS[n], wd, a.timeout, extra)
+                r = one(n, LAUNCHERS[n], wd, a.timeout, extra, kills)
                 r["rep"] = rep
                 runs.append(r)
-                print(f"  rep {rep} {n:<22} ok={r['ok']!s:<5} restart={r['restart_s'] if r['restart_s'] is None else round(r['restart_s'], 3)}",
-                      file=sys.stderr, flush=True)
+                rnd = lambda v: v if v is None else round(v, 3)  # noqa: E731
+                print(f"  rep {rep} {n:<22} ok={r['ok']!s:<5} restart={rnd(r['restart_s'])}"
+                      + (f" second={rnd(r.get('restart2_s'))}" if kills > 1 else "")
+                      + (f" phases={r['phases']}" if r.get("phases") else ""), file=sys.stderr, flush=True)
     summary = {}
     for n in names:
         rs = [r for r in runs if r["launcher"] == n]
@@ -181,15 +251,24 @@ def main() -> None:
         summary[n] = {"successes": sum(r["ok"] for r in rs), "reps": len(rs),
                       "median_restart_s": statistics.median(times) if times else None,
                       "min_restart_s": min(times) if times else None, "max_restart_s": max(times) if times else None}
+        if kills > 1:
+            t2 = [r["restart2_s"] for r in rs if r.get("restart2_s") is not None]
+            summary[n]["median_restart2_s"] = statistics.median(t2) if t2 else None
+            for i, key in enumerate(("first", "second")):
+                for ph in ("exit_seen", "stopped", "spawned"):
+                    v = [r["phases"][i][ph] for r in rs if len(r.get("phases", [])) > i and r["phases"][i].get(ph) is not None]
+                    summary[n][f"median_{key}_{ph}_s"] = statistics.median(v) if v else None
     base = summary.get("resilient-run", {}).get("median_restart_s")
-    print(f"\n{'launcher':<24}{'restarts ok':>12}{'median s':>10}{'min s':>9}{'max s':>9}{'÷ resilient-run':>17}")
+    print(f"\n{'launcher':<24}{'restarts ok':>12}{'median s':>10}{'min s':>9}{'max s':>9}{'÷ resilient-run':>17}"
+          + (f"{'2nd restart s':>15}" if kills > 1 else ""))
     for n, s in summary.items():
         med = s["median_restart_s"]
         ratio = f"{med / base:.1f}x" if med and base else "-"
         fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        print(f"{n:<24}{s['successes']:>5}/{s['reps']:<6}{fmt(med):>10}{fmt(s['min_restart_s']):>9}{fmt(s['max_restart_s']):>9}{ratio:>17}")
+        print(f"{n:<24}{s['successes']:>5}/{s['reps']:<6}{fmt(med):>10}{fmt(s['min_restart_s']):>9}{fmt(s['max_restart_s']):>9}{ratio:>17}"
+              + (f"{fmt(s.get('median_restart2_s')):>15}" if kills > 1 else ""))
         s["ratio_to_resilient_run"] = (med / base) if med and base else None
-    doc: dict = {"summary": summary, "runs": runs, "reps": a.reps,
+    doc: dict = {"summary": summary, "runs": runs, "reps": a.reps, "kills": kills,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if a.heavy:
         hand = summary.get("resilient-run --preload", {}).get("median_restart_s")
@@ -200,12 +279,16 @@ def main() -> None:
             "heavy": a.heavy, "train_seconds": a.train_seconds,
             "median_no_flag_s": base, "median_preload_s": hand,
             "no_flag_over_preload": ratio, "goal": "<= 1.10", "goal_met": ratio is not None and ratio <= 1.10,
+            **_second_restart(summary, kills),
             "median_warm_s": statistics.median(warm) if warm else None,
             "warm_before_kill": f"{sum(bool(r.get('warm_before_kill')) for r in auto)}/{len(auto)}",
             "load_avg_1m_at_end": round(os.getloadavg()[0], 1),
         }
         print(f"\nno flag / --preload {a.heavy}: " + (f"{ratio:.2f}" if ratio else "-")
               + f" (goal <= 1.10); automatic preload warm after {doc['automatic_preload']['median_warm_s']} s (median)")
+        second = doc["automatic_preload"].get("no_flag_over_preload_second")
+        if kills > 1:
+            print("second restart, no flag / --preload: " + (f"{second:.2f}" if second else "-"))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=2))
     print(f"\nwrote {a.out}")
