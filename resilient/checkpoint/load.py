@@ -15,6 +15,7 @@ this module has verified.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import struct
@@ -31,6 +32,16 @@ from resilient.checkpoint.api import FileEntry, StateUndefinedError
 from resilient.checkpoint.reader import _tensor_record
 
 PIECE = 1 << 20  # bytes copied then checksummed at once: stays in cache between the two
+_IOV_MAX = 1024
+_local = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread buffer for bytes no target takes (headers, pickles), reused across blocks."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(max(n, PIECE))
+    return memoryview(buf)[:n]
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -64,6 +75,21 @@ class FileSource:
             if k <= 0:
                 raise OSError(f"{self.path}: short read at {off + got}")
             got += k
+
+    def readv(self, off: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` from the contiguous bytes at ``off``: one system call for many small tensors."""
+        total = sum(len(b) for b in bufs)
+        got = os.preadv(self._fd, bufs, off) if len(bufs) <= _IOV_MAX else 0
+        if got == total:
+            return
+        pos = off  # a short read (or too many buffers): finish piece by piece
+        for b in bufs:
+            if got >= len(b):
+                got -= len(b)
+            else:
+                self.readinto(pos + got, b[got:])
+                got = 0
+            pos += len(b)
 
     def read(self, off: int, n: int) -> Any:
         assert self._mm is not None or n == 0
@@ -148,6 +174,14 @@ class Span:
     off: int
     n: int
     dst: torch.Tensor | None = None
+    _arr: Any = field(default=None, repr=False, compare=False)
+
+    def array(self) -> Any:
+        """``dst`` as a numpy array (made once: slicing it is far cheaper than slicing the tensor)."""
+        if self._arr is None:
+            assert self.dst is not None
+            self._arr = self.dst.numpy()
+        return self._arr
 
 
 def blocks_of(entry: FileEntry) -> list[tuple[int, int, int]]:
@@ -286,26 +320,24 @@ def plan_spans(src: Source | None, size: int, items: Sequence[Item],
     known = {off: (start, n) for off, start, n in layout}
     for it in sorted(items, key=lambda i: i.offset):
         start = None
+        t = it.target
+        nbytes = t.nbytes  # one call per tensor: with thousands of tensors every call shows
         if layout:
-            ok = (it.offset in known and known[it.offset][1] == it.target.numel() * it.target.element_size()
-                  and it.target.is_contiguous() and it.target.device.type == "cpu")
-            start = known[it.offset][0] if ok else None
+            got = known.get(it.offset)
+            if got is not None and got[1] == nbytes and t.is_cpu and t.is_contiguous():
+                start = got[0]
         elif src is not None:
             try:
-                start = data_span(src, it.offset, it.length, it.target)
+                start = data_span(src, it.offset, it.length, t)
             except (OSError, ValueError, struct.error):
                 start = None
-        if start is None:
-            slow.append(it)
-            continue
-        nbytes = it.target.numel() * it.target.element_size()
-        if start < pos:  # overlapping items: not a file DCP wrote; leave it to DCP
+        if start is None or start < pos:  # unknown, or overlapping items (not a file DCP wrote): DCP's path
             slow.append(it)
             continue
         if start > pos:
             spans.append(Span(pos, start - pos))
         if nbytes:
-            spans.append(Span(start, nbytes, it.target.detach().reshape(-1).view(torch.uint8)))
+            spans.append(Span(start, nbytes, t.detach().view(-1).view(torch.uint8)))
         pos = start + nbytes
     if pos < size:
         spans.append(Span(pos, size - pos))
@@ -325,10 +357,21 @@ class FileLoad:
     blocks: frozenset[int] | None = None  # only these blocks (the rest landed verified already)
 
 
-def _block_work(spans: Sequence[Span], start: int, end: int) -> list[tuple[int, int, torch.Tensor | None, int]]:
+def _overlapping(spans: Sequence[Span], start: int, end: int, starts: Sequence[int] | None = None) -> Sequence[Span]:
+    """The spans (sorted, disjoint) that overlap ``[start, end)``: found by bisection, not by a scan of every
+    span for every block (thousands of tensors times the blocks of a file)."""
+    if starts is None:
+        starts = [s.off for s in spans]
+    i = max(0, bisect.bisect_right(starts, start) - 1)
+    j = bisect.bisect_left(starts, end, lo=i)
+    return spans[i:j]
+
+
+def _block_work(spans: Sequence[Span], start: int, end: int,
+                starts: Sequence[int] | None = None) -> list[tuple[int, int, torch.Tensor | None, int]]:
     """(file offset, length, destination, offset in destination) pieces of ``[start, end)``, at most PIECE long."""
     out = []
-    for s in spans:
+    for s in _overlapping(spans, start, end, starts):
         a, b = max(s.off, start), min(s.off + s.n, end)
         while a < b:
             k = min(PIECE, b - a)
@@ -338,7 +381,7 @@ def _block_work(spans: Sequence[Span], start: int, end: int) -> list[tuple[int, 
 
 
 def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: int,
-               verified: bool = False, keep: Any = None) -> bool:
+               verified: bool = False, keep: Any = None, starts: Sequence[int] | None = None) -> bool:
     """Read ``[start, end)`` of the file from ``src`` into the targets and check the crc32c of what
     landed against ``want``. Returns whether it matched. ``keep``: a file-sized buffer that receives the
     bytes no target takes (headers, objects), for DCP's path over a copy that was never whole."""
@@ -346,7 +389,9 @@ def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: i
     if isinstance(src, RangeSource):
         # a remote copy: one ranged read per block, copied from there (a few blocks in flight, no full copy)
         src = _Window(src.read(start, end - start), start, src.tier)
-    for off, n, dst, doff in _block_work(spans, start, end):
+    if isinstance(src, FileSource) and keep is None and not verified:
+        return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want)
+    for off, n, dst, doff in _block_work(spans, start, end, starts):
         if dst is not None:
             view = memoryview(dst[doff:doff + n].numpy())
             src.readinto(off, view)
@@ -361,6 +406,41 @@ def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: i
     return verified or crc == want
 
 
+def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: int, want: int) -> bool:
+    """:func:`load_block` from a local file: runs of pieces up to PIECE bytes are read with one ``preadv``
+    into their targets (and a scratch buffer for the bytes between them), then checksummed while in cache."""
+    crc = 0
+    run: list[memoryview] = []
+    run_off = run_n = gap_used = 0
+    gaps = _scratch(min(end - start, PIECE))  # a run holds at most PIECE bytes, gaps included
+
+    def flush() -> None:
+        nonlocal crc, run, run_n, gap_used
+        if run:
+            src.readv(run_off, run)
+            for v in run:
+                crc = _crc.crc32c(v, crc)
+        run, run_n, gap_used = [], 0, 0
+
+    for s in spans:
+        a, b = max(s.off, start), min(s.off + s.n, end)
+        while a < b:
+            k = min(PIECE, b - a)
+            if run and run_n + k > PIECE:
+                flush()
+            if not run:
+                run_off = a
+            if s.dst is not None:
+                run.append(memoryview(s.array()[a - s.off:a - s.off + k]))
+            else:
+                run.append(gaps[gap_used:gap_used + k])
+                gap_used += k
+            run_n += k
+            a += k
+    flush()
+    return crc == want
+
+
 def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, str], None] | None = None,
                threads: int = THREADS, verified: frozenset[str] = frozenset()) -> list[str]:
     """Load every block of every file from its first source, verified; a bad block is read again from the
@@ -372,6 +452,7 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
     tasks = [(f, i, blk) for f in files for i, blk in enumerate(blocks_of(f.entry))
              if blk[1] > blk[0] and (f.blocks is None or i in f.blocks)]
     order = {t.name: -1 for t in files}
+    starts = {t.name: [s.off for s in t.spans] for t in files}
     lock = threading.Lock()
 
     def run(task: tuple[FileLoad, int, tuple[int, int, int]]) -> str | None:
@@ -380,7 +461,7 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
             why = "crc32c differs from the manifest"
             try:
                 if load_block(src, f.spans, a, b, want, verified=(k == 0 and f.name in verified),
-                              keep=f.keep_gaps):
+                              keep=f.keep_gaps, starts=starts[f.name]):
                     with lock:
                         order[f.name] = max(order[f.name], k)
                     return None

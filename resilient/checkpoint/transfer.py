@@ -14,7 +14,9 @@ block's crc32c right after its last piece lands.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
+import mmap
 import os
 import warnings
 from collections.abc import Sequence
@@ -322,9 +324,15 @@ class _Pieces:
         return out
 
 
+# pieces in flight at once on each end of a landed transfer: one at a time pays a round trip per piece
+# (hundreds of pieces for a model's tensors); at most WINDOW_BYTES of them, so the staging buffers stay small
+WINDOW = 16
+WINDOW_BYTES = 64 << 20
+
+
 def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> Landed:
     """Receive a file sent with :func:`send_pieces` straight into ``landing``'s targets; the crc32c of each
-    manifest block is computed over what landed, while the next piece is in flight."""
+    manifest block is computed over what landed, while later pieces are in flight."""
     pieces = wire_pieces(entry)
     blocks = blocks_of(entry)
     starts = [a for a, _, _ in blocks]
@@ -332,11 +340,12 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
     where = _Pieces(landing.spans)
     keep = receive_buffer(entry.size) if landing.keep and entry.size else None
     keep_t = torch.from_numpy(keep) if keep is not None else None
-    slots: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+    spare: list[torch.Tensor] = []  # staging buffers free for reuse
 
-    def post(k: int) -> tuple[Any, int, int, torch.Tensor, list[Span] | None]:
+    def post(k: int) -> tuple[Any, int, int, torch.Tensor, list[Span] | None, torch.Tensor | None]:
         a, n = pieces[k]
         over = where.covering(a, n)
+        slot = None
         if len(over) == 1 and over[0].dst is not None:
             s = over[0]
             buf = s.dst[a - s.off:a - s.off + n]
@@ -345,14 +354,17 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
             if keep_t is not None:
                 buf = keep_t[a:a + n]
             else:
-                if slots[k % 2].numel() < n:
-                    slots[k % 2] = torch.empty(max(n, 1 << 20), dtype=torch.uint8)
-                buf = slots[k % 2][:n]
+                slot = next((b for b in spare if b.numel() >= n), None)
+                if slot is None:
+                    slot = torch.empty(max(n, 1 << 20), dtype=torch.uint8)
+                else:
+                    spare.remove(slot)
+                buf = slot[:n]
             staged = [s for s in over if s.dst is not None]
-        return dist.irecv(buf, src=src, group=group), a, n, buf, staged
+        return dist.irecv(buf, src=src, group=group), a, n, buf, staged, slot
 
-    def finish(p: tuple[Any, int, int, torch.Tensor, list[Span] | None]) -> None:
-        work, a, n, buf, staged = p
+    def finish(p: tuple[Any, int, int, torch.Tensor, list[Span] | None, torch.Tensor | None]) -> None:
+        work, a, n, buf, staged, slot = p
         work.wait()
         b = bisect.bisect_right(starts, a) - 1
         crcs[b] = crc_bytes(memoryview(buf.numpy()), crcs[b])
@@ -360,39 +372,59 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
             x, y = max(a, s.off), min(a + n, s.off + s.n)
             assert s.dst is not None
             s.dst[x - s.off:y - s.off].copy_(buf[x - a:y - a])
+        if slot is not None:
+            spare.append(slot)
 
-    prev = None
+    inflight: collections.deque[Any] = collections.deque()
+    in_bytes = 0
     for k in range(len(pieces)):
-        cur = post(k)
-        if prev is not None:
-            finish(prev)
-        prev = cur
-    if prev is not None:
-        finish(prev)
+        while inflight and (len(inflight) >= WINDOW or in_bytes + pieces[k][1] > WINDOW_BYTES):
+            done = inflight.popleft()
+            in_bytes -= done[2]
+            finish(done)
+        inflight.append(post(k))
+        in_bytes += pieces[k][1]
+    while inflight:
+        finish(inflight.popleft())
     bad = tuple(i for i, (a, b, want) in enumerate(blocks) if b > a and crcs[i] != want)
     return Landed(bad, keep)
 
 
 def send_pieces(group: Any, dst: int, entry: FileEntry, *, path: str | None = None, data: Any = None) -> None:
-    """Send a file (``path`` on disk, or ``data`` in memory) in :func:`wire_pieces`; one piece is read while
-    the previous one is in flight."""
+    """Send a file (``path`` on disk, or ``data`` in memory) in :func:`wire_pieces`, several pieces in flight.
+    A file on disk is sent from a read-only mapping of it: no buffer, no copy on this side."""
     pieces = wire_pieces(entry)
-    if data is not None:
-        t = _as_tensor(data) if entry.size else None
-        for a, n in pieces:
-            assert t is not None
-            dist.send(t[a:a + n], dst=dst, group=group)
+    if not entry.size:
         return
-    assert path is not None
-    reader = _Reader([path])
+    mm = None
+    f = None
     try:
-        inflight = None
-        for k, (a, n) in enumerate(pieces):
-            work = dist.isend(reader.read(0, a, n, slot=k % 2), dst=dst, group=group)
-            if inflight is not None:
-                inflight.wait()  # frees the other slot for the next read
-            inflight = work
-        if inflight is not None:
-            inflight.wait()
+        if data is None:
+            assert path is not None
+            f = open(path, "rb")
+            real = os.fstat(f.fileno()).st_size
+            if real < entry.size:
+                raise OSError(f"{path}: file shorter than announced ({real} < {entry.size})")
+            mm = mmap.mmap(f.fileno(), entry.size, prot=mmap.PROT_READ)
+            data = mm
+        t = _as_tensor(data)
+        inflight: collections.deque[tuple[Any, int]] = collections.deque()
+        in_bytes = 0
+        for a, n in pieces:
+            while inflight and (len(inflight) >= WINDOW or in_bytes + n > WINDOW_BYTES):
+                w, m = inflight.popleft()
+                w.wait()
+                in_bytes -= m
+            inflight.append((dist.isend(t[a:a + n], dst=dst, group=group), n))
+            in_bytes += n
+        while inflight:
+            inflight.popleft()[0].wait()
+        del t
     finally:
-        reader.close()
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # a view is still referenced somewhere; the mapping goes with it
+                pass
+        if f is not None:
+            f.close()
