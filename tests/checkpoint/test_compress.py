@@ -213,6 +213,56 @@ def test_streamed_in_parts_to_gcs_is_byte_identical_and_loads(tmp_path: Path, gc
         _same(s, got)
 
 
+@pytest.mark.timeout(180)
+def test_store_killed_during_a_compressed_upload(tmp_path: Path, gcs: object,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GCS server is SIGKILLed right after the first coded part of step 1 lands: that upload is reported
+    failed and nothing of step 1 is committed; training's saves go on; the server comes back and step 2
+    goes up compressed, complete, and restores bit-exact from the store alone."""
+    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.events.ledger import read_events
+
+    monkeypatch.setenv(cz.ENV_MODE, "bgzstd")
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(cz, "PART_MIN", 16 << 10)  # several parts per step
+    gcs.make_bucket("ckk")  # type: ignore[attr-defined]
+    url = f"gs://ckk/{tmp_path.name}"
+    real_put = cz.TierDest.put
+    landed: list[str] = []
+
+    def put_then_kill(self: cz.TierDest, name: str, data: object) -> None:
+        real_put(self, name, data)
+        landed.append(name)
+        if self.step == 1 and len(landed) == 1:
+            gcs.stop()  # type: ignore[attr-defined]  # SIGKILL: later parts meet a dead store
+
+    monkeypatch.setattr(cz.TierDest, "put", put_then_kill)
+    s = _state()
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+                           persistent_timeout_s=2.0, upload_retries=1, upload_backoff_s=0.1,
+                           upload_backoff_max_s=0.2, upload_grace_s=60)
+    ck.save(1, s)
+    ck.wait(60)
+    failed = [e.details for e in read_events(tmp_path / "run") if e.kind.value == "ckpt_tier_failed"]
+    assert [f["step"] for f in failed] == [1] and failed[0]["tier"] == "persistent", failed
+    gcs.start()  # type: ignore[attr-defined]  # the same port, the same data
+    ck.save(2, s)
+    assert ck.wait(60)
+    ck.close()
+    assert ck.persistent is not None
+    steps = ck.persistent.steps()
+    assert steps.get(2) is True and not steps.get(1), steps
+    import shutil
+
+    shutil.rmtree(tmp_path / "local")
+    ck2 = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1)
+    got = _zeroed(s)
+    assert ck2.restore(got) == 3
+    ck2.close()
+    assert ck2.last_restore is not None and ck2.last_restore.tier == "persistent"
+    _same(s, got)
+
+
 def test_chooser_compresses_only_when_it_pays() -> None:
     c = cz.Chooser("auto")
     assert c.decide().codec is cz.Codec.NONE  # the first transfer measures the link
