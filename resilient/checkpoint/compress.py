@@ -65,9 +65,20 @@ _STORE_BELOW = 1.02  # a plane that shrinks less than this is stored from then o
 
 
 def _cctx(threads: int = 0) -> Any:
+    """For whole items (DCP's ``stream.zstd``): general bytes."""
     # the frame checksum (xxhash, ~free) makes a damaged coded plane fail loudly instead of decoding wrong;
     # stored planes rely on the manifests' crc32c, checked before anything is decoded
     return zstandard.ZstdCompressor(level=_LEVEL, write_checksum=True, threads=threads)
+
+
+def _plane_cctx() -> Any:
+    """For byte planes. An exponent plane is a few dozen distinct byte values, which zstd's Huffman stage
+    codes well; short matches cost more time than they save. Looking only for matches of 7 bytes or more
+    in a small table, measured on a trained GPT's weights and AdamW moments (thread CPU time, bf16 and
+    fp32): 1.5x the speed of level 1 and a better ratio on the exponent plane (2.99x against 2.78x)."""
+    return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        window_log=17, hash_log=11, chain_log=11, search_log=1, min_match=7, target_length=0,
+        strategy=zstandard.STRATEGY_FAST, write_checksum=True))
 
 
 class Codec(str, enum.Enum):
@@ -145,20 +156,20 @@ def encode(data: Any, elem_size: int, threads: int = 1) -> bytes:
         return head
     # the first block learns which planes do not compress; later blocks skip coding them
     stored = [False] * elem_size
-    first = _planes_encode(blocks[0], elem_size, _cctx(), stored)
+    first = _planes_encode(blocks[0], elem_size, _plane_cctx(), stored)
     rest = blocks[1:]
     if threads > 1 and len(rest) > 1:
         local = threading.local()
 
         def one(b: memoryview) -> list[Any]:
-            c = getattr(local, "c", None) or _cctx()
+            c = getattr(local, "c", None) or _plane_cctx()
             local.c = c
             return _planes_encode(b, elem_size, c, list(stored))
 
         with ThreadPoolExecutor(min(threads, len(rest))) as ex:
             coded = list(ex.map(one, rest))
     else:
-        c = _cctx()
+        c = _plane_cctx()
         coded = [_planes_encode(b, elem_size, c, list(stored)) for b in rest]
     return b"".join([head, *first, *(x for blk in coded for x in blk)])
 
@@ -349,8 +360,12 @@ def _code_job(codec: Codec, src: memoryview, pieces: Sequence[_Piece], es_of: Se
               local: threading.local) -> tuple[list[int], list[list[Any]], float]:
     """(coded length of each piece, each piece's coded buffers, seconds)."""
     t0 = time.perf_counter()
-    cctx = getattr(local, "cctx", None) or _cctx()
-    local.cctx = cctx
+    if codec is Codec.BGZSTD:
+        cctx = getattr(local, "planes", None) or _plane_cctx()
+        local.planes = cctx
+    else:
+        cctx = getattr(local, "items", None) or _cctx()
+        local.items = cctx
     lens: list[int] = []
     out: list[list[Any]] = []
     for p in pieces:
