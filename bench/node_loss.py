@@ -54,6 +54,7 @@ from resilient.events.api import EventKind  # noqa: E402
 from resilient.events.ledger import read_events  # noqa: E402
 from resilient.testing.gcs import free_port  # noqa: E402
 from resilient.testing import faults  # noqa: E402
+from resilient.testing.procs import kill_sessions, session_procs  # noqa: E402
 
 STEPS = 8
 GATE_STEP = 4
@@ -176,33 +177,6 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def session_procs(sid: int, mark: str | None = None, tree: bool = True) -> list[psutil.Process]:
-    """Every live process of a session, of the agent's process tree, and (``mark``) every process whose
-    command line names the repetition's directory: resilient-run's workers sit in process groups of their
-    own and torchrun's in sessions of their own, so killing the agent's group alone would leave them."""
-    out: dict[int, psutil.Process] = {}
-    if tree:  # only while the agent is not reaped: its pid could belong to anyone afterwards
-        try:
-            for c in psutil.Process(sid).children(recursive=True):
-                out[c.pid] = c
-        except psutil.NoSuchProcess:
-            pass
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid or (mark and any(mark in a for a in p.cmdline())):
-                out[p.pid] = p
-        except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied, PermissionError):
-            pass
-    live = []
-    for p in out.values():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                live.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return live
-
-
 def fork_server_idle(agent_pid: int, quiet: float = 1.0, timeout: float = 90.0) -> float:
     """Wait until the agent's fork server has finished its imports: it then sleeps on its socket using no
     CPU. A spare is warm only then; one killed into right after it joined would be measured cold.
@@ -239,7 +213,7 @@ class Node:
     def kill(self) -> float:
         """A lost node: every process of its session and its tree SIGKILLed at once, its local disk gone. Returns the
         wall time of the kill."""
-        procs = session_procs(self.proc.pid)
+        procs = session_procs(self.proc.pid, tree_of=[self.proc.pid])  # found first: the kill itself is timed
         t = time.time()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -280,29 +254,12 @@ class Job:
 
     def close(self) -> int:
         """Kill every process of the repetition; return how many were still alive."""
-        procs: dict[int, psutil.Process] = {}
-        for n in self.nodes:
-            for p in session_procs(n.proc.pid, str(self.root), tree=n.proc.poll() is None):
-                procs[p.pid] = p
-            try:
-                os.killpg(n.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for p in procs.values():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(procs.values()), timeout=10)
-        for n in self.nodes:
-            try:
-                n.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        still = {p.pid for n in self.nodes for p in session_procs(n.proc.pid, str(self.root), tree=False)}
+        root = str(self.root)  # torchrun's workers are found by the repetition's directory on their command line
+        n_alive = kill_sessions([n.proc for n in self.nodes], mark=root)
+        still = {p.pid for p in session_procs(*(n.proc.pid for n in self.nodes), mark=root)}
         if still:
             print(f"  WARNING: {len(still)} process(es) survived SIGKILL: {sorted(still)}", file=sys.stderr)
-        return len(procs)
+        return n_alive
 
 
 def records(out: Path) -> list[dict]:
@@ -474,12 +431,7 @@ def run_torchrun(d: Path, script: Path, a: argparse.Namespace, reference: list[d
             na.proc.wait(a.give_up)
         except subprocess.TimeoutExpired:
             res["survivor_hung"] = True
-            for p in session_procs(na.proc.pid):
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            na.proc.wait(10)
+            kill_sessions([na.proc])
         t_rerun = time.time()
         res["survivor_exit"] = na.proc.returncode
         res["survivor_gave_up_s"] = t_rerun - t_kill

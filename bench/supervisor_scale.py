@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from resilient.events.api import Event, EventKind  # noqa: E402
 from resilient.supervisor.core import SupervisorConfig, SupervisorCore  # noqa: E402
 from resilient.supervisor.policy import load_policy  # noqa: E402
+from resilient.testing.procs import stop_sessions  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -164,27 +165,6 @@ def _free_port() -> int:
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         return sk.getsockname()[1]
-
-
-def _kill_session(p: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the process's session (it was started in one of its own), then SIGKILL what is left."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            p.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # the session's leftovers too, if any
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 class _Lines:
@@ -374,8 +354,8 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 pass
-            _kill_session(p)
-        _kill_session(sup)
+            stop_sessions([p], grace=5.0)
+        stop_sessions([sup], grace=5.0)
         sup_log.close()
         for f in fleet_err:
             f.close()

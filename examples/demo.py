@@ -99,51 +99,12 @@ class Node:
         return f"{socket.gethostname()}:{self.proc.pid}"
 
 
-def _session_procs(sids: set[int]) -> list:
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(p.pid) in sids and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return out
-
-
 def _stop_nodes(nodes: list[Node]) -> None:
     """SIGTERM every live agent (they forward it to their workers), then SIGKILL every session the demo started
     and whatever is left in them: a worker whose agent died can outlive it, but not its session."""
-    import psutil
+    from resilient.testing.procs import stop_sessions
 
-    live = [n for n in nodes if n.proc.poll() is None]
-    for n in live:
-        n.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + TERM_TIMEOUT + 15
-    for n in live:
-        try:
-            n.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    sids = {n.proc.pid for n in nodes}
-    for sid in sids:
-        try:
-            os.killpg(sid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    left = _session_procs(sids)  # a process that left the session's process group is still in the session
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=10)
-    for n in nodes:
-        try:
-            n.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+    stop_sessions([n.proc for n in nodes], grace=TERM_TIMEOUT + 15)
 
 
 def _listening(port: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 
 from resilient.events.ledger import read_events
 from resilient.testing.gcs import free_port
+from resilient.testing.procs import kill_sessions, session_procs
 from resilient.testing.faults import wait_for  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,11 +36,7 @@ class Node:
 
     def kill(self) -> None:
         """A lost node: agent, fork server and workers SIGKILLed at once, its local disk gone."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        kill_sessions([self.proc])
         shutil.rmtree(self.local, ignore_errors=True)
 
     def output(self) -> str:
@@ -95,26 +91,10 @@ class Cluster:
             return []
 
     def close(self) -> None:
-        for n in self.nodes:
-            try:
-                os.killpg(n.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                n.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_sessions([n.proc for n in self.nodes])
 
     def leftovers(self) -> list[psutil.Process]:
-        sids = {n.proc.pid for n in self.nodes}
-        out = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getsid(p.pid) in sids and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
-                pass
-        return out
+        return session_procs(*(n.proc.pid for n in self.nodes))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.testing.procs import kill_sessions
 
 HERE = Path(__file__).parent
 TOY = HERE / "toy_train.py"
@@ -35,12 +36,8 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+    """Nothing of the run outlives the test: its session and process tree are SIGKILLed."""
+    kill_sessions([proc], timeout=30)
 
 
 @pytest.fixture(scope="session")

@@ -7,24 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from resilient.testing.faults import wait_for
+from resilient.testing.procs import kill_sessions, session_procs
 
 SCRIPT = Path(__file__).with_name("scripts") / "train.py"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def session_members(sid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.pid) == sid:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return out
 
 
 @pytest.mark.timeout(150)
@@ -47,7 +36,7 @@ def test_nothing_of_the_job_outlives_it(tmp_path, launch, end):
     try:
         if end in ("sigint", "sigterm", "sigkill"):
             wait_for(lambda: all((out / f"ready_{r}").exists() for r in (0, 1)), 90, "workers training")
-            assert len(session_members(sid)) >= 3  # the agent and its workers (and fork server) are seen
+            assert len(session_procs(sid)) >= 3  # the agent and its workers (and fork server) are seen
             p.send_signal({"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[end])
         p.wait(timeout=100)
         err = (tmp_path / "launcher.err").read_text()
@@ -57,13 +46,8 @@ def test_nothing_of_the_job_outlives_it(tmp_path, launch, end):
             assert p.returncode == -signal.SIGKILL
         else:
             assert p.returncode != 0, err[-3000:]
-        wait_for(lambda: not session_members(sid), 20,
-                 f"every process of the job to end ({[(q.pid, q.name()) for q in session_members(sid)]})")
+        wait_for(lambda: not session_procs(sid), 20,
+                 f"every process of the job to end ({[(q.pid, q.name()) for q in session_procs(sid)]})")
     finally:
-        for q in session_members(sid):
-            try:
-                q.kill()
-            except psutil.Error:
-                pass
-        p.kill()
+        kill_sessions([p])
         errf.close()
