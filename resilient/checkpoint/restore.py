@@ -19,7 +19,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +213,9 @@ class Restorer(Component):
         self._dirty = False  # bytes of a step that then failed landed in the state
         self._remote: set[str] = set()  # this rank's files read by blocks from the persistent tier
         self._landed: dict[str, Landed] = {}  # this rank's files received from a peer straight into the state
+        self._pre: dict[str, FileLoad] = {}  # this rank's files on this node, loaded while transfers ran
+        self._pre_lost: list[str] = []
+        self._pre_opened: list[Source] = []
         unsafe: list[str] = []
         for step in candidates:
             res = None
@@ -259,7 +262,7 @@ class Restorer(Component):
         in_persistent = (any(step in v.get(TierName.PERSISTENT.value, []) for v in views)
                          and (step, TierName.PERSISTENT.value) not in self._excluded)
         # 1. manifests: each rank contributes those it holds, the persistent tier fills gaps
-        mine: dict[int, dict[str, Any]] = {}
+        mine: dict[int, Manifest] = {}
         for _, d in self._local_copies(step):
             for p in d.glob("manifest-rank*.json"):
                 try:
@@ -269,13 +272,13 @@ class Restorer(Component):
                         logger.warning("manifest %s skipped: unsafe: %s", p, problem)
                         continue
                     if m.step == step:
-                        mine.setdefault(m.rank, m.to_json())
+                        mine.setdefault(m.rank, m)  # travels pickled: parsed once, not again from JSON
                 except (OSError, ValueError, KeyError, TypeError):
                     logger.warning("unreadable manifest %s skipped", p)
         manifests: dict[int, Manifest] = {}
         for theirs in self._gather(mine, self._pg):
-            for r, mj in theirs.items():
-                manifests.setdefault(r, Manifest.from_json(mj))
+            for r, m in theirs.items():
+                manifests.setdefault(r, m)
         world_old = next(iter(manifests.values())).world_size if manifests else None
         if in_persistent and (world_old is None or len(manifests) < world_old):
             missing = [r for r in range(world_old or 0) if r not in manifests] if world_old else None
@@ -368,9 +371,13 @@ class Restorer(Component):
             direct = self._direct_plan(md, plan, need, files)
             self._plans.put(layout_key, direct)
         land = {n: Landing(direct.spans[n], keep=n in direct.slow_files) for n in direct.spans}
+        self._pre, self._pre_lost, self._pre_opened = {}, [], []
         got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True,
-                             land=land)
+                             land=land, prefetch=lambda: self._prefetch_local(step, direct, files, paths, mem,
+                                                                               sources, in_persistent))
         if got is None:
+            for src in self._pre_opened:
+                src.close()
             return None
         paths, mem, sources = got
         phases["fetch"] = time.perf_counter() - t_phase
@@ -460,6 +467,36 @@ class Restorer(Component):
         return _Direct(by_fqn=by_fqn, per_file=per_file, key_of=key_of, slow=slow, slow_files=slow_files,
                        spans=spans, items_in=items_in)
 
+    def _on_bad(self, step: int) -> Any:
+        def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
+            logger.warning("rank %d: step %d: %s block %d from the %s tier: %s; trying the next copy",
+                           self.rank, step, f.name, block, tier, why)
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier, error=f"{f.name} block {block}: {why}")
+        return on_bad
+
+    def _prefetch_local(self, step: int, direct: _Direct, files: dict[str, FileEntry], paths: dict[str, Path],
+                        mem: dict[str, Any], sources: dict[str, str], in_persistent: bool) -> None:
+        """Load this rank's files found on this node (their layout known) into the state while the transfers
+        to and from other ranks run: a rank that sends its partner's shards restores its own meanwhile."""
+        self._dirty = True
+        loads: list[FileLoad] = []
+        opened: list[Source] = []
+        try:
+            for name in sorted(self._lazy):
+                if name not in direct.spans:
+                    continue  # planned from the file itself: left to _load_direct
+                srcs = self._sources(step, name, files[name], paths, mem, sources, in_persistent, opened)
+                if srcs:
+                    loads.append(FileLoad(name, files[name], srcs, direct.spans[name]))
+            self._pre_lost = load_files(loads, on_bad=self._on_bad(step))
+            self._pre = {f.name: f for f in loads}
+            self._pre_opened = opened
+        except FAILURES as e:  # _load_direct loads them again, from the start
+            logger.warning("rank %d: loading this node's files during the transfers failed: %s", self.rank, e)
+            self._pre, self._pre_lost = {}, []
+            for src in opened:
+                src.close()
+
     def _load_direct(self, step: int, md: Any, plan: "_LoadPlan", direct: _Direct, need: set[str],
                      files: dict[str, FileEntry], paths: dict[str, Path], mem: dict[str, Any],
                      sources: dict[str, str], in_persistent: bool) -> set[str] | None:
@@ -475,10 +512,15 @@ class Restorer(Component):
         by_fqn, key_of_target = direct.by_fqn, direct.key_of
         slow, slow_files = set(direct.slow), set(direct.slow_files)  # the plan may serve another restore
         loads: list[FileLoad] = []
-        opened: list[Source] = []
-        lost: list[str] = []
+        opened: list[Source] = list(self._pre_opened)
+        lost: list[str] = list(self._pre_lost)
         try:
             for name in sorted(need - {DCP_METADATA}):
+                pre = self._pre.get(name)
+                if pre is not None:
+                    pre.blocks = frozenset()  # loaded (and its failures told) while the transfers ran
+                    loads.append(pre)
+                    continue
                 srcs = self._sources(step, name, files[name], paths, mem, sources, in_persistent, opened)
                 landed = self._landed.get(name)
                 if landed is not None:
@@ -504,13 +546,7 @@ class Restorer(Component):
                     # are never touched: not resident)
                     loads[-1].keep_gaps = torch.empty(files[name].size, dtype=torch.uint8).numpy()
 
-            def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
-                logger.warning("rank %d: step %d: %s block %d from the %s tier: %s; trying the next copy",
-                               self.rank, step, f.name, block, tier, why)
-                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier,
-                           error=f"{f.name} block {block}: {why}")
-
-            lost += load_files(loads, on_bad=on_bad, verified=frozenset(n for n in mem if n not in self._lazy))
+            lost += load_files(loads, on_bad=self._on_bad(step), verified=frozenset(n for n in mem if n not in self._lazy))
             for f in loads:
                 if f.served is not None:
                     sources[f.name] = f.served
@@ -553,6 +589,8 @@ class Restorer(Component):
                 for f in loads:
                     if f.name in lost_files and f.name in got_mem:
                         f.sources = [MemSource(got_mem[f.name], got_sources[f.name])]
+                        if f.name in self._pre:
+                            f.blocks = None  # which of its blocks were lost is not kept: all again
                         again += load_files([f], verified=frozenset({f.name}))
                         sources[f.name] = got_sources[f.name]
                         mem[f.name] = got_mem[f.name]
@@ -631,7 +669,7 @@ class Restorer(Component):
     def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
                   have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None,
                   lazy: bool = False, exclude: frozenset[str] = frozenset(),
-                  land: dict[str, Landing] | None = None
+                  land: dict[str, Landing] | None = None, prefetch: Callable[[], None] | None = None
                   ) -> tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None:
         """Collective: make every file in ``need`` (this rank's; others pass theirs) available here, verified.
 
@@ -645,6 +683,8 @@ class Restorer(Component):
         ``land``: with ``lazy``, where this rank's files received from a peer land (the state's tensors):
         a data file whose manifest gives its layout travels cut at its tensors and lands there, each block
         verified as it arrives (``self._landed``); its bad blocks are read again in ``_load_direct``.
+        ``prefetch``: run on a thread of its own while this rank takes part in transfers (it loads the
+        rank's own files from this node meanwhile).
         """
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
         needs = self._gather(sorted(need), self._pg)
@@ -696,9 +736,20 @@ class Restorer(Component):
             if transfers:
                 src_path = {n: str(p) for n, (_, p) in have.items()}
                 src_mem = {n: b for n, b in mem.items()}
-                received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
-                                         out_dir=None if in_memory else fetch, to_memory=in_memory,
-                                         wire=wire, land=land)
+                bg = None
+                if prefetch is not None and any(self.rank in (t.src, t.dst) for t in transfers):
+                    bg = threading.Thread(target=prefetch, name="resilient-restore-local", daemon=True)
+                    bg.start()
+                try:
+                    received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
+                                             out_dir=None if in_memory else fetch, to_memory=in_memory,
+                                             wire=wire, land=land)
+                finally:
+                    if bg is not None:
+                        bg.join(self.config.collective_timeout_s)
+                if bg is not None and bg.is_alive():
+                    raise CheckpointError(f"loading this node's files did not finish within "
+                                          f"{self.config.collective_timeout_s:.0f} s; is the disk hung?")
                 for n, got in received.items():
                     if isinstance(got, Landed):
                         self._landed[n] = got
