@@ -190,7 +190,7 @@ def _spread(xs: list[float]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=str(HERE / "results" / "compress.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)

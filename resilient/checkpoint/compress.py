@@ -564,7 +564,8 @@ class TierDest:
     def __init__(self, tier: Any, step: int, retries: int = 0, backoff_s: float = 0.5, backoff_max_s: float = 10.0,
                  should_stop: Callable[[], bool] | None = None):
         self.tier, self.step = tier, step
-        self.retries, self.backoff_s, self.backoff_max_s, self.should_stop = retries, backoff_s, backoff_max_s, should_stop
+        self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
+        self.should_stop = should_stop
         self.timeout_s = float(getattr(tier, "timeout_s", 30.0))
         self.min_rate = float(getattr(tier, "min_rate", 8 << 20))
 
