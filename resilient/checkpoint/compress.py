@@ -5,17 +5,24 @@ weights and optimizer moments use a few dozen exponents) is interleaved with man
 random). Splitting each element's bytes into planes (byte 0 of every element, then byte 1, ...) and
 entropy-coding each plane with zstd separately lets the exponent plane shrink 2-4x while the mantissa
 planes pass through; that is ZipNN's and eXmY's observation. Measured on a small trained GPT
-(``bench/compress.py``), this gives the ratio of blosc2's shuffle+zstd and of zipnn at about the same
-speed, with zstandard alone as the dependency (the library DCP's own ``ZStandard`` extension uses).
+(``bench/compress.py``), this gives a ratio at or above blosc2's shuffle+zstd (and zipnn's) at about the
+same speed, with zstandard alone as the dependency (the library DCP's own ``ZStandard`` extension uses).
 
 Format at rest: a step stays a DCP directory. Each item of a ``.distcp`` file is rewritten on its own
-and ``.metadata`` names the transform of every item (DCP's stream extensions):
+and ``.metadata`` names the transform of every item (DCP's stream extensions) and the file that holds it:
+a rank's coded file is sent as several part objects (``__0_0.distcp``, ``__0_0.p1.distcp``, ...; whole
+items each), listed in that rank's manifest like any file.
 
 * ``bgzstd`` -> descriptor ``resilient.bgzstd/1``: our :class:`ByteGroupZstd`. ``dcp.load`` reads it when
   given :func:`extension_registry` (``FileSystemReader(path, _extension_registry=extension_registry())``);
   ``resilient ckpt export URL DIR`` writes a plain copy that needs nothing of this package.
 * ``zstd`` -> descriptor ``stream.zstd/1``: DCP's own ``ZStandard``; plain ``dcp.load`` reads it (with
   zstandard installed), at a lower ratio (no byte planes).
+
+Upload (:func:`prepare_upload`, called by the uploader): items are coded in jobs of a few MB on two
+threads, ahead of the sending; coded whole items are cut into parts of one request each, sent two at a
+time while coding goes on (a single-request upload cost the GCS emulator half the CPU per byte of a
+resumable one); an item larger than a part is streamed alone. No scratch copy, bounded memory.
 
 Encoded stream of ``resilient.bgzstd/1``: ``b"RBGZ"``, element size ``es`` (1 byte), then blocks until the
 end: ``raw_len`` (u32); per plane (``es`` planes of ``raw_len // es`` bytes), ``clen`` (u32) and ``clen``
