@@ -375,11 +375,15 @@ def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
     Run at interpreter exit (before finalisation) so that gloo's threads release it while they still may
     take the GIL. Our list holds one reference per context, ``sys.getrefcount`` one more: anything beyond is
     a C++ copy not yet released. Polled (nothing signals the release), with the GIL released meanwhile."""
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     while True:
         held = [ctx for ctx in _backward_contexts if sys.getrefcount(ctx) > 3]  # list, loop variable, argument
         if not held:
             _backward_contexts.clear()
+            if time.monotonic() - t0 > 1.0:  # a starved communication thread: worth knowing why an exit was slow
+                logger.warning("exit waited %.1fs for communication threads to release a finished backward pass",
+                               time.monotonic() - t0)
             return True
         if time.monotonic() > deadline:
             logger.warning("%d finished backward pass(es) still referenced by communication threads after %.1fs",
