@@ -53,8 +53,9 @@ def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Pa
     assert sup.proc.returncode == 0, sup.output()
     swaps = [e.details["action_args"] for e in c.events() if e.kind == EventKind.ACTION
              and e.details.get("action") == "hot_swap"]
+    # a lost node is cordoned for good (no cool-down): it cannot come back as a spare
     assert swaps == [{"action": "hot_swap", "reason": swaps[0]["reason"], "node": node_name(node0),
-                      "spare": node_name(spare)}]
+                      "spare": node_name(spare), "cool_down": None}]
     assert_same(reference, final(out, 2))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
