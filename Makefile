@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU build is served locally; a loose spec pulls a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# NeMo-Run in a directory of its own, put on PYTHONPATH only by its test: its dependencies pin urllib3 and
+	# anyio below what the Hugging Face hub needs. leptonai pinned: newer releases lack a module it imports.
+	$(BIN)/python -m pip install -q --target $(VENV)/nemo-run 'nemo_run==0.11.1' 'leptonai==0.26.6'
 	@touch $(STAMP)
 
 test: venv

@@ -19,5 +19,9 @@ if __name__ == "__main__":  # NeMo-Run needs the guard
     else:
         task = rnemo.inline_script(f"{WORKER} {out}", nproc_per_node=2, resilient_args=flags)
         executor = run.LocalExecutor()
+    # NeMo-Run's own Slurm launcher renders the same script as render_slurm (checked where NeMo-Run is importable)
+    if rnemo.slurm_launcher(nproc_per_node=2).transform(["python", "x.py"]).inline == \
+            rnemo.render_slurm("python x.py", nproc_per_node=2):
+        print("[nemo] slurm template matches", flush=True)
     run.run(task, executor=executor, name=f"resilient-{form}")
     print("[nemo] finished", flush=True)

@@ -93,20 +93,35 @@ def test_llm_recipe_without_nemo_says_so(tmp_path: Path) -> None:
     assert len(r.stderr.strip().splitlines()) == 1 and "nemo.collections.llm" in r.stderr, r.stderr
 
 
+# NeMo-Run lives in a directory of its own (see the Makefile): its dependencies conflict with the Hugging Face hub's
+NEMO_RUN_DIR = REPO / ".venv" / "nemo-run"
+
+
+def _nemo_run_path() -> str:
+    """What to put on PYTHONPATH so that a job process imports NeMo-Run; skips where it is not installed."""
+    try:
+        import nemo_run  # noqa: F401
+
+        return ""
+    except ImportError:
+        pass
+    if (NEMO_RUN_DIR / "nemo_run").is_dir():
+        return str(NEMO_RUN_DIR)
+    pytest.skip("NeMo-Run is not installed (make venv puts it in .venv/nemo-run)")
+
+
 @pytest.mark.timeout(240)
 def test_nemo_run_local_and_inline_forms_restart_a_killed_rank(tmp_path: Path) -> None:
-    run_ = pytest.importorskip("nemo_run")
-    if rnemo.slurm_launcher(nproc_per_node=2).transform(["python", "x.py"]).inline != \
-            rnemo.render_slurm("python x.py", nproc_per_node=2):
-        pytest.fail("NeMo-Run renders the Slurm template differently from render_slurm")
-    del run_
+    extra = _nemo_run_path()
 
     def job(form: str) -> tuple[str, subprocess.CompletedProcess[str]]:
         d = tmp_path / form
         (d / "out").mkdir(parents=True)
+        env = child_env({"NEMORUN_HOME": str(d / "home")})
+        if extra:  # first: the job process imports NeMo-Run's pins, the launched workers do not need them
+            env["PYTHONPATH"] = extra + os.pathsep + env["PYTHONPATH"]
         r = subprocess.run([sys.executable, str(HERE / "nemo_job.py"), form, str(d / "out"), str(d / "run")],
-                           cwd=d, env=child_env({"NEMORUN_HOME": str(d / "home")}), capture_output=True, text=True,
-                           timeout=200)
+                           cwd=d, env=env, capture_output=True, text=True, timeout=200)
         return form, r
 
     with cf.ThreadPoolExecutor(2) as ex:
@@ -114,4 +129,5 @@ def test_nemo_run_local_and_inline_forms_restart_a_killed_rank(tmp_path: Path) -
     for form, r in results:
         assert r.returncode == 0 and "[nemo] finished" in r.stdout, (form, r.stdout[-3000:], r.stderr[-3000:])
         assert "SUCCEEDED" in r.stdout, (form, r.stdout[-3000:])
+        assert "[nemo] slurm template matches" in r.stdout, (form, r.stdout[-3000:])
         _restarted(tmp_path / form / "out", tmp_path / form / "run")
