@@ -333,11 +333,11 @@ def _start_next_epoch(trainer: "pl.Trainer") -> None:
     would use before the restored RNG state was set, so the first step of the epoch ran with a different
     RNG state (dropout) than the uninterrupted run, and the weights differed from then on. Called right after
     the RNG is restored, which is where the uninterrupted run was at that point."""
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
     try:
+        from lightning.fabric.utilities.data import _set_sampler_epoch
         from lightning.pytorch.trainer import call
-    except ImportError:
+    except ImportError:  # the standalone pytorch_lightning distribution
+        from lightning_fabric.utilities.data import _set_sampler_epoch  # type: ignore[no-redef]
         from pytorch_lightning.trainer import call  # type: ignore[no-redef]
 
     loop = trainer.fit_loop
