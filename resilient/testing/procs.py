@@ -61,13 +61,18 @@ def kill_sessions(procs: Iterable[subprocess.Popen], timeout: float = 10.0, *, m
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=timeout)
-    deadline = time.monotonic() + timeout
+    _reap(procs, timeout)
+    return len(left)
+
+
+def _reap(procs: list[subprocess.Popen], within: float) -> None:
+    """Wait for the leaders to exit, ``within`` seconds in all (a leader still running is left to the caller)."""
+    deadline = time.monotonic() + within
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    return len(left)
 
 
 def stop_sessions(procs: Iterable[subprocess.Popen], grace: float, timeout: float = 10.0) -> int:
@@ -80,10 +85,5 @@ def stop_sessions(procs: Iterable[subprocess.Popen], grace: float, timeout: floa
             p.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + grace
-    for p in live:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    _reap(live, grace)
     return kill_sessions(procs, timeout)
