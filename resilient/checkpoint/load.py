@@ -2,10 +2,10 @@
 
 ``restore()`` owns the target tensors until it returns, so a tensor's bytes are read from the fastest
 copy straight into the tensor (``preadv`` from a local file, a copy from a buffer already in memory), and
-the crc32c of each manifest block is computed over what landed while it is still in cache: one pass over
-the memory instead of a verification pass then a copy pass. Bytes of a file that no target receives
-(zip headers, pickles, objects) are checksummed where they are. A block whose crc32c differs from the
-manifest is read again from the next source into the same place; when no source has a good copy,
+the digest of each manifest block (xxh3, or crc32c in manifests written before xxh3) is computed over what
+landed while it is still in cache: one pass over the memory instead of a verification pass then a copy
+pass. Bytes of a file that no target receives (zip headers, pickles, objects) are checksummed where they
+are. A block whose digest differs from the manifest is read again from the next source into the same place; when no source has a good copy,
 :class:`StateUndefinedError` is raised.
 
 Only plain tensors take this path (one chunk covering the whole tensor, a contiguous CPU target of the
@@ -27,9 +27,11 @@ from typing import Any, Protocol
 
 import crc32c as _crc
 import torch
+import xxhash as _xxh
 
-from resilient.checkpoint.api import FileEntry, StateUndefinedError
+from resilient.checkpoint.api import CorruptFileError, FileEntry, StateUndefinedError
 from resilient.checkpoint.reader import _tensor_record
+from resilient.checkpoint.tiers import Crc32cHash, hasher, verify_bytes
 
 PIECE = 1 << 20  # bytes copied then checksummed at once: stays in cache between the two
 _IOV_MAX = 1024
@@ -185,12 +187,10 @@ class Span:
 
 
 def blocks_of(entry: FileEntry) -> list[tuple[int, int, int]]:
-    """(start, end, crc32c) of the manifest's verification blocks of a file (the whole file when the
-    manifest predates blocks)."""
-    if entry.block_size and entry.blocks:
-        bs = entry.block_size
-        return [(i * bs, min(entry.size, (i + 1) * bs), c) for i, c in enumerate(entry.blocks)]
-    return [(0, entry.size, entry.crc32c)]
+    """(start, end, digest) of the manifest's verification blocks of a file (the whole file when the
+    manifest predates blocks); the digest is ``entry.digest``'s (see :func:`tiers.hasher`)."""
+    wants = entry.xxh3 or (entry.blocks if entry.block_size and entry.blocks else (entry.crc32c,))
+    return [(a, b, w) for (a, b), w in zip(entry.bounds(), wants)]
 
 
 _EOCD = b"PK\x05\x06"
@@ -381,45 +381,46 @@ def _block_work(spans: Sequence[Span], start: int, end: int,
 
 
 def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: int,
-               verified: bool = False, keep: Any = None, starts: Sequence[int] | None = None) -> bool:
-    """Read ``[start, end)`` of the file from ``src`` into the targets and check the crc32c of what
-    landed against ``want``. Returns whether it matched. ``keep``: a file-sized buffer that receives the
-    bytes no target takes (headers, objects), for DCP's path over a copy that was never whole."""
-    crc = 0
+               verified: bool = False, keep: Any = None, starts: Sequence[int] | None = None,
+               new_hash: Callable[[], Any] = Crc32cHash) -> bool:
+    """Read ``[start, end)`` of the file from ``src`` into the targets and check the digest of what
+    landed (``new_hash``: the manifest's, see :func:`tiers.hasher`) against ``want``. Returns whether it
+    matched. ``keep``: a file-sized buffer that receives the bytes no target takes (headers, objects), for
+    DCP's path over a copy that was never whole."""
+    h = new_hash()
     if isinstance(src, RangeSource):
         # a remote copy: one ranged read per block, copied from there (a few blocks in flight, no full copy)
         src = _Window(src.read(start, end - start), start, src.tier)
     if isinstance(src, FileSource) and keep is None and not verified:
-        return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want)
+        return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want, h)
     for off, n, dst, doff in _block_work(spans, start, end, starts):
         if dst is not None:
             view = memoryview(dst[doff:doff + n].numpy())
             src.readinto(off, view)
             if not verified:
-                crc = _crc.crc32c(view, crc)
+                h.update(view)
         elif not verified or keep is not None:
             data = src.read(off, n)
             if not verified:
-                crc = _crc.crc32c(data, crc)
+                h.update(data)
             if keep is not None:
                 keep[off:off + n] = data
-    return verified or crc == want
+    return verified or h.intdigest() == want
 
 
-def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: int, want: int) -> bool:
+def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: int, want: int, h: Any) -> bool:
     """:func:`load_block` from a local file: runs of pieces up to PIECE bytes are read with one ``preadv``
     into their targets (and a scratch buffer for the bytes between them), then checksummed while in cache."""
-    crc = 0
     run: list[memoryview] = []
     run_off = run_n = gap_used = 0
     gaps = _scratch(min(end - start, PIECE))  # a run holds at most PIECE bytes, gaps included
 
     def flush() -> None:
-        nonlocal crc, run, run_n, gap_used
+        nonlocal run, run_n, gap_used
         if run:
             src.readv(run_off, run)
             for v in run:
-                crc = _crc.crc32c(v, crc)
+                h.update(v)
         run, run_n, gap_used = [], 0, 0
 
     for s in spans:
@@ -438,7 +439,7 @@ def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: in
             run_n += k
             a += k
     flush()
-    return crc == want
+    return h.intdigest() == want
 
 
 def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, str], None] | None = None,
@@ -453,15 +454,16 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
              if blk[1] > blk[0] and (f.blocks is None or i in f.blocks)]
     order = {t.name: -1 for t in files}
     starts = {t.name: [s.off for s in t.spans] for t in files}
+    hashes = {t.name: hasher(t.entry) for t in files}
     lock = threading.Lock()
 
     def run(task: tuple[FileLoad, int, tuple[int, int, int]]) -> str | None:
         f, i, (a, b, want) = task
         for k, src in enumerate(f.sources):
-            why = "crc32c differs from the manifest"
+            why = f"{f.entry.digest} differs from the manifest"
             try:
                 if load_block(src, f.spans, a, b, want, verified=(k == 0 and f.name in verified),
-                              keep=f.keep_gaps, starts=starts[f.name]):
+                              keep=f.keep_gaps, starts=starts[f.name], new_hash=hashes[f.name]):
                     with lock:
                         order[f.name] = max(order[f.name], k)
                     return None
@@ -497,15 +499,18 @@ def whole_file(src: Source, entry: FileEntry) -> Any:
     data = bytearray(entry.size)
     if entry.size:
         src.readinto(0, memoryview(data))
-    if _crc.crc32c(data) != entry.crc32c:
-        raise OSError(f"{src.tier} copy: crc32c differs from the manifest")
+    try:
+        verify_bytes(data, entry, what=f"{src.tier} copy")
+    except CorruptFileError as e:
+        raise OSError(str(e)) from None
     return data
 
 
 def file_blocks(path: str | os.PathLike[str], block_size: int) -> FileEntry:
-    """Size, crc32c and per-block crc32c of a local file, in one read."""
-    crc, size, blocks = 0, 0, []
+    """Size, crc32c and per-block crc32c and xxh3 of a local file, in one read."""
+    crc, size, blocks, xxh = 0, 0, [], []
     bcrc, bfill = 0, 0
+    h = _xxh.xxh3_64()
     buf = bytearray(min(block_size, 8 << 20))
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -515,20 +520,27 @@ def file_blocks(path: str | os.PathLike[str], block_size: int) -> FileEntry:
                 break
             crc = _crc.crc32c(view[:n], crc)
             bcrc = _crc.crc32c(view[:n], bcrc)
+            h.update(view[:n])
             size += n
             bfill += n
             if bfill == block_size:
                 blocks.append(bcrc)
-                bcrc, bfill = 0, 0
-    if bfill:
+                xxh.append(h.intdigest())
+                bcrc, bfill, h = 0, 0, _xxh.xxh3_64()
+    if bfill or not size:
         blocks.append(bcrc)
-    return FileEntry(size=size, crc32c=crc, block_size=block_size, blocks=tuple(blocks))
+        xxh.append(h.intdigest())
+    if not size:
+        blocks = []
+    return FileEntry(size=size, crc32c=crc, block_size=block_size, blocks=tuple(blocks), xxh3=tuple(xxh))
 
 
 def bytes_blocks(data: Any, block_size: int) -> FileEntry:
     mv = memoryview(data).cast("B")
     blocks = tuple(_crc.crc32c(mv[i:i + block_size]) for i in range(0, len(mv), block_size))
-    return FileEntry(size=len(mv), crc32c=_crc.crc32c(mv), block_size=block_size, blocks=blocks)
+    xxh = tuple(_xxh.xxh3_64_intdigest(mv[i:i + block_size]) for i in range(0, len(mv), block_size))
+    return FileEntry(size=len(mv), crc32c=_crc.crc32c(mv), block_size=block_size, blocks=blocks,
+                     xxh3=xxh or (_xxh.xxh3_64_intdigest(b""),))
 
 
 BLOCK = 4 << 20  # manifest verification block: the unit fetched again from the next tier

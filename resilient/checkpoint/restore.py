@@ -756,12 +756,12 @@ class Restorer(Component):
                         self._dirty = True
                         sources[n] = TierName.PEER.value
                         for b in got.bad:
-                            logger.warning("rank %d: step %d: %s block %d from a peer: crc32c differs from the "
-                                           "manifest; %s", self.rank, step, n, b,
+                            logger.warning("rank %d: step %d: %s block %d from a peer: %s differs from the "
+                                           "manifest; %s", self.rank, step, n, b, files[n].digest,
                                            "falling back to the persistent tier" if in_persistent
                                            else "trying the next copy")
                             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PEER.value,
-                                       error=f"{n} block {b}: crc32c differs from the manifest")
+                                       error=f"{n} block {b}: {files[n].digest} differs from the manifest")
                         continue
                     try:
                         if in_memory:

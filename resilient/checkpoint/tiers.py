@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import crc32c as _crc
+import xxhash as _xxh
 
 from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, MANIFEST_FMT, STEP_PREFIX, CorruptFileError,
                                       FileEntry, Manifest, StepInfo, Tier)
@@ -54,17 +55,43 @@ def crc_bytes(data: bytes | memoryview, value: int = 0) -> int:
     return _crc.crc32c(data, value)
 
 
+def xxh3_bytes(data: Any) -> int:
+    return _xxh.xxh3_64_intdigest(data)
+
+
+class Crc32cHash:
+    """crc32c with the incremental interface of ``xxhash.xxh3_64`` (``update``, ``intdigest``)."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self) -> None:
+        self._v = 0
+
+    def update(self, data: Any) -> None:
+        self._v = _crc.crc32c(data, self._v)
+
+    def intdigest(self) -> int:
+        return self._v
+
+
+def hasher(entry: FileEntry) -> Callable[[], Any]:
+    """A factory of incremental hashes of one verification block, by the digest ``entry`` is verified by."""
+    return _xxh.xxh3_64 if entry.xxh3 else Crc32cHash
+
+
 def file_entry(path: str | os.PathLike[str]) -> FileEntry:
-    """Size and crc32c of a local file, read in chunks."""
+    """Size, crc32c and xxh3 of a local file, read in chunks."""
     crc = 0
     size = 0
+    h = _xxh.xxh3_64()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
             crc = _crc.crc32c(view[:n], crc)
+            h.update(view[:n])
             size += n
-    return FileEntry(size=size, crc32c=crc)
+    return FileEntry(size=size, crc32c=crc, xxh3=(h.intdigest(),))
 
 
 def verify_file(path: str | os.PathLike[str], expected: FileEntry) -> None:
@@ -165,20 +192,45 @@ def map_verified(path: str | os.PathLike[str], expected: FileEntry) -> Any:
                 got = readinto_exactly(f, memoryview(data))
                 if got < size:
                     raise CorruptFileError(f"{path}: shorter than its size while reading ({got} < {size})")
-    got = crc_parallel(data)
-    if got != expected.crc32c:
-        raise CorruptFileError(f"{path}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")
+    _check(data, expected, str(path))
     return data
 
 
-def verify_bytes(data: Any, expected: FileEntry, what: str, crc: int | None = None) -> None:
-    """:func:`verify_file` for a file held in memory (``crc``: already computed while receiving)."""
-    n = memoryview(data).nbytes
-    if n != expected.size:
-        raise CorruptFileError(f"{what}: size {n} != manifest {expected.size}")
+def xxh3_blocks(data: Any, expected: FileEntry, threads: int | None = None) -> list[int]:
+    """xxh3 of each of ``expected``'s verification blocks of ``data``, large buffers on several threads
+    (xxhash releases the GIL)."""
+    mv = memoryview(data).cast("B")
+    bounds = expected.bounds()
+    k = threads or min(4, os.cpu_count() or 1)
+    if k <= 1 or len(mv) < _PARALLEL_MIN or len(bounds) < 2:
+        return [_xxh.xxh3_64_intdigest(mv[a:b]) for a, b in bounds]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=k, thread_name_prefix="resilient-verify") as pool:
+        return list(pool.map(lambda ab: _xxh.xxh3_64_intdigest(mv[ab[0]:ab[1]]), bounds))
+
+
+def _check(data: Any, expected: FileEntry, what: str, crc: int | None = None) -> None:
+    """Raise :class:`CorruptFileError` unless ``data`` matches ``expected``'s digest: xxh3 of every block
+    when the manifest has it, else crc32c of the whole (``crc``: already computed)."""
+    if expected.xxh3:
+        for i, ((a, b), got, want) in enumerate(zip(expected.bounds(), xxh3_blocks(data, expected), expected.xxh3)):
+            if got != want:
+                raise CorruptFileError(f"{what}: xxh3 of block {i} (bytes {a}-{b}) {got:#018x} != manifest "
+                                       f"{want:#018x}")
+        return
     got = crc_parallel(data) if crc is None else crc
     if got != expected.crc32c:
         raise CorruptFileError(f"{what}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")
+
+
+def verify_bytes(data: Any, expected: FileEntry, what: str, crc: int | None = None) -> None:
+    """:func:`verify_file` for a file held in memory (``crc``: its crc32c, already computed while receiving,
+    used when the manifest has no xxh3)."""
+    n = memoryview(data).nbytes
+    if n != expected.size:
+        raise CorruptFileError(f"{what}: size {n} != manifest {expected.size}")
+    _check(data, expected, what, crc)
 
 
 def retry(fn: Callable[[], T], *, what: str, retries: int, backoff_s: float, backoff_max_s: float,

@@ -8,7 +8,7 @@ always has both ends ready: no deadlock) for restore.
 A restored file whose manifest gives each tensor's byte range travels *cut at those ranges*
 (:func:`wire_pieces`, computed by both ends from the same manifest entry), so the receiver lands each piece
 straight in the target tensor's memory (no receive buffer the size of the file) and checks each manifest
-block's crc32c right after its last piece lands.
+block's digest (xxh3, or crc32c in older manifests) right after its last piece lands.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from resilient.checkpoint.api import FileEntry
 from resilient.checkpoint.load import Span, blocks_of
-from resilient.checkpoint.tiers import crc_bytes, readinto_exactly
+from resilient.checkpoint.tiers import crc_bytes, hasher, readinto_exactly
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class Landing:
 
 @dataclass(frozen=True)
 class Landed:
-    """A file received into its targets: the manifest blocks whose crc32c differed (their bytes are to be
+    """A file received into its targets: the manifest blocks whose digest differed (their bytes are to be
     fetched again from another copy) and the kept bytes (or None)."""
 
     bad: tuple[int, ...]
@@ -331,12 +331,14 @@ WINDOW_BYTES = 64 << 20
 
 
 def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> Landed:
-    """Receive a file sent with :func:`send_pieces` straight into ``landing``'s targets; the crc32c of each
-    manifest block is computed over what landed, while later pieces are in flight."""
+    """Receive a file sent with :func:`send_pieces` straight into ``landing``'s targets; the digest of each
+    manifest block (xxh3, or crc32c in older manifests) is computed over what landed, while later pieces
+    are in flight."""
     pieces = wire_pieces(entry)
     blocks = blocks_of(entry)
     starts = [a for a, _, _ in blocks]
-    crcs = [0] * len(blocks)
+    new_hash = hasher(entry)
+    hashes = [new_hash() for _ in blocks]
     where = _Pieces(landing.spans)
     keep = receive_buffer(entry.size) if landing.keep and entry.size else None
     keep_t = torch.from_numpy(keep) if keep is not None else None
@@ -367,7 +369,7 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
         work, a, n, buf, staged, slot = p
         work.wait()
         b = bisect.bisect_right(starts, a) - 1
-        crcs[b] = crc_bytes(memoryview(buf.numpy()), crcs[b])
+        hashes[b].update(memoryview(buf.numpy()))
         for s in staged or ():
             x, y = max(a, s.off), min(a + n, s.off + s.n)
             assert s.dst is not None
@@ -386,7 +388,7 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
         in_bytes += pieces[k][1]
     while inflight:
         finish(inflight.popleft())
-    bad = tuple(i for i, (a, b, want) in enumerate(blocks) if b > a and crcs[i] != want)
+    bad = tuple(i for i, (a, b, want) in enumerate(blocks) if b > a and hashes[i].intdigest() != want)
     return Landed(bad, keep)
 
 

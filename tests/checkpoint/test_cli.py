@@ -50,6 +50,17 @@ def test_verify_finds_a_flipped_byte(ckpt_dir: Path) -> None:
     f.write_bytes(bytes(data))
     r = cli("verify", str(ckpt_dir))
     assert r.returncode == 1
+    assert "step 1 __0_0.distcp: xxh3 of block 0" in r.stdout
+    # manifests written before xxh3 existed are verified by crc32c, the flip found all the same
+    for step in (1, 2):
+        m = ckpt_dir / f"step_0000000{step}" / "manifest-rank0.json"
+        d = json.loads(m.read_text())
+        assert all("xxh3" in fe for fe in [*d["files"].values(), d["metadata"]])
+        for fe in [*d["files"].values(), d["metadata"]]:
+            del fe["xxh3"]
+        m.write_text(json.dumps(d))
+    r = cli("verify", str(ckpt_dir))
+    assert r.returncode == 1 and "step 2: 2 files, ok" in r.stdout
     assert "step 1 __0_0.distcp: crc32c" in r.stdout
     r = cli("verify", str(ckpt_dir / "step_00000002"), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["steps"][0]["step"] == 2

@@ -3,6 +3,7 @@ straight into their targets (and falling back to DCP's own path for anything els
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from pathlib import Path
@@ -38,8 +39,10 @@ def test_map_verified_detects_damage(tmp_path: Path) -> None:
     data = bytearray(f.read_bytes())
     data[12345] ^= 0x01
     f.write_bytes(bytes(data))
-    with pytest.raises(CorruptFileError, match="crc32c"):
+    with pytest.raises(CorruptFileError, match="xxh3"):
         map_verified(f, fe)
+    with pytest.raises(CorruptFileError, match="crc32c"):  # a manifest entry written before xxh3
+        map_verified(f, dataclasses.replace(fe, xxh3=()))
     f.write_bytes(bytes(data[:-10]))
     with pytest.raises(CorruptFileError, match="size"):
         map_verified(f, fe)

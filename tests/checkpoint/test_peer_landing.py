@@ -89,6 +89,8 @@ def test_flipped_byte_in_a_peer_copy_is_refetched_block_only(tmp_path: Path, wor
     shutil.rmtree(tmp_path / "node0")
     replica = tmp_path / "node1" / "peer" / "step_00000000" / "__0_0.distcp"
     assert replica.stat().st_size > BLOCK + 4096  # the file spans two blocks at least
+    m = json.loads((replica.parent / "manifest-rank0.json").read_text())
+    assert len(m["files"]["__0_0.distcp"]["xxh3"]) >= 2  # received blocks are verified by xxh3
     flip(replica, BLOCK + 4096)
     ok(workers.run(script, [local, "restore", str(tmp_path), url], 2, local_world_size=1, env=env))
     r0 = json.loads((tmp_path / "restore0.json").read_text())

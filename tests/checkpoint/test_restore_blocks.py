@@ -3,11 +3,13 @@ into the same place, and a block with no good copy anywhere leaves an undefined 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from resilient.checkpoint.api import FileEntry, StateUndefinedError
 from resilient.checkpoint.load import BLOCK, FileLoad, MemSource, blocks_of, bytes_blocks, load_files, plan_spans
@@ -35,13 +37,18 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_load_files_refetches_only_the_bad_block_into_the_same_tensor() -> None:
-    """Pure data path: two in-memory copies, the first with a flipped byte in block 1."""
+@pytest.mark.parametrize("digest", ["xxh3", "crc32c"])
+def test_load_files_refetches_only_the_bad_block_into_the_same_tensor(digest: str) -> None:
+    """Pure data path: two in-memory copies, the first with a flipped byte in block 1; verified by xxh3,
+    and by crc32c as a manifest written before xxh3 is."""
     t = torch.randn(3 * BLOCK // 4)  # three blocks of raw tensor bytes
     good = bytes(t.view(torch.uint8).numpy())
     bad = bytearray(good)
     bad[BLOCK + 12345] ^= 0x01
     entry = bytes_blocks(good, BLOCK)
+    if digest == "crc32c":
+        entry = dataclasses.replace(entry, xxh3=())
+    assert entry.digest == digest
     assert len(blocks_of(entry)) == 3
     target = torch.zeros_like(t)
     ptr = target.data_ptr()
@@ -64,9 +71,15 @@ def test_load_files_refetches_only_the_bad_block_into_the_same_tensor() -> None:
 
 def test_manifest_blocks_round_trip_and_old_manifests() -> None:
     e = bytes_blocks(b"x" * (BLOCK + 5), BLOCK)
-    assert FileEntry.from_json(json.loads(json.dumps(e.to_json()))) == e
+    back = FileEntry.from_json(json.loads(json.dumps(e.to_json())))
+    assert back == e and back.xxh3 == e.xxh3 and len(e.xxh3) == 2 and e.digest == "xxh3"
+    assert [w for _, _, w in blocks_of(e)] == [xxhash.xxh3_64_intdigest(b"x" * BLOCK),
+                                                xxhash.xxh3_64_intdigest(b"x" * 5)]
     old = FileEntry.from_json({"size": 10, "crc32c": 7})  # written before blocks existed: one block
-    assert blocks_of(old) == [(0, 10, 7)]
+    assert blocks_of(old) == [(0, 10, 7)] and old.digest == "crc32c"
+    # xxh3 not one per block (hand-edited, or blocks dropped as inconsistent): crc32c is checked instead
+    assert FileEntry.from_json({**e.to_json(), "xxh3": [1]}).digest == "crc32c"
+    assert FileEntry.from_json({"size": 10, "crc32c": 7, "xxh3": [5]}).xxh3 == (5,)
     assert plan_spans(MemSource(b"\0" * 10, "local"), 10, [])[0][0].n == 10
 
 
@@ -82,6 +95,8 @@ def test_flipped_byte_in_one_block_is_fetched_again_from_gcs(tmp_path: Path, gcs
     ck.close()
     f = tmp_path / "local" / "step_00000000" / "__0_0.distcp"
     assert f.stat().st_size > BLOCK
+    m = json.loads((f.parent / "manifest-rank0.json").read_text())
+    assert len(m["files"]["__0_0.distcp"]["xxh3"]) == 2  # verified by xxh3 block by block
     flip(f, BLOCK + 1000)  # inside block 1, in tensor bytes
     st = zeros()
     ptrs = {k: v.data_ptr() for k, v in st["model"].items()}
@@ -116,3 +131,31 @@ def test_no_good_copy_anywhere_raises_state_undefined_and_records_it(tmp_path: P
     assert any(e.details.get("state_undefined") for e in evs), [e.details for e in evs]
     tiers = {e.details["tier"] for e in evs}
     assert {"local", "persistent"} <= tiers
+
+
+@pytest.mark.timeout(120)
+def test_manifests_without_xxh3_still_restore_and_find_a_flipped_byte(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Manifests written before xxh3 existed: blocks are verified by crc32c, a bad one comes from the next tier."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    url = f"file://{tmp_path}/bucket"
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck.save(0, big_state(5.0))
+    assert ck.wait(60)
+    ck.close()
+    for root in (tmp_path / "local", tmp_path / "bucket"):
+        m = root / "step_00000000" / "manifest-rank0.json"
+        d = json.loads(m.read_text())
+        for fe in [*d["files"].values(), d["metadata"]]:
+            del fe["xxh3"]
+        m.write_text(json.dumps(d))
+    flip(tmp_path / "local" / "step_00000000" / "__0_0.distcp", BLOCK + 1000)
+    st = zeros()
+    ck2 = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1)
+    assert ck2.restore(st) == 1
+    ck2.close()
+    ref = big_state(5.0)
+    assert all(torch.equal(st["model"][k], ref["model"][k]) for k in ref["model"]) and st["pos"] == 5
+    assert ck2.last_restore is not None and ck2.last_restore.sources["__0_0.distcp"] == "persistent"
+    failed = [e.details["error"] for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_FAILED]
+    assert failed == ["__0_0.distcp block 1: crc32c differs from the manifest"]
