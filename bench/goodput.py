@@ -22,8 +22,10 @@ The baselines get their faults from this driver, at the same times after the job
 of the node. The baselines run on one node (torchrun cannot replace a lost node inside a job), so their node
 loss kills the launcher and both workers; the driver then starts the same command again at once (a
 scheduler's requeue with a replacement node ready: generous to the baselines, which in real life wait
-minutes). The same requeue happens whenever a baseline launcher exits before the job is done. A fault that
-falls due while its target is not running (between attempts) is skipped and counted as skipped.
+minutes). The same requeue happens whenever a launcher exits before the job is done, resilient-run included (a
+scheduler requeues any job that exits early; its faults still to come keep their times on the first launch's
+clock). A fault that falls due while its target is not running (between attempts) is skipped and counted as
+skipped.
 
 Goodput = useful steps x clean step time / wall time, the same for all three: useful steps are the job's
 steps (every run ends at the same step), the clean step time is the median step time of a fault-free run
@@ -466,13 +468,11 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
 
     cfg = write_cfg(d, "resilient", job_args, d / "persistent", 0, a.pg_timeout)
     env = child_env({"GOODPUT_BENCH_CFG": str(cfg)})
-    port = free_port()
-    run_dir = d / "run"
-    inject = ",".join(f.inject() for f in faults)
-    res: dict[str, Any] = {"config": "resilient-run", "finished": False, "inject": inject or None}
+    res: dict[str, Any] = {"config": "resilient-run", "finished": False, "inject": None, "requeues": 0,
+                           "run_dirs": []}
     nodes: list[tuple[str, subprocess.Popen]] = []
 
-    def start(name: str) -> subprocess.Popen:
+    def start(name: str, run_dir: Path, port: int, inject: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "goodput",
                "--local-addr", "127.0.0.1", "--max-restarts", str(a.max_restarts), "--run-dir", str(run_dir),
@@ -482,12 +482,12 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
         if inject:
             cmd += ["--inject", inject]
         cmd.append(str(job))
-        with open(d / f"{name}.log", "wb") as f:
+        with open(d / f"{name}.log", "ab") as f:
             p = subprocess.Popen(cmd, cwd=d, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         nodes.append((name, p))
         return p
 
-    def events() -> list:
+    def events(run_dir: Path) -> list:
         try:
             return list(read_events(run_dir))
         except FileNotFoundError:
@@ -500,23 +500,59 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
                 raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
             time.sleep(0.05)  # polling a socket or a file the agents append to
 
-    t_launch = time.time()
-    log = StepLog(d / "out")
-    try:
-        na = start("a")
+    def launch(run_dir: Path, inject: str) -> list[subprocess.Popen]:
+        port = free_port()
+        na = start("a", run_dir, port, inject)
         wait(lambda: listening(port) or na.poll() is not None, "node a to host the store", 120)
-        nb = start("b")
+        nb = start("b", run_dir, port, inject)
+        out = [na, nb]
         if spare:
             # the spare joins once the supervisor gave a and b the job's places, as in the demo
-            wait(lambda: any(e.kind.value == "action" and e.details.get("action") == "start" for e in events())
+            wait(lambda: any(e.kind.value == "action" and e.details.get("action") == "start" for e in events(run_dir))
                  or nb.poll() is not None, "the job's places to be given", 180)
-            start("spare")
-        deadline = time.monotonic() + a.timeout
-        while any(p.poll() is None for _, p in nodes):
-            if time.monotonic() > deadline:
-                res["error"] = f"not done within {a.timeout:.0f} s"
+            out.append(start("spare", run_dir, port, inject))
+        return out
+
+    t_launch = time.time()
+    log = StepLog(d / "out")
+    deadline = time.monotonic() + a.timeout
+    left = list(faults)  # time-based faults still to come, on the first launch's clock
+    last: list[tuple[str, subprocess.Popen]] = []  # the newest launch's agents
+    try:
+        while True:
+            run_dir = d / ("run" if not res["run_dirs"] else f"run-requeue{len(res['run_dirs'])}")
+            res["run_dirs"].append(run_dir)
+            log.poll()
+            starts = log.of("start")
+            if starts:
+                # a requeue (the same treatment the baselines get when their launcher exits early): the faults
+                # still to come keep their times on the first launch's clock, less this launch's start-up
+                t0 = min(r["t"] for r in starts)
+                shift = time.time() + (res.get("t0_after_launch_s") or 0.0) - t0
+                left = [Fault(f.kind, f.target, round(f.at - shift, 1), f.at_step) for f in left
+                        if f.at_step is None and f.at - shift > 0.5]
+            inject = ",".join(f.inject() for f in left)
+            res["inject"] = res["inject"] or inject or None
+            n_before = len(nodes)
+            procs = launch(run_dir, inject)
+            last = nodes[n_before:]
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    res["error"] = f"not done within {a.timeout:.0f} s"
+                    break
+                time.sleep(0.1)  # waiting for the agents to end; they never wait on the driver
+            if res.get("t0_after_launch_s") is None:
+                log.poll()
+                st = log.of("start")
+                res["t0_after_launch_s"] = (min(r["t"] for r in st) - t_launch) if st else None
+            log.poll()
+            if log.of("end") or res.get("error") or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)  # waiting for the agents to end; they never wait on the driver
+            for p in procs:  # the job stopped early: what a scheduler does, as for the baselines
+                kill_session(p)
+            res["requeues"] += 1
+            print(f"  resilient-run exited before the job's end (exit {[p.returncode for p in procs]}): "
+                  f"started again, as the baselines are", file=sys.stderr, flush=True)
     except TimeoutError as e:
         res["error"] = str(e)
     finally:
@@ -524,12 +560,12 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
             kill_session(p)
     res["wall_s"] = time.time() - t_launch
     log.poll()
-    res["exit"] = {n: p.returncode for n, p in nodes}
+    res["exit"] = {n: p.returncode for n, p in last}
     res["finished"] = bool(log.of("end"))
     starts = log.of("start")
     res["t0_after_launch_s"] = (min(r["t"] for r in starts) - t_launch) if starts else None
     res.update(progress(log))
-    evs = events()
+    evs = [e for rd in res["run_dirs"] for e in events(rd)]
     named = {"kill": "kill-worker", "stop": "hang-worker"}  # a step fault is recorded by the worker, as its "how"
     res["injected"] = [{"fault": named.get(e.details.get("fault"), e.details.get("fault")),
                         "target": e.details.get("target"), "wall": e.wall}
@@ -541,15 +577,22 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
             left.remove(m)
     res["skipped"] = left
     res["actions"] = [e.details.get("action") for e in evs if e.kind.value == "action"]
-    try:
-        rep = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(run_dir), "--json"],
-                             capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
-        j = json.loads(rep.stdout) if rep.returncode == 0 else None
-        res["ledger"] = {k: j.get(k) for k in ("goodput", "wall_seconds", "productive_seconds", "badput_seconds",
-                                                "disruptions", "restarts", "last_step")} if j else \
-            {"error": (rep.stderr or rep.stdout).strip()[-500:]}
-    except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
-        res["ledger"] = {"error": str(e)}
+
+    def ledger(run_dir: Path) -> dict[str, Any]:
+        try:
+            rep = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(run_dir), "--json"],
+                                 capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+            j = json.loads(rep.stdout) if rep.returncode == 0 else None
+            return {k: j.get(k) for k in ("goodput", "wall_seconds", "productive_seconds", "badput_seconds",
+                                          "disruptions", "restarts", "last_step")} if j else \
+                {"error": (rep.stderr or rep.stdout).strip()[-500:]}
+        except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+            return {"error": str(e)}
+
+    res["ledger"] = ledger(res["run_dirs"][0])  # the first launch's ledger; each requeue has its own below
+    if len(res["run_dirs"]) > 1:
+        res["ledger_requeues"] = [ledger(rd) for rd in res["run_dirs"][1:]]
+    res["run_dirs"] = [str(rd.relative_to(d)) for rd in res["run_dirs"]]
     if not res["finished"]:
         res["log_tail"] = (d / "a.log").read_text(errors="replace")[-3000:] if (d / "a.log").exists() else ""
     res["_log"] = log

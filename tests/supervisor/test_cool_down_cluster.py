@@ -1,0 +1,58 @@
+"""A benched node comes back, on real processes: three agents (2 nodes and a spare) under the real launcher; a
+worker kill makes the policy swap its node out with a 1 s cool-down; the node's agent, still connected, is a
+spare again after it; then the node that took its place is SIGKILLed whole, and the benched node takes the place back and the job
+finishes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import EventKind
+from tests.cluster.conftest import cluster_factory, wait_for  # noqa: F401 - the fixture is used by name
+from tests.cluster.test_node_loss import _listening, node_name
+
+# blames a node at its first failure (bad luck 50% < 99%): the swap this test needs, at once
+POLICY = ("from resilient.supervisor.default_policy import DefaultPolicy\n\n"
+          "policy = DefaultPolicy(failures_to_swap=1, luck=0.99, cool_down=1.0)\n")
+
+
+def actions(evs: list, kind: str) -> list[dict]:
+    return [e.details for e in evs if e.kind == EventKind.ACTION and e.details.get("action") == kind]
+
+
+@pytest.mark.timeout(240)
+def test_benched_node_returns_as_a_spare_and_takes_a_place_again(cluster_factory, tmp_path: Path) -> None:
+    (tmp_path / "policy.py").write_text(POLICY)
+    out = tmp_path / "out"
+    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "5", "--node-timeout", "20",
+                                    "--policy", str(tmp_path / "policy.py"), "--inject", "kill-worker:1@3s"])
+    args = ["--steps", "240", "--step-sleep", "0.12", "--out", str(out)]  # 240 x 8 samples: within one epoch
+    a = c.start("a", args)
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
+    nodes = {node_name(n): n for n in (a, c.start("b", args), c.start("spare", args))}
+
+    wait_for(lambda: actions(c.events(), "hot_swap") or a.proc.poll() is not None, 120, "the first swap")
+    (swap,) = actions(c.events(), "hot_swap")
+    benched, taker = swap["action_args"]["node"], swap["action_args"]["spare"]
+    # b and the spare join together: either may hold group rank 1 (killed) and the other wait as the spare
+    assert swap["action_args"]["cool_down"] == 1.0 and nodes[benched] is not a and nodes[taker] is not a, swap
+    benched_node, taker_node = nodes[benched], nodes[taker]
+
+    def back() -> list:
+        return [e for e in c.events() if e.kind == EventKind.NODE_JOINED and e.node == benched
+                and e.details.get("after") == "cool_down"]
+
+    wait_for(lambda: back() or a.proc.poll() is not None, 60, "the benched node to be a spare again")
+    assert back(), a.output()
+    assert benched_node.proc.poll() is None  # its agent waited, warm, the whole time
+
+    taker_node.kill()  # the node that took its place is lost: the benched one, a spare again, takes it back
+    wait_for(lambda: a.proc.poll() is not None and benched_node.proc.poll() is not None, 180, "the job to finish")
+    assert a.proc.returncode == 0 and benched_node.proc.returncode == 0, a.output() + benched_node.output()
+    swaps = [d["action_args"] for d in actions(c.events(), "hot_swap")]
+    assert [(x["node"], x["spare"]) for x in swaps] == [(benched, taker), (taker, benched)], swaps
+    assert swaps[1]["cool_down"] is None  # a lost node needs no bench: it comes back by joining
+    assert (out / "rank0.pt").exists() and (out / "rank1.pt").exists()
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
