@@ -229,44 +229,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def session_procs(sid: int) -> list:
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return out
-
-
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and everything it started (a node lost, or the end of a run): its process tree
     (torchrun starts each worker in a session of its own) and its session (a process whose parent died
     is no longer in the tree)."""
-    import psutil
+    from resilient.testing.procs import kill_sessions
 
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        tree = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    left = tree + session_procs(proc.pid)
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=10)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
+    kill_sessions([proc])
 
 
 def job_proc(rec: dict) -> Any:
