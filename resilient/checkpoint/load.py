@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import crc32c as _crc
+import numpy as np
 import torch
 import xxhash as _xxh
 
@@ -78,9 +79,11 @@ class FileSource:
                 raise OSError(f"{self.path}: short read at {off + got}")
             got += k
 
-    def readv(self, off: int, bufs: list[memoryview]) -> None:
-        """Fill ``bufs`` from the contiguous bytes at ``off``: one system call for many small tensors."""
-        total = sum(len(b) for b in bufs)
+    def readv(self, off: int, bufs: list[memoryview], total: int | None = None) -> None:
+        """Fill ``bufs`` (``total`` bytes, when the caller knows) from the contiguous bytes at ``off``: one
+        system call for many small tensors."""
+        if total is None:
+            total = sum(len(b) for b in bufs)
         got = os.preadv(self._fd, bufs, off) if len(bufs) <= _IOV_MAX else 0
         if got == total:
             return
@@ -169,21 +172,44 @@ class Item:
     target: torch.Tensor
 
 
-@dataclass
 class Span:
-    """A run of file bytes: into ``dst`` (a uint8 view of a target) or, with ``dst`` None, only checked."""
+    """A run of file bytes: into ``dst`` (a uint8 view of a target) or, with ``dst`` None, only checked.
 
-    off: int
-    n: int
-    dst: torch.Tensor | None = None
-    _arr: Any = field(default=None, repr=False, compare=False)
+    Planned once per tensor, so kept cheap: a plain class with slots, and a target's uint8 views (torch for
+    transfers, numpy for local reads) made only when a path asks for one (``target``: the tensor itself)."""
+
+    __slots__ = ("off", "n", "_dst", "_t", "_arr")
+
+    def __init__(self, off: int, n: int, dst: torch.Tensor | None = None, *, target: torch.Tensor | None = None):
+        self.off, self.n, self._dst, self._t, self._arr = off, n, dst, target, None
+
+    @property
+    def takes(self) -> bool:
+        """Do the bytes go into a target (else they are only checked)?"""
+        return self._dst is not None or self._t is not None
+
+    @property
+    def dst(self) -> torch.Tensor | None:
+        if self._dst is None and self._t is not None:
+            self._dst = self._t.detach().view(-1).view(torch.uint8)
+        return self._dst
 
     def array(self) -> Any:
-        """``dst`` as a numpy array (made once: slicing it is far cheaper than slicing the tensor)."""
+        """The target's bytes as a uint8 numpy array (made once: slicing it is far cheaper than slicing a
+        tensor); straight from the tensor when numpy knows its dtype (one call instead of three)."""
         if self._arr is None:
-            assert self.dst is not None
-            self._arr = self.dst.numpy()
+            if self._dst is None and self._t is not None:
+                try:
+                    self._arr = self._t.detach().numpy().reshape(-1).view(np.uint8)
+                except (TypeError, RuntimeError, ValueError):  # bf16 and other dtypes numpy lacks
+                    self._arr = self.dst.numpy()  # type: ignore[union-attr]
+            else:
+                assert self._dst is not None
+                self._arr = self._dst.numpy()
         return self._arr
+
+    def __repr__(self) -> str:
+        return f"Span(off={self.off}, n={self.n}, takes={self.takes})"
 
 
 def blocks_of(entry: FileEntry) -> list[tuple[int, int, int]]:
@@ -337,7 +363,7 @@ def plan_spans(src: Source | None, size: int, items: Sequence[Item],
         if start > pos:
             spans.append(Span(pos, start - pos))
         if nbytes:
-            spans.append(Span(start, nbytes, t.detach().view(-1).view(torch.uint8)))
+            spans.append(Span(start, nbytes, target=t))
         pos = start + nbytes
     if pos < size:
         spans.append(Span(pos, size - pos))
@@ -368,14 +394,16 @@ def _overlapping(spans: Sequence[Span], start: int, end: int, starts: Sequence[i
 
 
 def _block_work(spans: Sequence[Span], start: int, end: int,
-                starts: Sequence[int] | None = None) -> list[tuple[int, int, torch.Tensor | None, int]]:
-    """(file offset, length, destination, offset in destination) pieces of ``[start, end)``, at most PIECE long."""
+                starts: Sequence[int] | None = None) -> list[tuple[int, int, Span | None, int]]:
+    """(file offset, length, span taking the bytes or None, offset in its target) pieces of ``[start, end)``,
+    at most PIECE long."""
     out = []
     for s in _overlapping(spans, start, end, starts):
         a, b = max(s.off, start), min(s.off + s.n, end)
+        take = s if s.takes else None
         while a < b:
             k = min(PIECE, b - a)
-            out.append((a, k, s.dst, a - s.off))
+            out.append((a, k, take, a - s.off))
             a += k
     return out
 
@@ -395,7 +423,7 @@ def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: i
         return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want, h)
     for off, n, dst, doff in _block_work(spans, start, end, starts):
         if dst is not None:
-            view = memoryview(dst[doff:doff + n].numpy())
+            view = memoryview(dst.array()[doff:doff + n])
             src.readinto(off, view)
             if not verified:
                 h.update(view)
@@ -418,7 +446,7 @@ def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: in
     def flush() -> None:
         nonlocal run, run_n, gap_used
         if run:
-            src.readv(run_off, run)
+            src.readv(run_off, run, run_n)
             for v in run:
                 h.update(v)
         run, run_n, gap_used = [], 0, 0
@@ -431,7 +459,7 @@ def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: in
                 flush()
             if not run:
                 run_off = a
-            if s.dst is not None:
+            if s.takes:
                 run.append(memoryview(s.array()[a - s.off:a - s.off + k]))
             else:
                 run.append(gaps[gap_used:gap_used + k])
