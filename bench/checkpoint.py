@@ -2,7 +2,7 @@
 
     python bench/checkpoint.py                    # about 6-8 minutes on 2 cores
     python bench/checkpoint.py --quick            # 32 MB large-tensor state, 2 repetitions
-    python bench/checkpoint.py --only local       # one section (blocking, local, persistent, peer, memory)
+    python bench/checkpoint.py --only local       # one section (blocking, local, persistent, peer, hotswap, memory)
 
 Three states: today's *large* case (a few 16 MiB tensors, ``--mb``, 512 by default), a *GPT*-shaped one
 (7 blocks of width 512 with AdamW moments: 168 fp32 tensors from 2 KiB to 4 MiB, 252 MiB), and the same
@@ -18,6 +18,11 @@ repetition and reported as median [min-max], so one fast or slow baseline run ca
   left from the previous repetition (what a freshly restarted process pays).
 * peer restore (two processes; the one that lost its disk gets every file from its partner over gloo)
   ÷ the same bytes sent over the same gloo pair in 32 MiB pieces.
+* hot-swap restore (``--only hotswap``): a lost node's rank starts on a spare node (a new, empty local
+  tier) in freshly started processes, as after a hot swap (new processes, new gloo group, no warm-up
+  restore), and gets its shards from the partner's replica; ÷ the same bytes sent over that gloo pair
+  right after, in 32 MiB pieces (the baseline's connection is already warm). One pair of processes per
+  repetition.
 * persistent restore (local tier empty, bundled fake-gcs-server) ÷ a raw parallel ranged read of the
   same objects through gcsfs (``cat_ranges``, 8 MiB ranges); a sequential ``cat_file`` per object is
   reported beside it, and the emulator's spread.
@@ -419,6 +424,89 @@ def peer_worker(state_kind: str, mb: int, work: Path, reps: int) -> None:
     dist.destroy_process_group()
 
 
+def bench_hotswap(state_kind: str, mb: int, work: Path, reps: int) -> dict[str, Any]:
+    """A lost node's restore from its partner's replica by a spare node's fresh processes (see the module
+    note), ``reps`` times; each repetition is a new pair of processes."""
+
+    def pair(phase: str, rep: int) -> None:
+        port = free_port()
+        procs = []
+        for r in range(2):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, __file__, "--hotswap-worker", phase, "--mb", str(mb),
+                                           "--work", str(work), "--shape", state_kind, "--reps", str(rep)], env=env))
+        try:
+            for p in procs:
+                if p.wait(900) != 0:
+                    raise RuntimeError(f"hot-swap worker ({phase}) exited {p.returncode}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+    pair("save", 0)
+    shutil.rmtree(work / "node1", ignore_errors=True)  # the node is lost with its disk
+    rows = []
+    for i in range(reps):
+        shutil.rmtree(work / "spare", ignore_errors=True)  # the spare comes with an empty disk
+        pair("restore", i)
+        rows.append(json.loads((work / f"hotswap-{i}.json").read_text()))
+    r, o = [x["raw_gloo_s"] for x in rows], [x["restore_s"] for x in rows]
+    return {"bytes": rows[-1]["bytes"], "tensors": rows[-1]["tensors"], "raw_gloo_s": spread(r),
+            "restore_s": spread(o), "throughput_ratio": paired(r, o), "phases": rows[-1]["phases"],
+            "sources": rows[-1]["sources"]}
+
+
+def hotswap_worker(phase: str, state_kind: str, mb: int, work: Path, rep: int) -> None:
+    import torch.distributed as dist
+
+    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.transfer import CHUNK
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = make_any(state_kind, mb)
+    if phase == "save":
+        ck = CheckpointManager(local=str(work / f"node{rank}"), interval=1)
+        ck.save(0, state)
+        ck.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    # rank 1 runs on the spare node: its own empty local tier; node 0 holds node 1's replica
+    ck = CheckpointManager(local=str(work / ("spare" if rank == 1 else "node0")), interval=1)
+    target = zeros_like(state)  # the model exists before it is restored (allocated and touched)
+    buf = torch.empty(CHUNK, dtype=torch.uint8)
+    dist.barrier()
+    t0 = time.perf_counter()
+    ck.restore(target)
+    took = time.perf_counter() - t0
+    res = ck.last_restore
+    ck.close()
+    nbytes = torch.tensor([res.bytes if (res is not None and rank == 1) else 0])
+    dist.all_reduce(nbytes)  # the bytes the spare restored, sent raw over the same pair right after
+    dist.barrier()
+    t0 = time.perf_counter()
+    left = int(nbytes.item())
+    while left > 0:
+        n = min(CHUNK, left)
+        if rank == 0:
+            dist.send(buf[:n], dst=1)
+        else:
+            dist.recv(buf[:n], src=0)
+        left -= n
+    raw = time.perf_counter() - t0
+    assert same_state(target, state), "hot-swap restore is not bit-exact"
+    if rank == 1:
+        assert res is not None and set(res.sources.values()) == {"peer"}, res
+        (work / f"hotswap-{rep}.json").write_text(json.dumps({
+            "bytes": res.bytes, "tensors": len(flat_tensors(state)), "raw_gloo_s": raw, "restore_s": took,
+            "phases": res.phases, "sources": res.sources}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 class Emulator:
     """The bundled fake-gcs-server on a free port, with a bucket ``bench``."""
 
@@ -577,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions per restore measure")
     ap.add_argument("--compute", type=float, default=0.5, help="simulated forward/backward seconds after save")
-    ap.add_argument("--only", default="blocking,local,persistent,peer,memory",
+    ap.add_argument("--only", default="blocking,local,persistent,peer,hotswap,memory",
                     help="comma-separated sections to run")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     ap.add_argument("--work", default=None)
@@ -586,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save-memory-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hotswap-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     mb = args.mb or (32 if args.quick else 512)
     reps = args.reps or (2 if args.quick else 5)
@@ -598,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_memory_worker:
         save_memory_worker(mb, Path(args.work))
         return 0
+    if args.hotswap_worker:
+        hotswap_worker(args.hotswap_worker, args.shape, mb, Path(args.work), args.reps or 0)
+        return 0
     torch.set_num_threads(2)
     only = set(args.only.split(","))
     saves = args.saves or (3 if args.quick else 5)
@@ -605,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     STATE_MB.update(large=mb, gpt=0, gpt_x10=0)
     results: dict[str, Any] = {"state_mb": mb, "saves": saves, "reps": reps, "compute_s": args.compute,
-                               "cpus": os.cpu_count(), "torch": torch.__version__}
+                               "cpus": os.cpu_count(), "torch": torch.__version__,
+                               "load_average_before": list(os.getloadavg())}
     t_all = time.perf_counter()
     try:
         states = {"large": make_state(mb), "gpt": make_gpt_state(1), "gpt_x10": make_gpt_state(10)}
@@ -627,13 +720,17 @@ def main(argv: list[str] | None = None) -> int:
         if "peer" in only:
             results["restore_peer"] = {k: bench_peer_restore(k, mb, work / f"peer-{k}", max(2, reps - 2))
                                        for k in ("large", "gpt")}
+        if "hotswap" in only:
+            results["restore_hotswap"] = {k: bench_hotswap(k, mb, work / f"hotswap-{k}", max(2, reps - 2))
+                                          for k in ("large", "gpt")}
         if "memory" in only:
             results["memory"] = bench_memory(mb, work)
         results["bench_seconds"] = time.perf_counter() - t_all
+        results["load_average_after"] = list(os.getloadavg())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     goals = {"default_vs_copy": 1.2, "overlap_vs_dcp_save": 0.02, "local": 0.8, "x10_time": 1.2, "peer": 0.7,
-             "persistent": 0.8, "memory": 2.1, "restore_memory_extra": 0.1}
+             "persistent": 0.8, "memory": 2.1, "restore_memory_extra": 0.1, "hotswap": 0.7}
     results["goals"] = goals
     rows = []
     if "blocking" in results:
@@ -658,6 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.get("restore_peer", {}).items():
         rows.append((f"restore peer / raw gloo, {label[name]}", f"{r['restore_s']['median']:.3f} s",
                      fmt(r["throughput_ratio"]), f">= {goals['peer']}"))
+    for name, r in results.get("restore_hotswap", {}).items():
+        rows.append((f"hot-swap restore (spare, fresh processes) / raw gloo, {label[name]}",
+                     f"{r['restore_s']['median']:.3f} s", fmt(r["throughput_ratio"]), f">= {goals['hotswap']}"))
     for name, r in results.get("restore_persistent", {}).items():
         if name in label:
             rows.append((f"restore persistent / parallel gcsfs, {label[name]}", f"{r['restore_s']['median']:.3f} s",
@@ -682,8 +782,9 @@ def main(argv: list[str] | None = None) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"checkpoint benchmark, {os.cpu_count()} CPUs; ratios: median (min-max) of {reps} "
-                            "interleaved repetitions")
+        la = results.get("load_average_before", [0.0])[0], results.get("load_average_after", [0.0])[0]
+        table = Table(title=f"checkpoint benchmark, {os.cpu_count()} CPUs, load average {la[0]:.1f} before, "
+                            f"{la[1]:.1f} after; ratios: median (min-max) of {reps} interleaved repetitions")
         for c in ("measure", "time", "ratio", "goal"):
             table.add_column(c)
         for r in rows:
