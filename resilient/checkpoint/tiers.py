@@ -308,6 +308,20 @@ class DirTier:
     def read_bytes(self, step: int, name: str) -> bytes:
         return (self.path(step) / name).read_bytes()
 
+    can_compose = True
+
+    def compose(self, step: int, name: str, parts: list[str], nbytes: int = 0) -> None:
+        """``name`` made of ``parts`` (files of the step) in order, appearing whole (tmp + rename)."""
+        d = self.path(step)
+        tmp = d / f".{name}.tmp"
+        with open(tmp, "wb") as out:
+            for p in parts:
+                with open(d / p, "rb") as f:
+                    shutil.copyfileobj(f, out, _CHUNK)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, d / name)
+
     def read_range(self, step: int, name: str, offset: int, n: int) -> bytes:
         with open(self.path(step) / name, "rb") as f:
             f.seek(offset)
@@ -425,6 +439,15 @@ class FsspecTier:
     def read_bytes(self, step: int, name: str) -> bytes:
         return self.fs.cat_file(self._p(step, name))
 
+    @property
+    def can_compose(self) -> bool:
+        """Can the store make one object of several (GCS compose, S3 multipart copy: ``fs.merge``)?"""
+        return callable(getattr(self.fs, "merge", None))
+
+    def compose(self, step: int, name: str, parts: list[str], nbytes: int = 0) -> None:
+        """``name`` made of ``parts`` (objects of the step) in order, by the store itself (GCS: at most 32)."""
+        self.fs.merge(self._p(step, name), [self._p(step, p) for p in parts])
+
     def read_range(self, step: int, name: str, offset: int, n: int) -> bytes:
         return self.fs.cat_file(self._p(step, name), start=offset, end=offset + n)
 
@@ -539,6 +562,14 @@ class BoundedTier:
 
     def delete_file(self, step: int, name: str) -> None:
         self._call(f"delete_file({step}, {name!r})", lambda: self.inner.delete_file(step, name))
+
+    @property
+    def can_compose(self) -> bool:
+        return bool(getattr(self.inner, "can_compose", False))
+
+    def compose(self, step: int, name: str, parts: list[str], nbytes: int = 0) -> None:
+        self._call(f"compose({step}, {name!r})", lambda: self.inner.compose(step, name, parts),  # type: ignore
+                   nbytes)
 
     def delete_step(self, step: int) -> None:
         self._call(f"delete_step({step})", lambda: self.inner.delete_step(step))

@@ -1,5 +1,12 @@
 """Uploads to the persistent tier: one thread copies committed local steps (or in-memory copies of steps the
-local tier could not hold) to the store on a gloo group of its own, newest requested step first."""
+local tier could not hold) to the store on a gloo group of its own, newest requested step first.
+
+Plain files travel like compressed ones (``compress.py``): in part objects of one request each, two at a
+time. A file of one part goes up under its own name; a larger one goes up as hidden parts that the store then
+composes into the file (GCS compose: no byte travels twice), where the store can (else one resumable upload).
+Either way a file appears whole or not at all, and the step stays invisible until rank 0 commits it after
+every rank's files landed.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +14,21 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, CheckpointError, CorruptFileError, Manifest,
                                       TierName)
 from resilient.checkpoint.context import FAILURES, Component, Context
 from resilient.checkpoint.context import one_line as _one_line
-from resilient.checkpoint.tiers import DirTier, manifest_name, read_manifest, retry, verify_bytes, verify_file
+from resilient.checkpoint.tiers import DirTier, manifest_name, map_verified, read_manifest, retry, verify_bytes
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)
+
+_COMPOSE_MAX = 32  # parts one GCS compose request takes
 
 
 class Uploader(Component):
@@ -121,7 +133,9 @@ class Uploader(Component):
 
         cfg = self.config
         t0 = time.perf_counter()
-        # collective, so before any call to the store (a rank stuck on a dead store must not hold others in it)
+        # collective (every rank takes part): it agrees on compressing before any call to the store, and the
+        # coded parts it sends are bounded in time, so a rank stuck on a dead store holds the others in its
+        # later gathers no longer than that bound
         coded = compress.prepare_upload(self, step, src, group) if mem is None else None
         ok, error, nbytes = True, None, compress.sent_bytes(coded)  # parts prepare_upload already sent
         try:
@@ -143,23 +157,19 @@ class Uploader(Component):
             names = list(m.files) + [manifest_name(self.rank)]
             if self.rank == 0:
                 names.append(DCP_METADATA)
-            for n in names:
-                fe = m.all_files().get(n)
-                if mem is not None:
+            if mem is not None:
+                for n in names:
+                    fe = m.all_files().get(n)
                     data = mem[n]
                     if fe is not None:
                         verify_bytes(data, fe, what=f"{n} of step {step} in memory")
-                    put = (lambda n=n, data=data: self.persistent.write_bytes(step, n, data))  # type: ignore
-                    size = len(data)
-                else:
-                    if fe is not None:
-                        verify_file(d / n, fe)  # never upload a copy that rotted on the local disk
-                    put = (lambda n=n: self.persistent.put_file(step, n, str(d / n)))  # type: ignore
-                    size = (d / n).stat().st_size
-                retry(put, what=f"upload {n} of step {step}", retries=cfg.upload_retries,
-                      backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
-                      should_stop=lambda: self._give_up(step))
-                nbytes += size
+                    retry(lambda n=n, data=data: self.persistent.write_bytes(step, n, data),  # type: ignore
+                          what=f"upload {n} of step {step}", retries=cfg.upload_retries,
+                          backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
+                          should_stop=lambda: self._give_up(step))
+                    nbytes += len(data)
+            else:
+                nbytes += self._send_plain(step, Path(d), names, m)
             compress.observe_upload(self, nbytes, time.perf_counter() - t_put)
         except FAILURES as e:
             ok, error = False, e
@@ -192,6 +202,82 @@ class Uploader(Component):
         if not ok:
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
                        error=_one_line(error) if not isinstance(error, CheckpointError) else str(error))
+
+    def _send_plain(self, step: int, d: Path, names: list[str], m: Manifest) -> int:
+        """Send the files ``names`` of ``d`` to ``step`` of the persistent tier over the transport coded steps
+        use (see the module note); each verified against ``m`` first (a copy that rotted on the local disk is
+        never uploaded). Returns the bytes sent; raises when a file did not land."""
+        from resilient.checkpoint import compress
+
+        tier, cfg = self.persistent, self.config
+        assert tier is not None
+        stop = (lambda: self._give_up(step))
+        dest = compress.TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                                 backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)
+        can_compose = bool(getattr(tier, "can_compose", False))
+        expected = m.all_files()
+        composed: list[tuple[str, list[str], int]] = []  # (file, its parts, bytes): made once the parts landed
+        sent: list[tuple[str, int, Future[Any]]] = []
+        total = 0
+
+        def wait_all() -> None:
+            try:
+                for n, size, fut in sent:
+                    try:
+                        fut.result(timeout=dest.deadline(size))
+                    except FutureTimeout:
+                        if fut.done():
+                            raise  # the upload's own timeout (builtin TimeoutError is the futures' one)
+                        raise TimeoutError(f"upload of {n} of step {step} got no answer in time "
+                                           "(is the store reachable?)") from None
+            finally:
+                for _, _, fut in sent:
+                    fut.cancel()
+
+        # the data files first, then the manifest and .metadata one at a time (small: nothing to gain from
+        # two at once, and a dead store is given up on after one of them): a manifest lists files there
+        batches = [[n for n in names if n in m.files], [n for n in names if n not in m.files]]
+        with ThreadPoolExecutor(compress.SENDERS, thread_name_prefix="resilient-ckpt-send") as ex:
+            for batch in batches:
+                sent.clear()
+                composed.clear()
+                for n in batch:
+                    fe = expected.get(n)
+                    data: Any = map_verified(d / n, fe) if fe is not None else (d / n).read_bytes()
+                    mv = memoryview(data).cast("B") if len(data) else memoryview(b"")
+                    size = len(mv)
+                    total += size
+                    psize = compress.part_size(size)
+                    if size <= psize:
+                        sent.append((n, size, ex.submit(dest.put, n, mv)))
+                        if n not in m.files:
+                            wait_all()
+                            sent.clear()
+                    elif can_compose:
+                        psize = max(psize, -(-size // _COMPOSE_MAX))
+                        parts = [f".{n}.up{i}" for i in range(-(-size // psize))]
+                        for i, p in enumerate(parts):
+                            piece = mv[i * psize:(i + 1) * psize]
+                            sent.append((p, len(piece), ex.submit(dest.put, p, piece)))
+                        composed.append((n, parts, size))
+                    else:
+                        path = str(d / n)
+                        sent.append((n, size, ex.submit(
+                            retry, lambda path=path, n=n: tier.put_file(step, n, path),
+                            what=f"upload {n} of step {step}", retries=cfg.upload_retries,
+                            backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)))
+                wait_all()
+                for n, parts, size in composed:
+                    retry(lambda n=n, parts=parts, size=size: tier.compose(step, n, parts, size),  # type: ignore
+                          what=f"compose {n} of step {step}", retries=cfg.upload_retries,
+                          backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)
+                for _, parts, _ in composed:
+                    for p in parts:  # the parts are copies now; one left behind goes with the step's retention
+                        try:
+                            tier.delete_file(step, p)
+                        except FAILURES as e:
+                            logger.debug("step %d: deleting part %s failed: %s", step, p, e)
+        return total
 
     def _newer_pending(self, step: int) -> int | None:
         """A later step queued for upload on this rank, if any."""

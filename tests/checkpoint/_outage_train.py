@@ -39,17 +39,25 @@ def _install() -> None:
     if hold >= 0 and rank == 0:
         from resilient.checkpoint import tiers
 
-        orig_put = tiers.FsspecTier.put_file
+        orig_put, orig_write = tiers.FsspecTier.put_file, tiers.FsspecTier.write_bytes
         held: list[bool] = []
 
-        def put_file(self, step, name, local_path):  # type: ignore[no-untyped-def]
-            orig_put(self, step, name, local_path)
+        def after(self, step, name):  # type: ignore[no-untyped-def]
             if step == hold and self.name == "persistent" and name.endswith(".distcp") and not held:
                 held.append(True)
                 (DRILL / "upload-in-flight").touch()
                 _wait_for("store-killed")
 
+        def put_file(self, step, name, local_path):  # type: ignore[no-untyped-def]
+            orig_put(self, step, name, local_path)
+            after(self, step, name)
+
+        def write_bytes(self, step, name, data):  # type: ignore[no-untyped-def]
+            orig_write(self, step, name, data)  # a file of one part goes up in one request
+            after(self, step, name)
+
         tiers.FsspecTier.put_file = put_file  # type: ignore[method-assign]
+        tiers.FsspecTier.write_bytes = write_bytes  # type: ignore[method-assign]
     gates = {int(g): f for g, f in (x.split(":") for x in os.environ.get("DRILL_GATES", "").split(",") if x)}
     if gates:
         from resilient.checkpoint.manager import CheckpointManager

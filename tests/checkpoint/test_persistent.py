@@ -93,15 +93,15 @@ def test_store_outage_mid_upload_never_blocks_training(tmp_path: Path, gcs: GCS,
     url = f"gs://ckpt/{tmp_path.name}"
     outage = threading.Event()
     back = threading.Event()
-    orig_put = tiers.FsspecTier.put_file
+    orig_write = tiers.FsspecTier.write_bytes
 
-    def put(self, step, name, local_path):  # type: ignore[no-untyped-def]
-        orig_put(self, step, name, local_path)
+    def write(self, step, name, data):  # type: ignore[no-untyped-def]
+        orig_write(self, step, name, data)  # plain files of one part go up in one request each
         if step == 1 and not outage.is_set():
             outage.set()
             gcs.stop()  # the store goes away in the middle of this step's upload
 
-    monkeypatch.setattr(tiers.FsspecTier, "put_file", put)
+    monkeypatch.setattr(tiers.FsspecTier, "write_bytes", write)
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=2,
                            upload_retries=30, upload_backoff_s=0.1, upload_backoff_max_s=0.5)
     blocking = []
@@ -142,6 +142,7 @@ def test_dead_store_gives_up_and_reports(tmp_path: Path, monkeypatch: pytest.Mon
         raise OSError("store unreachable")
 
     monkeypatch.setattr(tiers.FsspecTier, "put_file", broken)
+    monkeypatch.setattr(tiers.FsspecTier, "write_bytes", broken)  # files of one part: one request each
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
                            upload_retries=2, upload_backoff_s=0.01)
     ck.save(0, state(1.0))
@@ -151,3 +152,52 @@ def test_dead_store_gives_up_and_reports(tmp_path: Path, monkeypatch: pytest.Mon
     failed = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_FAILED]
     assert failed and failed[0].details["tier"] == "persistent" and "unreachable" in failed[0].details["error"]
     assert ck.local is not None and ck.local.steps() == {0: True, 1: True}
+
+
+@pytest.mark.timeout(90)
+def test_plain_file_larger_than_a_part_goes_up_in_parts_composed_by_gcs(tmp_path: Path, gcs: GCS) -> None:
+    """A plain data file of several parts: each part one request, then one object made by the store; the
+    bucket's copy is byte-identical to the local one, no part is left behind, and a plain DCP read takes it."""
+    import gcsfs
+
+    from resilient.checkpoint.compress import part_size
+
+    gcs.make_bucket("parts")
+    url = f"gs://parts/{tmp_path.name}"
+    w = torch.randn(10 << 18)  # 10 MiB: three parts
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck.save(0, {"w": w})
+    assert ck.wait(60)
+    ck.close()
+    local = (tmp_path / "local" / "step_00000000" / "__0_0.distcp").read_bytes()
+    assert len(local) > part_size(len(local))  # more than one part
+    fs = gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)
+    root = f"parts/{tmp_path.name}/step_00000000"
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    assert "COMMITTED" in names and not [n for n in names if ".up" in n], names
+    assert fs.cat_file(f"{root}/__0_0.distcp") == local
+    target = {"w": torch.zeros_like(w)}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    dcp.load(target, storage_reader=FsspecReader(f"{url}/step_00000000", token="anon", endpoint_url=gcs.url),
+             no_dist=True)
+    assert torch.equal(target["w"], w)
+
+
+@pytest.mark.timeout(60)
+def test_a_file_that_cannot_be_composed_leaves_the_step_uncommitted(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every part of the data file lands, but the file cannot be made of them (a directory is in its place):
+    the upload is reported failed and the step is never committed on the persistent tier."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    (tmp_path / "bucket" / "step_00000000" / "__0_0.distcp").mkdir(parents=True)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=str(tmp_path / "bucket"), interval=1,
+                           persistent_every=1, upload_retries=0)
+    ck.save(0, {"w": torch.randn(10 << 18)})
+    assert ck.wait(30)
+    ck.close()
+    assert ck.persistent is not None and ck.persistent.steps() == {0: False}
+    assert [p.name for p in (tmp_path / "bucket" / "step_00000000").glob(".__0_0.distcp.up*")]  # parts landed
+    failed = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_FAILED]
+    assert [(e.details["tier"], e.details["step"]) for e in failed] == [("persistent", 0)], failed
+    assert "compose" in failed[0].details["error"] or "directory" in failed[0].details["error"], failed[0].details

@@ -176,13 +176,17 @@ def test_step_uploaded_again_is_not_complete_while_its_files_are_replaced(tmp_pa
     assert marker.exists()
     seen: list[tuple[str, bool]] = []
     inner = ck.persistent.inner  # type: ignore[union-attr]
-    orig_put = inner.put_file
+    orig_put, orig_write = inner.put_file, inner.write_bytes
 
     def put_file(step: int, name: str, local_path: str) -> None:  # observes; the upload itself is real
         seen.append((name, marker.exists()))
         orig_put(step, name, local_path)
 
-    inner.put_file = put_file
+    def write_bytes(step: int, name: str, data: bytes) -> None:  # files of one part: one request each
+        seen.append((name, marker.exists()))
+        orig_write(step, name, data)
+
+    inner.put_file, inner.write_bytes = put_file, write_bytes
     ck.save(5, {"w": torch.ones(1000)}, force=True)
     assert ck.wait(30)
     ck.close()
