@@ -32,6 +32,7 @@ started is SIGKILLed), the GCS server is stopped, and no process the demo starte
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import re
@@ -499,6 +500,8 @@ def main() -> int:
         args.faults = parse_inject(args.inject, args.seed, world_size=2, nnodes=2)
     except FaultSpecError as e:
         return _bad(f"{e}")
+    # SIGUSR1 prints every thread's stack: where a demo that seems stuck is waiting
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # the default action of SIGTERM/SIGHUP ends this process at once and orphans the agents and the GCS server
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stopped)

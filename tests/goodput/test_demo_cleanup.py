@@ -15,18 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from resilient.testing.procs import session_procs
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def session_members(sid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return out
 
 
 def ledger(run_dir: Path) -> list[dict]:
@@ -68,16 +59,26 @@ def test_demo_stopped_by_a_signal_leaves_nothing_running(tmp_path, sig):
         # and the supervisor's: the demo's child that leads a session of its own and is no node
         sessions |= {c.pid for c in psutil.Process(demo.pid).children() if os.getsid(c.pid) == c.pid}
         assert len(sessions) == 5, sessions
-        members = [p for sid in sessions for p in session_members(sid)]
+        members = [p for sid in sessions for p in session_procs(sid)]
         # the demo, each agent and its fork server, the two workers
         assert len(members) >= 8, members
         demo.send_signal(sig)
-        _, err = demo.communicate(timeout=90)
+        # its clean-up is bounded (agents get --term-timeout + 15 s, then every session is SIGKILLed): far less
+        try:
+            _, err = demo.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            demo.send_signal(signal.SIGUSR1)  # the demo prints every thread's stack: where it waits
+            try:
+                _, err = demo.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                err = b"(no stack printed)"
+            raise AssertionError("the demo did not finish its clean-up within 150 s of the signal:\n"
+                                 + err.decode(errors="replace")[-6000:])
         assert demo.returncode == 128 + sig, err.decode(errors="replace")
         left = [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        left += [p for sid in sessions for p in session_members(sid)]
+        left += [p for sid in sessions for p in session_procs(sid)]
         assert not left, [(p.pid, p.name()) for p in left]
     finally:
         for sid in sessions:
-            for p in session_members(sid):
+            for p in session_procs(sid):
                 p.kill()
