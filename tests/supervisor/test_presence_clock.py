@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from resilient.supervisor import transport as T
+from resilient.testing.faults import wait_for
 
 
 @pytest.fixture
@@ -42,7 +43,8 @@ def test_agent_learns_its_clock_offset_on_connect(server):
         assert sample is not None
         assert 0 <= sample.rtt < 5
         assert abs(sample.offset) <= sample.rtt / 2 + 0.01  # one host, one clock: zero within the error
-        assert seen == ["node-a"]
+        # the clock reply leaves inside poll(), before the loop records the hello: wait for the record
+        wait_for(lambda: seen == ["node-a"], 10, f"the server to record the hello (seen: {seen})")
     finally:
         conn.close()
 
