@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # make demo DEMO_FLAGS=--gcs: the persistent tier on the bundled GCS server; --quick, --seed N, --steps N
 DEMO_FLAGS ?=
