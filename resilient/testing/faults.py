@@ -348,6 +348,14 @@ def _arm_mid_upload(f: WorkerFault) -> None:
                 _die(f.how, f.rank, f.step)
 
         cls.put_file = put  # type: ignore[method-assign]
+        orig_write = cls.write_bytes
+
+        def write(self, s, name, data, _orig=orig_write):  # type: ignore[no-untyped-def]
+            _orig(self, s, name, data)  # plain files of one part go up in one request each
+            if s == f.step and self.name == "persistent":
+                _die(f.how, f.rank, f.step)
+
+        cls.write_bytes = write  # type: ignore[method-assign]
 
 
 def after_save(step: int, manager: object) -> None:
