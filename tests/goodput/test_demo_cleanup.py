@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from resilient.testing.faults import wait_for
 from resilient.testing.procs import session_procs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,14 +45,19 @@ def agent_sessions(run_dir: Path) -> set[int]:
 def test_demo_stopped_by_a_signal_leaves_nothing_running(tmp_path, sig):
     run = tmp_path / "run"
     steps = ["--steps", "4000", "--inject", "kill-node:1@500s"]  # no fault before the stop
+    # stderr to a file, not a pipe: a process that outlives the demo holding the pipe must not block the test (it
+    # is looked for below, by session)
+    err_path = tmp_path / "demo.err"
+    errf = open(err_path, "wb")
     demo = subprocess.Popen([sys.executable, str(ROOT / "examples" / "demo.py"), *steps, "--run-dir", str(run)],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
+    errf.close()
     sessions = {demo.pid}
     try:
         deadline = time.monotonic() + 200
         while not (trained(run) and len(agent_sessions(run)) == 3):
-            assert demo.poll() is None, demo.stderr.read().decode(errors="replace")
+            assert demo.poll() is None, err_path.read_text(errors="replace")
             assert time.monotonic() < deadline, "the demo never got to training"
             time.sleep(0.1)
         sessions |= agent_sessions(run)
@@ -65,19 +71,28 @@ def test_demo_stopped_by_a_signal_leaves_nothing_running(tmp_path, sig):
         demo.send_signal(sig)
         # its clean-up is bounded (agents get --term-timeout + 15 s, then every session is SIGKILLed): far less
         try:
-            _, err = demo.communicate(timeout=150)
+            demo.wait(timeout=150)
         except subprocess.TimeoutExpired:
+            alive = [(p.pid, p.name(), " ".join(p.cmdline())[:120]) for sid in sessions for p in session_procs(sid)]
             demo.send_signal(signal.SIGUSR1)  # the demo prints every thread's stack: where it waits
-            try:
-                _, err = demo.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                err = b"(no stack printed)"
-            raise AssertionError("the demo did not finish its clean-up within 150 s of the signal:\n"
-                                 + err.decode(errors="replace")[-6000:])
+            wait_for(lambda: "most recent call first" in err_path.read_text(errors="replace"), 10,
+                     "the demo's stacks")
+            raise AssertionError(f"the demo did not finish its clean-up within 150 s of the signal (alive in its "
+                                 f"sessions: {alive}):\n" + err_path.read_text(errors="replace")[-6000:])
+        err = err_path.read_bytes()
         assert demo.returncode == 128 + sig, err.decode(errors="replace")
         left = [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         left += [p for sid in sessions for p in session_procs(sid)]
         assert not left, [(p.pid, p.name()) for p in left]
+        # nothing anywhere still holds the demo's stderr (a child that inherited it and left its sessions)
+        holders = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if any(f.path == str(err_path) for f in p.open_files()):
+                    holders.append((p.pid, p.name(), " ".join(p.cmdline())[:160]))
+            except psutil.Error:
+                pass
+        assert not holders, holders
     finally:
         for sid in sessions:
             for p in session_procs(sid):
