@@ -505,6 +505,9 @@ def main() -> int:
     # the default action of SIGTERM/SIGHUP ends this process at once and orphans the agents and the GCS server
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stopped)
+    # Ctrl-C even when started with SIGINT ignored (a background job of a shell, or a parent that ignores it):
+    # Python installs its own handler only over the default, and an ignored SIGINT would leave the demo running
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     run_dir = Path(args.run_dir or ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     if run_dir.exists() and not run_dir.is_dir():
