@@ -35,6 +35,8 @@ def steps_in(run: Path) -> list[int]:
     """Steps recorded (completed) since the last run start."""
     evs = list(read_events(run))
     starts = [i for i, e in enumerate(evs) if e.kind == EventKind.RUN_START]
+    if not starts:  # the ledger exists before its first line is written
+        return []
     return [e.details["step"] for e in evs[starts[-1]:] if e.kind == EventKind.STEP]
 
 
