@@ -347,20 +347,8 @@ def free_port() -> int:
 
 def bench_peer_restore(state_kind: str, mb: int, work: Path, reps: int) -> dict[str, Any]:
     port = free_port()
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
-                   LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--peer-worker", "--mb", str(mb),
-                                       "--work", str(work), "--shape", state_kind, "--reps", str(reps)], env=env))
-    try:
-        for p in procs:
-            if p.wait(900) != 0:
-                raise RuntimeError(f"peer worker exited {p.returncode}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    _run_pair(port, ["--peer-worker", "--mb", str(mb), "--work", str(work), "--shape", state_kind, "--reps", str(reps)],
+              "peer worker")
     return json.loads((work / "peer.json").read_text())
 
 
@@ -424,26 +412,30 @@ def peer_worker(state_kind: str, mb: int, work: Path, reps: int) -> None:
     dist.destroy_process_group()
 
 
+def _run_pair(port: int, args: list[str], what: str) -> None:
+    """This script's worker mode ``args`` as ranks 0 and 1 of a gloo group on ``port``; raises if either fails."""
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, *args], env=env))
+    try:
+        for p in procs:
+            if p.wait(900) != 0:
+                raise RuntimeError(f"{what} exited {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def bench_hotswap(state_kind: str, mb: int, work: Path, reps: int) -> dict[str, Any]:
     """A lost node's restore from its partner's replica by a spare node's fresh processes (see the module
     note), ``reps`` times; each repetition is a new pair of processes."""
 
     def pair(phase: str, rep: int) -> None:
-        port = free_port()
-        procs = []
-        for r in range(2):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
-                       LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--hotswap-worker", phase, "--mb", str(mb),
-                                           "--work", str(work), "--shape", state_kind, "--reps", str(rep)], env=env))
-        try:
-            for p in procs:
-                if p.wait(900) != 0:
-                    raise RuntimeError(f"hot-swap worker ({phase}) exited {p.returncode}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        _run_pair(free_port(), ["--hotswap-worker", phase, "--mb", str(mb), "--work", str(work), "--shape", state_kind,
+                                "--reps", str(rep)], f"hot-swap worker ({phase})")
 
     pair("save", 0)
     shutil.rmtree(work / "node1", ignore_errors=True)  # the node is lost with its disk
