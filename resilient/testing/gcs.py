@@ -5,11 +5,15 @@ can take the store down mid-upload and bring it back)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+
+_OBJECT_XATTR = "user.metadata"  # where fake-gcs-server's filesystem backend keeps an object's metadata
 
 
 def free_port() -> int:
@@ -30,6 +34,7 @@ class LocalGCS:
 
     def start(self, timeout: float = 15.0) -> "LocalGCS":
         self.root.mkdir(parents=True, exist_ok=True)
+        self.drop_cut_uploads()
         self.proc = subprocess.Popen(
             [str(self.binary), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
              "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url],
@@ -52,6 +57,26 @@ class LocalGCS:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+    def drop_cut_uploads(self) -> list[Path]:
+        """Remove what a SIGKILLed server left of the writes it was doing; returns the files removed.
+
+        The filesystem backend writes each object to a hidden temporary file beside it, renamed into place
+        (with its metadata in the ``user.metadata`` attribute) when complete. A kill mid-write leaves that
+        file behind, and the restarted server then answers every listing of its prefix with 404: on real GCS
+        an upload cut short simply never becomes an object, which is what this restores. Only files without
+        the attribute are removed, so an object named ``.metadata`` stays."""
+        removed: list[Path] = []
+        for f in self.root.rglob("*"):
+            if not f.is_file() or f.parent == self.root:  # top level: the buckets' own metadata files
+                continue
+            try:
+                if _OBJECT_XATTR not in os.listxattr(f):
+                    f.unlink()
+                    removed.append(f)
+            except OSError:  # vanished meanwhile, or no xattrs on this filesystem: leave it
+                continue
+        return removed
 
     def env(self) -> dict[str, str]:
         """What gcsfs needs to talk to this server (set before gcsfs is imported)."""
