@@ -378,7 +378,9 @@ def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
     t0 = time.monotonic()
     deadline = t0 + timeout
     while True:
-        held = [ctx for ctx in _backward_contexts if sys.getrefcount(ctx) > 3]  # list, loop variable, argument
+        # a count, not a list of the held contexts: such a list, alive during the next pass, would itself be
+        # the reference that pass finds (every exit that found a context held once then waited the full time)
+        held = sum(1 for ctx in _backward_contexts if sys.getrefcount(ctx) > 3)  # list, loop variable, argument
         if not held:
             _backward_contexts.clear()
             if time.monotonic() - t0 > 1.0:  # a starved communication thread: worth knowing why an exit was slow
@@ -387,7 +389,7 @@ def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
             return True
         if time.monotonic() > deadline:
             logger.warning("%d finished backward pass(es) still referenced by communication threads after %.1fs",
-                           len(held), timeout)
+                           held, timeout)
             return False
         time.sleep(0.002)
 

@@ -358,6 +358,23 @@ def _arm_mid_upload(f: WorkerFault) -> None:
         cls.write_bytes = write  # type: ignore[method-assign]
 
 
+_COMMIT_WAIT_S = 60.0
+
+
+def _wait_committed(manager: object, step: int) -> None:
+    """Until ``step`` is complete on every tier that holds any of it. ``wait()`` returns once this rank's part
+    is done; the commit marker is written after that by another rank (local rank 0 on its node, rank 0 on
+    the persistent tier), and killing this rank first may kill that one before it writes (seen under load:
+    a kill-after-save whose step then restored as incomplete). Bounded: a failed upload never commits."""
+    tiers = [getattr(manager, "local", None), getattr(manager, "persistent", None)]
+    for tier in [t for t in tiers if t is not None]:
+        try:
+            wait_for(lambda t=tier: t.steps().get(step) is not False, _COMMIT_WAIT_S,
+                     f"step {step} committed on the {tier.name} tier", interval=0.01)
+        except AssertionError as e:  # the fault still happens: what a test then sees is the real outcome
+            logger.warning("fault at step %d: %s", step, e)
+
+
 def after_save(step: int, manager: object) -> None:
     """Call after each ``manager.save(step, ...)``: carries out this rank's kill-after-save and lose-disk
     faults of ``step`` (once the save is complete), and holds training at a planned mid-upload step until
@@ -366,6 +383,7 @@ def after_save(step: int, manager: object) -> None:
         if f.step != step:
             continue
         manager.wait()  # type: ignore[attr-defined]
+        _wait_committed(manager, step)
         if f.how == FaultHow.LOSE_DISK:
             local = getattr(manager, "local", None)
             if local is not None:
