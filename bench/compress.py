@@ -14,7 +14,8 @@ with AdamW on the shipped corpus for ``--steps`` steps, then measures, on its we
   fake-gcs-server) with ``--ckpt-compress none`` against ``bgzstd``, interleaved per repetition in the
   same run; the time is the manager's own (``ckpt_tier_done`` of the persistent tier: decide, code, send,
   commit). The compressed path codes and sends at once, in part objects of one request each; the plain
-  path is the uploader's ``put_file`` (gcsfs: a resumable upload from 5 MB on);
+  path sends each file as one request, or a larger one as parts two at a time joined by GCS compose (the
+  same transport; README figures taken before plain uploads moved to it used a resumable ``put_file``);
 * the same data files sent over the same transport (parts of one request, two at a time) plain and coded,
   so that the gain of compression itself is told apart from that of the transport;
 * the load average before and after each repetition (2 shared cores: the emulator, gcsfs and the codec
