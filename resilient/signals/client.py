@@ -321,10 +321,12 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 # The second exit hazard is torch's: every backward stashes a Python ``contextvars.Context`` in the
 # thread-local state, and each gloo work enqueued during it (DDP's bucket allreduces) copies that state.
 # The work is destroyed on gloo's thread after it completes, and that releases the context: the same GIL
-# grab, the same abort if the interpreter is already finalising. So the last backwards' contexts are kept,
-# and at exit (before finalisation) we wait, bounded, until no C++ copy holds them any more.
+# grab, the same abort if the interpreter is already finalising (a core dump shows it: ~AsyncAllreduceWork
+# on gloo's runLoop → ~ThreadLocalState → SafePyObject decref → take_gil → pthread_exit → std::terminate,
+# while the main thread is in Py_FinalizeEx). So every backward's context is kept for as long as a C++ copy
+# holds it (a starved gloo thread may destroy a work several backward passes late: keeping only the last
+# two let about one exit in 1,500 abort), and at exit, before finalisation, we wait, bounded, until none does.
 _backward_contexts: list[Any] = []
-_KEEP_CONTEXTS = 2
 _EXIT_DRAIN_TIMEOUT = 5.0
 _drain_registered = False
 _bw_queued = False  # one end-of-backward callback per backward pass
@@ -360,8 +362,11 @@ def _remember_context(torch: Any) -> None:
         return
     if ctx is None:
         return
-    _backward_contexts.append(ctx)
-    del _backward_contexts[:-_KEEP_CONTEXTS]
+    if any(c is ctx for c in _backward_contexts):
+        return  # the same backward, seen again (a second entry would count as a holder of the first)
+    # drop the contexts no C++ copy holds any more (referenced only by the list slot and the argument)
+    _backward_contexts[:] = [_backward_contexts[i] for i in range(len(_backward_contexts))
+                             if sys.getrefcount(_backward_contexts[i]) > 2] + [ctx]
     if not _drain_registered:
         _drain_registered = True
         import atexit

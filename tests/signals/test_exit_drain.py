@@ -55,3 +55,31 @@ def test_drain_reports_a_context_held_past_the_timeout() -> None:
     finally:
         client._backward_contexts.clear()
         keep.clear()
+
+
+def test_every_backward_context_a_thread_still_holds_is_kept_until_released() -> None:
+    """A starved gloo thread may destroy a work (and so release its backward's context) several backward passes
+    late; keeping only the newest contexts let such an exit abort (caught in a core dump). Real contexts,
+    stashed where torch's backward puts them; released ones are dropped, held ones kept whatever their age."""
+    import torch
+
+    client._backward_contexts.clear()
+    held_by_thread: list[object] = []
+    try:
+        for i in range(5):
+            ctx = contextvars.copy_context()
+            if i == 0:
+                held_by_thread.append(ctx)  # the oldest backward's work not yet destroyed
+            torch._C._stash_obj_in_tls("context", ctx)
+            client._remember_context(torch)
+            client._remember_context(torch)  # seen twice in one backward: one entry
+            torch._C._remove_obj_from_tls("context")
+            del ctx
+        kept = list(client._backward_contexts)
+        assert len(kept) == 2 and kept[0] is held_by_thread[0], kept  # the held oldest one and the newest
+        del kept
+        assert client.drain_backward_state(timeout=0.1) is False  # the oldest is still held
+        held_by_thread.clear()
+        assert client.drain_backward_state(timeout=30.0) is True
+    finally:
+        client._backward_contexts.clear()
