@@ -325,7 +325,7 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 # on gloo's runLoop → ~ThreadLocalState → SafePyObject decref → take_gil → pthread_exit → std::terminate,
 # while the main thread is in Py_FinalizeEx). So every backward's context is kept for as long as a C++ copy
 # holds it (a starved gloo thread may destroy a work several backward passes late: keeping only the last
-# two let about one exit in 1,500 abort), and at exit, before finalisation, we wait, bounded, until none does.
+# two let about one exit in 1,200 abort), and at exit, before finalisation, we wait, bounded, until none does.
 _backward_contexts: list[Any] = []
 _EXIT_DRAIN_TIMEOUT = 5.0
 _drain_registered = False

@@ -4,7 +4,7 @@ The failure this guards against: a gloo thread that releases Python state (a com
 context torch stashes for each backward, or a finished work's tensors) after the training thread has begun interpreter shutdown is ended
 by CPython with pthread_exit, and the unwind aborts the process ("terminate called without an active
 exception", exit by SIGABRT). The driver widens the race (helper threads niced, a long switch interval);
-before the fixes about one round in six (all-reduce) and one exit in 1,500 (DDP) aborted here.
+before the fixes about one round in six (all-reduce) and one exit in 1,200 (DDP) aborted here.
 """
 import json
 import os
@@ -22,7 +22,7 @@ ROUNDS = int(os.environ.get("RESILIENT_TEST_EXIT_ROUNDS", "10"))
 
 
 @pytest.mark.timeout(400)
-# "ddp" aborted about once in 1,500 exits until every backward's context was kept while gloo held it (a core dump
+# "ddp" aborted about once in 1,200 exits until every backward's context was kept while gloo held it (a core dump
 # showed an older backward's work destroyed on gloo's thread during finalisation); more rounds: T_MODE=ddp and
 # the driver directly (tests/reliability/ddp_exit_driver.py)
 @pytest.mark.parametrize("mode", ["allreduce", "ddp"])
