@@ -45,6 +45,7 @@ def forge(agent_pid: int, worker_pid: int, frozen: int, other: int, attempt: int
     other_hdr = lambda t: P.header(t, other, other, 0, attempt)  # noqa: E731
     step = 10_000
     sent = 0
+    started = ready + ".started" if ready else ""
     s = None
     while True:
         if s is None:
@@ -65,6 +66,9 @@ def forge(agent_pid: int, worker_pid: int, frozen: int, other: int, attempt: int
             except OSError:
                 s.close()
                 s = None
+        if started and sent:
+            open(started, "w").close()  # sending: the test may now freeze the rank (our start-up can outlast its timeout)
+            started = ""
         if ready and sent >= 400:
             with open(ready + ".tmp", "w") as f:
                 f.write(str(sent))

@@ -73,6 +73,9 @@ def test_forged_heartbeats_neither_hide_a_frozen_rank_nor_make_a_straggler(tmp_p
     forger = subprocess.Popen([sys.executable, FORGER, "forge", str(p.pid), str(pids[1]), "1", "0", "0", str(ready)],
                               env=dict(os.environ, PYTHONPATH=REPO))
     procs.append(forger)
+    # freeze only once the forger sends: under load its start-up alone can outlast the 3 s hang timeout, and
+    # the job (no restarts left) would end before a single forged packet
+    wait_for(Path(f"{ready}.started").exists, 60, "the forger sending", forger)
     os.kill(pids[1], signal.SIGSTOP)
     t_stop = time.time()
     (mark / "go").touch()
