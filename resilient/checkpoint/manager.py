@@ -76,8 +76,19 @@ def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
             logger.warning("finishing checkpoints at exit failed: %s", e)
 
 
+def _is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has none in its state
+        return False
+    return isinstance(v, DTensor)
+
+
 def _digest(v: Any) -> int:
     if isinstance(v, torch.Tensor):
+        if _is_dtensor(v):
+            # a subclass has no .numpy(): this rank's bytes are its local shard (plus where it sits)
+            return crc_bytes(f"{v.placements}".encode(), _digest(v.to_local()))
         t = v.detach().cpu().contiguous().reshape(-1)
         # no hash(): string hashes differ between processes
         return crc_bytes(t.view(torch.uint8).numpy().tobytes(), crc_bytes(f"{tuple(v.shape)}{v.dtype}".encode()))
@@ -620,8 +631,10 @@ class CheckpointManager:
         """Leaves whose values differ across ranks; DCP would keep one rank's value for all of them."""
         if not self._dist or self.world_size == 1:
             return []
+        # a DTensor's local shards differ by rank by design; DCP stores them by their placements, so a DTensor
+        # is never a per-rank value (and keyed per rank, its shards would be stored twice)
         small = {k: _digest(v) for k, v in flat.items()
-                 if not isinstance(v, torch.Tensor) or leaf_nbytes(v) <= _SMALL}
+                 if not isinstance(v, torch.Tensor) or (not _is_dtensor(v) and leaf_nbytes(v) <= _SMALL)}
         everyone = self._gather(small, self._pg)
         keys = set().union(*(set(g) for g in everyone))
         return sorted(k for k in keys if len({g.get(k) for g in everyone}) > 1)

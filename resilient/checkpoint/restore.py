@@ -106,6 +106,83 @@ def _memory_budget() -> int:
         return 1 << 30
 
 
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has none in its state
+        return None
+    return DTensor
+
+
+def _local_shard(v: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """A DTensor target's local tensor and the global offsets of its chunk (what DCP keys the chunk by), or
+    None when ``v`` is not a DTensor. Bytes land in the local tensor: the DTensor is only a wrapper."""
+    dt = _dtensor_type()
+    if dt is None or not isinstance(v, dt):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with torch.no_grad():
+        local = v.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    if tuple(shape) != tuple(local.shape):
+        return None  # a layout this plan does not know (padded shards): DCP's own path
+    return local, tuple(int(o) for o in offsets)
+
+
+def _data_ptr(v: Any) -> int | None:
+    if not isinstance(v, torch.Tensor):
+        return None
+    got = _local_shard(v)
+    return (got[0] if got is not None else v).data_ptr()
+
+
+def _items_read(md: Any, load_sd: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """The storage items (index, info) of ``md`` this rank reads to fill ``load_sd``: every item of a key,
+    except that a DTensor target reads only the chunks overlapping its local shard (the other ranks' shards,
+    and their files, are not this rank's to fetch)."""
+    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+    for k, v in load_sd.items():
+        shard = _local_shard(v)
+        boxes[k] = None if shard is None else (shard[1], tuple(shard[0].shape))
+    out = []
+    for idx, info in md.storage_data.items():
+        if idx.fqn not in boxes:
+            continue
+        box = boxes[idx.fqn]
+        if box is not None:
+            m = md.state_dict_metadata.get(idx.fqn)
+            sizes = next((tuple(c.sizes) for c in getattr(m, "chunks", ())
+                          if idx.offset is not None and tuple(c.offsets) == tuple(idx.offset)), None)
+            if sizes is not None and idx.offset is not None:
+                lo, n = box
+                if 0 in n or not all(o < a + b and a < o + s for o, s, a, b in zip(idx.offset, sizes, lo, n)):
+                    continue  # no overlap (an empty local shard overlaps nothing)
+        out.append((idx, info))
+    return out
+
+
+def _param_like(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Checkpoint key prefix (``optim.state.3``) -> the DTensor parameter of an optimizer in ``state``.
+
+    A fresh optimizer's state is empty, so restore makes its targets from the checkpoint's metadata; for a
+    DTensor parameter (FSDP2, tensor parallelism) they must be DTensors placed like the parameter, or the
+    first step mixes DTensors with plain tensors. The ids follow ``Optimizer.state_dict``: parameters
+    numbered in ``param_groups`` order."""
+    dt = _dtensor_type()
+    out: dict[str, torch.Tensor] = {}
+    if dt is None:
+        return out
+    for k, v in state.items():
+        if not isinstance(v, torch.optim.Optimizer):
+            continue
+        params = [p for g in v.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            if isinstance(p, dt):
+                out[f"{k}.state.{i}"] = p
+    return out
+
+
 @dataclass
 class _Unsafe:
     """A restore attempt refused a file as unsafe (see :meth:`Restorer._refused`)."""
@@ -347,8 +424,7 @@ class Restorer(Component):
             if self.rank == 0:
                 logger.error("%s", err)
             raise err
-        keys = set(plan.load_sd)
-        need = {DCP_METADATA} | {info.relative_path for idx, info in md.storage_data.items() if idx.fqn in keys}
+        need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan.load_sd)}
         missing = sorted(n for n in need if n not in files)
         if not self._all(not missing):
             logger.warning("step %d: .metadata names files no manifest lists (%s); trying an older step",
@@ -364,7 +440,7 @@ class Restorer(Component):
         self._landed = {}
         # the same checkpoint into the same tensors again (a second restore by this manager): the plan holds
         # views of exactly these tensors (kept alive by the cache, so their ids cannot be reused)
-        layout_key = (step, md_key, tuple((k, id(v), v.data_ptr() if isinstance(v, torch.Tensor) else None)
+        layout_key = (step, md_key, tuple((k, id(v), _data_ptr(v))
                                           for k, v in plan.load_sd.items()))
         direct = self._plans.get(layout_key)
         if direct is None:
@@ -433,8 +509,12 @@ class Restorer(Component):
         """Which plain tensors of ``plan`` land straight in their targets, and where in each file (no I/O)."""
         by_fqn: dict[str, list[Any]] = {}
         items_in: dict[str, int] = {}
+        chunk_at: dict[tuple[str, tuple[int, ...]], Any] = {}
         for idx, info in md.storage_data.items():
             by_fqn.setdefault(idx.fqn, []).append(info)
+            if idx.offset is not None:
+                chunk_at[(idx.fqn, tuple(int(o) for o in idx.offset))] = info
+        for _, info in _items_read(md, plan.load_sd):
             items_in[info.relative_path] = items_in.get(info.relative_path, 0) + 1
         per_file: dict[str, list[Item]] = {}
         key_of: dict[int, str] = {}
@@ -443,6 +523,22 @@ class Restorer(Component):
         for key, v in plan.load_sd.items():
             m = sdm.get(key)
             infos = by_fqn.get(key, [])
+            shard = _local_shard(v)
+            if shard is not None:
+                # a DTensor: its local shard lands straight in place when the checkpoint holds a chunk of
+                # exactly that shard (same size, same offsets: saved with this layout); any other layout is
+                # resharded by DCP's planner
+                local, offsets = shard
+                info = chunk_at.get((key, offsets)) if isinstance(m, TensorStorageMetadata) else None
+                if (info is not None and not info.transform_descriptors and m.properties.dtype == local.dtype
+                        and any(tuple(c.offsets) == offsets and tuple(c.sizes) == tuple(local.shape)
+                                for c in m.chunks)
+                        and local.device.type == "cpu" and local.is_contiguous()):
+                    per_file.setdefault(info.relative_path, []).append(Item(info.offset, info.length, local))
+                    key_of[id(local)] = key
+                    continue
+                slow.add(key)
+                continue
             # the layout is trusted only for targets that match DCP's metadata
             if (isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) and len(m.chunks) == 1
                     and len(infos) == 1 and not infos[0].transform_descriptors
@@ -816,6 +912,7 @@ class Restorer(Component):
         missing, shape_mismatch = [], {}
         reshard: dict[str, str] = {}
         resized = world_old != self.world_size
+        params = _param_like(state)
         for fqn, (path, v) in leaves.items():
             key = fqn
             if fqn in per_rank_keys:
@@ -852,7 +949,11 @@ class Restorer(Component):
                 expand[fqn] = sub
                 for k in sub:
                     m = md[k]
-                    if isinstance(m, TensorStorageMetadata):
+                    like = params.get(k.rsplit(".", 1)[0]) if isinstance(m, TensorStorageMetadata) else None
+                    if like is not None and tuple(like.shape) == tuple(m.size):
+                        with torch.no_grad():
+                            load_sd[k] = torch.empty_like(like, dtype=m.properties.dtype, requires_grad=False)
+                    elif isinstance(m, TensorStorageMetadata):
                         load_sd[k] = torch.empty(m.size, dtype=m.properties.dtype)
                     else:
                         load_sd[k] = None
