@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from resilient import env as renv
 
-__all__ = ["setup_logging", "JsonFormatter", "AppendHandler", "RateLimitedLog", "ScrubFilter", "is_secret_name",
+__all__ = ["setup_logging", "JsonFormatter", "OnceTracebackFormatter", "AppendHandler", "RateLimitedLog", "ScrubFilter", "is_secret_name",
            "scrub_argv", "scrub_env", "scrub_text", "REDACTED"]
 
 _MARK = "_resilient_handler"
@@ -204,19 +204,32 @@ class JsonFormatter(logging.Formatter):
 
 
 class AppendHandler(logging.Handler):
-    """One ``os.write`` per record on an ``O_APPEND`` file: lines from many processes never interleave."""
+    """One ``os.write`` per record on an ``O_APPEND`` file: lines from many processes never interleave.
+
+    A write the filesystem refuses (a full disk, a quota, a vanished mount) is said once on stderr, in one
+    line, and the records after it are counted in ``lost``: logging's own "--- Logging error ---" traceback
+    for every record would bury the terminal and tell nothing more."""
 
     def __init__(self, path: str | os.PathLike[str]):
         super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.lost = 0  # records the file did not take
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             line = (self.format(record) + "\n").encode("utf-8", "replace")
             if self._fd is not None:
                 os.write(self._fd, line)
+        except OSError as e:
+            self.lost += 1
+            if self.lost == 1:
+                try:
+                    sys.stderr.write(f"resilient: cannot write the log file {self.path}: {e.strerror or e}; "
+                                     "log records from now on go to the terminal only\n")
+                except Exception:  # noqa: BLE001 - no stderr either: nothing left to tell
+                    pass
         except Exception:  # noqa: BLE001 - logging must never take the process down
             self.handleError(record)
 
@@ -232,6 +245,36 @@ class AppendHandler(logging.Handler):
 
 class _StreamJsonHandler(logging.StreamHandler):
     pass
+
+
+class OnceTracebackFormatter(logging.Formatter):
+    """For people: a failure that repeats shows its traceback the first time only; later ones are one line
+    (the message and the exception), with a pointer to the first. The JSON log file keeps every traceback."""
+
+    def __init__(self, fmt: str | None = None, *, limit: int = 256) -> None:
+        super().__init__(fmt)
+        self._seen: set[tuple[object, ...]] = set()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def format(self, record: logging.LogRecord) -> str:
+        exc = record.exc_info
+        if not exc or exc[0] is None:
+            return super().format(record)
+        tb = exc[2]
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else None
+        key = (record.name, str(record.msg), exc[0], where)
+        with self._lock:
+            first = key not in self._seen
+            if first and len(self._seen) < self._limit:
+                self._seen.add(key)
+        if first:
+            return super().format(record)
+        short = logging.makeLogRecord(dict(vars(record), exc_info=None, exc_text=None, stack_info=None))
+        return f"{super().format(short)} [{exc[0].__name__}: {str(exc[1]).splitlines()[0] if str(exc[1]) else ''}; " \
+               "same failure as above, traceback shown once]"
 
 
 def _int_or_none(v: object) -> int | None:
@@ -297,10 +340,10 @@ def setup_logging(role: str, *, run_dir: str | os.PathLike[str] | None = None, n
             ch: logging.Handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False,
                                               log_time_format="%H:%M:%S")
             where = f"{ctx['node']}" + (f" r{ctx['rank']}" if ctx["rank"] is not None else "")
-            ch.setFormatter(logging.Formatter(f"[{role} {where}] %(name)s: %(message)s"))
+            ch.setFormatter(OnceTracebackFormatter(f"[{role} {where}] %(name)s: %(message)s"))
         else:
             ch = logging.StreamHandler(sys.stderr)
-            ch.setFormatter(logging.Formatter(f"[{role}] %(asctime)s %(levelname)s %(name)s: %(message)s"))
+            ch.setFormatter(OnceTracebackFormatter(f"[{role}] %(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(ch)
     scrub = ScrubFilter()
     for h in handlers:

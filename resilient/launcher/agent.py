@@ -61,9 +61,11 @@ def _conf_bool(v: object) -> bool | None:
 
 def _describe(action: dict) -> str:
     kind = action.get("action", "?")
-    rest = {k: v for k, v in action.items() if k not in ("action", "reason") and v not in (None, "", [])}
+    # "hot_swap node=a spare=s: reason", never a Python dict repr: people read this line
+    rest = " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in action.items()
+                    if k not in ("action", "reason") and v not in (None, "", []))
     reason = action.get("reason")
-    return f"{kind}{' ' + str(rest) if rest else ''}{': ' + reason if reason else ''}"
+    return f"{kind}{' ' + rest if rest else ''}{': ' + reason if reason else ''}"
 
 
 def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):

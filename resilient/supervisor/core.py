@@ -505,7 +505,7 @@ class SupervisorCore:
             except _Invalid as e:
                 fallback = str(e)
                 logger.warning("policy overruled on %s from %s, the default policy decides: %s",
-                               event.kind.value, event.node, fallback)
+                               event.kind.value, event.node, fallback.strip().splitlines()[-1])  # traceback: in the ledger
                 action = None
         if action is None:
             try:

@@ -28,6 +28,11 @@ members within the window; the chance is that binomial's upper tail. With 2 equa
 failures in a row on one node (0.5**7 < 1%); with 8 nodes, 3 of 3. A single-node job has no other node to
 compare with: worker failures never replace its node (a lost or unhealthy node still is).
 
+**The same failure again and again** (``same_failure_streak``): when one rank failed the same way (same
+exit code or signal, or a hang) in each of the last N attempts, the reasons say so ("rank 1 failed the same
+way (exit code 3) 3 times in a row") and quote no bad-luck chance: a script that exits deterministically is
+not unlucky, and a probability would suggest a hardware fault. The decision itself does not change.
+
 **Benched, not cordoned.** A node swapped out while its agent is connected (failures, a failing check) is
 benched for ``cool_down`` seconds (600); after it, if its agent still reports and is healthy, it is a warm
 spare again (the core carries this out: see ``HotSwap.cool_down``). ``cool_down=None`` cordons for good.
@@ -106,6 +111,21 @@ class DefaultPolicy:
                f"{share:.0%} of the workers (bad luck: {p:.2%})")
         return k >= self.failures_to_swap and p < self.luck, why
 
+    @staticmethod
+    def same_failure_streak(event: Event, view: JobView) -> tuple[int, str]:
+        """How many attempts in a row, ending with ``event``'s, saw ``event.rank`` fail the same way (same kind,
+        exit code and signal), and that way in words; (1, ...) for a failure not seen in the attempt before."""
+        how = _failure_how(event)
+        if event.rank is None or event.attempt is None:
+            return 1, how
+        same = {e.attempt for e in view.recent
+                if e.kind is event.kind and e.rank == event.rank and e.attempt is not None
+                and _failure_how(e) == how}
+        n, a = 1, event.attempt - 1
+        while a in same:
+            n, a = n + 1, a - 1
+        return n, how
+
     def replace(self, node: str, view: JobView, why: str, *, last_resort: Action | None = None,
                 cool_down: float | None = None) -> Action:
         """Take ``node`` out of the job: a spare takes its place, else the job shrinks, else ``last_resort``
@@ -148,10 +168,24 @@ class DefaultPolicy:
         if kind is EventKind.AGENT_LOST:
             return self.replace(event.node, view, f"node {event.node} lost")
         bad, why = self.node_is_bad(event.node, view)
+        streak, how = self.same_failure_streak(event, view)
+        if streak > 1:
+            # deterministic, not unlucky: no probability (it would point at the hardware)
+            why = f"rank {event.rank} failed the same way ({how}) {streak} times in a row"
         if bad:
             return self.replace(event.node, view, why, cool_down=self.cool_down,
                                 last_resort=Restart(reason=f"{why}; no spare and at --nnodes min: restarting"))
         return Restart(reason=f"{kind.value} on {event.node} (rank {event.rank}): in-job restart; {why}")
+
+
+def _failure_how(ev: Event) -> str:
+    """A failure's way of failing, in words: what makes two failures "the same"."""
+    if ev.kind is EventKind.HANG:
+        return "hung"
+    d = ev.details if isinstance(ev.details, dict) else {}
+    if d.get("signal"):
+        return f"signal {d['signal']}"
+    return f"exit code {d.get('exit_code')}"
 
 
 def default_policy() -> DefaultPolicy:

@@ -187,7 +187,7 @@ class SupervisorLoop:
         if d.cause is not None and d.cause.kind in (EventKind.AGENT_LOST, EventKind.NODE_JOINED):
             self._write(d.cause)  # synthesised here: no agent wrote it
         self._write(d.to_event(self.cfg.name))
-        logger.warning("supervisor: %s (%s)", d.action.kind, d.action.reason or (d.fallback or "").splitlines()[-1:])
+        logger.log(logging.INFO if d.action.kind == "ignore" else logging.WARNING, "supervisor: %s (%s)", d.action.kind, d.action.reason or next(iter((d.fallback or "").strip().splitlines()[-1:]), ""))
         if self.core.stopped is not None and self._final_round is None:
             self._finish(self.core.stopped, stop=True, decision_id=d.id)
         elif d.assignment is not None:
