@@ -26,7 +26,8 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import (
-    Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy, Restart, ScaleDown, ScaleUp, Stop,
+    Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy, PolicyError, Restart, ScaleDown, ScaleUp,
+    Stop,
 )
 from resilient.supervisor.default_policy import DefaultPolicy
 
@@ -468,7 +469,23 @@ class SupervisorCore:
 
     # ------------------------------------------------------------------------------------------ deciding
     def _ask(self, policy: Any, event: Event, view: JobView) -> Action:
-        """Run a user's policy in a daemon thread; on timeout the thread is abandoned, never joined."""
+        """Ask a policy. A policy file runs in a process of its own (``decide_within``: the time and memory
+        limits, and every way it can fail, are enforced there, and calls never overlap). Any other policy
+        object runs in a daemon thread; on timeout the thread is abandoned, never joined, and the policy is
+        not called again until that call returns (two calls at once could corrupt a stateful policy)."""
+        decide_within = getattr(policy, "decide_within", None)
+        if decide_within is not None:
+            try:
+                action = decide_within(event, view, self.cfg.policy_timeout)
+            except PolicyError as e:
+                raise _Invalid(str(e)) from None
+            if not isinstance(action, Action) or type(action) is Action:
+                raise _Invalid(f"the policy returned {action!r:.200}, not an action")
+            return action
+        busy = getattr(self, "_policy_thread", None)
+        if busy is not None and busy.is_alive():
+            raise _Invalid("the policy's previous call has not returned (it overran --policy-timeout); it is not "
+                           "called again until it does")
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -482,6 +499,7 @@ class SupervisorCore:
                 done.set()
 
         t = threading.Thread(target=run, name="resilient-policy", daemon=True)
+        self._policy_thread = t
         t.start()
         if not done.wait(self.cfg.policy_timeout):
             raise _Invalid(f"the policy did not decide within {self.cfg.policy_timeout:g} s "

@@ -48,8 +48,22 @@ def test_class_is_instantiated_and_keeps_state(tmp_path: Path) -> None:
                 self.calls += 1
                 return Restart(reason=str(self.calls))
         """)
-    pol = load_policy(p)
+    pol = load_policy(p, isolated=False)
     assert decide(pol) == Restart(reason="1") and pol.calls == 1
+
+
+def test_isolated_class_keeps_state_between_calls(tmp_path: Path) -> None:
+    """A policy file runs in one long-lived process: its state survives from one decision to the next."""
+    p = write(tmp_path, """
+        class Counting:
+            def __init__(self):
+                self.calls = 0
+            def decide(self, event, view):
+                self.calls += 1
+                return Restart(reason=str(self.calls))
+        """)
+    with load_policy(p) as pol:
+        assert [decide(pol) for _ in range(3)] == [Restart(reason=str(i)) for i in (1, 2, 3)]
 
 
 def test_module_level_policy_object_wins(tmp_path: Path) -> None:
@@ -68,7 +82,7 @@ def test_module_level_policy_object_wins(tmp_path: Path) -> None:
 
 def test_shipped_default_is_the_default() -> None:
     root = Path(__file__).resolve().parents[2]
-    assert type(load_policy(root / "policies" / "default.py")) is type(default_policy())
+    assert type(load_policy(root / "policies" / "default.py", isolated=False)) is type(default_policy())
 
 
 @pytest.mark.parametrize("body,line,words", [
