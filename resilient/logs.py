@@ -221,7 +221,9 @@ class AppendHandler(logging.Handler):
         try:
             line = (self.format(record) + "\n").encode("utf-8", "replace")
             if self._fd is not None:
-                os.write(self._fd, line)
+                n = os.write(self._fd, line)
+                if n != len(line):  # a full disk took part of the line
+                    raise OSError(f"only {n} of {len(line)} bytes written")
         except OSError as e:
             self.lost += 1
             if self.lost == 1:

@@ -106,6 +106,9 @@ class GoodputReport:
     steps_redone: int = 0
     timeline: list[Segment] = field(default_factory=list, repr=False)
     skipped_lines: int = 0  # malformed ledger lines left out of the accounting
+    # why the ledger lost events (a writer could not write it: full disk, quota), None when it lost none: its
+    # last events may be missing, so "in progress" may be a run that ended
+    ledger_incomplete: str | None = None
 
     def __post_init__(self) -> None:
         missing = set(CATEGORIES) - set(self.badput_seconds)
@@ -134,6 +137,8 @@ class GoodputReport:
             "steps_recorded": self.steps_recorded,
             "steps_redone": self.steps_redone,
             "skipped_lines": self.skipped_lines,
+            "ledger_incomplete": self.ledger_incomplete is not None,
+            "ledger_incomplete_reason": self.ledger_incomplete,
             "attempts": [dict(asdict(a), wall_seconds=a.wall_seconds) for a in self.attempts],
         }
         if timeline:

@@ -559,4 +559,5 @@ def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None)
         raise GoodputError(f"{read.path} is not a ledger: none of its {read.lines} line(s) is an event")
     rep = compute_report(read.events, now=now)
     rep.skipped_lines = read.skipped
+    rep.ledger_incomplete = read.incomplete
     return rep

@@ -62,6 +62,8 @@ def print_table(rep: GoodputReport) -> None:
     if not con.is_terminal:
         con = Console(width=140)  # pipes and logs: rich's 80 columns would wrap the attempts table
     state = "in progress" if rep.in_progress else "ended"
+    if rep.ledger_incomplete is not None:
+        state = f"ledger incomplete: {'end not recorded' if rep.in_progress else 'events missing'}"
     con.print(f"[bold]goodput {rep.goodput:.1%}[/bold] of {_fmt_s(rep.wall_seconds)} wall ({state}) · "
               f"{rep.disruptions} disruption(s) · {rep.restarts} restart(s) · last step {rep.last_step} · "
               f"{rep.steps_redone} of {rep.steps_recorded} step records redone")
@@ -89,6 +91,8 @@ def print_table(rep: GoodputReport) -> None:
     con.print(a_t)
     if rep.skipped_lines:
         con.print(f"[yellow]{rep.skipped_lines} malformed ledger line(s) skipped[/yellow]: they are not counted above")
+    if rep.ledger_incomplete is not None:
+        con.print(f"[red]{rep.ledger_incomplete}[/red]: the figures above cover only what was recorded")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2
     rep.skipped_lines = read.skipped
+    rep.ledger_incomplete = read.incomplete
     if rep.steps_recorded == 0 and not rep.in_progress:
         # without step records every second counts as badput: "goodput 0.0%" would blame the job, not the script
         print(f"resilient goodput: the run in {args.run_dir} has no step records, so its goodput cannot be told; "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient.events.api import Event, EventKind
-from resilient.events.ledger import ledger_path
+from resilient.events.ledger import ledger_incomplete, ledger_path
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +82,16 @@ class LedgerRead:
     events: list[Event] = field(default_factory=list)
     skipped: int = 0  # malformed lines, not counting an unfinished last line
     lines: int = 0
+    # why the ledger lost events (a writer could not write: full disk, quota), None when it lost none; its
+    # marker is written beside the ledger by the writer that failed (see resilient.events.ledger)
+    incomplete: str | None = None
+    cut_last_line: bool = False  # the file ends inside a line (a writer at work, or one cut short)
 
 
 def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
     """Every well-formed event of ``RUN_DIR/events.jsonl`` (or of that file given directly), with the number of
     malformed lines skipped. An unfinished last line (a writer still at work, or killed mid-line) is not
-    counted as malformed. Raises ``FileNotFoundError``/``OSError`` when the file cannot be read."""
+    counted as malformed. ``incomplete`` says when a writer lost events (the marker beside the ledger). Raises ``FileNotFoundError``/``OSError`` when the file cannot be read."""
     p = Path(path_or_dir)
     if p.is_dir():
         p = ledger_path(p)
@@ -95,6 +99,7 @@ def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
     with open(p, "rb") as f:
         for raw in f:
             if not raw.endswith(b"\n"):
+                out.cut_last_line = True
                 break
             if not raw.strip():
                 continue
@@ -106,4 +111,5 @@ def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
                 out.events.append(ev)
     if out.skipped:
         logger.debug("%s: %d malformed line(s) skipped", p, out.skipped)  # callers report the count
+    out.incomplete = ledger_incomplete(p)
     return out

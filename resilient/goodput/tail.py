@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from resilient.events.api import Event
-from resilient.events.ledger import ledger_path
+from resilient.events.ledger import ledger_incomplete, ledger_path
 from resilient.goodput.reader import parse_line
 
 logger = logging.getLogger(__name__)
@@ -23,6 +23,10 @@ class LedgerTail:
         self._chunk = chunk
         self._ino: int | None = None
         self.skipped = 0  # malformed lines seen (each once)
+
+    def incomplete(self) -> str | None:
+        """Why the ledger being followed lost events, or None (see :func:`resilient.events.ledger.ledger_incomplete`)."""
+        return ledger_incomplete(self.path)
 
     def read_new(self, max_bytes: int = 64 << 20, *, contains: bytes | None = None) -> list[Event]:
         """The events appended since the last call; with ``contains``, only lines holding those bytes are

@@ -112,10 +112,19 @@ class _Streams:
             if show and partial:
                 self._show(console, prefix, partial + b"\n")
             os.close(rfd)
-            os.close(log_fd)
+            if log_fd >= 0:
+                os.close(log_fd)
             del self.pipes[rfd]
             return False
-        os.write(log_fd, data)
+        if log_fd >= 0:
+            try:
+                os.write(log_fd, data)
+            except OSError as e:  # a full log disk must not stop the agent: the console still gets the output
+                where = "goes to the terminal only" if show else "is lost (it is not tee'd)"
+                print(f"resilient-run: cannot write worker output to its log file ({e.strerror or e}); "
+                      f"{prefix.strip() or 'this worker'}'s output from now on {where}", file=sys.stderr)
+                os.close(log_fd)
+                st[0] = log_fd = -1
         if show:
             # Unbuffered workers write a line in pieces, and two ranks write at once: only whole lines go to
             # the console, so a line is never glued to another rank's (a carriage return ends a line too:
@@ -918,7 +927,17 @@ class Agent:
             self._shutdown()
             self.ledger.emit(EventKind.RUN_END, exit_code=exit_code, reason=reason)
             self.ledger.close()
+            self._say_ledger_lost()
         return exit_code
+
+    def _say_ledger_lost(self) -> None:
+        """The final word on a ledger that lost events (any writer of this run dir: the agent, a worker)."""
+        from resilient.events.ledger import ledger_incomplete
+
+        lost = ledger_incomplete(self.run_dir)
+        if lost is not None:
+            print(f"resilient-run: {lost} ({self.ledger.path}); `resilient goodput` reports the run as "
+                  "incomplete", file=sys.stderr)
 
     def _start_monitor(self) -> None:
         try:
