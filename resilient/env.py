@@ -11,6 +11,9 @@ CKPT_INTERVAL = "RESILIENT_CKPT_INTERVAL"  # "N" steps or "auto"
 CKPT_PERSISTENT_EVERY = "RESILIENT_CKPT_PERSISTENT_EVERY"  # every M-th local save is uploaded
 CKPT_COMPRESS = "RESILIENT_CKPT_COMPRESS"  # auto | none | bgzstd | zstd: compression of persistent uploads
 UPLOAD_GRACE = "RESILIENT_UPLOAD_GRACE"  # seconds pending uploads get at exit before they are abandoned
+# consecutive saves that reach no tier before the job stops (0: train on without checkpoints); also the default
+# of resilient-run --ckpt-max-failed-saves
+CKPT_MAX_FAILED_SAVES = "RESILIENT_CKPT_MAX_FAILED_SAVES"
 HEARTBEAT_TIMEOUT = "RESILIENT_HEARTBEAT_TIMEOUT"  # seconds
 POLICY = "RESILIENT_POLICY"
 SPARE_NODES = "RESILIENT_SPARE_NODES"

@@ -32,6 +32,11 @@ class TierName(str, enum.Enum):
 
 
 DEFAULT_UPLOAD_GRACE_S = 60.0
+# consecutive saves that reached no tier before the job stops (resilient-run --ckpt-max-failed-saves)
+DEFAULT_MAX_FAILED_SAVES = 3
+# RUN_DIR/ckpt-stop/attempt<A>.rank<R>: this rank stopped training because its saves kept failing (JSON: steps,
+# tier, error, message); the launcher reads it to exit with its own code instead of "succeeded"
+CKPT_STOP_MARK_DIR = "ckpt-stop"
 
 # restore prefers the earlier tier: cheaper to read
 TIER_ORDER = (TierName.LOCAL, TierName.PEER, TierName.PERSISTENT)
@@ -43,6 +48,16 @@ class CheckpointError(RuntimeError):
 
 class CheckpointConfigError(CheckpointError, ValueError):
     """A configuration value is invalid; the message names the field and what to do."""
+
+
+class CheckpointSavesFailedError(CheckpointError):
+    """``max_failed_saves`` consecutive saves reached no tier: training stops rather than go on without
+    checkpoints. Raised by ``save()`` on every rank at the same step when no launcher runs the job (under
+    ``resilient-run`` the ranks leave their loop instead and the launcher exits with its own code)."""
+
+    def __init__(self, message: str, steps: list[int], tier: str | None, error: str | None):
+        super().__init__(message)
+        self.steps, self.tier, self.error = list(steps), tier, error
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -260,6 +275,8 @@ class CheckpointConfig:
     persistent_timeout_s: float = 30.0  # bound on one persistent-tier call (plus time for its bytes)
     restore_probe_s: float = 5.0  # at restore, a persistent store silent this long is skipped
     upload_grace_s: float | None = None  # at exit, pending uploads get this long; None: $RESILIENT_UPLOAD_GRACE or 60
+    # consecutive saves that reach no tier before save() stops the job; 0: train on without checkpoints
+    max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES
 
     def __post_init__(self) -> None:
         if not self.local and not self.persistent:
@@ -288,6 +305,14 @@ class CheckpointConfig:
         if isinstance(self.persistent_every, int) and self.persistent_every < 1:
             raise CheckpointConfigError(f"persistent_every={self.persistent_every}: must be >= 1 "
                                         "(1 uploads every save)")
+        raw_max = self.max_failed_saves
+        if isinstance(raw_max, str) and raw_max.strip().isdigit():
+            self.max_failed_saves = int(raw_max.strip())
+        if isinstance(self.max_failed_saves, bool) or not isinstance(self.max_failed_saves, int) \
+                or self.max_failed_saves < 0:
+            raise CheckpointConfigError(
+                f"max_failed_saves={raw_max!r}: give a whole number of consecutive failed saves >= 0 after which "
+                "the job stops (0 trains on without checkpoints; resilient-run --ckpt-max-failed-saves N)")
         for name in ("keep_local", "keep_peer", "keep_persistent"):
             if int(getattr(self, name)) < 1:
                 raise CheckpointConfigError(f"{name}={getattr(self, name)}: must keep at least 1 step")

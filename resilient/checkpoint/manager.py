@@ -37,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from resilient import env as _env
-from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, CheckpointConfig, CheckpointError, FileEntry,
+from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, DCP_METADATA, DEFAULT_MAX_FAILED_SAVES,
+                                      CheckpointConfig, CheckpointError, CheckpointSavesFailedError, FileEntry,
                                       Manifest, RestoreResult, TierName)
 from resilient.checkpoint.collective import Ranks
 from resilient.checkpoint.context import FAILURES, Context
@@ -98,6 +99,13 @@ def _digest(v: Any) -> int:
         return id(v)
 
 
+def _steps_text(steps: list[int], most: int = 12) -> str:
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    return ", ".join(map(str, steps[:most // 2])) + f", … ({len(steps) - most} more) …, " + \
+        ", ".join(map(str, steps[-(most // 2):]))
+
+
 @dataclass
 class _SaveJob:
     step: int
@@ -109,6 +117,12 @@ class _SaveJob:
     decided: threading.Event = field(default_factory=threading.Event)  # interval for the next save known
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    # set by the save worker once known, the same on every rank: True when the step reached a tier (or an upload
+    # of its in-memory copy was queued), False for a failed save
+    reached: bool | None = None
+    # the save worker's stop verdict as it stood when this job's buffers were released (see _release): every
+    # rank reads it at the same save() call, so every rank stops at the same step
+    stop: dict[str, Any] | None = None
 
 
 class _Interval:
@@ -184,7 +198,7 @@ class CheckpointManager:
                  upload_backoff_s: float = 0.5, upload_backoff_max_s: float = 8.0,
                  collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
-                 upload_grace_s: float | None = None):
+                 upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES):
         self.config = CheckpointConfig(
             local=os.fspath(local) if local is not None else None, persistent=persistent, interval=interval,
             persistent_every=persistent_every, peer=peer, overlap=overlap, keep_local=keep_local,
@@ -192,7 +206,7 @@ class CheckpointManager:
             upload_backoff_s=upload_backoff_s, upload_backoff_max_s=upload_backoff_max_s,
             collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
             persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
-            upload_grace_s=upload_grace_s)
+            upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves)
         cfg = self.config
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
@@ -251,7 +265,12 @@ class CheckpointManager:
         self._closed = False
         self._error_lock = threading.Lock()
         self.last_restore: RestoreResult | None = None
-        self.last_saved_step: int | None = None
+        # written by the save worker only (see last_saved_step)
+        self._saved_step: int | None = None
+        self._failed_streak: list[tuple[int, str | None, str | None]] = []  # (step, tier, error) in a row
+        self._stop: dict[str, Any] | None = None
+        self._traceback_written = False
+        self._t_created = time.time()
 
         self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
         self._worker = threading.Thread(target=self._save_loop, name="resilient-ckpt-save", daemon=True)
@@ -279,6 +298,8 @@ class CheckpointManager:
             kw["interval"] = os.environ[_env.CKPT_INTERVAL]
         if os.environ.get(_env.CKPT_PERSISTENT_EVERY):
             kw["persistent_every"] = os.environ[_env.CKPT_PERSISTENT_EVERY]
+        if os.environ.get(_env.CKPT_MAX_FAILED_SAVES):
+            kw["max_failed_saves"] = os.environ[_env.CKPT_MAX_FAILED_SAVES]
         kw.update(overrides)
         if not kw.get("local") and not kw.get("persistent"):
             raise CheckpointError(f"no checkpoint tier configured: set {_env.CKPT_LOCAL} and/or "
@@ -329,6 +350,8 @@ class CheckpointManager:
             if self._interval.auto or self._interval.auto_persistent:
                 # the tuner's answer is broadcast in the background; read it only once every rank has it
                 self._wait_event(prev.decided, "interval decision")
+            if prev.stop is not None:
+                self._stop_training(prev.stop)
         if self._interval.auto:
             self._interval.next_save = step + self._interval.steps
         plain = plain_state(state)
@@ -379,16 +402,112 @@ class CheckpointManager:
                 self._do_save(job)
             except BaseException as e:  # fail static: a failed save is reported, training goes on; the
                 # worker survives whatever the save raised, or every later save() would wait on it
-                logger.exception("checkpoint of step %d failed", job.step)
-                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.LOCAL.value,
-                           error=f"{type(e).__name__}: {e}")
+                tier = self.local.name if self.local is not None else TierName.PERSISTENT.value
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier, error=_one_line(e))
+                self._settle(job, False, tier, _one_line(e), e)
             finally:
                 if not job.staged.is_set():
                     job.staged.set()
                     self._guard.release()
-                job.written.set()
+                if job.reached is None:  # a path that settled nothing: the step reached no tier
+                    self._settle(job, False, None, "the save ended without a result")
+                self._release(job)
                 job.decided.set()
                 job.done.set()
+
+    # ------------------------------------------------------------------ save outcomes (save worker only)
+    def _release(self, job: _SaveJob) -> None:
+        """The staging buffers are free: the next save() may stage. The stop verdict known now travels with
+        the job, so every rank reads the same verdict at the same save() call."""
+        if not job.written.is_set():
+            job.stop = self._stop
+            job.written.set()
+
+    def _settle(self, job: _SaveJob, reached: bool, tier: str | None, error: str | None,
+                exc: BaseException | None = None) -> None:
+        """Record whether ``job`` reached a tier. Save worker only, on every rank with the same ``reached``
+        (each caller decides from a collective result), once per job."""
+        if job.reached is not None:
+            return
+        job.reached = reached
+        if reached:
+            self._failed_streak.clear()
+            return
+        self._failed_streak.append((job.step, tier, error))
+        n = self.config.max_failed_saves
+        assert isinstance(n, int)
+        streak = len(self._failed_streak)
+        if exc is not None:
+            self._write_traceback(job.step, exc)
+        if self.rank == 0:
+            then = ("training goes on without checkpoints (max_failed_saves=0)" if n == 0 else
+                    f"the job stops after {n} in a row" if streak < n else "stopping the job")
+            where = f"{tier} tier: " if tier else ""
+            logger.warning("checkpoint of step %d failed, it reached no tier (%s%s); %d failed save(s) in a row, %s",
+                           job.step, where, error or "failed on another rank", streak, then)
+            self._emit(EventKind.CKPT_SAVE_FAILED, step=job.step, tier=tier, error=error or "failed on another rank",
+                       consecutive=streak, max_failed_saves=n)
+        if n and streak >= n and self._stop is None:
+            first = next(((t, e) for _, t, e in self._failed_streak if e), (tier, error))
+            steps = [s for s, _, _ in self._failed_streak]
+            where = {TierName.LOCAL.value: f"local tier {self.local.root}" if self.local is not None else "local tier",
+                     TierName.PERSISTENT.value: f"persistent tier {self.config.persistent}"}.get(first[0] or "",
+                                                                                               "every tier")
+            self._stop = {"steps": steps, "tier": first[0], "error": first[1], "max_failed_saves": n,
+                          "message": f"{len(steps)} checkpoint saves in a row reached no tier (steps "
+                                     f"{', '.join(map(str, steps))}; {where}: {first[1] or 'unknown error'}); "
+                                     "training stops rather than go on without checkpoints: free or fix the tier, "
+                                     "or pass --ckpt-max-failed-saves 0 (max_failed_saves=0) to train on without them"}
+
+    def _write_traceback(self, step: int, exc: BaseException) -> None:
+        """The first failed save's traceback, once per process, into the run's log directory (the terminal gets
+        one line per save from rank 0); without a run directory, into this module's log at DEBUG."""
+        if self._traceback_written:
+            return
+        self._traceback_written = True
+        import traceback
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        run_dir = os.environ.get(_env.RUN_DIR)
+        if not run_dir:
+            logger.debug("checkpoint of step %d failed:\n%s", step, text)
+            return
+        try:
+            d = Path(run_dir) / "logs"
+            d.mkdir(parents=True, exist_ok=True)
+            head = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} rank {self.rank} step {step}:\n"
+            fd = os.open(d / "checkpoint-errors.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (head + text).encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            logger.debug("cannot write the traceback of step %d: %s", step, e)
+
+    def _stop_training(self, stop: dict[str, Any]) -> None:
+        """Every rank, at the same save() call: end training after ``max_failed_saves`` failed saves in a row.
+        Under resilient-run each rank leaves a mark and exits 0, so the launcher stops the whole job with its own
+        exit code (a failing worker would only be restarted into the same failing saves); alone, raise."""
+        msg = stop["message"]
+        if self.rank == 0:
+            logger.error("%s", msg)
+            self._emit(EventKind.CKPT_STOP, **stop)
+        run_dir = os.environ.get(_env.RUN_DIR)
+        marked = False
+        if run_dir and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            try:
+                d = Path(run_dir) / CKPT_STOP_MARK_DIR
+                d.mkdir(parents=True, exist_ok=True)
+                tmp = d / f".attempt{attempt}.rank{self.rank}.tmp"
+                tmp.write_text(json.dumps(stop))
+                os.replace(tmp, d / f"attempt{attempt}.rank{self.rank}")
+                marked = True
+            except OSError as e:
+                logger.warning("cannot mark the checkpoint stop in %s: %s", run_dir, e)
+        if marked:
+            raise SystemExit(0)
+        raise CheckpointSavesFailedError(msg, stop["steps"], stop["tier"], stop["error"])
 
     def _do_save(self, job: _SaveJob) -> None:
         t0 = time.perf_counter()
@@ -430,17 +549,23 @@ class CheckpointManager:
         except FAILURES as e:
             ok, error = False, e
         try:
-            results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor()), self._pg)
-        except FAILURES:
+            # each rank's error travels with its result: rank 0 alone reports the save, naming the first one
+            results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor(),
+                                    _one_line(error) if error is not None else None), self._pg)
+        except FAILURES as e:
             job.tensors = {}
-            job.written.set()
+            self._settle(job, False, tier.name, _one_line(e), e)
+            self._release(job)
             raise
         all_ok = all(r[0] for r in results)
         if not all_ok:
-            self._local_failed(job, flat, per_rank, error)
+            first = next((r[3] for r in results if r[3]), None)
+            self._local_failed(job, flat, per_rank, error, first)
             return
         job.tensors = {}
-        job.written.set()  # staging buffers are free: the next save may stage
+        self._saved_step = job.step
+        self._settle(job, True, tier.name, None)
+        self._release(job)  # staging buffers are free: the next save may stage
         if self.local_rank == 0:
             try:
                 self._commit(tier, job.step, ranks=self._node_ranks(self.node))
@@ -448,7 +573,6 @@ class CheckpointManager:
                 logger.warning("local tier: commit of step %d failed (%s); the step is not complete on this "
                                "node's local tier", job.step, _one_line(e))
                 self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier.name, error=_one_line(e))
-        self.last_saved_step = job.step
         seconds = time.perf_counter() - t0
         if self.rank == 0:
             self._emit(EventKind.CKPT_TIER_DONE, step=job.step, tier=tier.name, seconds=seconds,
@@ -465,16 +589,17 @@ class CheckpointManager:
             self._request_upload(job.step)
 
     def _local_failed(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str],
-                      error: BaseException | None) -> None:
+                      error: BaseException | None, first: str | None = None) -> None:
         """Collective (every rank, after agreeing the local write failed somewhere): report it, drop the
-        partial step, and still give the persistent tier this step from the staged host copy."""
+        partial step, and still give the persistent tier this step from the staged host copy. ``first``: the
+        error of the first rank that failed (every rank has it)."""
         assert self.local is not None
+        queued = False
         try:
             if error is not None:
-                logger.warning("local tier: save of step %d failed, skipping the tier for this step (retried at "
-                               "the next save): %s", job.step, _one_line(error))
                 self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=self.local.name,
                            error=_one_line(error))
+                self._write_traceback(job.step, error)
             self._gather(None, self._pg)  # nobody writes into the step any more
             if self.local_rank == 0:
                 self.local.delete_step(job.step)  # free the space a partial write took
@@ -482,9 +607,19 @@ class CheckpointManager:
                 files = self._save_to_memory(job.step, flat, per_rank)
                 if files is not None:
                     self._request_upload(job.step, files)
+                    queued = True
         finally:
             job.tensors = {}
-            job.written.set()
+            if queued:
+                # not a failed save: the persistent tier gets the step; one line says the local tier missed it
+                if self.rank == 0:
+                    logger.warning("local tier: save of step %d failed, skipping the tier for this step (retried "
+                                   "at the next save; the persistent tier gets it): %s", job.step,
+                                   first or "failed on another rank")
+                self._settle(job, True, TierName.PERSISTENT.value, None)
+            else:
+                self._settle(job, False, self.local.name, first or (_one_line(error) if error else None), error)
+            self._release(job)
 
     def _save_to_memory(self, step: int, flat: dict[str, Any], per_rank: list[str]) -> dict[str, bytes] | None:
         """Collective: this rank's DCP files of ``step`` (plus its manifest; ``.metadata`` on rank 0) as
@@ -500,8 +635,8 @@ class CheckpointManager:
         md_entry = self._bcast(_bytes_entry(files[DCP_METADATA]).to_json() if ok and self.rank == 0 else None,
                                self._pg)
         if not self._all(ok and md_entry is not None):
-            logger.warning("step %d: in-memory copy for the persistent tier failed too: %s", step,
-                           _one_line(error) if error else "on another rank")
+            logger.debug("step %d: in-memory copy for the persistent tier failed too: %s", step,
+                         _one_line(error) if error else "on another rank")
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
                        error=_one_line(error) if error else "in-memory copy failed on another rank")
             return None
@@ -532,7 +667,7 @@ class CheckpointManager:
             error = e
         finally:
             job.tensors = {}
-            job.written.set()
+            self._release(job)
         tmp_tier = DirTier(staging.parent, name="staging")
         # DCP wrote into `staging` itself; give it the step layout for the uploader
         step_dir = tmp_tier.path(job.step)
@@ -547,15 +682,19 @@ class CheckpointManager:
                 self._write_manifest(tmp_tier, job.step, per_rank)
         except FAILURES as e:
             ok, error = False, e
-        results = self._gather(ok, self._pg)
-        if not all(results):
+        results = self._gather((ok, _one_line(error) if error is not None else None), self._pg)
+        if not all(r[0] for r in results):
             self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.PERSISTENT.value,
                        error=f"{type(error).__name__}: {error}" if error else "another rank failed")
             shutil.rmtree(step_dir, ignore_errors=True)
+            self._settle(job, False, TierName.PERSISTENT.value, next((r[1] for r in results if r[1]), None), error)
             return
-        self._upload_step(job.step, tmp_tier, group=self._pg)
+        landed = self._upload_step(job.step, tmp_tier, group=self._pg)
         shutil.rmtree(step_dir, ignore_errors=True)
-        job.ok = True
+        if landed:
+            self._saved_step = job.step
+        self._settle(job, landed, TierName.PERSISTENT.value, None if landed else self._up.last_error)
+        job.ok = landed
 
     def _node_ranks(self, node: int) -> list[int]:
         return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
@@ -677,14 +816,25 @@ class CheckpointManager:
     def _request_upload(self, step: int, files: dict[str, bytes] | None = None) -> None:
         self._up._request_upload(step, files)
 
-    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> None:
+    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
         """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
-        persistent tier; rank 0 commits."""
-        self._up._upload_step(step, src, group, mem=mem)
+        persistent tier; rank 0 commits. True when every rank's files landed (the same on every rank)."""
+        return self._up._upload_step(step, src, group, mem=mem)
 
     # ------------------------------------------------------------------ wait / close
+    @property
+    def last_saved_step(self) -> int | None:
+        """The newest step this manager saved to a tier (its save worker is the only writer), else the step
+        ``restore()`` loaded (the training thread's), else None."""
+        if self._saved_step is not None:
+            return self._saved_step
+        return self.last_restore.step if self.last_restore is not None else None
+
     def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
-        """Wait for in-flight saves, replication and uploads. Returns False on timeout.
+        """Wait for in-flight saves, replication and uploads. Returns True when they finished and the last save
+        landed; False on timeout, when the last save reached no tier, or when the newest step asked of the
+        persistent tier failed to upload. It never raises for a failed save (training decides what to do;
+        the failure is in the log and the ledger, and ``max_failed_saves`` in a row stop the job).
 
         Uploads are waited for at most ``upload_timeout`` (default: the upload grace, ``--upload-grace``):
         a dead persistent store must not hold the job; its pending steps stay queued.
@@ -694,8 +844,9 @@ class CheckpointManager:
         if job is not None:
             if not job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
+        saved = job is None or bool(job.reached)
         if self._uploader is None:
-            return True
+            return saved
         if upload_timeout is None:
             # one grace for wait() and close() together: the clock starts at the first wait that finds
             # uploads pending and stops when they drain (or training goes on)
@@ -708,15 +859,42 @@ class CheckpointManager:
         if not self._up.drain(deadline):
             return False
         self._grace_until = None
-        return True
+        return saved and self._up.newest_failed() is None
+
+    def _upload_final(self, timeout: float | None) -> int | None:
+        """Queue the newest saved step for the persistent tier unless it is there or on its way (the last step
+        of a run, or the step saved for a preemption, is rarely a multiple of ``persistent_every``). Every rank
+        does the same: the saves' outcomes are collective. Returns the step queued."""
+        job = self._last_job
+        if self._uploader is None or self._up.closed:
+            return None
+        if job is not None and not job.done.wait(self.config.collective_timeout_s if timeout is None else timeout):
+            return None
+        step = self._saved_step
+        if step is None or (self._up.requested_max is not None and self._up.requested_max >= step):
+            return None
+        if self.rank == 0:
+            logger.info("uploading the final step %d to the persistent tier (within the upload grace, %.0f s)",
+                        step, float(self.config.upload_grace_s or 0.0))
+        self._request_upload(step)
+        return step
 
     def close(self, timeout: float | None = None, at_exit: bool = False) -> None:
         """Finish in-flight work and stop the background threads. Saves get up to ``timeout``; uploads get
         at most the upload grace, then the steps still pending are abandoned (and recorded in the ledger)."""
         if self._closed:
             return
-        finished = self.wait(timeout)
+        final = self._upload_final(timeout)
+        self.wait(timeout)  # False also for a failed save: what is still running is looked at below
         self._closed = True
+        saving = self._last_job is not None and not self._last_job.done.is_set()
+        uploading = self._uploader is not None and not self._up.drain(time.monotonic())
+        finished = not saving and not uploading
+        if final is not None and self._up.outcomes.get(final) is not True and self.rank == 0:
+            why = (self._up.last_error if self._up.outcomes.get(final) is False
+                   else f"not uploaded within the upload grace of {float(self.config.upload_grace_s or 0):.0f} s")
+            logger.warning("the final step %d is not on the persistent tier (%s): only node-local tiers hold it",
+                           final, why)
         self._up.closed = True
         if not finished:
             abandoned = self._up.abandon()
@@ -744,6 +922,49 @@ class CheckpointManager:
         self.close()
 
     # ------------------------------------------------------------------ restore (restore.py)
+    def _say_nothing_restored(self) -> None:
+        """Rank 0, when restore found no checkpoint: if this run's ledger shows saves from before this
+        process, starting from step 0 loses them; say so (one line and an event) instead of starting silently."""
+        run_dir = os.environ.get(_env.RUN_DIR)
+        if not run_dir:
+            return
+        try:
+            from resilient.events.ledger import read_events
+
+            events = [e for e in read_events(run_dir) if e.wall < self._t_created]
+        except (OSError, ValueError) as e:
+            logger.debug("cannot read the ledger of %s: %s", run_dir, e)
+            return
+        # saves of a run that finished (exit 0) before this launch are not lost: a finished run's directory
+        # reused for a fresh start begins after it; a preempted or failed launch's saves do count
+        finished = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_END and e.details.get("exit_code") == 0]
+        if finished:
+            events = events[finished[-1] + 1:]
+        attempted = sorted({int(e.details["step"]) for e in events
+                            if e.kind is EventKind.CKPT_SAVE and isinstance(e.details.get("step"), int)})
+        if not attempted:
+            return
+        done: dict[str, list[int]] = {}
+        for e in events:
+            if e.kind is EventKind.CKPT_TIER_DONE and isinstance(e.details.get("step"), int):
+                done.setdefault(str(e.details.get("tier")), []).append(int(e.details["step"]))
+        failed = sorted({int(e.details["step"]) for e in events
+                         if e.kind is EventKind.CKPT_SAVE_FAILED and isinstance(e.details.get("step"), int)})
+        tiers: dict[str, str] = {}
+        if self.local is not None:
+            tiers[TierName.LOCAL.value] = str(self.local.root)
+        if self.peer is not None:
+            tiers[TierName.PEER.value] = str(self.peer.root)
+        if self.config.persistent:
+            tiers[TierName.PERSISTENT.value] = str(self.config.persistent)
+        saved = "; ".join(f"{t} recorded steps {_steps_text(sorted(set(s)))}" for t, s in sorted(done.items()))
+        logger.warning("restore: no checkpoint found on any tier (%s), although this run saved before (steps %s%s%s); "
+                       "starting from step 0. Were the tiers wiped, or do they point somewhere else than before?",
+                       ", ".join(f"{t} {w}" for t, w in tiers.items()), _steps_text(attempted),
+                       f"; {saved}" if saved else "", f"; failed saves: {_steps_text(failed)}" if failed else "")
+        self._emit(EventKind.CKPT_RESTORE_MISSING, attempted_steps=attempted, tiers=tiers,
+                   done={t: sorted(set(s)) for t, s in done.items()}, failed_steps=failed)
+
     def restore(self, state: Mapping[str, Any]) -> int:
         """Load the newest step complete on some tier into ``state``; return the step to run next.
 
@@ -757,8 +978,9 @@ class CheckpointManager:
         res = self._restorer.restore(state)
         self.last_restore = res
         if res.step is None:
+            if self.rank == 0:
+                self._say_nothing_restored()
             return 0
-        self.last_saved_step = res.step
         if self._interval.auto:
             self._interval.next_save = res.step + self._interval.steps
         return res.step + 1

@@ -47,6 +47,10 @@ class Uploader(Component):
         self._up_current: int | None = None  # the step being uploaded
         self._up_closing = False
         self._thread: threading.Thread | None = None
+        # written by the upload thread (and _request_upload under _up_cv); read by wait()/close()
+        self.requested_max: int | None = None  # newest step ever asked of the persistent tier
+        self.outcomes: dict[int, bool] = {}  # step -> whether every rank's files landed (the same on every rank)
+        self.last_error: str | None = None  # this rank's error of the last failed upload
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._upload_loop, name="resilient-ckpt-upload", daemon=True)
@@ -86,6 +90,7 @@ class Uploader(Component):
         """Queue ``step`` for upload, from the local tier or (``files``) from memory."""
         with self._up_cv:
             self._up_pending.append(step)
+            self.requested_max = step if self.requested_max is None else max(self.requested_max, step)
             if files is not None:
                 self._up_mem[step] = files
             self._up_cv.notify_all()
@@ -125,9 +130,16 @@ class Uploader(Component):
                     self._up_current = None
                     self._up_cv.notify_all()
 
-    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> None:
+    def newest_failed(self) -> int | None:
+        """The newest step asked of the persistent tier, when its upload failed (None otherwise)."""
+        with self._up_cv:
+            step = self.requested_max
+            return step if step is not None and self.outcomes.get(step) is False else None
+
+    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
         """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
-        persistent tier; rank 0 commits."""
+        persistent tier; rank 0 commits. Returns whether every rank's files landed: the same answer on every
+        rank (rank 0's own commit failing is its event to report, not a reason for the ranks to disagree)."""
         assert self.persistent is not None
         from resilient.checkpoint import compress
 
@@ -181,7 +193,8 @@ class Uploader(Component):
         if coded is not None:
             compress.clear(coded[0])
         results = self._gather((ok, nbytes), group)
-        if all(r[0] for r in results) and self.rank == 0:
+        landed = all(r[0] for r in results)
+        if landed and self.rank == 0:
             try:
                 retry(lambda: self._commit(self.persistent, step, ranks=list(range(self.world_size))),
                       what=f"commit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
@@ -200,8 +213,12 @@ class Uploader(Component):
             except FAILURES as e:
                 ok, error = False, e
         if not ok:
-            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
-                       error=_one_line(error) if not isinstance(error, CheckpointError) else str(error))
+            self.last_error = (_one_line(error) if not isinstance(error, CheckpointError) else str(error)) \
+                if error is not None else "failed on another rank"
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value, error=self.last_error)
+        with self._up_cv:
+            self.outcomes[step] = landed
+        return landed
 
     def _send_plain(self, step: int, d: Path, names: list[str], m: Manifest) -> int:
         """Send the files ``names`` of ``d`` to ``step`` of the persistent tier over the transport coded steps

@@ -54,6 +54,17 @@ class EventKind(str, enum.Enum):
     CKPT_TIER_FAILED = "ckpt_tier_failed"  # details: step, tier, error
     CKPT_RESTORE = "ckpt_restore"  # details: step, tier, seconds, bytes
     CKPT_INTERVAL = "ckpt_interval"  # details: interval, persistent_every, inputs
+    # rank 0: a save that reached no tier; details: step, tier, error, consecutive, max_failed_saves
+    CKPT_SAVE_FAILED = "ckpt_save_failed"
+    # rank 0: training stops after max_failed_saves consecutive failed saves; details: steps, tier, error,
+    # max_failed_saves, message
+    CKPT_STOP = "ckpt_stop"
+    # rank 0: restore found no checkpoint although this run saved before; details: attempted_steps, tiers
+    # (tier -> where it was supposed to be), done (tier -> steps recorded there), failed_steps
+    CKPT_RESTORE_MISSING = "ckpt_restore_missing"
+    # the launcher at exit: the run's newest saved step is not on the persistent tier; details: step,
+    # persistent_step (newest there, or None), exit_code
+    CKPT_NOT_DURABLE = "ckpt_not_durable"
     # rank 0, per upload unless --ckpt-compress none; details: step, tier, mode, codec, decision ("compress" |
     # "plain"), reason, link_mbps, codec_mbps, ratio (as measured before this transfer; None until measured)
     CKPT_COMPRESS = "ckpt_compress"

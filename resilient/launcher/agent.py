@@ -673,6 +673,7 @@ class Agent:
 
     def _spawn(self, attempt: int, master: tuple[str, int]) -> None:
         c = self.cfg
+            renv.CKPT_MAX_FAILED_SAVES: str(c.ckpt_max_failed_saves),
         n = c.nproc_per_node
         redirects, tees = _std_map(c.redirects, n), _std_map(c.tee, n)
         self.workers = []
@@ -960,6 +961,7 @@ class Agent:
             return
         try:
             from resilient.goodput.metrics import MetricsServer
+            exit_code, reason = self._close_checkpoints(exit_code, reason)
 
             self.metrics = MetricsServer(self.cfg.metrics_port, str(self.run_dir), addr=self.cfg.metrics_addr)
             self.metrics.start()
@@ -1131,10 +1133,66 @@ class Agent:
     def _wait_settled(self) -> None:
         """The agent hosting the store stays until every agent read the final plan (torchrun's exit barrier)."""
         if self.sup_loop is not None:
+        from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
             deadline = time.monotonic() + self.sup_loop.cfg.linger
             while not self.sup_loop.settled.is_set() and time.monotonic() < deadline and self._signal is None:
                 self.sup_loop.step(time.monotonic())
                 self.sup_loop.settled.wait(self.cfg.monitor_interval)
+            (self.run_dir / CKPT_STOP_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
+
+    def _ckpt_stop_mark(self) -> str | None:
+        """Why the workers of the last attempt stopped for failed checkpoint saves (they leave a mark, then exit 0
+        so that nothing restarts them into the same failures), or None."""
+        import json
+
+        from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
+
+        if not self._ran:
+            return None
+        for r in range(self.base_rank, self.base_rank + self.cfg.nproc_per_node):
+            try:
+                body = json.loads((self.run_dir / CKPT_STOP_MARK_DIR / f"attempt{self.restart_count}.rank{r}").read_text())
+            except (OSError, ValueError):
+                continue
+            return str(body.get("message") or "checkpoint saves kept failing") if isinstance(body, dict) else None
+        return None
+
+    def _close_checkpoints(self, exit_code: int, reason: str) -> tuple[int, str]:
+        """The run's closing lines on its checkpoints (which steps went where, which saves failed), and the exit
+        rules that depend on them: a job its failed saves stopped exits CKPT_FAILED_EXIT_CODE; a finished run whose
+        newest saved step is not on the persistent tier exits NOT_DURABLE_EXIT_CODE (a preempted one keeps
+        PREEMPTED_EXIT_CODE, so that it is still requeued, and says so in a line and the ledger)."""
+        from resilient.launcher.api import CKPT_FAILED_EXIT_CODE, NOT_DURABLE_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+        try:
+            from resilient.events.ledger import read_events
+            from resilient.goodput.calculator import checkpoint_summary
+
+            events = list(read_events(self.run_dir))
+            mine = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_START and e.node == self.node]
+            summary = checkpoint_summary(events[mine[-1]:] if mine else events)
+        except Exception as e:  # noqa: BLE001 - a report: the exit goes on without it
+            logger.debug("no checkpoint summary: %s", e)
+            return exit_code, reason
+        for line in summary.lines():
+            print(f"resilient-run: {line}", file=sys.stderr)
+        stop = self._ckpt_stop_mark() if exit_code == 0 else None
+        if stop is not None:
+            print(f"resilient-run: the job stopped (exit {CKPT_FAILED_EXIT_CODE}): {stop}", file=sys.stderr)
+            return CKPT_FAILED_EXIT_CODE, f"checkpoint saves failed: {stop}"
+        gap = summary.not_durable() if self.cfg.ckpt_persistent and exit_code in (0, PREEMPTED_EXIT_CODE) else None
+        if gap is None:
+            return exit_code, reason
+        step, there = gap
+        code = NOT_DURABLE_EXIT_CODE if exit_code == 0 else exit_code
+        self.ledger.emit(EventKind.CKPT_NOT_DURABLE, step=step, persistent_step=there, exit_code=code)
+        what = (f"the newest saved step {step} is not on the persistent tier {self.cfg.ckpt_persistent} (newest "
+                f"there: {'none' if there is None else there}); only node-local tiers hold it")
+        if exit_code == 0:
+            print(f"resilient-run: training finished, but {what} (exit {code})", file=sys.stderr)
+            return code, f"succeeded, but step {step} is not durable"
+        print(f"resilient-run: preempted (exit {code} kept, so that the job is requeued), but {what}", file=sys.stderr)
+        return code, f"{reason}; step {step} is not durable"
 
     def _kill_node(self) -> None:
         """A drill's lost node: workers, fork server and this agent SIGKILLed, nothing cleaned up."""

@@ -16,6 +16,13 @@ PREEMPTED_EXIT_CODE = 75
 # unreachable for --rendezvous-timeout while this node had nothing to run): sysexits' EX_UNAVAILABLE. Nothing
 # is wrong with the training; schedulers requeue on it like on a preemption.
 INFRASTRUCTURE_EXIT_CODE = 69
+# Exit code of a job that stopped because --ckpt-max-failed-saves checkpoint saves in a row reached no tier (a full or
+# broken disk, a dead store): sysexits' EX_IOERR. Requeueing would fail the same way: fix the tier, then rerun.
+CKPT_FAILED_EXIT_CODE = 74
+# Exit code of a run that finished its training but whose last saved step could not be put on the persistent tier
+# (--ckpt-persistent) within --upload-grace: sysexits' EX_CANTCREAT. The trained state is on node-local tiers only.
+# A preempted run keeps PREEMPTED_EXIT_CODE (its requeue must still happen) and says so in a line and the ledger.
+NOT_DURABLE_EXIT_CODE = 73
 
 
 class LaunchError(Exception):
@@ -132,6 +139,7 @@ class AgentConfig:
     ckpt_interval: str | None = None
     ckpt_persistent_every: int | None = None
     upload_grace: float = 60.0  # seconds pending uploads get at exit (workers: RESILIENT_UPLOAD_GRACE)
+    ckpt_max_failed_saves: int = 3  # failed saves in a row before the job stops; 0: train on (RESILIENT_CKPT_MAX_FAILED_SAVES)
     heartbeat_timeout: float | None = None
     spare_nodes: int = 0
     metrics_port: int | None = None
@@ -164,6 +172,10 @@ class AgentConfig:
             raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
         if not (isinstance(self.upload_grace, (int, float)) and 0 <= self.upload_grace < float("inf")):
             raise LaunchError(f"--upload-grace must be a finite number of seconds >= 0, got {self.upload_grace}")
+        if isinstance(self.ckpt_max_failed_saves, bool) or not isinstance(self.ckpt_max_failed_saves, int) \
+                or self.ckpt_max_failed_saves < 0:
+            raise LaunchError(f"--ckpt-max-failed-saves must be a whole number >= 0 (0 trains on without checkpoints), "
+                              f"got {self.ckpt_max_failed_saves!r}")
         if self.ckpt_persistent_every is not None and self.ckpt_persistent_every < 1:
             raise LaunchError(f"--ckpt-persistent-every must be >= 1, got {self.ckpt_persistent_every}")
         if self.ckpt_interval is not None and self.ckpt_interval != "auto":

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-compress", "--ckpt_compress", default=None, choices=("auto", "none", "bgzstd", "zstd"),
                    help="compress persistent uploads: auto (when the measured link is slower than the codec "
                         "pays for; default), none, bgzstd (byte planes + zstd), zstd (DCP's own, plain-readable)")
+    g.add_argument("--ckpt-max-failed-saves", "--ckpt_max_failed_saves", type=_max_failed_saves,
+                   default=None, metavar="N",
+                   help="stop the job (exit 74) after N checkpoint saves in a row reached no tier; 0 trains on "
+                        "without checkpoints (default 3; env RESILIENT_CKPT_MAX_FAILED_SAVES)")
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
@@ -76,6 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preload", default=os.environ.get(renv.PRELOAD, ""),
                    help="comma-separated modules the fork server imports ahead of time")
     return parser
+
+
+def _max_failed_saves(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a whole number of failed saves in a row >= 0 (0 trains on without "
+                                         f"checkpoints), got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 trains on without checkpoints), got {n}")
+    return n
+
+
+def _max_failed_saves_of(flag: int | None) -> int:
+    """The flag, else its environment twin, else 3."""
+    if flag is not None:
+        return flag
+    raw = os.environ.get(renv.CKPT_MAX_FAILED_SAVES, "").strip()
+    try:
+        return _max_failed_saves(raw) if raw else 3
+    except argparse.ArgumentTypeError as e:
+        raise LaunchError(f"{renv.CKPT_MAX_FAILED_SAVES}: {e}") from None
 
 
 def _nnodes(v: str) -> tuple[int, int]:
@@ -222,7 +248,7 @@ def parse(argv: list[str]) -> AgentConfig:
             preload=tuple(m for m in args.preload.split(",") if m),
             policy=args.policy, ckpt_local=args.ckpt_local, ckpt_persistent=args.ckpt_persistent,
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
-            upload_grace=args.upload_grace,
+            upload_grace=args.upload_grace, ckpt_max_failed_saves=_max_failed_saves_of(args.ckpt_max_failed_saves),
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
