@@ -643,6 +643,7 @@ class Agent:
             renv.CKPT_INTERVAL: c.ckpt_interval,
             renv.CKPT_PERSISTENT_EVERY: None if c.ckpt_persistent_every is None else str(c.ckpt_persistent_every),
             renv.UPLOAD_GRACE: str(c.upload_grace),
+            renv.CKPT_MAX_FAILED_SAVES: str(c.ckpt_max_failed_saves),
             renv.HEARTBEAT_TIMEOUT: None if c.heartbeat_timeout is None else str(c.heartbeat_timeout),
             renv.POLICY: c.policy, renv.SPARE_NODES: str(c.spare_nodes) if c.spare_nodes else None,
         }
@@ -673,7 +674,6 @@ class Agent:
 
     def _spawn(self, attempt: int, master: tuple[str, int]) -> None:
         c = self.cfg
-            renv.CKPT_MAX_FAILED_SAVES: str(c.ckpt_max_failed_saves),
         n = c.nproc_per_node
         redirects, tees = _std_map(c.redirects, n), _std_map(c.tee, n)
         self.workers = []
@@ -926,6 +926,7 @@ class Agent:
             exit_code = INFRASTRUCTURE_EXIT_CODE
         finally:
             self._shutdown()
+            exit_code, reason = self._close_checkpoints(exit_code, reason)
             self.ledger.emit(EventKind.RUN_END, exit_code=exit_code, reason=reason)
             self.ledger.close()
             self._say_ledger_lost()
@@ -961,7 +962,6 @@ class Agent:
             return
         try:
             from resilient.goodput.metrics import MetricsServer
-            exit_code, reason = self._close_checkpoints(exit_code, reason)
 
             self.metrics = MetricsServer(self.cfg.metrics_port, str(self.run_dir), addr=self.cfg.metrics_addr)
             self.metrics.start()
@@ -1098,46 +1098,11 @@ class Agent:
         return 1, f"signal {signal.Signals(sig).name}"
 
     def _clear_preempt_marks(self, attempt: int) -> None:
+        from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
         from resilient.signals.client import PREEMPT_MARK_DIR
 
         for r in range(self.base_rank, self.base_rank + self.cfg.nproc_per_node):
             (self.run_dir / PREEMPT_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
-
-    def _preempted_cleanly(self, attempt: int) -> bool:
-        """Every local worker ended its loop for the notice after a saved step (resilient.steps marks it)
-        and exited 0; a script that does not use resilient never marks, and exits as under torchrun."""
-        from resilient.signals.client import PREEMPT_MARK_DIR
-
-        marks = self.run_dir / PREEMPT_MARK_DIR
-        return bool(self.workers) and all(
-            w.exit_code == 0 and (marks / f"attempt{attempt}.rank{w.rank}").exists() for w in self.workers)
-
-    def _final(self, plan: dict) -> tuple[int, str]:
-        stop = plan.get("stop")
-        if stop is None:
-            self._wait_settled()
-            if self._ran and self._preempted_cleanly(self.restart_count):
-                # a preemption notice file ended the loop: exit as preempted, so the scheduler requeues
-                from resilient.launcher.api import PREEMPTED_EXIT_CODE
-
-                logger.warning("preempted: every worker saved its last step; rerun the same command to resume")
-                return PREEMPTED_EXIT_CODE, "preempted"
-            return 0, "succeeded"
-        if self.failures or self.first_failure:
-            self._print_failure_summary()
-        else:
-            print(f"resilient-run: the supervisor stopped the job: {stop}", file=sys.stderr)
-        self._wait_settled()
-        return 1, f"stopped by the supervisor: {stop}"
-
-    def _wait_settled(self) -> None:
-        """The agent hosting the store stays until every agent read the final plan (torchrun's exit barrier)."""
-        if self.sup_loop is not None:
-        from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
-            deadline = time.monotonic() + self.sup_loop.cfg.linger
-            while not self.sup_loop.settled.is_set() and time.monotonic() < deadline and self._signal is None:
-                self.sup_loop.step(time.monotonic())
-                self.sup_loop.settled.wait(self.cfg.monitor_interval)
             (self.run_dir / CKPT_STOP_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
 
     def _ckpt_stop_mark(self) -> str | None:
@@ -1193,6 +1158,41 @@ class Agent:
             return code, f"succeeded, but step {step} is not durable"
         print(f"resilient-run: preempted (exit {code} kept, so that the job is requeued), but {what}", file=sys.stderr)
         return code, f"{reason}; step {step} is not durable"
+
+    def _preempted_cleanly(self, attempt: int) -> bool:
+        """Every local worker ended its loop for the notice after a saved step (resilient.steps marks it)
+        and exited 0; a script that does not use resilient never marks, and exits as under torchrun."""
+        from resilient.signals.client import PREEMPT_MARK_DIR
+
+        marks = self.run_dir / PREEMPT_MARK_DIR
+        return bool(self.workers) and all(
+            w.exit_code == 0 and (marks / f"attempt{attempt}.rank{w.rank}").exists() for w in self.workers)
+
+    def _final(self, plan: dict) -> tuple[int, str]:
+        stop = plan.get("stop")
+        if stop is None:
+            self._wait_settled()
+            if self._ran and self._preempted_cleanly(self.restart_count):
+                # a preemption notice file ended the loop: exit as preempted, so the scheduler requeues
+                from resilient.launcher.api import PREEMPTED_EXIT_CODE
+
+                logger.warning("preempted: every worker saved its last step; rerun the same command to resume")
+                return PREEMPTED_EXIT_CODE, "preempted"
+            return 0, "succeeded"
+        if self.failures or self.first_failure:
+            self._print_failure_summary()
+        else:
+            print(f"resilient-run: the supervisor stopped the job: {stop}", file=sys.stderr)
+        self._wait_settled()
+        return 1, f"stopped by the supervisor: {stop}"
+
+    def _wait_settled(self) -> None:
+        """The agent hosting the store stays until every agent read the final plan (torchrun's exit barrier)."""
+        if self.sup_loop is not None:
+            deadline = time.monotonic() + self.sup_loop.cfg.linger
+            while not self.sup_loop.settled.is_set() and time.monotonic() < deadline and self._signal is None:
+                self.sup_loop.step(time.monotonic())
+                self.sup_loop.settled.wait(self.cfg.monitor_interval)
 
     def _kill_node(self) -> None:
         """A drill's lost node: workers, fork server and this agent SIGKILLed, nothing cleaned up."""
