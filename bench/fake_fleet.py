@@ -72,9 +72,9 @@ class FakeAgent:
     def join(self, presence_addr: str | None, signer: T.Signer, timeout: float) -> str:
         self.send(T.MessageKind.JOIN, nproc=self.nproc, pid=os.getpid(), host=socket.gethostname())
         if presence_addr is None:
-            self.store.wait([T.PRESENCE], timedelta(seconds=timeout))
-            presence_addr = self.store.get(T.PRESENCE).decode()
-        self.presence = T.presence_connect(presence_addr, signer, self.name, timeout=timeout)
+            self.store.wait([self.chan.keys.presence], timedelta(seconds=timeout))
+            presence_addr = self.store.get(self.chan.keys.presence).decode()
+        self.presence = T.presence_connect(presence_addr, signer, self.name, timeout=timeout, term=self.chan.term)
         return presence_addr
 
     def heartbeat(self) -> None:

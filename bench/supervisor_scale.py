@@ -231,9 +231,9 @@ class _Observer(threading.Thread):
         nxt, last_q = 0, 0.0
         try:
             while not self.stop.is_set():
-                if self.store.check([T.plan_key(nxt)]):
+                if self.store.check([T.Keys(T.DEFAULT_JOB).plan(nxt)]):
                     t = time.monotonic()
-                    raw = self.store.get(T.plan_key(nxt))
+                    raw = self.store.get(T.Keys(T.DEFAULT_JOB).plan(nxt))
                     plan = self.signer.open(raw)
                     self.plan_bytes = len(raw)
                     self.plans.append({"round": nxt, "t": t, "id": plan.get("id"), "final": bool(plan.get("final")),
@@ -244,7 +244,7 @@ class _Observer(threading.Thread):
                 now = time.monotonic()
                 if now - last_q >= 0.1:
                     last_q = now
-                    self.backlog.append((now, self.store.queue_len(T.QUEUE)))
+                    self.backlog.append((now, self.store.queue_len(T.Keys(T.DEFAULT_JOB).queue)))
                 self.stop.wait(self.poll)
         except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on to its cleanup
             self.error = f"{type(e).__name__}: {e}"
@@ -269,7 +269,7 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
     cmd = [sys.executable, "-m", "resilient.cli", "supervisor", "--rdzv-endpoint", endpoint,
            "--nnodes", f"{max(1, nodes // 2)}:{nodes}", "--spare-nodes", str(spares), "--run-dir", str(run_dir),
            "--max-restarts", "1000000", "--node-timeout", "10", "--last-call-timeout", "1",
-           "--nproc-per-node", str(nproc), "--advertise-addr", "127.0.0.1"]
+           "--nproc-per-node", str(nproc), "--advertise-addr", "127.0.0.1", "--rdzv-id", T.DEFAULT_JOB]
     if not builtin:
         cmd += ["--policy", str(REPO / "policies" / "default.py")]
     names = [f"node{i:04d}" for i in range(nodes + spares)]
@@ -283,7 +283,7 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
     try:
         t_start = time.monotonic()
         store = T.connect_store("127.0.0.1", port, 30.0)  # retries until the supervisor listens
-        store.wait([T.PRESENCE], timedelta(seconds=30))
+        store.wait([T.Keys(T.DEFAULT_JOB).presence], timedelta(seconds=30))
         ps = psutil.Process(sup.pid)
         obs = _Observer(store, T.Signer(secret))
         obs.start()

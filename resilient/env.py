@@ -26,3 +26,4 @@ PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
 PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
 COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off
 FAULTS = "RESILIENT_FAULTS"  # a drill's in-worker faults (--inject), carried out by resilient.steps()
+RDZV_ID = "PET_RDZV_ID"  # torchrun's variable for --rdzv-id; also the default of `resilient supervisor --rdzv-id`

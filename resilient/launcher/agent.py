@@ -31,8 +31,10 @@ from resilient.launcher.api import (
     AgentConfig, LaunchError, NodeRole, NodeRound, Outcome, WorkerExit, WorkerLaunchMethod,
 )
 from resilient.launcher.workers import ForkServer, ForkServerError, SpawnStarter, WorkerProc, signal_workers
+from resilient.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+_RECONNECT_REFUSED = RateLimitedLog(logger, 30.0)  # an endpoint taken by another job, tried every second
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -47,6 +49,10 @@ def _keep_local_default() -> object:
 
 class _StoreLost(Exception):
     """The job's store (and with it the supervisor) stayed unreachable while this node had nothing to run."""
+
+
+class _JobRefused(Exception):
+    """The rendezvous endpoint serves another job (another --rdzv-id): this agent must not join it."""
 
 
 def _conf_bool(v: object) -> bool | None:
@@ -214,6 +220,7 @@ class Agent:
         self._store_lost_at: float | None = None
         self._unsent: list[Event] = []  # reports that found no supervisor
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
+        self._sup_gone = False  # the supervisor closed its end: join it again (its new term) when it is back
         self._clock = None  # ClockSample: the supervisor host's clock minus ours, measured when joining
         self._last_reconnect = 0.0
         self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
@@ -266,7 +273,6 @@ class Agent:
                           preload_file=str(d / f"modules-{os.getpid()}.txt"))
 
     # ---------------------------------------------------------------- automatic preload
-    PRELOAD_KEY = "resilient/preload"  # signed list of learned modules, for the spares (and replaced nodes)
     PRELOAD_QUIET = 0.5  # seconds without a new module before the list is taken as settled
     PRELOAD_REFRESHES = 4  # fork servers warmed per agent for learned modules: imports cost CPU
 
@@ -381,7 +387,7 @@ class Agent:
         if self.store is None:
             return
         try:
-            self.store.set(self.PRELOAD_KEY, self.signer.seal({"modules": list(names), "node": self.node}))
+            self.store.set(self.chan.keys.preload, self.signer.seal({"modules": list(names), "node": self.node}))
         except Exception as e:  # noqa: BLE001 - a speed-up for spares only
             logger.debug("cannot publish learned modules: %s", e)
 
@@ -390,9 +396,9 @@ class Agent:
         if self.store is None or self._store_lost_at is not None:
             return
         try:
-            if not self.store.check([self.PRELOAD_KEY]):
+            if not self.store.check([self.chan.keys.preload]):
                 return
-            body = self.signer.open(self.store.get(self.PRELOAD_KEY))
+            body = self.signer.open(self.store.get(self.chan.keys.preload))
         except Exception as e:  # noqa: BLE001 - forged, or the store is away: nothing learned
             logger.debug("cannot read learned modules: %s", e)
             return
@@ -465,24 +471,32 @@ class Agent:
         hosting = store is not None
         if store is None:
             store = T.connect_store(host, port, c.rendezvous_timeout)
+        # the id names the job (torchrun's meaning): an endpoint serving another id is not ours to join
+        keys = T.Keys(c.rdzv_id)
+        served = T.claim_job(store, c.rdzv_id, hosting=hosting, timeout=c.rendezvous_timeout)
+        if served != c.rdzv_id:
+            T.knock(store, c.rdzv_id, self.node)
+            raise _JobRefused(T.refused_line(served, c.rdzv_id, self.node, f"{host}:{port}"))
         secret = T.load_secret(c.job_secret_file)
         if secret is None:
             # without a configured secret the store itself is the only guard (single host, or trusted network)
             if hosting:
                 secret = T.new_secret()
-                store.set(T.SECRET_KEY, secret)
+                store.set(keys.secret, secret)
             else:
-                store.wait([T.SECRET_KEY], timedelta(seconds=c.rendezvous_timeout))
-                secret = store.get(T.SECRET_KEY)
+                store.wait([keys.secret], timedelta(seconds=c.rendezvous_timeout))
+                secret = store.get(keys.secret)
         self.store = store
-        self.signer = T.Signer(secret)
+        self.signer = T.Signer(secret, c.rdzv_id)
         self.chan = T.AgentChannel(store, self.signer, self.node)
         if hosting:
             self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
+        self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
         self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
-        store.wait([T.PRESENCE], timedelta(seconds=c.rendezvous_timeout))
-        self._presence, self._clock = T.presence_connect_clocked(store.get(T.PRESENCE).decode(), self.signer,
-                                                                 self.node, timeout=min(30.0, c.rendezvous_timeout))
+        store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
+        self._presence, self._clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,
+                                                                 self.node, timeout=min(30.0, c.rendezvous_timeout),
+                                                                 term=self.chan.term)
         self._last_hb = time.monotonic()
         # past the join, a store call must fail within a node timeout, not a rendezvous timeout: a dead or
         # hung supervisor must not freeze this loop (the workers go on either way)
@@ -523,8 +537,14 @@ class Agent:
             self._report(ev)
 
     def _heartbeat(self, force: bool = False) -> None:
-        from resilient.supervisor.transport import MessageKind
+        from resilient.supervisor.transport import MessageKind, presence_closed
 
+        if (self._presence is not None and self.sup_loop is None and not self._sup_gone
+                and presence_closed(self._presence)):
+            # the supervisor stopped or died: a new one takes nothing bound to the old one's term, so this node
+            # joins it again, even if the store itself answers (torch's client may reconnect by itself)
+            self._sup_gone = True
+            self._store_trouble(ConnectionError("the supervisor closed its connection"))
         if self._unsent and self._store_lost_at is None:
             self._flush_unsent()  # the store answers again (torch's client may reconnect by itself)
 
@@ -547,27 +567,36 @@ class Agent:
         join again with our current round — the supervisor adopted it from its ledger — and carry on."""
         from resilient.supervisor import transport as T
 
-        if self._store_lost_at is None or self.sup_loop is not None:
+        if (self._store_lost_at is None and not self._sup_gone) or self.sup_loop is not None:
             return
         now = time.monotonic()
         if now - self._last_reconnect < 1.0:
             return
         self._last_reconnect = now
         c = self.cfg
+        keys = T.Keys(c.rdzv_id)
         try:
             store = T.connect_store(self._endpoint[0], self._endpoint[1], 2.0)
+            served = T.claim_job(store, c.rdzv_id, hosting=False, timeout=2.0)
+            if served != c.rdzv_id:  # another job's supervisor took the endpoint: not ours, keep waiting for ours
+                raise _JobRefused(T.refused_line(served, c.rdzv_id, self.node, "{}:{}".format(*self._endpoint)))
             secret = T.load_secret(c.job_secret_file)
             if secret is None:
-                store.wait([T.SECRET_KEY], timedelta(seconds=2))
-                secret = store.get(T.SECRET_KEY)
-            store.wait([T.PRESENCE], timedelta(seconds=2))
-            presence = store.get(T.PRESENCE).decode()
+                store.wait([keys.secret], timedelta(seconds=2))
+                secret = store.get(keys.secret)
+            store.wait([keys.presence, keys.term], timedelta(seconds=2))
+            presence = store.get(keys.presence).decode()
             store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
-            signer = T.Signer(secret)
+            signer = T.Signer(secret, c.rdzv_id)
             chan = T.AgentChannel(store, signer, self.node)
+            chan.sync_term()
             chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
                       rejoin=True, round=self.round, active=self.active, done=self._done_round == self.round)
-            conn = T.presence_connect(presence, signer, self.node, timeout=2.0)
+            conn = T.presence_connect(presence, signer, self.node, timeout=2.0, term=chan.term)
+        except _JobRefused as e:
+            T.knock(store, c.rdzv_id, self.node)
+            _RECONNECT_REFUSED.warning("%s", e)
+            return
         except Exception as e:  # noqa: BLE001 - not back yet
             logger.debug("supervisor not reachable yet: %s", str(e).splitlines()[0])
             return
@@ -576,9 +605,10 @@ class Agent:
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
         self._flush_unsent()
         self._resync = True
-        logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", now - self._store_lost_at,
-                       self.round)
+        lost_at = self._store_lost_at if self._store_lost_at is not None else now
+        logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", now - lost_at, self.round)
         self._store_lost_at = None
+        self._sup_gone = False
 
     def _new_plan(self) -> dict | None:
         """The newest plan if one newer than the current round exists (bounded store calls)."""
@@ -918,6 +948,11 @@ class Agent:
             self._start_monitor()
             self._start_metrics()
             exit_code, reason = self._follow()
+        except _JobRefused as e:
+            # not this job's endpoint: a wrong --rdzv-id or --rdzv-endpoint, which no retry mends
+            logger.error("%s", e)
+            reason = str(e)
+            exit_code = 2
         except _StoreLost as e:
             from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE
 

@@ -23,8 +23,9 @@ from resilient.events.ledger import Ledger
 from resilient.goodput.tail import LedgerTail
 from resilient.supervisor.api import NodeState
 from resilient.supervisor.core import Assignment, Decision, SupervisorConfig, SupervisorCore
+from resilient.logs import RateLimitedLog
 from resilient.supervisor.transport import (
-    PRESENCE, MessageKind, PresenceServer, Signer, SupervisorChannel, connect_store,
+    MessageKind, PresenceServer, Signer, SupervisorChannel, connect_store, refused_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -66,13 +67,18 @@ class SupervisorLoop:
     def __init__(self, cfg: LoopConfig, store: Any, signer: Signer, ledger: Ledger | None,
                  core: SupervisorCore):
         self.cfg, self.core, self.ledger = cfg, core, ledger
-        self.chan = SupervisorChannel(store, signer)
-        self.presence = PresenceServer(signer)
+        # a new term per supervisor start: what agents sent to an earlier one is not taken by this one
+        self.term = time.time_ns() // 1_000_000
+        self.chan = SupervisorChannel(store, signer, term=self.term)
+        self.chan.announce()
+        self.presence = PresenceServer(signer, term=self.term)
+        self._refused_log = RateLimitedLog(logger)
+        self._refused_seen: set[tuple[str, str]] = set()  # (job, node) already in the ledger
         # checkpoint boundaries (a deferred ScaleUp waits for one) are written by workers to the ledger only
         self._tail = LedgerTail(ledger.path.parent) if ledger is not None else None
         if self._tail is not None:
             self._tail.read_new()  # the past is not news
-        store.set(PRESENCE, f"{cfg.advertise_addr}:{self.presence.port}")
+        store.set(self.chan.keys.presence, f"{cfg.advertise_addr}:{self.presence.port}")
         self._round_stores: dict[int, Any] = {}
         self._spare_store: Any = None  # the next round's store, made ahead of time
         self._spare_lock = threading.Lock()
@@ -129,6 +135,7 @@ class SupervisorLoop:
             self.core.seen(node, now)
         for msg in self.chan.drain():
             out += self._on_message(msg, now)
+        self._log_refusals()
         if self._tail is not None:
             # only checkpoint boundaries matter here: every other line is skipped undecoded
             for ev in self._tail.read_new(contains=f'"{EventKind.CKPT_TIER_DONE.value}"'.encode()):
@@ -181,6 +188,17 @@ class SupervisorLoop:
             logger.info("node %s left: %s", node, msg.get("reason"))
             return self.core.handle(Event(EventKind.AGENT_LOST, node=node, details={"reason": "left"}), now)
         return []
+
+    def _log_refusals(self) -> None:
+        """Agents of another job refused at this endpoint: one line each (rate-limited), and once per agent in
+        the ledger (bounded: what they send is unsigned)."""
+        for r in self.chan.refusals():
+            line = refused_line(self.chan.keys.job, r["job"], r["node"], "this endpoint")
+            self._refused_log.warning("%s", line, key=("refused", r["job"]))
+            if (r["job"], r["node"]) not in self._refused_seen and len(self._refused_seen) < 100:
+                self._refused_seen.add((r["job"], r["node"]))
+                self._write(Event(EventKind.LOG, node=self.cfg.name,
+                                  details={"message": line, "refused_job": r["job"], "refused_node": r["node"]}))
 
     def _carry_out(self, d: Decision) -> None:
         self.decisions.append(d)

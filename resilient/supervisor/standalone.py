@@ -2,10 +2,11 @@
 batch host), hosting the rendezvous store and the per-round stores, so that no training node is special:
 losing node 0 is like losing any node.
 
-    resilient supervisor --rdzv-endpoint HOST:PORT --nnodes MIN:MAX [--spare-nodes N] [--policy FILE] \\
-        --run-dir DIR
+    resilient supervisor --rdzv-endpoint HOST:PORT --nnodes MIN:MAX [--rdzv-id ID] [--spare-nodes N] \\
+        [--policy FILE] --run-dir DIR
 
-Agents use the same ``--rdzv-endpoint``. If this process dies, agents keep their workers training (fail
+Agents use the same ``--rdzv-endpoint``, and the same ``--rdzv-id`` (the job's id); without ``--rdzv-id`` this
+supervisor serves the id of the first agent that reaches it, and agents of another id are refused. If this process dies, agents keep their workers training (fail
 static); started again with the same flags and run directory, it adopts the ledger's newest assignment and
 the agents reconnect to it.
 """
@@ -49,6 +50,7 @@ class StandaloneConfig:
     policy_timeout: float = 1.0
     last_call: float = 30.0
     job_secret_file: str | None = None
+    rdzv_id: str | None = None  # None: the first agent's id
     advertise_addr: str | None = None  # what workers use as MASTER_ADDR for the per-round stores
     nproc_per_node: int = 1  # only until agents report their own
     store_timeout: float = 30.0
@@ -63,6 +65,16 @@ class StandaloneConfig:
                         ("--last-call-timeout", self.last_call)):
             if not (v == v and 0 <= v < float("inf")) or (flag != "--last-call-timeout" and v == 0):
                 raise _BadInput(f"{flag} must be a positive, finite number of seconds, got {v}")
+        if self.rdzv_id is not None:
+            from resilient.supervisor.transport import ANY_JOB, Keys
+
+            if self.rdzv_id == ANY_JOB:
+                raise _BadInput(f"--rdzv-id {ANY_JOB!r} is reserved; leave --rdzv-id out to serve the first "
+                                "agent's id")
+            try:
+                Keys(self.rdzv_id)
+            except ValueError as e:
+                raise _BadInput(f"--rdzv-id: {e}") from None
         host, _, port = self.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not (0 < int(port) < 65536):
             raise _BadInput(f"--rdzv-endpoint must be HOST:PORT with a fixed port, got {self.rdzv_endpoint!r}")
@@ -78,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="HOST:PORT the agents rendezvous at")
     p.add_argument("--nnodes", required=True, help="N or MIN:MAX active nodes")
+    p.add_argument("--rdzv-id", "--rdzv_id", default=os.environ.get(renv.RDZV_ID) or None,
+                   help="the job's id, as the agents' --rdzv-id (default: $PET_RDZV_ID, else the id of the first "
+                        "agent that joins); agents of another id are refused")
     p.add_argument("--run-dir", "--run_dir", required=True, help="directory of the job's ledger (events.jsonl)")
     p.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="warm spare nodes expected")
     p.add_argument("--policy", default=None, help="Python policy file (default: the escalating default policy)")
@@ -115,7 +130,7 @@ def parse(argv: list[str]) -> StandaloneConfig:
                             spare_nodes=a.spare_nodes, policy=a.policy, max_restarts=a.max_restarts,
                             node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
                             last_call=a.last_call_timeout, job_secret_file=a.job_secret_file,
-                            advertise_addr=a.advertise_addr, nproc_per_node=a.nproc_per_node)
+                            advertise_addr=a.advertise_addr, nproc_per_node=a.nproc_per_node, rdzv_id=a.rdzv_id)
 
 
 def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
@@ -136,11 +151,15 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     except (RuntimeError, ValueError) as e:
         raise _BadInput(f"cannot host the rendezvous store on port {port} ({str(e).splitlines()[0]}); is another "
                         "supervisor or agent using it?") from None
+    job = _job_id(cfg, store, stop)
+    if job is None:
+        return EXIT_STOPPED  # told to stop before any agent came
+    keys = T.Keys(job)
     if secret is None:
         logger.warning("no job secret configured (--job-secret-file or RESILIENT_JOB_SECRET): agents learn a "
                        "generated one from the store, and after a restart of this supervisor they need it again")
         secret = T.new_secret()
-        store.set(T.SECRET_KEY, secret)
+        store.set(keys.secret, secret)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(run_dir, node=cfg.name)
@@ -151,7 +170,7 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     addr = cfg.advertise_addr or (host if host not in ("0.0.0.0", "") else socket.getfqdn())
     loop = SupervisorLoop(LoopConfig(core=core_cfg, advertise_addr=addr, last_call=cfg.last_call,
                                      store_timeout=cfg.store_timeout, name=cfg.name),
-                          store, T.Signer(secret), ledger, core)
+                          store, T.Signer(secret, job), ledger, core)
     try:
         past = list(read_events(run_dir))
     except FileNotFoundError:
@@ -171,6 +190,23 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     if loop.result is None:
         return EXIT_STOPPED  # told to stop before the job ended
     return EXIT_SUCCEEDED if loop.result == "succeeded" else EXIT_STOPPED
+
+
+def _job_id(cfg: StandaloneConfig, store: object, stop: threading.Event) -> str | None:
+    """The id of the job served here: ``--rdzv-id``, else the first agent's (it claims the store's job key)."""
+    from resilient.supervisor import transport as T
+
+    if cfg.rdzv_id is not None:
+        store.compare_set(T.JOB_KEY, "", cfg.rdzv_id)  # type: ignore[attr-defined]
+        return cfg.rdzv_id
+    store.compare_set(T.JOB_KEY, "", T.ANY_JOB)  # type: ignore[attr-defined]
+    while not stop.is_set():
+        job = store.get(T.JOB_KEY).decode(errors="replace")  # type: ignore[attr-defined]
+        if job != T.ANY_JOB:
+            logger.warning("serving job %r (the id of the first agent; pass --rdzv-id to fix it)", job)
+            return job
+        stop.wait(0.1)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

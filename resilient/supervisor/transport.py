@@ -1,25 +1,36 @@
 """Agent ↔ supervisor messages over the job's rendezvous store, signed with the per-job secret.
 
-Agents → supervisor: one store queue (``resilient/sv/q``) of signed messages — ``join``, ``hb`` (a periodic
-summary: heartbeats themselves stay on the node), ``event`` (a fault or state change worth a decision),
+Agents → supervisor: one store queue (``resilient/sv/<job>/q``) of signed messages — ``join``, ``hb`` (a
+periodic summary: heartbeats themselves stay on the node), ``event`` (a fault or state change worth a decision),
 ``ack`` (an assignment carried out), ``done`` (this node's workers all finished). Supervisor → agents: one
-write-once key per assignment round (``resilient/sv/plan/<round>``) plus ``resilient/sv/latest``; agents
-check for the next round every ``--monitor-interval`` and jump to the latest.
+write-once key per assignment round (``resilient/sv/<job>/plan/<round>``) plus ``resilient/sv/<job>/latest``;
+agents check for the next round every ``--monitor-interval`` and jump to the latest.
 
-Every message carries an HMAC-SHA256 of its body under the job secret: a message without a valid one
-triggers nothing and is logged (rate-limited). Checkpoint data never passes through here.
+The job id (``--rdzv-id``, torchrun's meaning: the id names the job) is in every key, so two jobs never read
+each other's; the endpoint's store says which job it serves (``resilient/job``), and an agent of another id is
+refused there (it says so in ``resilient/refused`` for the serving side to log) and exits.
+
+Every message carries an HMAC-SHA256 of its body under the job secret, and the body is bound to the job id,
+the supervisor's term (a new one each time a supervisor starts) and a sequence number that only grows per
+sender: a message without a valid signature, of another job, of another term, or not newer than the last one
+taken from its sender (a replay) triggers nothing and is logged (rate-limited). Plans are bound the same way
+and to their round: a plan read under another round's key, or of an older term, is refused. Checkpoint data
+never passes through here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,17 +42,56 @@ from resilient.logs import RateLimitedLog
 logger = logging.getLogger(__name__)
 
 PREFIX = "resilient/sv"
-QUEUE = f"{PREFIX}/q"
-LATEST = f"{PREFIX}/latest"
-SECRET_KEY = f"{PREFIX}/secret"  # only when no secret was configured: store access is then the only guard
+JOB_KEY = "resilient/job"  # the id of the job this endpoint's store serves (outside every job's prefix)
+REFUSED_QUEUE = "resilient/refused"  # agents of another id say here that they were refused, for the log
+ANY_JOB = "*"  # JOB_KEY's value while a supervisor started without --rdzv-id waits to adopt the first agent's
+DEFAULT_JOB = "none"  # torchrun's default --rdzv-id
 
 
-def plan_key(round_: int) -> str:
-    return f"{PREFIX}/plan/{round_}"
+@dataclass(frozen=True)
+class Keys:
+    """The store keys of one job: every one carries the job id, so two jobs sharing a store never meet."""
 
+    job: str = DEFAULT_JOB
 
-def master_key(round_: int) -> str:
-    return f"{PREFIX}/master/{round_}"
+    def __post_init__(self) -> None:
+        if not isinstance(self.job, str) or not self.job or len(self.job) > 256 or "\n" in self.job:
+            raise ValueError(f"a job id (--rdzv-id) must be 1 to 256 characters without a newline, got {self.job!r}")
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}/{self.job}"
+
+    @property
+    def queue(self) -> str:
+        return f"{self.prefix}/q"
+
+    @property
+    def latest(self) -> str:
+        return f"{self.prefix}/latest"
+
+    @property
+    def secret(self) -> str:
+        """Only when no secret was configured: store access is then the only guard."""
+        return f"{self.prefix}/secret"
+
+    @property
+    def presence(self) -> str:
+        """addr:port of the supervisor's presence listener."""
+        return f"{self.prefix}/presence"
+
+    @property
+    def term(self) -> str:
+        """The current supervisor's term, signed: agents bind their messages to it."""
+        return f"{self.prefix}/term"
+
+    @property
+    def preload(self) -> str:
+        """Signed list of the modules the workers import, for the spares."""
+        return f"{self.prefix}/preload"
+
+    def plan(self, round_: int) -> str:
+        return f"{self.prefix}/plan/{round_}"
 
 
 class MessageKind:
@@ -54,7 +104,7 @@ class MessageKind:
 
 
 class BadMessage(ValueError):
-    """A message that is not ours: unsigned, wrongly signed, or not JSON."""
+    """A message that is not ours: unsigned, wrongly signed, not JSON, of another job, or a replay."""
 
 
 def load_secret(secret_file: str | None = None) -> bytes | None:
@@ -80,11 +130,27 @@ def new_secret() -> bytes:
     return secrets.token_hex(32).encode()
 
 
+# One counter per process, started at the wall clock in ns: a sender's sequence numbers only grow, also across a
+# restart of the process under the same node name; several senders in one process each still see theirs grow.
+_seq = itertools.count(time.time_ns())
+_seq_lock = threading.Lock()
+
+
+def next_seq() -> int:
+    with _seq_lock:
+        return next(_seq)
+
+
 @dataclass
 class Signer:
+    """Signs and checks bodies under the job secret; every body it seals names the job and a fresh sequence
+    number, and a body of another job does not open."""
+
     secret: bytes
+    job: str = DEFAULT_JOB
 
     def seal(self, body: dict[str, Any]) -> bytes:
+        body = {**body, "job": self.job, "seq": next_seq()}
         raw = json.dumps(body, separators=(",", ":"), sort_keys=True, default=str)
         mac = hmac.new(self.secret, raw.encode(), hashlib.sha256).hexdigest()
         return json.dumps({"b": raw, "m": mac}, separators=(",", ":")).encode()
@@ -103,7 +169,51 @@ class Signer:
         body = json.loads(raw)
         if not isinstance(body, dict):
             raise BadMessage("malformed control message body")
+        if body.get("job") != self.job:
+            # the same secret, another job (a shared secret, or a message carried over from another job's store)
+            raise BadMessage(f"a message of job {body.get('job')!r}, this is job {self.job!r}")
+        if not isinstance(body.get("seq"), int):
+            raise BadMessage("no sequence number")
         return body
+
+
+class ReplayGuard:
+    """The newest sequence number taken from each sender: one not newer is a replay (or a duplicate)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, sender: str, seq: int) -> None:
+        """Accept ``seq`` from ``sender`` or raise :class:`BadMessage`."""
+        with self._lock:
+            last = self._last.get(sender)
+            if last is not None and seq <= last:
+                raise BadMessage(f"a replayed message from {sender} (sequence number {seq}, newest taken {last})")
+            self._last[sender] = seq
+
+
+def claim_job(store: Any, job: str, *, hosting: bool, timeout: float) -> str:
+    """Which job the endpoint's store serves. The host of a fresh store claims it for its job; a client waits
+    (bounded) for the host's claim, and adopts a store whose supervisor waits for its first agent's id."""
+    if hosting:
+        return store.compare_set(JOB_KEY, "", job).decode(errors="replace")
+    store.wait([JOB_KEY], timedelta(seconds=timeout))
+    return store.compare_set(JOB_KEY, ANY_JOB, job).decode(errors="replace")
+
+
+def refused_line(served: str, job: str, node: str, endpoint: str) -> str:
+    """The one line both sides print when an agent of another job is refused."""
+    return (f"refused node {node} of job {job!r} at {endpoint}: that endpoint serves job {served!r} "
+            f"(--rdzv-id names the job: give each job its own --rdzv-endpoint, or the same --rdzv-id to join it)")
+
+
+def knock(store: Any, job: str, node: str) -> None:
+    """A refused agent tells the serving side who it was (best effort, unsigned: it has no business here)."""
+    try:
+        store.queue_push(REFUSED_QUEUE, json.dumps({"job": job, "node": node}).encode())
+    except Exception as e:  # noqa: BLE001 - the refusal stands either way
+        logger.debug("could not report the refusal to the serving side: %s", e)
 
 
 def connect_store(host: str, port: int, timeout: float, *, is_master: bool = False):
@@ -116,40 +226,87 @@ def connect_store(host: str, port: int, timeout: float, *, is_master: bool = Fal
 
 class AgentChannel:
     """The agent's end: sends signed messages, reads assignments. Every call is bounded by the store timeout;
-    a store that went away raises (the agent keeps its workers and reconnects — fail static)."""
+    a store that went away raises (the agent keeps its workers and reconnects — fail static).
+
+    Messages are bound to the supervisor's term, read from the store (:meth:`sync_term`, done by the first
+    send if not before); plans are taken only under their own round's key and never of an older term."""
 
     def __init__(self, store: Any, signer: Signer, node: str):
         self.store, self.signer, self.node = store, signer, node
+        self.keys = Keys(signer.job)
+        self.term: int | None = None
         self._bad = RateLimitedLog(logger)
+        self._lock = threading.Lock()  # a sequence number is pushed in the order it was drawn
+
+    def sync_term(self, timeout: float | None = None) -> int:
+        """The current supervisor's term (waits up to ``timeout`` for it, else the store's own timeout)."""
+        if timeout is not None:
+            self.store.wait([self.keys.term], timedelta(seconds=timeout))
+        term = int(self.signer.open(self.store.get(self.keys.term))["term"])
+        self.term = term if self.term is None else max(self.term, term)
+        return self.term
 
     def send(self, kind: str, **body: Any) -> None:
-        body.update(type=kind, node=self.node, t=time.time())
-        self.store.queue_push(QUEUE, self.signer.seal(body))
+        if self.term is None:
+            self.sync_term()
+        body.update(type=kind, node=self.node, t=time.time(), term=self.term)
+        with self._lock:
+            self.store.queue_push(self.keys.queue, self.signer.seal(body))
+
+    def hello(self) -> dict[str, Any]:
+        """The body of the presence hello (bound to the term like every message)."""
+        if self.term is None:
+            self.sync_term()
+        return {"node": self.node, "term": self.term}
 
     def latest_round(self) -> int:
-        if not self.store.check([LATEST]):
+        if not self.store.check([self.keys.latest]):
             return -1
-        return int(self.store.get(LATEST))
+        return int(self.store.get(self.keys.latest))
 
     def has_round(self, round_: int) -> bool:
-        return bool(self.store.check([plan_key(round_)]))
+        return bool(self.store.check([self.keys.plan(round_)]))
 
     def plan(self, round_: int) -> dict[str, Any] | None:
-        """The signed plan of a round; a forged one is refused (None) and logged."""
+        """The signed plan of a round; a forged or replayed one is refused (None) and logged."""
         try:
-            return self.signer.open(self.store.get(plan_key(round_)))
+            plan = self.signer.open(self.store.get(self.keys.plan(round_)))
+            if plan.get("round") != round_:
+                raise BadMessage(f"it is the plan of round {plan.get('round')!r} (a replay)")
+            term = plan.get("term")
+            if not isinstance(term, int):
+                raise BadMessage("it names no term")
+            if self.term is not None and term < self.term:
+                raise BadMessage(f"it is of term {term}, older than the current {self.term} (a replay)")
         except BadMessage as e:
             self._bad.warning("refused the plan of round %d: %s", round_, e)
             return None
+        self.term = term  # a newer term: the supervisor was started again
+        return plan
 
 
 class SupervisorChannel:
     """The supervisor's end: drains the queue, publishes plans."""
 
-    def __init__(self, store: Any, signer: Signer, *, max_batch: int = 100_000):
-        self.store, self.signer, self.max_batch = store, signer, max_batch
+    def __init__(self, store: Any, signer: Signer, *, term: int, max_batch: int = 100_000):
+        self.store, self.signer, self.term, self.max_batch = store, signer, term, max_batch
+        self.keys = Keys(signer.job)
         self.refused = 0
+        self.guard = ReplayGuard()
         self._bad = RateLimitedLog(logger)
+        self._knocks = RateLimitedLog(logger)
+
+    def announce(self) -> None:
+        """Publish this supervisor's term: agents bind what they send to it."""
+        self.store.set(self.keys.term, self.signer.seal({"term": self.term}))
+
+    def check(self, body: dict[str, Any], what: str) -> dict[str, Any]:
+        """``body`` (opened: signed, of this job) is of this term and newer than its sender's last, or raise."""
+        if body.get("term") != self.term:
+            raise BadMessage(f"a {what} of term {body.get('term')!r}, this supervisor's is {self.term} (a replay, "
+                             "or an agent that has not seen this supervisor's start yet)")
+        self.guard.take(str(body.get("node")), int(body["seq"]))
+        return body
 
     def drain(self) -> list[dict[str, Any]]:
         import torch.distributed as dist
@@ -157,32 +314,49 @@ class SupervisorChannel:
         out: list[dict[str, Any]] = []
         for _ in range(self.max_batch):
             try:
-                data = self.store.queue_pop(QUEUE, block=False)
+                data = self.store.queue_pop(self.keys.queue, block=False)
             except dist.QueueEmptyError:
                 break
             try:
-                out.append(self.signer.open(data))
+                out.append(self.check(self.signer.open(data), "message"))
             except BadMessage as e:
                 self.refused += 1
                 self._bad.warning("refused a control message: %s", e)
         return out
 
+    def refusals(self, limit: int = 1000) -> list[dict[str, str]]:
+        """Agents of another job that were refused at this endpoint (unsigned, so only ever logged)."""
+        import torch.distributed as dist
+
+        out: list[dict[str, str]] = []
+        for _ in range(limit):
+            try:
+                data = self.store.queue_pop(REFUSED_QUEUE, block=False)
+            except dist.QueueEmptyError:
+                break
+            try:
+                d = json.loads(data)
+                out.append({"job": str(d["job"])[:256], "node": str(d["node"])[:256]})
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
     def publish(self, round_: int, plan: dict[str, Any]) -> None:
-        self.store.set(plan_key(round_), self.signer.seal(plan))
-        self.store.set(LATEST, str(round_))
-
-
-PRESENCE = f"{PREFIX}/presence"  # addr:port of the supervisor's presence listener
+        self.store.set(self.keys.plan(round_), self.signer.seal({**plan, "round": round_, "term": self.term}))
+        self.store.set(self.keys.latest, str(round_))
 
 
 class PresenceServer:
     """One TCP connection per agent, kept open for the job: when an agent dies, its kernel closes the
     connection and the supervisor knows at once, without waiting ``--node-timeout`` (which still covers a
     hung or partitioned host). The first line an agent sends is a signed hello naming its node, so a
-    stranger's connection (or its closing) counts for nothing."""
+    stranger's connection (or its closing) counts for nothing; a hello of another job or term, or one not newer
+    than the last from its node (a replayed hello, whose closing would mark a live node lost), is refused."""
 
-    def __init__(self, signer: Signer, bind: str = "0.0.0.0", max_conns: int = 65536, hello_timeout: float = 10.0):
-        self.signer, self.max_conns, self.hello_timeout = signer, max_conns, hello_timeout
+    def __init__(self, signer: Signer, bind: str = "0.0.0.0", max_conns: int = 65536, hello_timeout: float = 10.0,
+                 *, term: int | None = None):
+        self.signer, self.max_conns, self.hello_timeout, self.term = signer, max_conns, hello_timeout, term
+        self._guard = ReplayGuard()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((bind, 0))
@@ -223,8 +397,13 @@ class PresenceServer:
             if b"\n" in buf:
                 line = buf.split(b"\n", 1)[0]
                 try:
-                    node = str(self.signer.open(line)["node"])
-                except (BadMessage, KeyError, ValueError) as e:
+                    body = self.signer.open(line)
+                    node = str(body["node"])
+                    if self.term is not None and body.get("term") != self.term:
+                        raise BadMessage(f"a hello from {node} of term {body.get('term')!r}, this supervisor's is "
+                                         f"{self.term}")
+                    self._guard.take(node, int(body["seq"]))
+                except (BadMessage, KeyError, ValueError, TypeError) as e:
                     self._bad.warning("refused a presence connection: %s", e)
                     self._close(conn)
                     continue
@@ -279,9 +458,26 @@ class PresenceServer:
         self.sock.close()
 
 
-def presence_connect(addr: str, signer: Signer, node: str, timeout: float) -> Any:
+def presence_connect(addr: str, signer: Signer, node: str, timeout: float, *, term: int | None = None) -> Any:
     """The agent's end: a connection that lives as long as the agent (the kernel closes it when it dies)."""
-    return presence_connect_clocked(addr, signer, node, timeout, clock_timeout=0.0)[0]
+    return presence_connect_clocked(addr, signer, node, timeout, clock_timeout=0.0, term=term)[0]
+
+
+def presence_closed(conn: Any) -> bool:
+    """True when the supervisor's end of the presence connection closed (it stopped, or died): a supervisor
+    started again has a new term that this agent must learn, whether or not its store client noticed."""
+    for _ in range(16):  # the supervisor sends one line (its clock) and nothing after: what is there is dropped
+        try:
+            # a socket with a timeout waits in recv() even with MSG_DONTWAIT: ask whether it is readable first
+            if not select.select([conn], [], [], 0)[0]:
+                return False
+            if not conn.recv(4096):
+                return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -293,13 +489,13 @@ class ClockSample:
 
 
 def presence_connect_clocked(addr: str, signer: Signer, node: str, timeout: float, *,
-                             clock_timeout: float = 2.0) -> tuple[Any, ClockSample | None]:
+                             clock_timeout: float = 2.0, term: int | None = None) -> tuple[Any, ClockSample | None]:
     """:func:`presence_connect`, and the clock offset from the supervisor's signed reply to the hello
     (None if it does not come within ``clock_timeout`` or does not verify: the offset is a refinement)."""
     host, port = addr.rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=timeout)
     t0 = time.time()
-    conn.sendall(signer.seal({"node": node, "t": t0}) + b"\n")
+    conn.sendall(signer.seal({"node": node, "t": t0, "term": term}) + b"\n")
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if clock_timeout <= 0:
         return conn, None

@@ -68,9 +68,9 @@ s = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta
 bad_mac = json.dumps({"b": json.dumps({"type": "event", "node": node, "event": {"kind": "worker_exit",
           "node": node, "rank": 0, "attempt": 0, "details": {"exit_code": 1}}}), "m": "0" * 64})
 for msg in (bad_mac.encode(), b"garbage", b"\xff\x00" * 100):
-    s.queue_push("resilient/sv/q", msg)
-latest = int(s.get("resilient/sv/latest"))
-s.set(f"resilient/sv/plan/{latest + 1}", json.dumps({"b": json.dumps({"round": latest + 1, "final": True,
+    s.queue_push("resilient/sv/cluster/q", msg)
+latest = int(s.get("resilient/sv/cluster/latest"))
+s.set(f"resilient/sv/cluster/plan/{latest + 1}", json.dumps({"b": json.dumps({"round": latest + 1, "final": True,
       "stop": "forged"}), "m": "f" * 64}))
 print("forged", latest + 1)
 '''
