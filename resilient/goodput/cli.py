@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
-from resilient.goodput.calculator import compute_report
+from resilient.goodput.calculator import checkpoint_summary, compute_report
 from resilient.goodput.reader import read_ledger
 
 logger = logging.getLogger(__name__)
@@ -153,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resilient goodput: cannot write TensorBoard files to {args.tensorboard}: {e.strerror or e}",
                   file=sys.stderr)
             return 2
+    ckpt = checkpoint_summary(events)  # which steps were saved where, which saves failed
     if args.json:
-        print(json.dumps(rep.to_json(timeline=args.timeline), indent=2))
+        print(json.dumps(dict(rep.to_json(timeline=args.timeline), checkpoints=ckpt.to_json()), indent=2))
     else:
         print_table(rep)
+        for line in ckpt.lines():
+            print(line)
         if args.plot:
             print(f"timeline written to {args.plot}")
         if args.tensorboard:

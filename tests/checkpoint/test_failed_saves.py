@@ -1,0 +1,173 @@
+"""A save that fails is loud: one line per save, a stop after ``--ckpt-max-failed-saves`` in a row, the failures in
+the ledger and the closing summary, and a restart that finds nothing although the run saved says so.
+
+The failing tier is a real full filesystem (a tmpfs filled to its last byte): every write of a save gets ENOSPC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient.checkpoint.api import CheckpointConfigError, CheckpointSavesFailedError
+from resilient.checkpoint.manager import CheckpointManager
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
+from resilient.launcher.api import CKPT_FAILED_EXIT_CODE
+from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+
+from .conftest import REPO, _child_env
+from .test_e2e_launcher import injected, resilient_run
+from .test_reliability import tiny_disk  # noqa: F401 - the fixture full_disk fills
+
+TRAIN_STEPS = REPO / "examples" / "train.py"  # uses resilient.steps(): its runs have a goodput report
+
+
+@pytest.fixture
+def full_disk(tiny_disk: Path) -> Iterator[Path]:  # noqa: F811
+    """The 20 MB tmpfs with no byte left: directories and empty files can still be made (so resilient-run's
+    writability check passes, as on a real disk that filled up), every write of data fails with ENOSPC."""
+    with open(tiny_disk / "filler", "wb") as f:
+        block = b"\0" * (1 << 20)
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    try:
+        with open(tiny_disk / "probe", "wb") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        pytest.fail("the tmpfs still takes writes")
+    except OSError:
+        pass
+    yield tiny_disk
+
+
+def events(run_dir: Path, kind: EventKind) -> list[dict]:
+    return [e.details | {"rank": e.rank, "attempt": e.attempt} for e in read_events(run_dir) if e.kind == kind]
+
+
+def save_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "checkpoint of step" in ln and "reached no tier" in ln]
+
+
+@pytest.mark.timeout(300)
+def test_saves_failing_every_time_stop_the_job_with_their_own_code(tmp_path: Path, full_disk: Path) -> None:
+    r = resilient_run(tmp_path, ["--max-restarts", "2", "--ckpt-local", str(full_disk / "ckpt"), "--ckpt-interval", "2",
+                                 "--ckpt-max-failed-saves", "3"],
+                      ["--steps", "40", "--out", str(tmp_path / "out")], {}, timeout=240)
+    run = tmp_path / "run"
+    assert r.returncode == CKPT_FAILED_EXIT_CODE, r.stderr[-4000:]
+    # one line per failed save, from rank 0 only, and no traceback on the terminal
+    lines = save_lines(r.stderr)
+    assert [ln.split("checkpoint of step ")[1].split(" ")[0] for ln in lines] == ["1", "3", "5"], r.stderr[-4000:]
+    assert "No space left on device" in lines[0]
+    assert "Traceback" not in r.stderr, r.stderr[-4000:]
+    # the traceback went to the log file, once per rank process
+    tb = (run / "logs" / "checkpoint-errors.log").read_text()
+    assert tb.count("step 1:\nTraceback") >= 1 and "step 3:" not in tb, tb[:2000]
+    # the cause, named on the terminal and in the ledger
+    assert f"the job stopped (exit {CKPT_FAILED_EXIT_CODE})" in r.stderr
+    assert f"local tier {full_disk / 'ckpt'}" in r.stderr
+    assert [d["step"] for d in events(run, EventKind.CKPT_SAVE_FAILED)] == [1, 3, 5]
+    stop = events(run, EventKind.CKPT_STOP)
+    assert len(stop) == 1 and stop[0]["steps"] == [1, 3, 5] and stop[0]["tier"] == "local", stop
+    end = events(run, EventKind.RUN_END)[-1]
+    assert end["exit_code"] == CKPT_FAILED_EXIT_CODE and "checkpoint saves failed" in end["reason"], end
+    # a real stop: one attempt, no restart, and the script never reached its end
+    assert len(events(run, EventKind.ATTEMPT_START)) == 1
+    assert not events(run, EventKind.RESTART)
+    assert not (tmp_path / "out" / "rank0.pt").exists()
+    # the closing summary says which saves failed
+    assert "checkpoints: 3 failed save(s) (reached no tier): steps 1, 3, 5" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_max_failed_saves_0_trains_on_and_the_reports_list_the_failed_saves(tmp_path: Path, full_disk: Path) -> None:
+    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir",
+           str(tmp_path / "run"), "--ckpt-local", str(full_disk / "ckpt"), "--ckpt-interval", "2",
+           str(TRAIN_STEPS), "--steps", "10", "--dim", "8", "--hidden", "16", "--batch", "4"]
+    r = subprocess.run(cmd, cwd=REPO, env=_child_env({"RESILIENT_CKPT_MAX_FAILED_SAVES": "0"}), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "[train] done" in r.stdout
+    assert len(save_lines(r.stderr)) == 5 and "training goes on without checkpoints" in save_lines(r.stderr)[0]
+    assert "checkpoints: 5 failed save(s) (reached no tier): steps 1, 3, 5, 7, 9; first error: local: " in r.stderr
+    assert not events(tmp_path / "run", EventKind.CKPT_STOP)
+    rep = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(tmp_path / "run"), "--json"],
+                         cwd=REPO, env=_child_env({}), capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    ck = json.loads(rep.stdout)["checkpoints"]
+    assert ck["failed"]["steps"] == [1, 3, 5, 7, 9] and "No space left" in ck["failed"]["first_error"], ck
+    assert ck["tiers"] == {}, ck
+    table = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(tmp_path / "run")],
+                           cwd=REPO, env=_child_env({}), capture_output=True, text=True, timeout=120)
+    assert "5 failed save(s) (reached no tier): steps 1, 3, 5, 7, 9" in table.stdout, table.stdout
+
+
+@pytest.mark.parametrize("flag,env", [(["--ckpt-max-failed-saves", "-1"], {}),
+                                      (["--ckpt-max-failed-saves", "two"], {}),
+                                      (["--ckpt-max-failed-saves=1.5"], {}),
+                                      ([], {"RESILIENT_CKPT_MAX_FAILED_SAVES": "-3"})])
+def test_bad_max_failed_saves_is_one_line_and_exit_2(tmp_path: Path, flag: list[str], env: dict[str, str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir",
+                        str(tmp_path / "run"), *flag, str(REPO / "examples" / "ckpt_train.py"), "--out", "x"],
+                       cwd=REPO, env=_child_env(env), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "pynvml" not in ln and "import pynvml" not in ln]
+    assert len(lines) == 1 and "max-failed-saves" in lines[0].lower().replace("_", "-"), r.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+@pytest.mark.timeout(300)
+def test_restart_that_finds_no_checkpoint_says_so(tmp_path: Path) -> None:
+    # rank 1 deletes the node's local tier once step 3 is saved, then dies: the restart finds no checkpoint
+    r = resilient_run(tmp_path, ["--max-restarts", "1", "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "2"],
+                      ["--steps", "8", "--out", str(tmp_path / "out")],
+                      plan_env(WorkerFault(FaultHow.LOSE_DISK, rank=1, step=3)), timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    run = tmp_path / "run"
+    assert injected(run) == ["lose-disk"]
+    missing = events(run, EventKind.CKPT_RESTORE_MISSING)
+    assert len(missing) == 1 and missing[0]["attempt"] == 1, missing
+    assert missing[0]["attempted_steps"] == [1, 3] and missing[0]["done"]["local"] == [1, 3], missing
+    assert missing[0]["tiers"]["local"] == str(tmp_path / "ckpt"), missing
+    line = [ln for ln in r.stderr.splitlines() if "restore: no checkpoint found" in ln]
+    assert len(line) == 1 and "steps 1, 3" in line[0] and str(tmp_path / "ckpt") in line[0], r.stderr[-4000:]
+    assert "a restart found no checkpoint although steps 1, 3 were saved before" in r.stderr
+
+
+def test_wait_is_false_after_a_failed_save_and_alone_the_stop_raises(tmp_path: Path, full_disk: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith(("RESILIENT_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(k)
+    with pytest.raises(CheckpointConfigError, match="max_failed_saves=-1"):
+        CheckpointManager(local=tmp_path / "ok", max_failed_saves=-1)
+    model = torch.nn.Linear(4, 4)
+    ck = CheckpointManager(local=full_disk / "ckpt", interval=1, peer=False, max_failed_saves=2)
+    try:
+        assert ck.save(0, {"model": model})
+        assert ck.wait(60) is False  # the save reached no tier
+        assert ck.last_saved_step is None
+        assert ck.save(1, {"model": model})  # the second failure in a row: the next save stops
+        with pytest.raises(CheckpointSavesFailedError, match=r"2 checkpoint saves in a row reached no tier") as e:
+            ck.save(2, {"model": model})
+        assert e.value.steps == [0, 1] and e.value.tier == "local" and "No space left" in (e.value.error or "")
+    finally:
+        ck.close(timeout=60)
+    good = CheckpointManager(local=tmp_path / "good", interval=1, peer=False)
+    try:
+        good.save(0, {"model": model})
+        assert good.wait(60) is True and good.last_saved_step == 0
+    finally:
+        good.close(timeout=60)
