@@ -44,7 +44,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -181,8 +181,27 @@ def encode(data: Any, elem_size: int, threads: int = 1) -> bytes:
     return b"".join([head, *first, *(x for blk in coded for x in blk)])
 
 
-def decode(data: Any) -> bytearray:
-    """Inverse of :func:`encode`; raises :class:`CompressError` on a malformed stream."""
+def _plane(dctx: Any, body: memoryview, plen: int) -> bytes:
+    """One coded plane of ``plen`` bytes. A frame header that declares another size is refused before
+    anything is allocated: python-zstandard allocates a declared content size whatever ``max_output_size``
+    says (a 64 KB frame declaring 2 GiB allocated 2 GiB); an undeclared one is bounded by ``max_output_size``."""
+    try:
+        declared = zstandard.frame_content_size(body)
+        if declared >= 0 and declared != plen:
+            raise CompressError(f"resilient.bgzstd/1 stream: a plane declares {declared} bytes where its block "
+                                f"holds {plen}")
+        got = dctx.decompress(body, max_output_size=plen) if plen else b""
+    except zstandard.ZstdError as e:
+        raise CompressError(f"resilient.bgzstd/1 stream: {e}") from None
+    if len(got) != plen:
+        raise CompressError("resilient.bgzstd/1 stream: a plane decodes to the wrong length")
+    return got
+
+
+def _iter_bgzstd(data: Any, limit: int | None = None) -> Iterator[Any]:
+    """The decoded blocks of a ``resilient.bgzstd/1`` stream, one at a time (at most BLOCK bytes each).
+    ``limit``: the most bytes the whole stream may decode to; the block that would pass it is refused
+    (:class:`ItemTooLargeError`) before it is allocated."""
     mv = memoryview(data).cast("B")
     if len(mv) < 5 or bytes(mv[:4]) != MAGIC:
         raise CompressError("not a resilient.bgzstd/1 stream (bad magic)")
@@ -190,8 +209,7 @@ def decode(data: Any) -> bytearray:
     if es not in (1, 2, 4, 8, 16):
         raise CompressError(f"resilient.bgzstd/1 stream: bad element size {es}")
     dctx = zstandard.ZstdDecompressor()
-    out = bytearray()
-    pos = 5
+    pos, total = 5, 0
 
     def take(k: int) -> memoryview:
         nonlocal pos
@@ -205,25 +223,179 @@ def decode(data: Any) -> bytearray:
         (n,) = _U32.unpack(take(4))
         if n > BLOCK:
             raise CompressError(f"resilient.bgzstd/1 stream: block of {n} bytes exceeds {BLOCK}")
+        total += n
+        if limit is not None and total > limit:
+            raise ItemTooLargeError(limit)
         plen = n // es
         elems = np.empty((plen, es), dtype=np.uint8)  # planes land in their columns: one strided write each
         for i in range(es):
             (c,) = _U32.unpack(take(4))
             body = take(c)
-            if c == plen:
-                elems[:, i] = np.frombuffer(body, dtype=np.uint8)
-            else:
-                try:
-                    got = dctx.decompress(body, max_output_size=plen)
-                except zstandard.ZstdError as e:
-                    raise CompressError(f"resilient.bgzstd/1 stream: {e}") from None
-                if len(got) != plen:
-                    raise CompressError("resilient.bgzstd/1 stream: a plane decodes to the wrong length")
-                elems[:, i] = np.frombuffer(got, dtype=np.uint8)
+            elems[:, i] = np.frombuffer(body if c == plen else _plane(dctx, body, plen), dtype=np.uint8)
         if plen:
-            out += memoryview(elems).cast("B")
-        out += take(n % es)
+            yield memoryview(elems).cast("B")
+        tail = take(n % es)
+        if len(tail):
+            yield tail
+
+
+def decode(data: Any, limit: int | None = None) -> bytearray:
+    """Inverse of :func:`encode`; raises :class:`CompressError` on a malformed stream, and
+    :class:`ItemTooLargeError` (before allocating it) on one that decodes to more than ``limit`` bytes."""
+    out = bytearray()
+    for blk in _iter_bgzstd(data, limit):
+        out += blk
     return out
+
+
+class ItemTooLargeError(CompressError):
+    """A coded item decodes to more bytes than the most it can hold: a decompression bomb."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        super().__init__(f"decodes to more than {limit:,} bytes")
+
+
+_UNZSTD_READ = 1 << 20  # decoded bytes per read of a streamed stream.zstd/1 item
+
+
+def _zstd_limit_check(body: Any, limit: int | None) -> None:
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise CompressError(f"stream.zstd/1 item: {e}") from None
+    if limit is not None and declared > limit:
+        raise ItemTooLargeError(limit)  # refused from its header: nothing decoded
+
+
+def iter_decode(body: Any, descriptors: Sequence[str], limit: int | None) -> Iterator[Any]:
+    """The decoded bytes of one coded item (its ``transform_descriptors``), in pieces of a few MB: a
+    streamed decode whose memory is bounded whatever the item decodes to. Past ``limit`` decoded bytes it
+    raises :class:`ItemTooLargeError` (nothing beyond the limit is allocated)."""
+    kind = _one_descriptor(descriptors)
+    if kind is Codec.BGZSTD:
+        yield from _iter_bgzstd(body, limit)
+        return
+    _zstd_limit_check(body, limit)
+    total = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=False)
+        while True:
+            piece = reader.read(_UNZSTD_READ)
+            if not piece:
+                return
+            total += len(piece)
+            if limit is not None and total > limit:
+                raise ItemTooLargeError(limit)
+            yield piece
+    except zstandard.ZstdError as e:
+        raise CompressError(f"stream.zstd/1 item: {e}") from None
+
+
+def decode_item(body: Any, descriptors: Sequence[str], limit: int | None) -> Any:
+    """One coded item decoded whole (restore needs it in memory), at most ``limit`` bytes: more raises
+    :class:`ItemTooLargeError` before it is allocated."""
+    kind = _one_descriptor(descriptors)
+    if kind is Codec.BGZSTD:
+        return decode(body, limit)
+    if limit is None:
+        return b"".join(iter_decode(body, descriptors, None))
+    _zstd_limit_check(body, limit)
+    try:
+        # a declared size (checked above) is allocated as such; an undeclared one is bounded by the limit
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        if "did not decompress full frame" in str(e):
+            # more than the limit, or a truncated frame: a streamed pass (bounded memory) says which
+            for _ in iter_decode(body, descriptors, limit):
+                pass
+        raise CompressError(f"stream.zstd/1 item: {e}") from None
+
+
+def _one_descriptor(descriptors: Sequence[str]) -> Codec:
+    """The codec of an item's ``transform_descriptors``: one of ours (what this package and DCP's
+    ``ZStandard`` write); anything else is not a checkpoint we can decode within bounds."""
+    ds = list(descriptors or ())
+    if len(ds) == 1:
+        name, _, version = str(ds[0]).partition("/")
+        if version.partition(".")[0] == "1":
+            if name == "resilient.bgzstd":
+                return Codec.BGZSTD
+            if name == "stream.zstd":
+                return Codec.ZSTD
+    raise CompressError(f"unsupported transform {ds!r}: expected one of {sorted(DESCRIPTOR.values())}")
+
+
+def check_item(body: Any, descriptors: Sequence[str], metadata: Any, index: Any, what: str) -> None:
+    """What ``resilient ckpt verify`` does for a coded item: decode it within its true size (a bomb raises
+    :class:`~resilient.checkpoint.api.UnsafeCheckpointError` naming ``what``), check the decoded bytes'
+    own checksums (zstd's frame checksums while decoding, the zip records' crc32 of torch.save after),
+    load it as restore does, and check a tensor's dtype and shape against ``.metadata``."""
+    import zipfile
+
+    from resilient.checkpoint.api import UnsafeCheckpointError
+    from resilient.checkpoint.safe import safe_torch_load
+
+    item = f"item {index.fqn!r}"
+    try:
+        raw = decode_item(body, descriptors, item_limit(metadata, index))
+    except ItemTooLargeError as e:
+        raise UnsafeCheckpointError(what, None, f"{item} {e}, more than its .metadata entry allows "
+                                    "(a decompression bomb)") from None
+    try:
+        bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise CompressError(f"{item} decodes to no torch.save record ({e})") from None
+    if bad is not None:
+        raise CompressError(f"{item}: decoded record {bad} fails its crc32")
+    obj = safe_torch_load(io.BytesIO(raw), what=item)
+    meta = metadata.state_dict_metadata.get(index.fqn)
+    if isinstance(meta, TensorStorageMetadata):
+        import torch
+
+        want = None if index.offset is None else tuple(index.offset)
+        chunk = next((c for c in meta.chunks if want is None or tuple(c.offsets) == want), None)
+        if not isinstance(obj, torch.Tensor) or obj.dtype != meta.properties.dtype or (
+                chunk is not None and tuple(obj.shape) != tuple(chunk.sizes)):
+            got = f"{obj.dtype} {tuple(obj.shape)}" if isinstance(obj, torch.Tensor) else type(obj).__name__
+            raise CompressError(f"{item} decodes to {got}, .metadata says {meta.properties.dtype} "
+                                f"{tuple(chunk.sizes) if chunk is not None else tuple(meta.size)}")
+
+
+# torch.save's zip records around a tensor's bytes (pickle, version, byte order, alignment, directory):
+# 1.5-1.6 KB measured for every dtype and size; a generous bound, still nothing like a bomb
+SAVE_SLACK = 64 << 10
+# objects (DCP's bytes items: RNG states, loader positions, optimizer hyper-parameters) have no size in
+# ``.metadata``: they are bounded by this, which RESILIENT_CKPT_MAX_OBJECT_MB overrides
+MAX_OBJECT_MB = 256
+ENV_MAX_OBJECT_MB = "RESILIENT_CKPT_MAX_OBJECT_MB"
+
+
+def max_object_bytes() -> int:
+    raw = os.environ.get(ENV_MAX_OBJECT_MB, "").strip()
+    try:
+        mb = float(raw) if raw else MAX_OBJECT_MB
+    except ValueError:
+        logger.error("%s=%r is not a number of MB; using %d", ENV_MAX_OBJECT_MB, raw, MAX_OBJECT_MB)
+        mb = MAX_OBJECT_MB
+    return int(max(mb, 1) * (1 << 20))
+
+
+def item_limit(metadata: Any, index: Any) -> int:
+    """The most bytes item ``index`` of a step can decode to: a tensor chunk's bytes as ``.metadata``
+    records them (dtype x the chunk's sizes) plus torch.save's records; an object's, :func:`max_object_bytes`."""
+    import math
+
+    meta = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(meta, TensorStorageMetadata):
+        return max_object_bytes()
+    es = meta.properties.dtype.itemsize
+    whole = math.prod(meta.size) * es
+    want = None if index.offset is None else tuple(index.offset)
+    for ch in meta.chunks:
+        if want is None or tuple(ch.offsets) == want:
+            return min(math.prod(ch.sizes) * es, whole) + SAVE_SLACK
+    return whole + SAVE_SLACK
 
 
 class _EncodeOnClose(io.RawIOBase):
@@ -856,15 +1028,22 @@ class Chooser:
 
 
 # ------------------------------------------------------------------ a plain copy
-def export_step(read_file: Callable[[str], bytes], names: Sequence[str], out_dir: str | os.PathLike[str]) -> int:
+def export_step(read_file: Callable[[str], bytes], names: Sequence[str], out_dir: str | os.PathLike[str],
+                metadata: Any = None) -> int:
     """Write a plain (untransformed) DCP copy of a step into ``out_dir``; ``read_file(name)`` gives a
-    file of the step. Returns the number of items decoded. Files with no transformed item are copied."""
+    file of the step. Returns the number of items decoded. Files with no transformed item are copied.
+
+    ``metadata``: the step's DCP metadata (read through ``read_file`` when None). Each coded item is
+    decoded as a stream straight into its file, at most :func:`item_limit` bytes (its true size from
+    ``.metadata``): memory stays a few MB whatever an item decodes to, and a decompression bomb raises
+    :class:`~resilient.checkpoint.api.UnsafeCheckpointError` naming the file and item. The caller removes
+    what was written when this raises."""
+    from resilient.checkpoint.api import UnsafeCheckpointError
     from resilient.checkpoint.safe import load_metadata
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = load_metadata(read_file(DCP_METADATA), what=DCP_METADATA)
-    reg = extension_registry()
+    md = metadata if metadata is not None else load_metadata(read_file(DCP_METADATA), what=DCP_METADATA)
     by_file: dict[str, list[tuple[Any, _StorageInfo]]] = {}
     for idx, info in md.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((idx, info))
@@ -878,19 +1057,29 @@ def export_step(read_file: Callable[[str], bytes], names: Sequence[str], out_dir
         if not any(info.transform_descriptors for _, info in items):
             (out / name).write_bytes(data)
             continue
+        mv = memoryview(data).cast("B")
         off = 0
         with open(out / f".{name}.tmp", "wb") as f:
             for idx, info in items:
-                body = data[info.offset:info.offset + info.length]
+                if info.offset < 0 or info.length < 0 or info.offset + info.length > len(mv):
+                    raise CompressError(f"{name}: item {idx.fqn!r} lies outside the file ({info.offset}+"
+                                        f"{info.length} > {len(mv)} bytes)")
+                body = mv[info.offset:info.offset + info.length]
+                n = 0
                 if info.transform_descriptors:
-                    stream: Any = io.BytesIO(body)
-                    for ex in reg.from_descriptor_list(info.transform_descriptors):
-                        stream = ex.transform_from(stream)  # type: ignore[attr-defined]
-                    body = stream.read()
+                    try:
+                        for piece in iter_decode(body, info.transform_descriptors, item_limit(md, idx)):
+                            f.write(piece)
+                            n += len(piece)
+                    except ItemTooLargeError as e:
+                        raise UnsafeCheckpointError(name, None, f"item {idx.fqn!r} {e}, more than its "
+                                                    ".metadata entry allows (a decompression bomb)") from None
                     decoded += 1
-                f.write(body)
-                storage[idx] = dataclasses.replace(info, offset=off, length=len(body), transform_descriptors=None)
-                off += len(body)
+                else:
+                    f.write(body)
+                    n = len(body)
+                storage[idx] = dataclasses.replace(info, offset=off, length=n, transform_descriptors=None)
+                off += n
         os.replace(out / f".{name}.tmp", out / name)
     md.storage_data = storage
     tmp = out / f"{DCP_METADATA}.tmp"
@@ -903,9 +1092,10 @@ def clear(out_dir: str | os.PathLike[str]) -> None:
     shutil.rmtree(out_dir, ignore_errors=True)
 
 
-__all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode", "Decision", "Prepared", "Sink",
-           "ZStandard", "decode", "encode", "export_step", "extension_registry", "finish_step", "merged_metadata",
-           "parse_mode", "prepare_upload", "sent_bytes", "stream_files", "tier_sink", "transcode_files"]
+__all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode", "Decision", "ItemTooLargeError",
+           "Prepared", "Sink", "ZStandard", "check_item", "decode", "decode_item", "encode", "export_step", "extension_registry",
+           "finish_step", "item_limit", "iter_decode", "merged_metadata", "parse_mode", "prepare_upload",
+           "sent_bytes", "stream_files", "tier_sink", "transcode_files"]
 
 
 # ------------------------------------------------------------------ the manager's upload hook

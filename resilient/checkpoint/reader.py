@@ -208,6 +208,23 @@ class FastReader(FileSystemReader):
         self._copier: Any = None
         self._pending: list[Any] = []
 
+    def set_up_storage_reader(self, metadata: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, *args, **kwargs)
+        self._metadata = metadata  # the items' true sizes: what a coded item may decode to
+
+    def _decoded(self, relative_path: str, req: Any, item_md: Any, raw: Any) -> "MemoryStream":
+        """A coded item decoded in memory, at most the size ``.metadata`` gives it (DCP's own transforms
+        read a stream to its end: a 128 KB bomb would grow to GBs); a bomb is refused as unsafe."""
+        from resilient.checkpoint.compress import ItemTooLargeError, decode_item, item_limit
+
+        md = getattr(self, "_metadata", None)
+        limit = item_limit(md, req.storage_index) if md is not None else None
+        try:
+            return MemoryStream(decode_item(raw.read(item_md.length), item_md.transform_descriptors, limit))
+        except ItemTooLargeError as e:
+            raise UnsafeCheckpointError(relative_path, None, f"item {req.storage_index.fqn!r} {e}, more than its "
+                                        ".metadata entry allows (a decompression bomb)") from None
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         """DCP's read_metadata, through the restricted unpickler instead of ``pickle.load``."""
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -323,8 +340,10 @@ class FastReader(FileSystemReader):
                             logger.debug("fast read of %s fell back: %s", req.storage_index, e)
                     self.slow_items += 1
                     file_slice = self._slice_file(stream, item_md)
-                    transform_from = self.transforms.transform_load_stream(
-                        req, item_md.transform_descriptors or (), file_slice)
+                    if item_md.transform_descriptors:  # decoded within the item's true size, never more
+                        transform_from = self._decoded(relative_path, req, item_md, file_slice)
+                    else:
+                        transform_from = self.transforms.transform_load_stream(req, (), file_slice)
                     if req.type == LoadItemType.BYTE_IO:
                         read_bytes = io.BytesIO(transform_from.read(-1))
                         read_bytes.seek(0)

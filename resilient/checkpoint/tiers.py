@@ -689,10 +689,16 @@ def _content_problem(path: Path, name: str, md: Any) -> tuple[str | None, Any]:
             return None, md
         with open(path, "rb") as f:
             for idx, info in md.storage_data.items():
-                if info.relative_path != name or info.transform_descriptors:
-                    continue  # transformed (compressed) items are checked by restore itself
+                if info.relative_path != name:
+                    continue
                 f.seek(info.offset)
-                safe_torch_load(io.BytesIO(f.read(info.length)), what=f"item {idx.fqn!r}")
+                body = f.read(info.length)
+                if info.transform_descriptors:  # decoded within its true size and checked (compress.py)
+                    from resilient.checkpoint.compress import check_item
+
+                    check_item(body, info.transform_descriptors, md, idx, what=name)
+                    continue
+                safe_torch_load(io.BytesIO(body), what=f"item {idx.fqn!r}")
         return None, md
     except UnsafeCheckpointError as e:
         return f"unsafe: {e}", md
