@@ -3,6 +3,11 @@
 Loads the policy and replays through a real :class:`SupervisorCore` either a recorded ledger or, without
 ``--ledger``, the shipped scenario table, printing every decision (time, event, action, reason, and why
 the policy was overruled when it was).
+
+The policy runs in a process of its own under the limits a job gives it (:class:`PolicyLimits`): a file
+that ends its process, loops, allocates past the memory limit or forks, while loading or deciding, is
+refused with one line and exit status 2 within a bounded time (the load time, or a few decisions'
+``--policy-timeout``). A policy that raises or returns nonsense is shown overruled in the table, as in a job.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import Policy, PolicyError
 from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore
-from resilient.supervisor.policy import load_policy
+from resilient.supervisor.policy import IsolatedPolicy, PolicyLimits, load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +89,26 @@ def _console() -> Any:
     return con if con.is_terminal else Console(width=160)
 
 
+def _harmful(policy: Policy, file: str, where: str) -> int | None:
+    """Exit status 2 with one line when the policy's process died, overran, hit a limit or forked."""
+    failures = policy.failures if isinstance(policy, IsolatedPolicy) else []
+    if not failures:
+        return None
+    print(f"{PROG} check: {file}: {failures[0]} ({where})", file=sys.stderr)
+    return 2
+
+
 # --------------------------------------------------------------------------------------------- scenarios
-def check_scenarios(policy: Policy, name: str, as_json: bool) -> int:
+def check_scenarios(policy: Policy, name: str, as_json: bool, file: str | None = None) -> int:
     from resilient.supervisor.scenarios import SCENARIOS, check, run_scenario
 
     report = []
     differ = 0
     for sc in SCENARIOS:
         out = run_scenario(sc, policy)
+        bad = _harmful(policy, file or name, f"scenario {sc.name}")
+        if bad is not None:
+            return bad
         rows = [_row(getattr(step, "at", None), d) for step, d in out.decisions]
         problems = check(out, name)
         differ += bool(problems)
@@ -193,6 +210,9 @@ def check_ledger(policy: Policy, args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"{PROG} check: cannot replay {path}: {e}", file=sys.stderr)
         return 2
+    bad = _harmful(policy, args.file, f"replaying {path}")
+    if bad is not None:
+        return bad
     if args.json:
         print(json.dumps({"policy": args.file, "ledger": str(path), "decisions": rows}, indent=1, default=str))
         return 0
@@ -217,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} check: --policy-timeout must be > 0 and --max-restarts >= 0", file=sys.stderr)
         return 2
     try:
-        policy = load_policy(args.file)
+        policy = load_policy(args.file, limits=PolicyLimits(timeout=args.policy_timeout))
     except PolicyError as e:
         print(f"{PROG} check: {e}", file=sys.stderr)
         return 2
-    if args.ledger:
-        return check_ledger(policy, args)
-    return check_scenarios(policy, Path(args.file).stem, args.json)
+    try:
+        if args.ledger:
+            return check_ledger(policy, args)
+        return check_scenarios(policy, Path(args.file).stem, args.json, args.file)
+    finally:
+        policy.close()  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":
