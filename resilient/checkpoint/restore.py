@@ -301,6 +301,8 @@ class Restorer(Component):
                 if isinstance(got, _Unsafe):
                     unsafe.extend(got.errors)
                     continue
+                if got is None and self._persistent_alone(step, views):
+                    continue
                 res = got
                 break
             if res is not None:
@@ -320,6 +322,44 @@ class Restorer(Component):
         raise NoRestorableStepError(f"committed steps {failures} exist but none could be assembled from verified "
                                     f"files on any tier; the state is undefined{extra}; see the log for the "
                                     "corrupt or missing files")
+
+    def _persistent_alone(self, step: int, views: list[dict[str, list[int]]]) -> bool:
+        """After ``step`` failed from this node's copies mixed with others: try it once more from the persistent
+        tier's copy alone (the same on every rank: ``views`` and the exclusions are). Its copy may be encoded
+        otherwise (compressed at upload): its files are not blocks of the local copies, and its manifests and
+        ``.metadata`` belong together; a bad block of a local copy, or a rank whose copies are only there, is
+        then served from it whole."""
+        near = [t.name for t in (self.local, self.peer) if t is not None]
+        if (not near or all((step, n) in self._excluded for n in near)
+                or (step, TierName.PERSISTENT.value) in self._excluded
+                or not any(step in v.get(TierName.PERSISTENT.value, []) for v in views)):
+            return False
+        for n in near:
+            self._excluded.add((step, n))
+        shutil.rmtree(self._fetch_dir(step), ignore_errors=True)
+        logger.warning("rank %d: step %d: trying it again from the persistent tier's copy alone", self.rank, step)
+        return True
+
+    def _persistent_range(self, step: int, name: str, entry: FileEntry) -> RangeSource:
+        """The persistent tier's copy of ``name`` read by byte ranges of ``entry``'s layout; a copy encoded
+        otherwise (compressed at upload) refuses, so that the block is not taken from bytes of another file."""
+        tier = self.persistent
+        assert tier is not None
+
+        def read(off: int, n: int) -> bytes:
+            owner = self._owner.get(name)
+            if owner is not None and owner not in self._from_persistent:
+                same = self._persistent_same.get(name)
+                if same is None:
+                    theirs = read_manifest(tier, step, owner).files.get(name)
+                    same = theirs is not None and (theirs.size, theirs.crc32c) == (entry.size, entry.crc32c)
+                    self._persistent_same[name] = same
+                if not same:
+                    raise OSError(f"the persistent tier's copy of {name} is encoded otherwise (compressed): "
+                                  "read whole from that tier instead")
+            return tier.read_range(step, name, off, n)
+
+        return RangeSource(read, TierName.PERSISTENT.value)
 
     def _local_copies(self, step: int) -> list[tuple[str, Path]]:
         out = []
@@ -357,6 +397,8 @@ class Restorer(Component):
             for r, m in theirs.items():
                 manifests.setdefault(r, m)
         world_old = next(iter(manifests.values())).world_size if manifests else None
+        self._from_persistent: set[int] = set()  # ranks whose manifest in use is the persistent tier's
+        self._persistent_same: dict[str, bool] = {}  # name -> is the persistent copy these very bytes
         if in_persistent and (world_old is None or len(manifests) < world_old):
             missing = [r for r in range(world_old or 0) if r not in manifests] if world_old else None
             try:
@@ -364,11 +406,13 @@ class Restorer(Component):
                     m0 = _checked(retry(lambda: read_manifest(self.persistent, step, 0),  # type: ignore
                                         what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
                     manifests[0] = m0
+                    self._from_persistent.add(0)
                     world_old = m0.world_size
                     missing = [r for r in range(world_old) if r not in manifests]
                 for r in missing:
                     manifests[r] = _checked(retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
                                                   what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
+                    self._from_persistent.add(r)
             except FAILURES as e:
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
@@ -376,6 +420,14 @@ class Restorer(Component):
             logger.warning("step %d: manifests of some ranks are on no tier; trying an older step", step)
             return None
         assert world_old is not None
+        # one restore reads one encoding of the step: this node's plain copies and the persistent tier's
+        # compressed one have other files and another .metadata (then the step is read from that tier alone)
+        mixed = len({(m.metadata.size, m.metadata.crc32c) for m in manifests.values()}) > 1
+        if not self._all(not mixed):
+            logger.warning("step %d: this node's copies and the persistent tier's are encoded differently "
+                           "(compressed at upload)", step)
+            return None
+        self._owner = {n: r for r, m in manifests.items() for n in m.files}
         files: dict[str, FileEntry] = {DCP_METADATA: manifests[0].metadata}
         for m in manifests.values():
             files.update(m.files)
@@ -708,9 +760,7 @@ class Restorer(Component):
         out: list[Source] = []
         seen: set[str] = set()
         if name in self._remote and self.persistent is not None:
-            tier = self.persistent
-            out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
-                                   TierName.PERSISTENT.value))
+            out.append(self._persistent_range(step, name, entry))
         elif name in mem:
             out.append(MemSource(mem[name], sources.get(name, TierName.PEER.value)))
         elif name in paths:
@@ -734,9 +784,7 @@ class Restorer(Component):
             seen.add(os.path.realpath(p))
         if in_persistent and self.persistent is not None and name not in self._remote \
                 and sources.get(name) != TierName.PERSISTENT.value:
-            tier = self.persistent
-            out.append(RangeSource(lambda off, n, tier=tier: tier.read_range(step, name, off, n),
-                                   TierName.PERSISTENT.value))
+            out.append(self._persistent_range(step, name, entry))
         return out
 
     def _whole(self, f: FileLoad) -> Any:

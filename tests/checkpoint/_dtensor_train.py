@@ -186,8 +186,8 @@ def main() -> int:
         train_step(model, optim, step, dp_rank)
         ck.save(step, state)
         faults.after_save(step, ck)
-    if not ck.wait(timeout=120):
-        raise SystemExit("checkpoint saves did not finish within 120 s")
+    if not ck.wait(timeout=120, upload_timeout=120):  # the last step's upload too: the tests read it back
+        raise SystemExit("checkpoint saves and uploads did not finish within 120 s")
     trained = full_state(model, optim)
     rc = 0
     if args.check_restore:

@@ -148,8 +148,12 @@ def test_shard_from_the_peer_tier_and_a_bad_block_fetched_again(tmp_path: Path, 
 
 
 @pytest.mark.timeout(300)
-def test_shard_from_the_compressed_persistent_tier_and_a_bad_block_fetched_again(
-        tmp_path: Path, workers: Workers, gcs: GCS) -> None:
+@pytest.mark.parametrize("damage_of", ["rank 1 only there", "bad block of rank 0"])
+def test_shard_from_the_compressed_persistent_tier(tmp_path: Path, workers: Workers, gcs: GCS,
+                                                   damage_of: str) -> None:
+    """Uploads compressed (bgzstd): its files are not blocks of the local copies, so a step whose bytes must
+    come from there in part (rank 1's copies only there; a bad block of rank 0's local copy, no peer copy) is
+    read from the persistent tier's own copy, whole and consistent."""
     gcs.make_bucket("dt")
     local = tmp_path / "ckpt" / "node{node}"
     step = "step_00000003"
@@ -157,22 +161,23 @@ def test_shard_from_the_compressed_persistent_tier_and_a_bad_block_fetched_again
 
     def damage() -> None:
         for node in (0, 1):
-            d = tmp_path / "ckpt" / f"node{node}"
-            shutil.rmtree(d / "peer", ignore_errors=True)
-            if node == 1:
-                shutil.rmtree(d / step)  # rank 1's shard: only on the persistent tier now (compressed)
-        flipped.append(flip_byte_in_shard(tmp_path / "ckpt" / "node0" / step, 0))  # rank 0's local copy: bad
+            shutil.rmtree(tmp_path / "ckpt" / f"node{node}" / "peer")
+        if damage_of == "rank 1 only there":
+            shutil.rmtree(tmp_path / "ckpt" / "node1" / step)
+        else:
+            flipped.append(flip_byte_in_shard(tmp_path / "ckpt" / "node0" / step, 0))
 
     r0, r1 = train_then_restore(workers, tmp_path, ["--local", str(local), "--persistent", "gs://dt/run",
                                                     "--persistent-every", "1"], damage,
                                 env={"RESILIENT_CKPT_COMPRESS": "bgzstd", **gcs.env()})
     assert r1["restore"]["sources"]["__1_0.distcp"] == "persistent"
-    assert r0["restore"]["sources"]["__0_0.distcp"] in ("persistent", "local")
-    fails = tier_failures(tmp_path / "run")
-    assert any(f"{flipped[0]} block" in f.get("error", "") for f in fails), fails
-    coded = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_DONE
-             and e.details.get("tier") == "persistent"]
-    assert coded, "no upload to the persistent tier was recorded"
+    assert r0["restore"]["sources"]["__0_0.distcp"] == "persistent"
+    compressed = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_COMPRESS
+                  and e.details.get("step") == 3]
+    assert compressed and compressed[0].details["codec"] == "bgzstd", compressed
+    if flipped:
+        fails = tier_failures(tmp_path / "run")
+        assert any(f"{flipped[0]} block" in f.get("error", "") and f["tier"] == "local" for f in fails), fails
 
 
 # ------------------------------------------------------------------ plain dcp.load, without resilient
