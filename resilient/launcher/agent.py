@@ -472,7 +472,12 @@ class Agent:
         if store is None:
             store = T.connect_store(host, port, c.rendezvous_timeout)
         # the id names the job (torchrun's meaning): an endpoint serving another id is not ours to join
-        keys = T.Keys(c.rdzv_id)
+        if c.rdzv_id == T.ANY_JOB:
+            raise _JobRefused(f"--rdzv-id {T.ANY_JOB!r} is reserved; choose another id for the job")
+        try:
+            keys = T.Keys(c.rdzv_id)
+        except ValueError as e:
+            raise _JobRefused(f"--rdzv-id: {e}") from None
         served = T.claim_job(store, c.rdzv_id, hosting=hosting, timeout=c.rendezvous_timeout)
         if served != c.rdzv_id:
             T.knock(store, c.rdzv_id, self.node)

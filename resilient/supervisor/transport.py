@@ -204,7 +204,7 @@ def claim_job(store: Any, job: str, *, hosting: bool, timeout: float) -> str:
 
 def refused_line(served: str, job: str, node: str, endpoint: str) -> str:
     """The one line both sides print when an agent of another job is refused."""
-    return (f"refused node {node} of job {job!r} at {endpoint}: that endpoint serves job {served!r} "
+    return (f"refused node {node} of job {job!r}: {endpoint} serves job {served!r} "
             f"(--rdzv-id names the job: give each job its own --rdzv-endpoint, or the same --rdzv-id to join it)")
 
 
