@@ -138,3 +138,16 @@ def test_default_run_and_checkpoint_directories_are_keyed_by_the_job_id(tmp_path
         assert local.is_relative_to((tmp_path / "runs" / rid).resolve())
         dirs.append(local)
     assert dirs[0] != dirs[1] and socket.gethostname() in dirs[0].parts
+
+
+def test_standalone_supervisor_rdzv_id_flag_and_its_environment_twin(monkeypatch) -> None:
+    from resilient.supervisor import standalone as S
+
+    base = ["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", "2", "--run-dir", "run"]
+    monkeypatch.delenv("PET_RDZV_ID", raising=False)
+    assert S.parse(base).rdzv_id is None  # the first agent's id is served
+    assert S.parse(base + ["--rdzv-id", "job7"]).rdzv_id == "job7"
+    monkeypatch.setenv("PET_RDZV_ID", "job8")
+    assert S.parse(base).rdzv_id == "job8"
+    assert S.parse(base + ["--rdzv-id", "job7"]).rdzv_id == "job7"
+    assert S.main(base + ["--rdzv-id", "*"]) == S.EXIT_BAD_INPUT
