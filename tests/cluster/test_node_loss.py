@@ -130,7 +130,7 @@ def consumed_rows(out: Path) -> list[int]:
     return [i for s in sorted(by_step) for i in by_step[s][1]]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory, tmp_path: Path) -> None:
     """2 nodes → a node lost, no spare: continue on 1 (on_scale 2→1) → a repaired node joins: grow back to 2 at
     the next checkpoint (on_scale 1→2); the sampler consumes every sample once, none skipped, none repeated."""
@@ -138,12 +138,20 @@ def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory
 
     from resilient.data import ResumableSampler
 
-    c = cluster_factory("1:2", flags=["--max-restarts", "4", "--node-timeout", "20"])
+    # The gates are pauses this test makes, not hangs: with the hang timeout learned (10 s at least), a wait at a
+    # gate under load (the repaired node's start-up) was taken for a hang; the restart restored past the gate and
+    # the job ran to its end before the scale-up was carried out (attempt worlds [2, 2, 1, 1]). So: a fixed
+    # heartbeat timeout longer than any gate, a restored attempt waits at its gate again, and a third gate holds
+    # the job until the scale-up is carried out (it waits for a checkpoint boundary, which the job then reaches).
+    # And the job starts on both nodes: under load the second agent's start-up outlasted the default last call
+    # (30 s) and the job formed on one node (attempt worlds [1, 2, ...]); at MAX joined it forms at once anyway.
+    c = cluster_factory("1:2", flags=["--max-restarts", "4", "--node-timeout", "20", "--heartbeat-timeout", "300",
+                                      "--rdzv-conf", "last_call_timeout=300"])
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     steps = 16
-    args = ["--steps", str(steps), "--out", str(out), "--gate", str(gate), "--gate-step", "4", "8",
-            "--step-sleep", "0.05"]
+    args = ["--steps", str(steps), "--out", str(out), "--gate", str(gate), "--gate-step", "4", "8", "12",
+            "--gate-on-resume", "--step-sleep", "0.05"]
     a, b = _start_job(c, args)
     wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
     b.kill()
@@ -156,6 +164,10 @@ def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(repaired) for e in c.events()), 60,
              "the repaired node to join")
     (gate / "go-8").touch()
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "scale_up"
+                         and e.details.get("assignment") for e in c.events()) or a.proc.poll() is not None, 150,
+             "the scale-up to be carried out")
+    (gate / "go-12").touch()
     wait_for(lambda: a.proc.poll() is not None and repaired.proc.poll() is not None, 150, "the job to end")
     assert a.proc.returncode == 0, a.output()
     assert repaired.proc.returncode == 0, repaired.output()
