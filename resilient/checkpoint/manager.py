@@ -910,6 +910,9 @@ class CheckpointManager:
         if finished:
             self._worker.join(self.config.collective_timeout_s)
             self._up.join(self.config.collective_timeout_s)
+        elif not self._up.settle(5.0):
+            # the process would tear its groups down under a thread inside a collective (gloo aborts: SIGABRT)
+            logger.debug("close(): the upload thread is still inside a collective")
         self._guard.disarm_hooks()
         self._stager.drop()
         if self._ledger is not None:

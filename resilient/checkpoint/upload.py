@@ -51,6 +51,7 @@ class Uploader(Component):
         self.requested_max: int | None = None  # newest step ever asked of the persistent tier
         self.outcomes: dict[int, bool] = {}  # step -> whether every rank's files landed (the same on every rank)
         self.last_error: str | None = None  # this rank's error of the last failed upload
+        self._collective = threading.Event()  # set while the upload thread is inside a collective on its group
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._upload_loop, name="resilient-ckpt-upload", daemon=True)
@@ -71,6 +72,20 @@ class Uploader(Component):
         self._up_abandon = True
         with self._up_cv:
             return sorted(set(self._up_pending) | ({self._up_current} if self._up_current is not None else set()))
+
+    def settle(self, timeout: float) -> bool:
+        """At exit, after :meth:`abandon`: wait (at most ``timeout``) until the upload thread is out of its
+        collectives. An abandoned upload enters no new one, so the process may then tear its groups down without
+        a thread inside one (gloo would abort the process). A thread left in a store call is harmless there."""
+        deadline = time.monotonic() + timeout
+        while self._collective.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _abandoned(self) -> bool:
+        return self.closed and self._up_abandon
 
     def stop(self) -> None:
         with self._up_cv:
@@ -109,11 +124,17 @@ class Uploader(Component):
                     self._up_cv.wait()
                 if not self._up_pending:
                     return
+                if self._abandoned():
+                    return  # exit: no new upload, no new collective
                 newest = max(self._up_pending)
                 self._up_busy = True
             try:
                 # ranks may have seen different numbers of requests: agree on one every rank has
-                step = min(self._gather(newest, self._pg_up))
+                self._collective.set()
+                try:
+                    step = min(self._gather(newest, self._pg_up))
+                finally:
+                    self._collective.clear()
                 with self._up_cv:
                     self._drop_pending(lambda s: s >= step)
                     mem = self._up_mem.get(step)
@@ -192,7 +213,17 @@ class Uploader(Component):
             logger.error("upload of step %d failed: %s", step, _one_line(error))
         if coded is not None:
             compress.clear(coded[0])
-        results = self._gather((ok, nbytes), group)
+        if self._abandoned():
+            # abandoned at exit: the other ranks may be gone already, a gather could wait on them forever
+            results = [(False, nbytes)]
+            if ok:
+                ok, error = False, CheckpointError("abandoned at exit")
+        else:
+            self._collective.set()
+            try:
+                results = self._gather((ok, nbytes), group)
+            finally:
+                self._collective.clear()
         landed = all(r[0] for r in results)
         if landed and self.rank == 0:
             try:
