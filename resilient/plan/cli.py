@@ -79,8 +79,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tiers", help=f"checkpoint tiers, comma-separated among {','.join(TIERS)} (default: the run's, else all)")
     g.add_argument("--persistent-every", type=int, help="local saves per persistent upload (10)")
     g.add_argument("--cost-per-node-hour", type=float, help="price of one node-hour (default 1: costs in node-hours)")
-    g.add_argument("--steps", type=int, help="steps to finish (full-size steps); default: the run's, else simulate --days")
-    g.add_argument("--days", type=float, help="wall days simulated when --steps is not given (30)")
+    g.add_argument("--steps", type=int, help="steps to finish (full-size steps); default: the run's own when "
+                                             "planning that run (RUN_DIR without --nodes), else simulate --days")
+    g.add_argument("--days", type=float, help="the horizon: wall days simulated when --steps is not given (30)")
     g.add_argument("--max-restarts", type=int, help="--max-restarts of each launch (default: unbounded)")
     f = p.add_argument_group("figures (seconds; override the run's)")
     f.add_argument("--step-s", type=float)
@@ -126,9 +127,11 @@ def build(args: argparse.Namespace) -> tuple[ClusterConfig, Figures, str, Measur
             kw["node_loss_share"] = measured.node_loss_share
         if measured.hang_share is not None:
             kw["hang_share"] = measured.hang_share
-    if measured is not None and args.steps is None and args.days is None and measured.report is not None \
-            and measured.report.last_step is not None:
-        kw["steps"] = measured.report.last_step + 1  # the run's own job, unless told otherwise
+    # the run's own job, unless told otherwise; a plan for another cluster size (--nodes) is a plan for a fleet,
+    # whose few hundred test steps would see no failure at all: it simulates --days of wall time instead
+    if measured is not None and args.steps is None and args.days is None and args.nodes is None \
+            and measured.report is not None and measured.report.last_step is not None:
+        kw["steps"] = measured.report.last_step + 1
     for name in ("node_loss_share", "hang_share", "min_nodes", "repair_hours", "persistent_every",
                  "cost_per_node_hour", "steps", "days", "max_restarts"):
         v = getattr(args, name)
@@ -168,8 +171,17 @@ def _fmt_s(x: float | None) -> str:
     return f"{x:.2f} s"
 
 
+def simulated_line(w: Any, res: PlanResult) -> str:
+    """What the plan simulated, so that "0.0 failures" is read against a horizon."""
+    what = f"{w.steps:,} steps" if w.steps is not None else f"{_fmt_s(w.horizon_s)} of wall time"
+    took = f" (finished in {_fmt_s(res.time_to_finish_s)} on average)" if res.time_to_finish_s else ""
+    return (f"simulated: {what}{took} on {w.nodes:,} nodes + {w.spares:,} spare(s), {res.trials} trial(s); "
+            f"job MTBF {_fmt_s(w.mtbf_s)}: {w.expected_failures:.3g} failures expected per trial from the rate, "
+            f"{res.failures:.3g} simulated; {res.useful_steps:,.0f} steps kept per trial")
+
+
 def print_table(res: PlanResult, cluster: ClusterConfig, figures: Figures, measured: Measured | None,
-                sweep_line: str | None) -> None:
+                sweep_line: str | None, simulated: str | None = None) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -184,6 +196,8 @@ def print_table(res: PlanResult, cluster: ClusterConfig, figures: Figures, measu
     con.print(f"cost per useful step {res.cost_per_useful_step:.4g} (at {cluster.cost_per_node_hour:g} per node-hour) · "
               f"{res.failures:.1f} failures, {res.stops:.1f} stops per {_fmt_s(res.wall_seconds)} · "
               f"{res.trials} trials, seed {res.seed}")
+    if simulated:
+        con.print(escape(simulated))
     if measured is not None and measured.goodput is not None:
         con.print(f"the run itself measured {measured.goodput:.1%}")
     con.print(badput_table("where the time would go", res.wall_seconds, res.productive_seconds, res.badput_seconds))
@@ -213,13 +227,14 @@ def _finite(o: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from resilient.plan.sim import simulate, sweep
+    from resilient.plan.sim import simulate, sweep, workload
 
     try:
         args = parser().parse_args(argv)
         cluster, figures, policy, measured = build(args)
         if args.trials < 1:
             raise PlanInputError(f"--trials must be >= 1, got {args.trials}")
+        w = workload(cluster, figures, args.trials)
         sw = None
         if args.sweep:
             sw = sweep(cluster, figures, policy, seed=args.seed, trials=args.trials, max_spares=args.max_spares)
@@ -236,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out: dict[str, Any] = {"result": res.to_json(), "cluster": {**cluster.__dict__, "gpus": cluster.gpus,
                                                                     "mtbf_hours": cluster.mtbf_hours},
-                               "figures": figures.to_json(), "policy": policy}
+                               "figures": figures.to_json(), "policy": policy,
+                               "simulated": {"horizon_s": w.horizon_s, "steps": w.steps, "nodes": w.nodes,
+                                             "spares": w.spares, "trials": w.trials, "mtbf_s": w.mtbf_s,
+                                             "expected_failures": w.expected_failures,
+                                             "simulated_failures": res.failures}}
         if measured is not None:
             out["measured"] = {"goodput": measured.goodput, "faults": measured.faults,
                                "failures_per_node_day": measured.failures_per_node_day,
@@ -250,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             yd = f" (Young/Daly: {sw.young_daly_steps:.0f})" if sw.young_daly_steps else ""
             line = (f"[bold]sweep[/bold]: best interval {sw.best_interval} steps{yd}, best spares {sw.best_spares}: "
                     f"goodput {sw.best.goodput:.1%}, cost per useful step {sw.best.cost_per_useful_step:.4g}")
-        print_table(res, cluster, figures, measured, line)
+        print_table(res, cluster, figures, measured, line, simulated_line(w, res))
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0

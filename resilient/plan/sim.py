@@ -51,6 +51,12 @@ logger = logging.getLogger(__name__)
 DAY = 86400.0
 _MAX_TARGET_DAYS = 3650.0
 MAX_FAILURES_PER_TRIAL = 200_000  # a plan that has not finished after ten years never will
+# The simulation keeps every node (a supervisor core's view of it) and pays O(nodes + spares) for every launch and
+# every failure: work grows as trials × nodes × failures, and failures grow with nodes. This caps that product
+# ("node-decisions"); a 512-node, 30-day, 8-trial plan at the default rate is about 250,000 of them (about 25 s
+# on a busy 2-core machine), the cap about 4 minutes there. Beyond it the planner refuses at once, saying how
+# many nodes it can simulate at the settings given, instead of growing for minutes with no output.
+MAX_NODE_DECISIONS = 2_500_000
 _P, _STARTUP, _SAVE, _RESTORE, _WASTED, _DETECT, _RECOVERY, _WAIT, _OTHER = (
     PRODUCTIVE, Badput.STARTUP.value, Badput.CHECKPOINT_SAVE_STALL.value, Badput.CHECKPOINT_RESTORE.value,
     Badput.WASTED_PROGRESS.value, Badput.DETECTION.value, Badput.RECOVERY.value, Badput.WAITING_FOR_SPARES.value,
@@ -222,6 +228,8 @@ class _Trial:
         self.core: _FastCore | None = None
         self._out: set[str] = set()  # nodes taken out of the job whose replacement is on its way
         self._members_before: list[str] = []
+        self.node_decisions = 0.0  # what this trial has cost so far, in the unit of MAX_NODE_DECISIONS
+        self.budget = math.inf  # set by the caller: past it the trial stops with a PlanInputError
 
     # ------------------------------------------------------------------------------------------ helpers
     def _name(self, prefix: str) -> str:
@@ -472,6 +480,11 @@ class _Trial:
                     self.pending_at = None  # the core dropped it (no spare left, budget spent)
                 continue
             # a failure
+            self.node_decisions += len(self.core._nodes)  # type: ignore[union-attr]
+            if self.node_decisions > self.budget:
+                raise PlanInputError(f"the simulation passed {self.budget:,.0f} node-decisions in one trial after "
+                                     f"{self.failures:,} failures (far more than the rate predicts): plan fewer "
+                                     "--steps, --days or nodes, or a lower failure rate")
             if self.failures >= MAX_FAILURES_PER_TRIAL:
                 raise PlanInputError(f"more than {MAX_FAILURES_PER_TRIAL:,} failures in one simulated run: the "
                                      "failure rate is far beyond what the job can make progress with; lower it, or "
@@ -509,6 +522,100 @@ class _Trial:
         return wait, False
 
 
+# --------------------------------------------------------------------------------------------- bounds
+@dataclass(frozen=True)
+class Workload:
+    """What a plan simulates, per trial, estimated before it runs (and printed with the result)."""
+
+    horizon_s: float  # wall time simulated: ``days``, or what ``steps`` take without a failure
+    steps: int | None  # the steps to finish, None when the horizon is ``days``
+    nodes: int
+    spares: int
+    mtbf_s: float  # the job's mean time between interruptions while it runs (inf: no failures)
+    expected_failures: float  # from the rate: failures arrive while the job runs, each costs recovery time
+    trials: int
+
+    @property
+    def node_decisions(self) -> float:
+        return self.trials * (self.nodes + self.spares) * (self.expected_failures + 1.0)
+
+
+def _step_s(f: Figures) -> float:
+    return f.step_s + f.step_gap_s + sum(f.step_extra_s.values())
+
+
+def workload(c: ClusterConfig, f: Figures, trials: int) -> Workload:
+    u = _step_s(f)
+    if c.steps is None:
+        horizon = c.days * DAY
+    else:
+        saves = c.steps // c.ckpt_interval if c.ckpt_interval else 0
+        horizon = f.launch_s + c.steps * u + saves * f.save_stall_s + f.teardown_s
+    rate = c.failures_per_node_day * c.nodes / DAY
+    mtbf = math.inf if rate == 0 else 1.0 / rate
+    down = min(f.detect_s.values()) + min(f.recovery_s.values()) + f.startup_s  # the least a failure costs
+    expected = 0.0 if rate == 0 else horizon / (mtbf + down)
+    return Workload(horizon_s=horizon, steps=c.steps, nodes=c.nodes, spares=c.spares, mtbf_s=mtbf,
+                    expected_failures=expected, trials=trials)
+
+
+def _human_s(x: float) -> str:
+    if not math.isfinite(x):
+        return "never"
+    for unit, size in (("days", DAY), ("h", 3600.0), ("min", 60.0)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x:.3g} s"
+
+
+def check_bounds(c: ClusterConfig, f: Figures, trials: int, points: int = 1) -> Workload:
+    """Refuse, with one :class:`PlanInputError` naming what to change, a plan the simulation cannot do in
+    reasonable time and memory, or one whose failure rate leaves the job no progress. ``points``: plans of
+    this size about to run (a sweep)."""
+    w = workload(c, f, trials)
+    if c.steps is None and c.days > _MAX_TARGET_DAYS:
+        raise PlanInputError(f"--days {c.days:g} is beyond what the planner simulates ({_MAX_TARGET_DAYS:g} days, ten "
+                             "years): plan a shorter horizon")
+    if c.steps is not None and w.horizon_s > _MAX_TARGET_DAYS * DAY:
+        raise PlanInputError(f"--steps {c.steps:,} take {_human_s(w.horizon_s)} without a single failure, beyond what "
+                             f"the planner simulates ({_MAX_TARGET_DAYS:g} days): plan fewer steps")
+    total = w.node_decisions * points
+    if total > MAX_NODE_DECISIONS:
+        per_node = c.failures_per_node_day / DAY * w.horizon_s
+        # trials × (n + spares) × (per_node × n + 1) <= cap / points: the largest n
+        k = MAX_NODE_DECISIONS / points / trials
+        n_max = 0
+        if c.spares < k:
+            lo, hi = 0, c.nodes
+            while lo < hi:  # the largest n that fits (the product grows with n)
+                mid = (lo + hi + 1) // 2
+                if (mid + c.spares) * (per_node * mid + 1) <= k:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            n_max = lo
+        what = f"{points:,} plans of " if points > 1 else ""
+        fix = (f"plan at most about {n_max:,} nodes at these settings, or fewer --days or --trials" if n_max >= 1
+               else "plan fewer --spares, --trials or --days")
+        raise PlanInputError(
+            f"{what}{c.nodes:,} nodes + {c.spares:,} spares over {_human_s(w.horizon_s)} ({w.expected_failures:,.3g} "
+            f"expected failures per trial, {trials:,} trials) is about {total:.2g} node-decisions, beyond the "
+            f"planner's {MAX_NODE_DECISIONS:,} (it simulates node by node): {fix}")
+    if math.isfinite(w.mtbf_s):
+        u = _step_s(f)
+        # progress is kept at a checkpoint (or at the end, without any): the first one of an attempt comes after
+        first = (c.ckpt_interval * u + f.save_stall_s) if c.ckpt_interval else (c.steps * u if c.steps else u)
+        first = min(first, w.horizon_s)
+        chance = math.exp(-first / w.mtbf_s)
+        if w.expected_failures * chance < 1.0 and w.expected_failures >= 1.0:
+            raise PlanInputError(
+                f"at a job MTBF of {_human_s(w.mtbf_s)} ({c.failures_per_node_day:.3g} failures per node-day on "
+                f"{c.nodes:,} nodes) the job makes no progress: an attempt needs {_human_s(first)} to keep any (its "
+                f"first checkpoint), and gets there with a chance of {chance:.2g}; give a lower rate (--mtbf-hours, "
+                "--failures-per-node-day) or checkpoint more often (--ckpt-interval)")
+    return w
+
+
 # --------------------------------------------------------------------------------------------- API
 def simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | None = None, *, seed: int = 0,
              trials: int = 8, faults: Sequence[PlannedFault] | None = None) -> PlanResult:
@@ -516,6 +623,7 @@ def simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | None
     policy), over ``trials`` seeded runs. ``faults``: a fixed schedule instead of drawn failures."""
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise PlanInputError(f"trials must be an integer >= 1, got {trials!r}")
+    check_bounds(cluster, figures, trials)
     try:
         make_policy = _policy_loader(policy)
     except PolicyError as e:
@@ -549,6 +657,7 @@ def _simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | Non
     finish_times: list[float] = []
     for i in range(trials):
         tr = _Trial(cluster, figures, make_policy, random.Random(f"resilient-plan:{seed}:{i}"), faults)
+        tr.budget = 2.0 * MAX_NODE_DECISIONS / trials  # the estimate is checked before; this catches what it missed
         tr.run()
         for k, v in tr.acc.items():
             totals[k] += v
@@ -603,6 +712,13 @@ def sweep(cluster: ClusterConfig, figures: Figures, policy: str | Path | None = 
     from dataclasses import replace
 
     grid = list(intervals) if intervals is not None else interval_grid(cluster, figures)
+    if max_spares is not None and (isinstance(max_spares, bool) or not isinstance(max_spares, int) or max_spares < 0):
+        raise PlanInputError(f"--max-spares must be an integer >= 0, got {max_spares!r}")
+    if max_spares is not None:
+        check_bounds(replace(cluster, spares=max(cluster.spares, max_spares)), figures, trials,
+                     points=len(grid) + max_spares + 1)
+    else:
+        check_bounds(cluster, figures, trials, points=len(grid))
     points: list[PlanResult] = []
     by_interval = []
     for k in grid:
