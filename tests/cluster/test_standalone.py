@@ -78,7 +78,9 @@ print("forged", latest + 1)
 
 @pytest.mark.timeout(300)
 def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_path: Path, reference) -> None:
-    c = cluster_factory("2")
+    # the ranks wait at the gate while the forger starts (it imports torch: seconds under load), without steps
+    # and so without heartbeats: no hang must be declared meanwhile
+    c = cluster_factory("2", flags=["--heartbeat-timeout", "600"])
     flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
