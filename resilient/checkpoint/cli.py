@@ -147,7 +147,7 @@ def _ls(args: argparse.Namespace) -> int:
         text = _status(i, held.get(i.step, set()))
         table.add_row(t, str(i.step), text if text.startswith("complete") else f"[yellow]{text}[/yellow]",
                       _human(i.bytes))
-    Console(width=max(120, Console().width)).print(table)
+    Console(width=None if sys.stdout.isatty() else 1000).print(table)  # piped: one line per row, for grep
     return 0
 
 
