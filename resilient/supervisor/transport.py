@@ -469,7 +469,10 @@ def presence_closed(conn: Any) -> bool:
     for _ in range(16):  # the supervisor sends one line (its clock) and nothing after: what is there is dropped
         try:
             # a socket with a timeout waits in recv() even with MSG_DONTWAIT: ask whether it is readable first
-            if not select.select([conn], [], [], 0)[0]:
+            # (poll, not select: an agent's descriptors may be numbered past select's limit)
+            p = select.poll()
+            p.register(conn, select.POLLIN)
+            if not p.poll(0):
                 return False
             if not conn.recv(4096):
                 return True
