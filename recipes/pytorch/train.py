@@ -12,8 +12,11 @@ What it shows, each a few lines:
 * ``on_scale``: when the job shrinks (a lost node, no spare) or grows back, gradient accumulation keeps the
   global batch, and the learning rate follows the global batch if accumulation cannot make it whole.
 
-Data parallelism is DDP by default; ``--fsdp`` shards with FSDP2 (``fully_shard``) instead. It runs
-unchanged under ``python`` (one process), ``torchrun`` and ``resilient-run``.
+Data parallelism is DDP by default; ``--fsdp`` shards with FSDP2 (``fully_shard``) instead, and ``--tp N``
+(with ``--fsdp``) adds tensor parallelism of each block's MLP over groups of N ranks, data parallelism over
+the rest (a 2-D ``("dp", "tp")`` mesh, as torchtitan lays it out). Under FSDP2 and TP the state is
+``DTensor``s, checkpointed and restored like plain tensors. It runs unchanged under ``python`` (one process),
+``torchrun`` and ``resilient-run``.
 """
 
 from __future__ import annotations
@@ -41,14 +44,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
     ap.add_argument("--lr", type=float, default=3e-3, help="learning rate at --global-batch")
     ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism of the MLPs over this many ranks (with --fsdp; FSDP2 over the rest)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds a step (stands in for a bigger model)")
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
     ap.add_argument("--d-model", type=int, default=GPTConfig.d_model)
     a = ap.parse_args()
-    for name in ("steps", "global_batch", "micro_batch", "log_every"):
+    for name in ("steps", "global_batch", "micro_batch", "log_every", "tp"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.tp > 1 and not a.fsdp:
+        ap.error(f"--tp {a.tp} needs --fsdp: DDP does not take tensor-parallel (DTensor) parameters")
     return a
 
 
@@ -65,17 +72,27 @@ def main() -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
+    if world % args.tp:
+        print(f"[train] --tp {args.tp} does not divide the world size {world}", file=sys.stderr, flush=True)
+        return 2
+    dp, dp_rank = world // args.tp, rank // args.tp  # data parallelism outermost, as init_device_mesh lays it out
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
 
     torch.manual_seed(0)  # the same initial weights on every rank
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
     model = GPT(cfg).to(device)
     if distributed and args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
         for block in model.blocks:
-            fully_shard(block)
-        wrapped = fully_shard(model)
+            if args.tp > 1:
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+            fully_shard(block, mesh=mesh["dp"])
+        wrapped = fully_shard(model, mesh=mesh["dp"])
     elif distributed:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -83,9 +100,10 @@ def main() -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     data = CorpusWindows(load_corpus(), cfg.seq_len)
-    sampler = ResumableSampler(data, num_replicas=world, rank=rank, seed=0)
+    # the ranks of one tensor-parallel group see the same samples
+    sampler = ResumableSampler(data, num_replicas=dp, rank=dp_rank, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=0)
-    accum, lr_factor = accumulation(args.global_batch, args.micro_batch, world)
+    accum, lr_factor = accumulation(args.global_batch, args.micro_batch, dp)
     for g in optim.param_groups:
         g["lr"] = args.lr * lr_factor
 
@@ -104,7 +122,8 @@ def main() -> int:
     state = {"model": model, "optim": optim, "sampler": sampler}
     start = ckpt.restore(state)
     if rank == 0:
-        print(f"[train] world {world}, {'FSDP2' if args.fsdp else 'DDP' if distributed else 'single process'}, "
+        kind = (f"FSDP2 x TP (dp {dp}, tp {args.tp})" if args.tp > 1 else "FSDP2") if args.fsdp else "DDP"
+        print(f"[train] world {world}, {kind if distributed else 'single process'}, "
               f"{sum(p.numel() for p in model.parameters())} parameters, starting at step {start} "
               f"(epoch {sampler.epoch}, sample {sampler.consumed} of {len(data)})", flush=True)
 
@@ -120,7 +139,7 @@ def main() -> int:
             return next(batches)
 
     loss_sum = torch.zeros((), device=device)
-    for step in resilient.steps(start, args.steps):
+    for step in resilient.steps(start, args.steps, dp_size=dp):
         optim.zero_grad(set_to_none=True)
         loss_sum.zero_()
         for i in range(accum):

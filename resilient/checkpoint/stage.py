@@ -80,7 +80,12 @@ def set_path(root: Any, path: Path_, value: Any) -> None:
 
 
 def leaf_nbytes(v: Any) -> int:
+    """Bytes of a leaf this rank holds: a DTensor's local shard, not the whole tensor it is part of."""
     if isinstance(v, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(v, DTensor):
+            v = v._local_tensor  # no to_local(): no autograd node for a count
         return v.numel() * v.element_size()
     return 0
 

@@ -73,11 +73,24 @@ def test_save_and_restore_is_bit_exact(tmp_path: Path, workers: Workers, layout:
     assert m.per_rank_keys == ()
 
 
+@pytest.mark.timeout(240)
+def test_restore_onto_another_world_size_reshards(tmp_path: Path, workers: Workers) -> None:
+    """FSDP2 state saved by 2 ranks, restored by 1 (its shards resharded by DCP's planner: no chunk of the
+    checkpoint is the new local shard), into a fresh optimizer whose state is then placed like its
+    parameters: equal to what was saved."""
+    common = ["--layout", "fsdp", "--steps", "3", "--interval", "1", "--local", str(tmp_path / "ckpt")]
+    ok(workers.run(SCRIPT, [*common, "--out", str(tmp_path / "a")], 2, timeout=200))
+    ok(workers.run(SCRIPT, [*common, "--out", str(tmp_path / "b")], 1, timeout=200))
+    b = dump(tmp_path / "b")
+    assert b["start"] == 3 and b["restore"]["step"] == 2
+    assert_equal_state(dump(tmp_path / "a"), b)
+
+
 # ------------------------------------------------------------------ the issue's check, under resilient-run
 def resilient_run(run: Path, flags: list[str], args: list[str], env: dict[str, str],
-                  timeout: float = 240) -> subprocess.CompletedProcess[str]:
+                  timeout: float = 240, script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir", str(run),
-           *flags, str(SCRIPT), *args]
+           *flags, str(script), *args]
     return subprocess.run(cmd, cwd=REPO, env=_child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -109,6 +122,23 @@ def test_fsdp_tp_job_killed_at_step_40_resumes_from_40_bit_exact(tmp_path: Path)
     assert dump(ref / "out")["start"] == 0
     for rank in (0, 1):
         assert_equal_state(dump(ref / "out", rank), dump(hit / "out", rank))
+
+
+@pytest.mark.timeout(300)
+def test_recipe_with_fsdp_and_tp_saves_and_resumes(tmp_path: Path) -> None:
+    """The shipped recipe as the issue ran it (``--fsdp``; here with ``--tp 2`` too: every parameter a DTensor,
+    the MLPs' 2-D): the saves succeed and a second run resumes from the last one."""
+    recipe = REPO / "recipes" / "pytorch" / "train.py"
+    flags = ["--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "5"]
+    r = resilient_run(tmp_path / "run", flags, ["--fsdp", "--tp", "2", "--steps", "12"], {}, script=recipe)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "FSDP2 x TP (dp 1, tp 2)" in r.stdout + r.stderr
+    assert not tier_failures(tmp_path / "run"), tier_failures(tmp_path / "run")[:3]
+    assert (tmp_path / "ckpt" / "step_00000009" / "COMMITTED").exists()
+    r = resilient_run(tmp_path / "run", flags, ["--fsdp", "--tp", "2", "--steps", "14"], {}, script=recipe)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "starting at step 10" in r.stdout + r.stderr, r.stdout[-3000:]
+    assert not tier_failures(tmp_path / "run"), tier_failures(tmp_path / "run")[:3]
 
 
 # ------------------------------------------------------------------ peer and persistent tiers
