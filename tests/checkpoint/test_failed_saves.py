@@ -126,6 +126,7 @@ def test_bad_max_failed_saves_is_one_line_and_exit_2(tmp_path: Path, flag: list[
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "pynvml" not in ln and "import pynvml" not in ln]
     assert len(lines) == 1 and "max-failed-saves" in lines[0].lower().replace("_", "-"), r.stderr
+    assert ">= 0" in lines[0], r.stderr  # what a good value is
     assert not (tmp_path / "run").exists()  # refused before anything started
 
 
