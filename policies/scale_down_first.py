@@ -6,6 +6,8 @@
 * spares are never swapped in; they are only used to grow back: a spare joining while the job runs below
   MAX gives ``ScaleUp`` at the next checkpoint boundary (as the default).
 * host / GPU unhealthy: ``Ignore`` (recorded; the node keeps training).
+* preemption notice of a member: ``ScaleDown`` without it (after the agreed step is saved) when MIN allows;
+  else ``Ignore``: every node saves that step and exits 75.
 * everything else: the default policy.
 
 Suits jobs whose spares are shared or slow to warm, and models that tolerate a changing world size.
@@ -31,6 +33,12 @@ class ScaleDownFirst(DefaultPolicy):
                 return ScaleDown((event.node,), reason=f"{why}: continuing without it")
             return Restart(reason=f"{why}; at --nnodes min: restarting")
         action = super().decide(event, view)
+        if isinstance(action, HotSwap) and event.kind is EventKind.PREEMPTION_NOTICE:
+            # a preempted node is not replaced either: shrink if allowed, else every node exits as preempted
+            if self.can_scale_down(view):
+                return ScaleDown((event.node,), reason=action.reason.split(":")[0] + ": continuing without it "
+                                                                                   "(spares only grow the job)")
+            return Ignore(reason=action.reason.split(":")[0] + ": every node saves the agreed step and exits 75")
         if isinstance(action, HotSwap):  # never spend a spare on a replacement
             if event.kind in HEALTH_KINDS:  # a failing check alone does not shrink the job: it keeps training
                 return Ignore(reason=action.reason.split(":")[0] + ": recorded (spares only grow the job)")

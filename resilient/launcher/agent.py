@@ -1122,8 +1122,11 @@ class Agent:
         c = self.cfg
         sig = self._signal or signal.SIGTERM
         if sig == signal.SIGTERM:
-            self.ledger.emit(EventKind.PREEMPTION_NOTICE, attempt=attempt, source="SIGTERM",
-                             deadline=time.time() + c.term_timeout)
+            ev = self.ledger.emit(EventKind.PREEMPTION_NOTICE, attempt=attempt, source="SIGTERM",
+                                  deadline=time.time() + c.term_timeout)
+            # the supervisor hears a preemption as what it is, before this node goes, not as a lost node: a spare
+            # takes its place, or the job shrinks, once the step every rank agrees to stop after is saved
+            self._report(ev)
         logger.warning("received %s: forwarding to workers", signal.Signals(sig).name)
         self._stop_workers(sig, c.term_timeout)
         self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=f"signal {signal.Signals(sig).name}")
@@ -1212,8 +1215,9 @@ class Agent:
         stop = plan.get("stop")
         if stop is None:
             self._wait_settled()
-            if self._ran and self._preempted_cleanly(self.restart_count):
-                # a preemption notice file ended the loop: exit as preempted, so the scheduler requeues
+            if plan.get("preempted") or (self._ran and self._preempted_cleanly(self.restart_count)):
+                # a preemption (a notice file, or another node's that nothing could replace) ended the loop:
+                # exit as preempted, so the scheduler requeues
                 from resilient.launcher.api import PREEMPTED_EXIT_CODE
 
                 logger.warning("preempted: every worker saved its last step; rerun the same command to resume")

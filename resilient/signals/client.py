@@ -77,6 +77,8 @@ class _Client:
         self.world_size = _int_env("WORLD_SIZE", 1)
         self.local_world_size = _int_env("LOCAL_WORLD_SIZE", 1)
         self.attempt = _int_env("TORCHELASTIC_RESTART_COUNT", -1)
+        # another node's preemption reaches this rank through the attempt's store (see _peer_proposed)
+        self.multi_node = _int_env("GROUP_WORLD_SIZE", 1) > 1
         self.run_dir = os.environ.get(env.RUN_DIR) or None
         self._hdr = {t: P.header(t, self.local_rank, self.rank, self.pid, self.attempt)
                      for t in (P.HELLO, P.STEP, P.SECTION_START, P.SECTION_END, P.DONE)}
@@ -507,6 +509,8 @@ class _Preemption:
                     self.signalled = True
             except OSError:
                 pass
+        if not self.signalled and c is not None and c.multi_node:
+            self.signalled = _peer_proposed(c.attempt)
         return self.signalled
 
     def resolve(self, c: "_Client | None", step: int) -> int | None:
@@ -529,6 +533,20 @@ class _Preemption:
         self.stop_step = agreed
         logger.warning("preemption notice: stopping after step %d (a checkpoint of it is saved)", agreed)
         return agreed
+
+
+def _peer_proposed(attempt: int) -> bool:
+    """Another node's ranks proposed the last step (their node is being preempted): this rank stops there too.
+    Checked at every step boundary of a multi-node job, so every rank reads it in time: the proposer's step + 1
+    cannot end before every rank has passed the boundary after the proposal (synchronous training)."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        return bool(dist.distributed_c10d._get_default_store().check([f"resilient/preempt_stop/{attempt}"]))
+    except Exception:  # noqa: BLE001 - no store: this node's own notices still work
+        return False
 
 
 _preemption = _Preemption()

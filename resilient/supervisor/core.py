@@ -53,6 +53,9 @@ class SupervisorConfig:
     failure_window: float = 3600.0
     policy_timeout: float = 1.0
     scale_up_wait: float = 60.0  # how long a ScaleUp waits for a checkpoint boundary before it goes anyway
+    # how long a decision on a node's preemption notice waits for the job's agreed step to be saved (every other
+    # member done, the preempted node gone) before it is carried out anyway
+    preempt_wait: float = 120.0
     recent_events: int = 64
 
     def __post_init__(self) -> None:
@@ -64,7 +67,7 @@ class SupervisorConfig:
             raise ValueError(f"SupervisorConfig.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})")
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise ValueError(f"SupervisorConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait"):
+        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait", "preempt_wait"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
@@ -161,6 +164,21 @@ class _PendingScaleUp:
     decision_id: int
 
 
+@dataclass
+class _PendingPreemption:
+    """A member announced its preemption. The policy's answer waits until every rank has saved the step they
+    agree to stop after (the other members report their workers done, the preempted node leaves): a swap or a
+    scale-down then restarts from that step and loses nothing; no action means the job ends as preempted."""
+
+    node: str
+    event: Event
+    action: Action | None  # HotSwap / ScaleDown to carry out, None: every node exits as preempted
+    decided: float
+    decision_id: int
+    gone: bool = False
+    done: set[str] = field(default_factory=set)
+
+
 class _Invalid(Exception):
     pass
 
@@ -178,6 +196,8 @@ class SupervisorCore:
         self._recent: collections.deque[Event] = collections.deque(maxlen=cfg.recent_events)
         self._ckpt_steps: dict[str, int] = {}
         self._pending: _PendingScaleUp | None = None
+        self._preempting: _PendingPreemption | None = None
+        self._preempted_end: str | None = None  # the job ends as preempted (every node exits 75), and why
         self._next_id = 1
         # attempt -> (node blamed for the failure that ended it, when that fault happened, when it was counted)
         self._blame: dict[int, tuple[str, float, float]] = {}
@@ -194,6 +214,25 @@ class SupervisorCore:
     @property
     def finished(self) -> str | None:
         return self._finished
+
+    @property
+    def preempting(self) -> str | None:
+        """The member whose preemption notice is being handled, or None."""
+        return self._preempting.node if self._preempting is not None else None
+
+    @property
+    def preempted_end(self) -> str | None:
+        """Why the job ends as preempted (a notice no swap or scale-down could answer), or None."""
+        return self._preempted_end
+
+    def done(self, node: str, now: float) -> list[Decision]:
+        """``node``'s workers of the current round all finished (exit 0): while a member's preemption is
+        pending, the other members' workers finishing means they stopped after the agreed step, saved."""
+        p = self._preempting
+        if p is None or self._stopped or self._finished:
+            return []
+        p.done.add(node)
+        return self._settle_preemption(now, "the agreed step is saved")
 
     @property
     def restarts_left(self) -> int:
@@ -366,11 +405,17 @@ class SupervisorCore:
             node.healthy = False
         current = event.attempt is None or event.attempt == self._assignment.attempt
         member = node.state is NodeState.ACTIVE
+        p = self._preempting
         if event.kind is EventKind.AGENT_LOST:
             if node.state in (NodeState.ACTIVE, NodeState.SPARE) or node.returns_at is not None:
                 node.state, node.returns_at = NodeState.LOST, None  # a benched node that died comes back by joining
             if not member:
                 return []  # a spare or an already-replaced node: nothing to decide
+            if p is not None and event.node == p.node:
+                p.gone = True  # the preempted node left, as announced: not a failure
+                return self._settle_preemption(now, f"{event.node} left")
+            if p is not None:
+                return self._settle_preemption(now, f"{event.node} lost", force=True)
             node.failures.append(now)
             return self._decide(event, now)
         if not (current and member):
@@ -378,6 +423,12 @@ class SupervisorCore:
             return []  # a stale attempt's report, or a node outside the job
         if event.kind is EventKind.WORKER_EXIT and not _nonzero_exit(event):
             return []
+        if event.kind is EventKind.PREEMPTION_NOTICE and p is not None:
+            return []  # one node's preemption at a time: the first notice's decision stands
+        if p is not None and event.kind in _FAILURES:
+            # a rank failed while a node is going (its peers left without it, a save failed): what was decided
+            # for the preemption is done now, from the newest complete checkpoint
+            return self._settle_preemption(now, f"{event.kind.value} on {event.node}", force=True)
         if event.kind in _FAILURES:
             node.failures.append(now)
             w = _fault_wall(event)
@@ -432,6 +483,11 @@ class SupervisorCore:
                 out += self.handle(ev, now)
                 if self._stopped:
                     return out
+        pp = self._preempting
+        if pp is not None and now - pp.decided >= self.cfg.preempt_wait:
+            out += self._settle_preemption(now, f"no agreed save within {self.cfg.preempt_wait:g} s", force=True)
+            if self._stopped:
+                return out
         p = self._pending
         if p is not None and now - p.decided >= self.cfg.scale_up_wait:
             out += self._apply_scale_up(None, now, f"no checkpoint within {self.cfg.scale_up_wait:g} s")
@@ -534,7 +590,45 @@ class SupervisorCore:
             except Exception:  # noqa: BLE001 - the default failing must still end in a decision
                 logger.exception("the default policy failed on %s", event)
                 action = Stop(reason=f"the default policy failed on {event.kind.value} on {event.node}")
+        if event.kind is EventKind.PREEMPTION_NOTICE and isinstance(action, (HotSwap, ScaleDown, Ignore)):
+            return self._defer_preemption(action, event, now, fallback)
         return self._apply(action, event, now, fallback)
+
+    def _defer_preemption(self, a: Action, event: Event, now: float, fallback: str | None) -> list[Decision]:
+        """A swap or a scale-down for a preempted member waits for the step every rank agreed to stop after;
+        an ``Ignore`` means nothing replaces it: the job ends as preempted once that step is saved."""
+        d = Decision(self._id(), a, event, None, fallback, pending=not isinstance(a, Ignore))
+        self._preempting = _PendingPreemption(event.node, event, None if isinstance(a, Ignore) else a, now, d.id)
+        return [d]
+
+    def _settle_preemption(self, now: float, why: str, *, force: bool = False) -> list[Decision]:
+        p = self._preempting
+        a = self._assignment
+        if p is None or a is None:
+            return []
+        if not force and not (p.gone and p.done >= set(a.members) - {p.node}):
+            return []
+        self._preempting = None
+        if p.action is None:
+            self._preempted_end = (f"node {p.node} was preempted and nothing could take its place; every node "
+                                   f"stopped after the agreed step ({why})")
+            logger.warning("job preempted: %s", self._preempted_end)
+            return []
+        view = self.view(now)
+        try:
+            act = self._validate(p.action, p.event, view)
+        except _Invalid as e:
+            self._preempted_end = f"node {p.node} was preempted and {p.action.kind} is no longer possible ({e})"
+            logger.warning("job preempted: %s", self._preempted_end)
+            return []
+        if isinstance(act, Stop):  # the budget is spent: end as preempted (requeued), not as failed
+            self._preempted_end = f"node {p.node} was preempted: {act.reason}"
+            logger.warning("job preempted: %s", self._preempted_end)
+            return []
+        import dataclasses
+
+        act = dataclasses.replace(act, reason=f"{p.action.reason}; carried out: {why}")
+        return self._apply(act, p.event, now, None)
 
     def _validate(self, a: Action, event: Event, view: JobView) -> Action:
         """Return the action to carry out (a budget Stop, or a Cordon resolved) or raise :class:`_Invalid`."""

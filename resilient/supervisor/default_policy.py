@@ -16,7 +16,12 @@ host / GPU unhealthy      ``HotSwap`` to a free spare, benched (it returns only 
 node_joined (a spare)     ``ScaleUp`` when the job runs below MAX (carried out at the next checkpoint
                           boundary); otherwise ``Ignore`` (it waits warm).
 straggler                 ``Ignore``: recorded (``policies/evict_stragglers.py`` acts on persistent ones).
-preemption_notice         ``Ignore``: the agents save a checkpoint themselves on a notice.
+preemption_notice         A member is going (its agent got SIGTERM, or a notice file/URL): every rank stops
+                          after one agreed step and saves it; meanwhile ``HotSwap`` to a free spare, else
+                          ``ScaleDown`` without it if MIN allows; the core carries either out once that step is
+                          saved (the job loses nothing). Neither possible: ``Ignore``, and every node exits 75
+                          (preempted: the scheduler requeues, the rerun resumes). A notice from a spare: it
+                          leaves, ``Ignore``.
 restart budget spent      ``Stop`` with the reason.
 ========================  ================================================================================
 
@@ -141,6 +146,26 @@ class DefaultPolicy:
             return last_resort
         return Stop(reason=f"{why}: no spare, and --nnodes min {view.min_nodes} forbids scaling down")
 
+    def preempted(self, event: Event, view: JobView) -> Action:
+        """A preemption notice: not a failure and not a loss. The node's place goes to a free spare, or the job
+        shrinks without it; otherwise nothing can replace it and the job ends as preempted (exit 75)."""
+        d = event.details if isinstance(event.details, dict) else {}
+        why = f"node {event.node} is preempted ({d.get('source') or 'notice'})"
+        if event.node not in view.members:
+            return Ignore(reason=f"{why}; it holds no group rank: it just leaves")
+        if view.restarts_left > 0:
+            spares = self.free_spares(view)
+            if spares:
+                return HotSwap(event.node, spares[0],
+                               reason=f"{why}: spare {spares[0]} takes its place after the agreed step is saved")
+            if self.can_scale_down(view):
+                return ScaleDown((event.node,), reason=f"{why}: no spare, continuing on {len(view.members) - 1} "
+                                                      "node(s) after the agreed step is saved")
+            no = f"no spare, and --nnodes min {view.min_nodes} forbids scaling down"
+        else:
+            no = "the restart budget is spent"
+        return Ignore(reason=f"{why}: {no}; every node saves the agreed step and exits 75 (requeue to resume)")
+
     def decide(self, event: Event, view: JobView) -> Action:
         kind = event.kind
         if kind is EventKind.NODE_JOINED:
@@ -161,6 +186,8 @@ class DefaultPolicy:
                                reason=f"{kind.value} on {event.node} ({check or 'check failing'}): spare "
                                       f"{spares[0]} takes its place")
             return Ignore(reason=f"{kind.value} on {event.node} recorded (no free spare: it keeps training)")
+        if kind is EventKind.PREEMPTION_NOTICE:
+            return self.preempted(event, view)
         if kind not in FAILURE_KINDS:
             return Ignore(reason=f"{kind.value} on {event.node} recorded")
         if view.restarts_left <= 0:

@@ -184,6 +184,7 @@ class SupervisorLoop:
             a = self.core.assignment
             if a is not None and int(msg.get("round", -1)) == a.round:
                 self._done.add(node)
+                return self.core.done(node, now)  # a pending preemption waits for the members' agreed save
         elif kind == MessageKind.LEAVE:
             logger.info("node %s left: %s", node, msg.get("reason"))
             return self.core.handle(Event(EventKind.AGENT_LOST, node=node, details={"reason": "left"}), now)
@@ -264,11 +265,12 @@ class SupervisorLoop:
         logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
                     a.world_size)
 
-    def _finish(self, reason: str, *, stop: bool, decision_id: int = 0) -> None:
+    def _finish(self, reason: str, *, stop: bool, decision_id: int = 0, preempted: bool = False) -> None:
         a = self.core.assignment
         round_ = (a.round if a is not None else -1) + 1
+        # "preempted": every agent exits 75 (the scheduler requeues, the rerun resumes), not 0 and not 1
         self.chan.publish(round_, {"round": round_, "final": True, "stop": reason if stop else None,
-                                   "id": decision_id})
+                                   "preempted": reason if preempted else None, "id": decision_id})
         if not stop:
             self.core.finish(reason)  # agents leaving now are not failures
         self._final_round, self._final_at = round_, time.monotonic()
@@ -277,6 +279,8 @@ class SupervisorLoop:
 
     def _check_finished(self, now: float) -> None:
         a = self.core.assignment
+        if self._final_round is None and self.core.stopped is None and self.core.preempted_end is not None:
+            self._finish(self.core.preempted_end, stop=False, preempted=True)
         if self._final_round is None and a is not None and self.core.stopped is None and self._done >= set(a.members):
             self._finish("succeeded", stop=False)
         if self._final_round is not None and not self.settled.is_set():

@@ -60,7 +60,15 @@ class Tick:
     at: float
 
 
-Step = Join | Form | On | Seen | Tick
+@dataclass(frozen=True)
+class Done:
+    """The workers of these nodes all finished the current round (exit 0): the agents' ``done`` message."""
+
+    nodes: tuple[str, ...]
+    at: float
+
+
+Step = Join | Form | On | Seen | Tick | Done
 
 
 @dataclass(frozen=True)
@@ -380,9 +388,53 @@ SCENARIOS: tuple[Scenario, ...] = (
         (Expect("ignore"),),
     ),
     Scenario(
-        "preemption_notice_ignored", "a preemption notice: the agents save; no action",
-        _TWO, joins("a", "b") + (On("preemption_notice", "a", 5, details={"deadline": 30.0}),),
+        "preemption_swaps_spare", "a member's preemption notice: the spare takes its place once the agreed step is "
+                                  "saved (the others done, the preempted node gone), not at the notice",
+        _TWO_AT_MIN, joins("a", "b", "s") + (
+            On("preemption_notice", "b", 5, details={"source": "SIGTERM", "deadline": 30.0}),
+            Seen(("a", "b", "s"), 6), Done(("a",), 7),
+            On("agent_lost", "b", 8, attempt=None, details={"reason": "left"})),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, pending=True),
+         Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"))),
+        overrides={"scale_down_first": (Expect("ignore"),)},  # at min, spares only grow the job: exits 75
+    ),
+    Scenario(
+        "preemption_scales_down", "a member's preemption notice, no spare, MIN allows: scale down once the agreed "
+                                  "step is saved (the preempted node may leave first)",
+        _TWO, joins("a", "b") + (
+            On("preemption_notice", "b", 5, details={"source": "SIGTERM"}),
+            On("agent_lost", "b", 6, attempt=None, details={"reason": "left"}), Seen(("a",), 7), Done(("a",), 8)),
+        (Expect("scale_down", {"nodes": ["b"]}, pending=True), Expect("scale_down", {"nodes": ["b"]}, ("a",))),
+    ),
+    Scenario(
+        "preemption_at_min_ends_preempted", "a member's preemption notice, no spare, at MIN: no failure and no "
+                                            "stop; every node saves the agreed step and the job ends preempted",
+        _TWO_AT_MIN, joins("a", "b") + (
+            On("preemption_notice", "a", 5, details={"source": "SIGTERM", "deadline": 30.0}),
+            On("preemption_notice", "b", 5.5, details={"source": "SIGTERM"}),  # the second notice decides nothing
+            Done(("b",), 7), On("agent_lost", "a", 8, attempt=None, details={"reason": "left"}), Tick(9)),
         (Expect("ignore"),),
+    ),
+    Scenario(
+        "preemption_then_failure", "a rank fails while a preempted node goes: the pending swap is carried out now",
+        _TWO_AT_MIN, joins("a", "b", "s") + (
+            On("preemption_notice", "b", 5, details={"source": "SIGTERM"}), crash("a", 6)),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, pending=True),
+         Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"))),
+        overrides={"scale_down_first": (Expect("ignore"),)},
+    ),
+    Scenario(
+        "preemption_wait_bounded", "the preempted node never goes: the swap is carried out after preempt_wait",
+        {**_TWO_AT_MIN, "preempt_wait": 20.0, "node_timeout": 100.0}, joins("a", "b", "s") + (
+            On("preemption_notice", "b", 5, details={"source": "SIGTERM"}), Tick(15), Tick(26)),
+        (Expect("hot_swap", {"node": "b", "spare": "s"}, pending=True),
+         Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"))),
+        overrides={"scale_down_first": (Expect("ignore"),)},
+    ),
+    Scenario(
+        "preemption_of_a_spare", "a spare's preemption notice decides nothing: it just leaves",
+        _TWO, joins("a", "b", "s") + (On("preemption_notice", "s", 5, attempt=None, details={"source": "SIGTERM"}),),
+        (),
     ),
     Scenario(
         "policy_raises", "a policy that raises: the default decides, the traceback is kept",
@@ -460,6 +512,8 @@ def run_scenario(sc: Scenario, policy: Policy | None) -> Outcome:
                 ds = []
             elif isinstance(step, Tick):
                 ds = core.tick(step.at)
+            elif isinstance(step, Done):
+                ds = [d for n in step.nodes for d in core.done(n, step.at)]
             else:
                 ds = core.handle(make_event(step, core), step.at)
             out += [(step, d) for d in ds]

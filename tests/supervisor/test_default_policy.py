@@ -212,14 +212,17 @@ def test_worker_failures_on_a_single_node_job_never_swap_it() -> None:
 @pytest.mark.parametrize("kind,spares,expected", [
     (EventKind.HOST_UNHEALTHY, ("s",), "hot_swap"), (EventKind.GPU_UNHEALTHY, ("s",), "hot_swap"),
     (EventKind.HOST_UNHEALTHY, (), "ignore"), (EventKind.STRAGGLER, ("s",), "ignore"),
-    (EventKind.PREEMPTION_NOTICE, ("s",), "ignore"),
+    # a preempted member: a spare takes its place once the agreed step is saved; none, at min: ignore (exit 75)
+    (EventKind.PREEMPTION_NOTICE, ("s",), "hot_swap"), (EventKind.PREEMPTION_NOTICE, (), "ignore"),
 ])
 def test_node_level_signals(kind: EventKind, spares: tuple[str, ...], expected: str) -> None:
     job = Job(spares)
     ev = Event(kind, node="b", rank=1, attempt=0, details={"check": "memory"})
     (d,) = job.core.handle(ev, 1.0)
     assert d.action.kind == expected, d.action
-    if expected == "hot_swap":
+    if kind is EventKind.PREEMPTION_NOTICE:
+        assert d.assignment is None and job.core.preempting == "b"  # carried out after the agreed save
+    elif expected == "hot_swap":
         assert d.action.cool_down == 600.0 and job.core.view(1.0).nodes["b"].state is NodeState.CORDONED
 
 
