@@ -544,6 +544,17 @@ def _step_s(f: Figures) -> float:
     return f.step_s + f.step_gap_s + sum(f.step_extra_s.values())
 
 
+def _mtbf_s(failures_per_node_day: float, nodes: int) -> float:
+    rate = failures_per_node_day * nodes / DAY
+    return math.inf if rate == 0 else 1.0 / rate
+
+
+def _expected_failures(mtbf_s: float, horizon_s: float, f: Figures) -> float:
+    """Failures arrive while the job runs, and each costs at least detection, recovery and start-up."""
+    down = min(f.detect_s.values()) + min(f.recovery_s.values()) + f.startup_s
+    return 0.0 if not math.isfinite(mtbf_s) else horizon_s / (mtbf_s + down)
+
+
 def workload(c: ClusterConfig, f: Figures, trials: int) -> Workload:
     u = _step_s(f)
     if c.steps is None:
@@ -551,10 +562,8 @@ def workload(c: ClusterConfig, f: Figures, trials: int) -> Workload:
     else:
         saves = c.steps // c.ckpt_interval if c.ckpt_interval else 0
         horizon = f.launch_s + c.steps * u + saves * f.save_stall_s + f.teardown_s
-    rate = c.failures_per_node_day * c.nodes / DAY
-    mtbf = math.inf if rate == 0 else 1.0 / rate
-    down = min(f.detect_s.values()) + min(f.recovery_s.values()) + f.startup_s  # the least a failure costs
-    expected = 0.0 if rate == 0 else horizon / (mtbf + down)
+    mtbf = _mtbf_s(c.failures_per_node_day, c.nodes)
+    expected = _expected_failures(mtbf, horizon, f)
     return Workload(horizon_s=horizon, steps=c.steps, nodes=c.nodes, spares=c.spares, mtbf_s=mtbf,
                     expected_failures=expected, trials=trials)
 
@@ -581,15 +590,15 @@ def check_bounds(c: ClusterConfig, f: Figures, trials: int, points: int = 1) -> 
                              f"the planner simulates ({_MAX_TARGET_DAYS:g} days): plan fewer steps")
     total = w.node_decisions * points
     if total > MAX_NODE_DECISIONS:
-        per_node = c.failures_per_node_day / DAY * w.horizon_s
-        # trials × (n + spares) × (per_node × n + 1) <= cap / points: the largest n
+        # trials × (n + spares) × (failures(n) + 1) <= cap / points: the largest n
         k = MAX_NODE_DECISIONS / points / trials
         n_max = 0
         if c.spares < k:
             lo, hi = 0, c.nodes
             while lo < hi:  # the largest n that fits (the product grows with n)
                 mid = (lo + hi + 1) // 2
-                if (mid + c.spares) * (per_node * mid + 1) <= k:
+                if (mid + c.spares) * (_expected_failures(_mtbf_s(c.failures_per_node_day, mid), w.horizon_s, f)
+                                       + 1) <= k:
                     lo = mid
                 else:
                     hi = mid - 1
