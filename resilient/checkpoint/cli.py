@@ -303,7 +303,8 @@ def _export(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"resilient ckpt export: {out} is not empty; give a new or empty directory", file=sys.stderr)
+        what = "is not empty" if out.is_dir() else "is a file"
+        print(f"resilient ckpt export: {out} {what}; give a new or empty directory", file=sys.stderr)
         return 2
     label = " ".join(args.target)
     try:
