@@ -120,6 +120,7 @@ class _SaveJob:
     # set by the save worker once known, the same on every rank: True when the step reached a tier (or an upload
     # of its in-memory copy was queued), False for a failed save
     reached: bool | None = None
+    via_upload: bool = False  # reached only as a queued upload of its in-memory copy (the local write failed)
     # the save worker's stop verdict as it stood when this job's buffers were released (see _release): every
     # rank reads it at the same save() call, so every rank stops at the same step
     stop: dict[str, Any] | None = None
@@ -616,6 +617,7 @@ class CheckpointManager:
                     logger.warning("local tier: save of step %d failed, skipping the tier for this step (retried "
                                    "at the next save; the persistent tier gets it): %s", job.step,
                                    first or "failed on another rank")
+                job.via_upload = True
                 self._settle(job, True, TierName.PERSISTENT.value, None)
             else:
                 self._settle(job, False, self.local.name, first or (_one_line(error) if error else None), error)
@@ -832,9 +834,11 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
         """Wait for in-flight saves, replication and uploads. Returns True when they finished and the last save
-        landed; False on timeout, when the last save reached no tier, or when the newest step asked of the
-        persistent tier failed to upload. It never raises for a failed save (training decides what to do;
-        the failure is in the log and the ledger, and ``max_failed_saves`` in a row stop the job).
+        reached a tier; False on timeout, or when the last save reached no tier (its local write failed and its
+        copy for the persistent tier did not land either). It never raises for a failed save (training decides
+        what to do; the failure is in the log and the ledger, and ``max_failed_saves`` in a row stop the job).
+        A step that reached the local tier but not the persistent one is not a failed save: the ledger records
+        the upload's failure, and a finished run whose newest step is not there ends with its own exit code.
 
         Uploads are waited for at most ``upload_timeout`` (default: the upload grace, ``--upload-grace``):
         a dead persistent store must not hold the job; its pending steps stay queued.
@@ -859,7 +863,9 @@ class CheckpointManager:
         if not self._up.drain(deadline):
             return False
         self._grace_until = None
-        return saved and self._up.newest_failed() is None
+        if job is not None and job.via_upload and self._up.outcomes.get(job.step) is False:
+            return False  # its only copy was the upload that failed
+        return saved
 
     def _upload_final(self, timeout: float | None) -> int | None:
         """Queue the newest saved step for the persistent tier unless it is there or on its way (the last step

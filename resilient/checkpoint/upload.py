@@ -151,12 +151,6 @@ class Uploader(Component):
                     self._up_current = None
                     self._up_cv.notify_all()
 
-    def newest_failed(self) -> int | None:
-        """The newest step asked of the persistent tier, when its upload failed (None otherwise)."""
-        with self._up_cv:
-            step = self.requested_max
-            return step if step is not None and self.outcomes.get(step) is False else None
-
     def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
         """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
         persistent tier; rank 0 commits. Returns whether every rank's files landed: the same answer on every
