@@ -28,6 +28,14 @@ Encoded stream of ``resilient.bgzstd/1``: ``b"RBGZ"``, element size ``es`` (1 by
 end: ``raw_len`` (u32); per plane (``es`` planes of ``raw_len // es`` bytes), ``clen`` (u32) and ``clen``
 bytes: a zstd frame, or the plane itself when ``clen`` equals the plane's length (planes that do not
 compress are stored, not coded); then the ``raw_len % es`` bytes of a tail shorter than one element.
+
+Decoding is bounded (:func:`decode_item`, :func:`iter_decode`): a coded item never decodes to more than its
+true size as ``.metadata`` records it (:func:`item_limit`: a tensor chunk's bytes plus torch.save's
+records; an object's, ``RESILIENT_CKPT_MAX_OBJECT_MB``), and a zstd frame that declares more is refused
+from its header. Someone who can write to a tier can make a few hundred KB decode to GBs and fix the
+manifests to match; restore, ``resilient ckpt export`` and ``verify`` refuse such an item as unsafe
+without allocating it. (DCP's own reader, given :func:`extension_registry`, reads a stream to its end:
+read untrusted copies through this package.)
 """
 
 from __future__ import annotations
@@ -1093,9 +1101,9 @@ def clear(out_dir: str | os.PathLike[str]) -> None:
 
 
 __all__ = ["ByteGroupZstd", "Chooser", "Codec", "CompressError", "CompressMode", "Decision", "ItemTooLargeError",
-           "Prepared", "Sink", "ZStandard", "check_item", "decode", "decode_item", "encode", "export_step", "extension_registry",
-           "finish_step", "item_limit", "iter_decode", "merged_metadata", "parse_mode", "prepare_upload",
-           "sent_bytes", "stream_files", "tier_sink", "transcode_files"]
+           "Prepared", "Sink", "ZStandard", "check_item", "decode", "decode_item", "encode", "export_step",
+           "extension_registry", "finish_step", "item_limit", "iter_decode", "merged_metadata", "parse_mode",
+           "prepare_upload", "sent_bytes", "stream_files", "tier_sink", "transcode_files"]
 
 
 # ------------------------------------------------------------------ the manager's upload hook
