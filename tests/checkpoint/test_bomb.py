@@ -149,3 +149,35 @@ print("RESULT", json.dumps({{"start": start, "pos": s["extra"]["pos"], "tier": c
     assert res == {"start": 4, "pos": 103, "tier": "persistent"}, res
     failed = [e.details for e in read_events(run) if e.kind == EventKind.CKPT_TIER_FAILED]
     assert failed and "decompression bomb" in json.dumps(failed) and name in json.dumps(failed), failed
+
+
+@pytest.mark.timeout(120)
+def test_object_items_are_bounded_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object (a bytes item) has no size in ``.metadata``: its decode stops at RESILIENT_CKPT_MAX_OBJECT_MB;
+    a tensor's at its chunk's bytes plus torch.save's records; a legit coded item decodes whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from resilient.checkpoint.api import DCP_METADATA
+
+    dcp.save(state(), storage_writer=FileSystemWriter(tmp_path / "s"), no_dist=True)
+    md = load_metadata((tmp_path / "s" / DCP_METADATA).read_bytes(), "x")
+    obj = next(i for i in md.storage_data if i.fqn == "extra.pos")
+    w = next(i for i in md.storage_data if i.fqn == "w")
+    assert cz.item_limit(md, w) == 50_000 * 4 + cz.SAVE_SLACK
+    monkeypatch.setenv(cz.ENV_MAX_OBJECT_MB, "1")
+    assert cz.item_limit(md, obj) == 1 << 20
+    for desc, bomb in (("resilient.bgzstd/1", bgzstd_bomb()), ("stream.zstd/1", zstd_bomb())):
+        with pytest.raises(cz.ItemTooLargeError, match="more than 1,048,576 bytes"):
+            cz.decode_item(bomb, [desc], cz.item_limit(md, obj))
+        with pytest.raises(cz.ItemTooLargeError):
+            for _ in cz.iter_decode(bomb, [desc], cz.item_limit(md, obj)):
+                pass
+    info = md.storage_data[w]
+    raw = (tmp_path / "s" / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    assert bytes(cz.decode_item(cz.encode(raw, 4), ["resilient.bgzstd/1"], cz.item_limit(md, w))) == raw
+    coded = zstandard.ZstdCompressor().compress(raw)
+    assert bytes(cz.decode_item(coded, ["stream.zstd/1"], cz.item_limit(md, w))) == raw
+    # a frame declaring more than the limit is refused from its header, before anything is decoded
+    with pytest.raises(cz.ItemTooLargeError):
+        cz.decode_item(coded, ["stream.zstd/1"], len(raw) - 1)
