@@ -188,8 +188,9 @@ def _verify(args: argparse.Namespace) -> int:
         for r in results:
             n_bad = sum(v != "ok" for v in r["files"].values())
             n_unsafe = sum(v.startswith("unsafe") for v in r["files"].values())
-            status = "ok" if not n_bad else f"{n_bad} bad file(s)" + (f", {n_unsafe} UNSAFE (would run code or "
-                                                                       "escape the step directory)"
+            status = "ok" if not n_bad else f"{n_bad} bad file(s)" + (f", {n_unsafe} UNSAFE (would run code, "
+                                                                       "escape the step directory or decode "
+                                                                       "past an item's size)"
                                                                        if n_unsafe else "")
             print(f"{r['tier']} step {r['step']}: {len(r['files'])} files, {status}")
         for r, n, v in bad:
