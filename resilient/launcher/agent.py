@@ -1133,6 +1133,10 @@ class Agent:
         if sig == signal.SIGTERM and self._preempted_cleanly(attempt):
             from resilient.launcher.api import PREEMPTED_EXIT_CODE
 
+            if self.sup_loop is not None:
+                # the supervisor goes with this node: the others stop after the agreed step too and exit 75
+                self.sup_loop.end_preempted(self.node, f"node {self.node}, which hosts the supervisor, was preempted",
+                                            c.term_timeout)
             self._leave("preempted")
             logger.warning("preempted: every worker saved its last step; rerun the same command to resume")
             return PREEMPTED_EXIT_CODE, "preempted"

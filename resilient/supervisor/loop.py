@@ -277,6 +277,26 @@ class SupervisorLoop:
         self.result = reason
         self.finished.set()
 
+    def end_preempted(self, host: str, reason: str, timeout: float) -> None:
+        """The agent hosting this loop is preempted, and the supervisor goes with it: nothing can take its place.
+        Wait (at most ``timeout``) until every other member's workers are done (they stop after the agreed step
+        and save it; a plan published earlier would kill them mid-save), then end the job as preempted, and
+        serve until every live agent read that (at most ``linger``): they exit 75 and the rerun resumes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.step(time.monotonic())
+            a = self.core.assignment
+            if a is None or self._final_round is not None or self._done >= set(a.members) - {host}:
+                break
+            self._stop.wait(self.cfg.tick)
+        with self._lock:
+            if self._final_round is None:
+                self._finish(reason, stop=False, preempted=True)
+        settle = time.monotonic() + self.cfg.linger
+        while not self.settled.is_set() and time.monotonic() < settle:
+            self.step(time.monotonic())
+            self.settled.wait(self.cfg.tick)
+
     def _check_finished(self, now: float) -> None:
         a = self.core.assignment
         if self._final_round is None and self.core.stopped is None and self.core.preempted_end is not None:

@@ -18,6 +18,9 @@ from .conftest import wait_for
 from .test_node_loss import GATE_STEP, STEPS, _start_job, assert_same, final, node_name, reference  # noqa: F401
 
 AGREED = GATE_STEP + 2  # released from the gate after step 4, b's ranks propose "the step after the next" (6)
+# the gates are pauses, not hangs (a fixed --heartbeat-timeout beyond any of them); at --nnodes 1:2 the job must
+# form on both nodes, however long the second agent takes to start under load (it forms at once when both joined)
+LAST_CALL = 300
 
 
 def _actions(c) -> list[dict]:
@@ -81,7 +84,8 @@ def test_preempted_node_is_swapped_for_a_spare_after_the_agreed_save(cluster_fac
 
 @pytest.mark.timeout(300)
 def test_preempted_node_without_a_spare_scales_down(cluster_factory, tmp_path: Path) -> None:
-    c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300"])
+    c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
+                                      "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
@@ -124,4 +128,24 @@ def test_preempted_node_with_no_way_out_every_node_exits_75_and_the_rerun_resume
     restores = [e for e in c.events()[before:] if e.kind == EventKind.CKPT_RESTORE]
     assert restores and {e.details["step"] for e in restores} == {AGREED}, restores
     assert_same(reference, final(out, 2))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(300)
+def test_preempted_supervisor_host_every_node_exits_75(cluster_factory, tmp_path: Path) -> None:
+    """The preempted node hosts the supervisor (node 0's agent, the default): nothing can take its place once it
+    goes, so the job ends as preempted: both exit 75 after the agreed step, saved on every rank."""
+    c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
+                                      "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _start_job(c, args)
+    _preempt_b_at_the_gate(c, gate, a, "scale_down")  # decided, but the supervisor leaves with a
+    wait_for(lambda: all(n.proc.poll() is not None for n in (a, b)), 150, "both agents to exit")
+    assert a.proc.returncode == PREEMPTED_EXIT_CODE, a.output()
+    assert b.proc.returncode == PREEMPTED_EXIT_CODE, b.output()  # not "the job's store stayed unreachable" (69)
+    marks = sorted(p.name for p in (c.run_dir / "preempted").iterdir())
+    assert marks == ["attempt0.rank0", "attempt0.rank1"], marks
+    assert all((c.run_dir / "preempted" / m).read_text() == str(AGREED) for m in marks)
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
