@@ -351,7 +351,10 @@ class Restorer(Component):
             if owner is not None and owner not in self._from_persistent:
                 same = self._persistent_same.get(name)
                 if same is None:
-                    theirs = read_manifest(tier, step, owner).files.get(name)
+                    try:
+                        theirs = read_manifest(tier, step, owner).files.get(name)
+                    except FAILURES as e:  # told as this block's failure on that tier, like a failed read
+                        raise OSError(f"manifest of rank {owner} on the persistent tier: {_one_line(e)}") from None
                     same = theirs is not None and (theirs.size, theirs.crc32c) == (entry.size, entry.crc32c)
                     self._persistent_same[name] = same
                 if not same:
