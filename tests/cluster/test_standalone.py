@@ -27,7 +27,9 @@ def _agents(c, args, names, env=None):
 
 @pytest.mark.timeout(240)
 def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Path, reference) -> None:
-    c = cluster_factory("2")
+    # the ranks wait at the gate until the spare has joined (its agent imports torch first: over 10 s under
+    # load), without steps and so without heartbeats: no hang must be declared meanwhile
+    c = cluster_factory("2", flags=["--heartbeat-timeout", "600"])
     sup = c.start_supervisor(["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
                               "--last-call-timeout", "0"], env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
@@ -158,7 +160,7 @@ def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluste
     import os
     import signal
 
-    c = cluster_factory("2")
+    c = cluster_factory("2", flags=["--heartbeat-timeout", "600"])  # the gate outlasts a learned hang timeout
     flags = ["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "120", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
