@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ddp", action="store_true",
                     help="wrap in DDP (bit-exact resume only up to 2 ranks: DDP rebuilds its gradient buckets "
                          "after the first iteration of each process, which changes gloo's summation order)")
+    ap.add_argument("--ddp-exact", action="store_true",
+                    help="with --ddp: sum gradients in rank order (resilient.ddp.make_exact): bit-exact at any size")
     args = ap.parse_args(argv)
 
     from resilient.checkpoint.manager import CheckpointManager
@@ -79,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.BatchNorm1d(args.hidden),
                                 torch.nn.ReLU(), torch.nn.Linear(args.hidden, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() and args.ddp else model
+    if args.ddp_exact and ddp is not model:
+        from resilient.ddp import make_exact
+
+        make_exact(ddp)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rng, data = RankRNG(1000 + rank), DataPos()
     state = {"model": model, "optim": optim, "rng": rng, "data": data}
