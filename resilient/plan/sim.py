@@ -53,10 +53,11 @@ _MAX_TARGET_DAYS = 3650.0
 MAX_FAILURES_PER_TRIAL = 200_000  # a plan that has not finished after ten years never will
 # The simulation keeps every node (a supervisor core's view of it) and pays O(nodes + spares) for every launch and
 # every failure: work grows as trials × nodes × failures, and failures grow with nodes. This caps that product
-# ("node-decisions"); a 512-node, 30-day, 8-trial plan at the default rate is about 250,000 of them (about 25 s
-# on a busy 2-core machine), the cap about 4 minutes there. Beyond it the planner refuses at once, saying how
-# many nodes it can simulate at the settings given, instead of growing for minutes with no output.
-MAX_NODE_DECISIONS = 2_500_000
+# ("node-decisions"), measured at about 40 µs of CPU each (1,024 nodes, 30 days, 1 trial: about 133,000 in 5.4 s):
+# a 2,048-node (16,384-GPU) month with 8 trials is about 4.2 million, the cap about 3.5 minutes of CPU. Beyond it
+# the planner refuses at once, saying how many nodes it can simulate at the settings given, instead of growing
+# for minutes or hours with no output.
+MAX_NODE_DECISIONS = 5_000_000
 _P, _STARTUP, _SAVE, _RESTORE, _WASTED, _DETECT, _RECOVERY, _WAIT, _OTHER = (
     PRODUCTIVE, Badput.STARTUP.value, Badput.CHECKPOINT_SAVE_STALL.value, Badput.CHECKPOINT_RESTORE.value,
     Badput.WASTED_PROGRESS.value, Badput.DETECTION.value, Badput.RECOVERY.value, Badput.WAITING_FOR_SPARES.value,
