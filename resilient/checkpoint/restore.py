@@ -747,7 +747,15 @@ class Restorer(Component):
                         mem[f.name] = got_mem[f.name]
                     elif f.name in lost_files:
                         again.append(f"{f.name} (no copy on any tier)")
-            if again:
+            if again and any(v is False for v in self._persistent_same.values()):
+                # not the end: the persistent tier holds the step compressed, read whole next (_persistent_alone)
+                logger.warning("rank %d: step %d: no good copy of %s on this node or another rank; reading the "
+                               "persistent tier's compressed copy of the step next", self.rank, step,
+                               "; ".join(again[:5]))
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.LOCAL.value,
+                           error=f"no good copy of {'; '.join(again[:5])} on this node or another rank; "
+                                 "reading the persistent tier's compressed copy next")
+            elif again:
                 logger.error("rank %d: %s", self.rank, undefined(again, step))
                 self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier="all",
                            error=f"no good copy of {'; '.join(again[:5])}")
