@@ -292,6 +292,7 @@ class SupervisorLoop:
         with self._lock:
             if self._final_round is None:
                 self._finish(reason, stop=False, preempted=True)
+            self._acks.setdefault(self._final_round, set()).add(host)  # the host knows: only the others must read it
         settle = time.monotonic() + self.cfg.linger
         while not self.settled.is_set() and time.monotonic() < settle:
             self.step(time.monotonic())
