@@ -539,14 +539,25 @@ def _peer_proposed(attempt: int) -> bool:
     """Another node's ranks proposed the last step (their node is being preempted): this rank stops there too.
     Checked at every step boundary of a multi-node job, so every rank reads it in time: the proposer's step + 1
     cannot end before every rank has passed the boundary after the proposal (synchronous training)."""
+    global _peer_store_broken
+    if _peer_store_broken:
+        return False
     try:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return False
         return bool(dist.distributed_c10d._get_default_store().check([f"resilient/preempt_stop/{attempt}"]))
-    except Exception:  # noqa: BLE001 - no store: this node's own notices still work
+    except Exception as e:  # noqa: BLE001 - no store: this node's own notices still work
+        # the store's host went away while training goes on (a restarted supervisor): asked again, it fails at
+        # once each time but prints torch's C++ trace to stderr every step; so it is asked no more
+        _peer_store_broken = True
+        logger.warning("the attempt's store is unreachable (%s); another node's preemption will not stop this "
+                       "rank (its own notices still do)", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
+
+
+_peer_store_broken = False
 
 
 _preemption = _Preemption()
