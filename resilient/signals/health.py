@@ -227,11 +227,15 @@ def parse_deadline(text: str, mtime: float, grace: float) -> tuple[float, str | 
 class NoticeFile:
     """Polls a notice file; one PREEMPTION_NOTICE per distinct version of it."""
 
-    def __init__(self, path: str, grace: float, make_event: Callable[..., Event]) -> None:
+    def __init__(self, path: str, grace: float, make_event: Callable[..., Event],
+                 not_before: float | None = None) -> None:
         self.path = path
         self.grace = grace
         self._event = make_event
         self._seen: tuple[int, int, int] | None = None
+        # a file older than this (left by an earlier run in the same run directory) is stale: the workers ignore
+        # it too, and taken for news it would make the supervisor end a rerun as preempted
+        self.not_before = time.time() if not_before is None else not_before
 
     def poll(self) -> list[Event]:
         try:
@@ -248,6 +252,9 @@ class NoticeFile:
             logger.debug("preemption notice %s unreadable: %s", self.path, e)
             return []
         self._seen = key
+        if st.st_mtime < self.not_before:
+            logger.info("preemption notice %s predates this agent: stale, ignored", self.path)
+            return []
         deadline, reason = parse_deadline(text, st.st_mtime, self.grace)
         logger.warning("preemption notice from %s: deadline in %.1f s", self.path, deadline - time.time())
         details: dict[str, Any] = {"deadline": deadline, "source": f"file:{self.path}"}

@@ -106,6 +106,25 @@ def test_preemption_notice_file(make_agent):
     assert e.details["deadline"] == pytest.approx(notice.stat().st_mtime + 30)
 
 
+@pytest.mark.timeout(30)
+def test_a_notice_left_by_an_earlier_run_is_stale(tmp_path):
+    """A rerun in the same run directory (a requeue after exit 75) finds the old notice: the workers ignore it,
+    and so must the agent, or the supervisor would end the rerun as preempted at its first failure."""
+    from resilient.events.api import Event
+    from resilient.signals.health import NoticeFile
+
+    notice = tmp_path / "preempt"
+    notice.write_text("30")
+    os.utime(notice, (time.time() - 60, time.time() - 60))
+    made: list[Event] = []
+    nf = NoticeFile(str(notice), 45.0, lambda kind, **d: made.append(kind) or kind)
+    assert nf.poll() == [] and nf.poll() == []
+    tmp = tmp_path / ".preempt.tmp"
+    tmp.write_text("30")  # a new notice for this run
+    os.replace(tmp, notice)
+    assert nf.poll() == [EventKind.PREEMPTION_NOTICE]
+
+
 def test_deadline_formats():
     assert parse_deadline("", 1000.0, 30) == (1030.0, None)
     assert parse_deadline("1800000000", 1000.0, 30) == (1800000000.0, None)
