@@ -229,7 +229,7 @@ class SupervisorCore:
         """``node``'s workers of the current round all finished (exit 0): while a member's preemption is
         pending, the other members' workers finishing means they stopped after the agreed step, saved."""
         p = self._preempting
-        if p is None or self._stopped or self._finished:
+        if p is None or self._stopped or self._finished or self._preempted_end:
             return []
         p.done.add(node)
         return self._settle_preemption(now, "the agreed step is saved")
@@ -341,7 +341,7 @@ class SupervisorCore:
                 n.state, n.nproc, n.healthy = NodeState.SPARE, nproc, True
         ev.details["spare"] = n.state is NodeState.SPARE
         self._recent.append(ev)
-        if n.state is not NodeState.SPARE or self._stopped or self._finished:
+        if n.state is not NodeState.SPARE or self._stopped or self._finished or self._preempted_end:
             return []
         return self._decide(ev, now)
 
@@ -394,7 +394,7 @@ class SupervisorCore:
             self.seen(event.node, now)
         if event.kind is EventKind.CKPT_TIER_DONE:
             return self._ckpt_done(event, now)
-        if self._assignment is None or self._stopped or self._finished:
+        if self._assignment is None or self._stopped or self._finished or self._preempted_end:
             return []
         if event.kind not in DECIDING_KINDS or event.kind is EventKind.NODE_JOINED:
             return []
@@ -468,7 +468,7 @@ class SupervisorCore:
 
     def tick(self, now: float) -> list[Decision]:
         out: list[Decision] = []
-        if self._assignment is None or self._stopped or self._finished:
+        if self._assignment is None or self._stopped or self._finished or self._preempted_end:
             return out
         for name, n in list(self._nodes.items()):
             if n.returns_at is not None and now >= n.returns_at:
@@ -519,7 +519,7 @@ class SupervisorCore:
             self._ckpt_steps[tier] = step
         p = self._pending
         if (tier == LOCAL_TIER and p is not None and (p.local_step is None or step > p.local_step)
-                and not self._stopped and not self._finished):
+                and not self._stopped and not self._finished and not self._preempted_end):
             return self._apply_scale_up(event, now, f"checkpoint boundary (step {step})")
         return []
 

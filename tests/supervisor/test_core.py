@@ -299,7 +299,7 @@ def test_random_sequences_keep_the_job_sound(n_initial, min_nodes, extra, ops, a
                 changes += 1
                 check_assignment(core, d.assignment, c)
         view = core.view(now)
-        if core.stopped is None:
+        if core.stopped is None and core.preempted_end is None:  # a job ended as preempted is over too
             a = core.assignment
             check_assignment(core, a, c)
             for m in a.members:
