@@ -23,6 +23,13 @@ AGREED = GATE_STEP + 2  # released from the gate after step 4, b's ranks propose
 LAST_CALL = 300
 
 
+def _gated(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """The gate directory, the output directory and the script's arguments: ranks pause at GATE_STEP."""
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    return gate, out, ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+
+
 def _actions(c) -> list[dict]:
     return [e.details for e in c.events() if e.kind == EventKind.ACTION]
 
@@ -55,9 +62,7 @@ def test_preempted_node_is_swapped_for_a_spare_after_the_agreed_save(cluster_fac
                                                                      reference) -> None:
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
                                     "--heartbeat-timeout", "300"])
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     spare = c.start("spare", args)
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
@@ -86,9 +91,7 @@ def test_preempted_node_is_swapped_for_a_spare_after_the_agreed_save(cluster_fac
 def test_preempted_node_without_a_spare_scales_down(cluster_factory, tmp_path: Path) -> None:
     c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
                                       "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     _preempt_b_at_the_gate(c, gate, b, "scale_down")
     wait_for(lambda: all(n.proc.poll() is not None for n in (a, b)), 150, "the job to end")
@@ -109,9 +112,7 @@ def test_preempted_node_without_a_spare_scales_down(cluster_factory, tmp_path: P
 def test_preempted_node_with_no_way_out_every_node_exits_75_and_the_rerun_resumes(cluster_factory, tmp_path: Path,
                                                                                   reference) -> None:
     c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300"])
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     _preempt_b_at_the_gate(c, gate, b, "ignore")
     wait_for(lambda: all(n.proc.poll() is not None for n in (a, b)), 150, "both agents to exit")
@@ -137,9 +138,7 @@ def test_preempted_supervisor_host_every_node_exits_75(cluster_factory, tmp_path
     goes, so the job ends as preempted: both exit 75 after the agreed step, saved on every rank."""
     c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
                                       "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     _preempt_b_at_the_gate(c, gate, a, "scale_down")  # decided, but the supervisor leaves with a
     wait_for(lambda: all(n.proc.poll() is not None for n in (a, b)), 150, "both agents to exit")
