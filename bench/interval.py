@@ -6,7 +6,7 @@ last completed save and costs a restart (failures during a restart are possible)
 are noisy. The same failure times (common random numbers, several seeds) are replayed against:
 
 * every fixed interval of a geometric sweep from 1 to 10,000 steps, refined around the best one;
-* ``auto``: :class:`resilient.goodput.interval.IntervalTuner` with its default 6 h prior, fed the
+* ``auto``: :class:`resilient.checkpoint.interval.IntervalTuner` with its default 6 h prior, fed the
   simulated step times, save costs and interruptions as the checkpointer feeds it.
 
 Goodput = useful step time ÷ wall time.

@@ -34,5 +34,7 @@ def test_ledger_lines_from_many_processes_do_not_interleave(tmp_path):
 
 
 def test_unknown_kind_line_is_skipped(tmp_path):
-    (tmp_path / "events.jsonl").write_text('{"kind":"nope"}\n{"kind":"log","details":{}}\n')
-    assert [e.kind for e in read_events(tmp_path)] == [EventKind.LOG]
+    # every reader applies the same rules: a line without a wall time is not an event (the accounting needs it)
+    (tmp_path / "events.jsonl").write_text('{"kind":"nope","wall":1.0}\n{"kind":"log","details":{}}\n'
+                                           '{"kind":"log","details":{},"wall":2.0}\n')
+    assert [(e.kind, e.wall) for e in read_events(tmp_path)] == [(EventKind.LOG, 2.0)]

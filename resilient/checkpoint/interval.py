@@ -30,7 +30,6 @@ feed every rank the same observations (for example the maximum over ranks).
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import math
 import os
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resilient.events.api import Event, EventKind
-from resilient.events.ledger import ledger_path
+from resilient.events.follow import LedgerTail
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,7 @@ logger = logging.getLogger(__name__)
 PRIOR_MTBF_ENV = "RESILIENT_CKPT_PRIOR_MTBF"
 
 _CKPT_KINDS = {EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_TIER_FAILED}
-_KEPT_KINDS = {k.value for k in (*_CKPT_KINDS, EventKind.STEP)}
-_READ_KINDS = _KEPT_KINDS | {EventKind.RESTART.value}
+_READ_KINDS = frozenset({*_CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
 
 
 def _finite(v: object) -> float | None:
@@ -192,36 +190,13 @@ class _LedgerFollower:
     """The step and checkpoint events of a growing ledger, read incrementally, the newest ``keep`` kept."""
 
     def __init__(self, run_dir: str | os.PathLike[str], keep: int = 4096):
-        self.path = ledger_path(run_dir)
+        self._tail = LedgerTail(run_dir)
         self.events: deque[Event] = deque(maxlen=keep)
-        self._offset = 0
-        self._partial = b""
 
     def read_new(self, max_bytes: int | None = 16 << 20) -> list[Event]:
         """Keep what was written since the last call; returns the new step, checkpoint and restart events."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read() if max_bytes is None else f.read(max_bytes)
-        except OSError:
-            return []
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        new: list[Event] = []
-        for raw in lines:
-            try:
-                d = json.loads(raw)
-                if not isinstance(d, dict) or d.get("kind") not in _READ_KINDS:
-                    continue
-                ev = Event.from_json(d)
-                if not isinstance(ev.details, dict) or _finite(ev.wall) is None:
-                    continue
-            except (ValueError, TypeError, KeyError, RecursionError):
-                continue
-            new.append(ev)
-            if ev.kind is not EventKind.RESTART:
-                self.events.append(ev)
+        new = self._tail.read_new(max_bytes, kinds=_READ_KINDS)
+        self.events.extend(ev for ev in new if ev.kind is not EventKind.RESTART)
         return new
 
 

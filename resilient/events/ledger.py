@@ -2,14 +2,14 @@
 
 Each event is one ``os.write`` on an ``O_APPEND`` descriptor, so lines from the agent and its workers
 never interleave on a local filesystem, and a crash can at worst leave the final line truncated —
-which :func:`read_events` skips.
+which :func:`resilient.events.follow.read_events` skips.
 
 **A ledger that lost events says so.** A write the filesystem refuses or cuts short (a full run directory, a
 quota) never stops training, but it is not silent either: the writer says it once on stderr, in one line,
 and leaves a marker beside the ledger, ``events.jsonl.incomplete``: one JSON line per writer that lost
 events (when its first loss happened, which event, the error). Creating an empty file needs no data block,
 so the marker exists even on a full filesystem where its line does not fit. Readers
-(:func:`ledger_incomplete`, ``resilient goodput``, the launcher's final lines) report the ledger as
+(:func:`resilient.events.follow.ledger_incomplete`, ``resilient goodput``, the launcher's final lines) report the ledger as
 incomplete whenever the marker exists: its last events may be missing, so a run that looks "in progress"
 may have ended.
 """
@@ -21,55 +21,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 from resilient import env as renv
 from resilient.events.api import Event, EventKind
+# read_events is re-exported: the reading side lives in follow.py, but callers find it beside the writer
+from resilient.events.follow import incomplete_path, ledger_path, read_events  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-LEDGER_NAME = "events.jsonl"
-INCOMPLETE_NAME = LEDGER_NAME + ".incomplete"  # beside the ledger: some writer lost events (see the docstring)
-
-
-def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / LEDGER_NAME
-
-
-def incomplete_path(path_or_dir: str | os.PathLike[str]) -> Path:
-    """The marker of lost events for a run directory, or for the ledger file given directly."""
-    p = Path(path_or_dir)
-    return p.with_name(INCOMPLETE_NAME) if p.name == LEDGER_NAME else p / INCOMPLETE_NAME
-
-
-def ledger_incomplete(path_or_dir: str | os.PathLike[str]) -> str | None:
-    """One line saying that (and from when, and why) the run's ledger lost events; None when it lost none.
-
-    The marker may be empty (the disk had no room even for its line): it still means events were lost."""
-    marker = incomplete_path(path_or_dir)
-    try:
-        raw = marker.read_bytes()[:1 << 16]
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"the ledger may be incomplete ({marker} exists but cannot be read: {e.strerror or e})"
-    notes = []
-    for line in raw.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict):
-            notes.append(d)
-    if not notes:
-        return "the ledger is incomplete: some events could not be written (the disk had no room to say which)"
-    first = min(notes, key=lambda d: d.get("wall") if isinstance(d.get("wall"), (int, float)) else float("inf"))
-    when = first.get("wall")
-    at = time.strftime("%H:%M:%S", time.gmtime(when)) + " UTC" if isinstance(when, (int, float)) else "an unknown time"
-    who = f"{len(notes)} writer(s)" if len(notes) > 1 else f"a writer ({first.get('who', '?')})"
-    return (f"the ledger is incomplete: {who} could not write events from {at} on ({first.get('error', '?')}, "
-            f"first lost: {first.get('kind', '?')}); the run's last events may be missing")
 
 
 class Ledger:
@@ -174,18 +132,3 @@ class Ledger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def read_events(path_or_dir: str | os.PathLike[str]) -> Iterator[Event]:
-    """Yield every well-formed event; a truncated or corrupt line (a crash mid-write) is skipped."""
-    p = Path(path_or_dir)
-    if p.is_dir():
-        p = ledger_path(p)
-    with open(p, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                logger.debug("%s:%d: incomplete last line skipped", p, lineno)
-                break
-            try:
-                yield Event.from_json(json.loads(raw))
-            except (ValueError, KeyError, TypeError) as e:
-                logger.debug("%s:%d: unreadable line skipped (%s)", p, lineno, e)

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 
 from resilient.checkpoint.interval import background_spans, overlap_seconds, stall_spans
 from resilient.events.api import Event, EventKind
-from resilient.goodput.reader import read_ledger
+from resilient.events.follow import read_ledger
 from resilient.goodput.api import (
     CATEGORIES,
     PRODUCTIVE,

@@ -11,7 +11,7 @@ from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
 from resilient.goodput.calculator import checkpoint_summary, compute_report
-from resilient.goodput.reader import read_ledger
+from resilient.events.follow import read_ledger
 
 logger = logging.getLogger(__name__)
 

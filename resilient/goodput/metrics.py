@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES, GoodputError
 from resilient.goodput.calculator import compute_report
-from resilient.goodput.tail import LedgerTail
+from resilient.events.follow import LedgerTail
 from resilient.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)

@@ -974,7 +974,7 @@ class Agent:
 
     def _say_ledger_lost(self) -> None:
         """The final word on a ledger that lost events (any writer of this run dir: the agent, a worker)."""
-        from resilient.events.ledger import ledger_incomplete
+        from resilient.events.follow import ledger_incomplete
 
         lost = ledger_incomplete(self.run_dir)
         if lost is not None:

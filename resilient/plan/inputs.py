@@ -21,7 +21,7 @@ from typing import Any
 from resilient.events.api import Event, EventKind
 from resilient.goodput.api import GoodputError, GoodputReport
 from resilient.goodput.calculator import compute_report
-from resilient.goodput.reader import read_ledger
+from resilient.events.follow import read_ledger
 from resilient.plan.api import (
     FAULT_KINDS, RECOVERY_ACTIONS, STEP_EXTRA_CATEGORIES, TIERS, Figures, PlanInputError, PlannedFault,
 )

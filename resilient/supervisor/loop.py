@@ -20,7 +20,7 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
-from resilient.goodput.tail import LedgerTail
+from resilient.events.follow import LedgerTail
 from resilient.supervisor.api import NodeState
 from resilient.supervisor.core import Assignment, Decision, SupervisorConfig, SupervisorCore
 from resilient.logs import RateLimitedLog

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from resilient.goodput.api import GoodputError
 from resilient.goodput.calculator import compute_report, report_for_run
 from resilient.goodput.metrics import MetricsServer
-from resilient.goodput.reader import parse_line, read_ledger
+from resilient.events.follow import parse_line, read_ledger
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,7 @@ import json
 
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
-from resilient.goodput.tail import LedgerTail
+from resilient.events.follow import LedgerTail
 
 
 def test_new_events_only_and_a_torn_line_waits(tmp_path):
