@@ -14,8 +14,8 @@ Suits jobs whose spares are shared or slow to warm, and models that tolerate a c
 """
 
 from resilient.events.api import EventKind
-from resilient.supervisor.api import Action, HotSwap, Ignore, JobView, Restart, ScaleDown, Stop
-from resilient.supervisor.default_policy import HEALTH_KINDS, DefaultPolicy
+from resilient.supervisor.api import HEALTH_KINDS, Action, HotSwap, Ignore, JobView, Restart, ScaleDown, Stop
+from resilient.supervisor.default_policy import DefaultPolicy
 
 
 class ScaleDownFirst(DefaultPolicy):

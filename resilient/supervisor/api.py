@@ -3,7 +3,8 @@
 
 A decision is a pure function of an event and a :class:`JobView`; carrying it out is the control loop's
 job (:mod:`resilient.supervisor.loop`) and the agents'. Nothing here touches a process, a socket or a file,
-so a policy is tested by feeding it events (see ``tests/supervisor/scenarios.py``).
+so a policy is tested by feeding it events (the scenario table: :mod:`resilient.supervisor.scenarios`,
+``resilient policy check``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from resilient.events.api import Event
+from resilient.events.api import Event, EventKind
 
 
 class PolicyError(Exception):
@@ -103,6 +104,11 @@ class Stop(Action):
 
 
 ACTIONS: tuple[type[Action], ...] = (Restart, HotSwap, ScaleDown, ScaleUp, Cordon, Ignore, Stop)
+
+# --------------------------------------------------------------------------------------------- event kinds
+# a node's failures: counted against it in its view (``NodeView.failures``)
+FAILURE_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST})
+HEALTH_KINDS = frozenset({EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY})
 
 
 # --------------------------------------------------------------------------------------------- the view

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import traceback
 from collections.abc import Iterable, Mapping
@@ -24,10 +23,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from resilient.bounded import BoundedCaller, CallBusy
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import (
-    Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy, PolicyError, Restart, ScaleDown, ScaleUp,
-    Stop,
+    FAILURE_KINDS, Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy,
+    PolicyError, Restart, ScaleDown, ScaleUp, Stop,
 )
 from resilient.supervisor.default_policy import DefaultPolicy
 
@@ -38,7 +38,6 @@ DECIDING_KINDS = frozenset({
     EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST, EventKind.NODE_JOINED, EventKind.STRAGGLER,
     EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY, EventKind.PREEMPTION_NOTICE,
 })
-_FAILURES = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST})
 _CHANGING = (Restart, HotSwap, ScaleDown, ScaleUp)
 LOCAL_TIER = "local"
 
@@ -188,6 +187,7 @@ class SupervisorCore:
         self.cfg = cfg
         self._default = DefaultPolicy()
         self._policy = policy
+        self._policy_calls = BoundedCaller("policy", max_abandoned=1, serial=True)
         self._nodes: dict[str, _Node] = {}  # join order
         self._assignment: Assignment | None = None
         self._restarts_used = 0
@@ -425,11 +425,11 @@ class SupervisorCore:
             return []
         if event.kind is EventKind.PREEMPTION_NOTICE and p is not None:
             return []  # one node's preemption at a time: the first notice's decision stands
-        if p is not None and event.kind in _FAILURES:
+        if p is not None and event.kind in FAILURE_KINDS:
             # a rank failed while a node is going (its peers left without it, a save failed): what was decided
             # for the preemption is done now, from the newest complete checkpoint
             return self._settle_preemption(now, f"{event.kind.value} on {event.node}", force=True)
-        if event.kind in _FAILURES:
+        if event.kind in FAILURE_KINDS:
             node.failures.append(now)
             w = _fault_wall(event)
             if event.attempt is not None and w is not None:
@@ -527,7 +527,7 @@ class SupervisorCore:
     def _ask(self, policy: Any, event: Event, view: JobView) -> Action:
         """Ask a policy. A policy file runs in a process of its own (``decide_within``: the time and memory
         limits, and every way it can fail, are enforced there, and calls never overlap). Any other policy
-        object runs in a daemon thread; on timeout the thread is abandoned, never joined, and the policy is
+        object is called through a serial :class:`BoundedCaller`: on timeout the call is abandoned, and the policy is
         not called again until that call returns (two calls at once could corrupt a stateful policy)."""
         decide_within = getattr(policy, "decide_within", None)
         if decide_within is not None:
@@ -538,31 +538,22 @@ class SupervisorCore:
             if not isinstance(action, Action) or type(action) is Action:
                 raise _Invalid(f"the policy returned {action!r:.200}, not an action")
             return action
-        busy = getattr(self, "_policy_thread", None)
-        if busy is not None and busy.is_alive():
-            raise _Invalid("the policy's previous call has not returned (it overran --policy-timeout); it is not "
-                           "called again until it does")
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
+        def run() -> tuple[bool, Any]:
             try:
-                box["action"] = policy.decide(event, view)
-            except BaseException as e:  # noqa: BLE001 - anything a policy raises is the policy's failure
-                box["error"] = e
-                box["tb"] = traceback.format_exc()
-            finally:
-                done.set()
+                return True, policy.decide(event, view)
+            except BaseException:  # noqa: BLE001 - anything a policy raises is the policy's failure
+                return False, traceback.format_exc()
 
-        t = threading.Thread(target=run, name="resilient-policy", daemon=True)
-        self._policy_thread = t
-        t.start()
-        if not done.wait(self.cfg.policy_timeout):
+        try:
+            ok, action = self._policy_calls.call(run, self.cfg.policy_timeout, "the policy")
+        except CallBusy:
+            raise _Invalid("the policy's previous call has not returned (it overran --policy-timeout); it is not "
+                           "called again until it does") from None
+        except TimeoutError:
             raise _Invalid(f"the policy did not decide within {self.cfg.policy_timeout:g} s "
-                           f"(--policy-timeout); its thread is abandoned")
-        if "error" in box:
-            raise _Invalid(f"the policy raised:\n{box['tb']}")
-        action = box.get("action")
+                           f"(--policy-timeout); its thread is abandoned") from None
+        if not ok:
+            raise _Invalid(f"the policy raised:\n{action}")
         if not isinstance(action, Action) or type(action) is Action:
             raise _Invalid(f"the policy returned {action!r:.200}, not an action (Restart, HotSwap, ScaleDown, "
                            "ScaleUp, Cordon, Ignore or Stop)")

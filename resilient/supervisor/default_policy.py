@@ -52,11 +52,8 @@ import math
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import (
-    Action, HotSwap, Ignore, JobView, NodeState, Restart, ScaleDown, ScaleUp, Stop,
+    FAILURE_KINDS, HEALTH_KINDS, Action, HotSwap, Ignore, JobView, NodeState, Restart, ScaleDown, ScaleUp, Stop,
 )
-
-FAILURE_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST})
-HEALTH_KINDS = frozenset({EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY})
 
 
 def bad_luck_chance(k: int, total: int, share: float) -> float:
@@ -214,6 +211,3 @@ def _failure_how(ev: Event) -> str:
         return f"signal {d['signal']}"
     return f"exit code {d.get('exit_code')}"
 
-
-def default_policy() -> DefaultPolicy:
-    return DefaultPolicy()

@@ -3,6 +3,8 @@ policy answers, its invariants."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -144,6 +146,29 @@ def test_ignoring_a_lost_member_is_invalid() -> None:
     core = formed("a", "b", policy=Scripted(Ignore()))
     (d,) = core.handle(ev("agent_lost", "b", attempt=None, reason="disconnected"), 1.0)
     assert isinstance(d.action, ScaleDown) and d.fallback
+
+
+def test_a_policy_is_not_called_while_its_earlier_call_runs() -> None:
+    gate, calls = threading.Event(), []
+
+    class Stuck:
+        def decide(self, event, view):
+            calls.append(event.node)
+            if len(calls) == 1:
+                gate.wait(30)
+            return Restart()
+
+    core = formed("a", "b", policy=Stuck(), policy_timeout=0.2, max_restarts=9)
+    (d,) = core.handle(ev("hang", "b", core=core), 1.0)
+    assert "did not decide within" in d.fallback and isinstance(d.action, Restart)
+    (d,) = core.handle(ev("hang", "a", core=core), 2.0)
+    assert "previous call has not returned" in d.fallback and calls == ["b"]  # not called a second time
+    gate.set()
+    for t in [t for t in threading.enumerate() if t.name == "resilient-policy"]:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    (d,) = core.handle(ev("hang", "a", core=core), 3.0)
+    assert d.fallback is None and calls == ["b", "a"]
 
 
 def test_budget_spent_stops_but_never_for_a_scale_up() -> None:
