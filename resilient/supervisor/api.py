@@ -91,7 +91,8 @@ class Cordon(Action):
 
 @dataclass(frozen=True)
 class Ignore(Action):
-    """Do nothing (the event is recorded all the same)."""
+    """Do nothing (the event is recorded all the same). Refused for the kinds in :data:`WORKERS_STOPPED_KINDS`:
+    the default policy decides instead."""
 
     kind: ClassVar[str] = "ignore"
 
@@ -109,6 +110,8 @@ ACTIONS: tuple[type[Action], ...] = (Restart, HotSwap, ScaleDown, ScaleUp, Cordo
 # a node's failures: counted against it in its view (``NodeView.failures``)
 FAILURE_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST})
 HEALTH_KINDS = frozenset({EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY})
+# the node's agent stopped its workers before reporting these: an Ignore would leave the job idle for good
+WORKERS_STOPPED_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG})
 
 
 # --------------------------------------------------------------------------------------------- the view

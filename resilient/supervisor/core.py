@@ -26,7 +26,7 @@ from typing import Any
 from resilient.bounded import BoundedCaller, CallBusy
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import (
-    FAILURE_KINDS, Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy,
+    FAILURE_KINDS, WORKERS_STOPPED_KINDS, Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy,
     PolicyError, Restart, ScaleDown, ScaleUp, Stop,
 )
 from resilient.supervisor.default_policy import DefaultPolicy
@@ -648,6 +648,9 @@ class SupervisorCore:
             if isinstance(a, Stop):
                 return a
             if isinstance(a, Ignore):
+                if event.kind in WORKERS_STOPPED_KINDS:
+                    raise _Invalid(f"ignore: {event.node}'s agent already stopped its workers for {event.kind.value}; "
+                                   "ignoring it would leave the job idle")
                 left_lost(members)
                 return a
             if isinstance(a, Restart):

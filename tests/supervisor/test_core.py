@@ -148,6 +148,15 @@ def test_ignoring_a_lost_member_is_invalid() -> None:
     assert isinstance(d.action, ScaleDown) and d.fallback
 
 
+@pytest.mark.parametrize("kind,details", [("worker_exit", {"exit_code": 1}), ("hang", {})])
+def test_ignoring_a_failure_whose_workers_are_stopped_is_refused(kind: str, details: dict) -> None:
+    """The agent stops a node's workers before it reports an exit or a hang: an Ignore would idle the job."""
+    core = formed("a", "b", policy=Scripted(Ignore()))
+    (d,) = core.handle(ev(kind, "b", core=core, **details), 1.0)
+    assert isinstance(d.action, Restart) and d.assignment is not None, d
+    assert "already stopped its workers" in d.fallback, d.fallback
+
+
 def test_a_policy_is_not_called_while_its_earlier_call_runs() -> None:
     gate, calls = threading.Event(), []
 
@@ -319,6 +328,9 @@ def test_random_sequences_keep_the_job_sound(n_initial, min_nodes, extra, ops, a
             ds = core.handle(ev("ckpt_tier_done", NODES[0], attempt=None, tier=op[1], step=op[2]), now)
         for d in ds:
             assert isinstance(d, Decision) and d.id > last_id
+            # the agent stopped that node's workers already: ignoring the failure would idle the job for good
+            assert not (isinstance(d.action, Ignore) and d.cause is not None
+                        and d.cause.kind in (EventKind.WORKER_EXIT, EventKind.HANG)), d
             last_id = d.id
             if d.assignment is not None:
                 changes += 1
