@@ -30,10 +30,11 @@ from resilient.supervisor.transport import (
 
 logger = logging.getLogger(__name__)
 
-# Events an agent forwards for a decision; everything else stays in the node's ledger.
+# A node's detector events that an agent forwards for a decision; the rest stay in the node's ledger. (Worker
+# exits are reported by the agent itself, checkpoint boundaries are read from the ledger by the loop.)
 FORWARDED = frozenset({
-    EventKind.WORKER_EXIT, EventKind.HANG, EventKind.STRAGGLER, EventKind.HOST_UNHEALTHY,
-    EventKind.GPU_UNHEALTHY, EventKind.PREEMPTION_NOTICE, EventKind.CKPT_TIER_DONE, EventKind.FAULT_INJECTED,
+    EventKind.HANG, EventKind.STRAGGLER, EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY,
+    EventKind.PREEMPTION_NOTICE,
 })
 
 

@@ -345,3 +345,10 @@ def test_random_sequences_keep_the_job_sound(n_initial, min_nodes, extra, ops, a
         else:
             assert ds == [] or isinstance(ds[-1].action, Stop)
         assert changes <= max_restarts
+
+
+def test_agents_forward_only_what_the_core_decides_on() -> None:
+    from resilient.supervisor.core import DECIDING_KINDS
+    from resilient.supervisor.loop import FORWARDED
+
+    assert FORWARDED <= DECIDING_KINDS, FORWARDED - DECIDING_KINDS
