@@ -202,7 +202,7 @@ def main() -> int:
     state = {"fp32": parts(m, opt, torch.float32), "bf16": parts(m, opt, torch.bfloat16)}
     r = ratios(state)
 
-    from resilient.testing.gcs import LocalGCS
+    from tests._helpers.gcs import LocalGCS
 
     up: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-compress-") as tmp:

@@ -233,7 +233,7 @@ def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and everything it started (a node lost, or the end of a run): its process tree
     (torchrun starts each worker in a session of its own) and its session (a process whose parent died
     is no longer in the tree)."""
-    from resilient.testing.procs import kill_sessions
+    from tests._helpers.procs import kill_sessions
 
     kill_sessions([proc])
 
@@ -433,7 +433,7 @@ def progress(log: StepLog) -> dict[str, Any]:
 def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], a: argparse.Namespace,
                   spare: bool = True) -> dict[str, Any]:
     from resilient.events.ledger import read_events
-    from resilient.testing.gcs import free_port
+    from tests._helpers.gcs import free_port
 
     cfg = write_cfg(d, "resilient", job_args, d / "persistent", 0, a.pg_timeout)
     env = child_env({"GOODPUT_BENCH_CFG": str(cfg)})

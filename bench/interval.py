@@ -167,7 +167,7 @@ def fault_schedule(seed: int, steps: int, mean_gap: float) -> list[int]:
 
 def real_run(interval: str, seed: int, steps: int, kills: list[int], prior_mtbf_s: float, work: Path) -> dict:
     from resilient.goodput.calculator import report_for_run
-    from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+    from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"iv{interval}-s{seed}-", dir=work))
     faults = plan_env(*(WorkerFault(FaultHow.KILL, rank=1, step=k, attempt=i) for i, k in enumerate(kills)))

@@ -52,9 +52,9 @@ import psutil  # noqa: E402
 
 from resilient.events.api import EventKind  # noqa: E402
 from resilient.events.ledger import read_events  # noqa: E402
-from resilient.testing.gcs import free_port  # noqa: E402
-from resilient.testing import faults  # noqa: E402
-from resilient.testing.procs import kill_sessions, session_procs  # noqa: E402
+from tests._helpers.gcs import free_port  # noqa: E402
+from resilient import drill as faults  # noqa: E402
+from tests._helpers.procs import kill_sessions, session_procs  # noqa: E402
 
 STEPS = 8
 GATE_STEP = 4

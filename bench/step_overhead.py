@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step_overhead.json"))
     args = ap.parse_args(argv)
 
-    from resilient.signals import client
+    from resilient.worker import steps as client
 
     n, reps, body = args.steps, args.reps, args.body_us * 1e-6
     res: dict[str, dict[str, float]] = {}

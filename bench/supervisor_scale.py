@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 from resilient.events.api import Event, EventKind  # noqa: E402
 from resilient.supervisor.core import SupervisorConfig, SupervisorCore  # noqa: E402
 from resilient.supervisor.policy import load_policy  # noqa: E402
-from resilient.testing.procs import stop_sessions  # noqa: E402
+from tests._helpers.procs import stop_sessions  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -10,7 +10,7 @@ its own data position, so a resumed run is bit-exact with an uninterrupted one o
 comes back per rank. At the end each rank writes ``<out>/rank<r>.pt`` with the model, the optimizer
 state, its RNG state and its data position.
 
-Fault injection for tests goes through ``resilient.testing.faults`` (``RESILIENT_FAULTS``, see
+Fault injection for tests goes through ``resilient.drill`` (``RESILIENT_FAULTS``, see
 ``plan_env``): checkpoint-phase faults (``kill-after-save``, ``kill-mid-write``, ``kill-mid-upload``,
 ``lose-disk``) and the per-step ones (``kill``, ``stop``, ``raise``, ...), each for one rank, step and attempt.
 """
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from resilient.checkpoint.manager import CheckpointManager
-    from resilient.testing import faults
+    from resilient import drill as faults
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

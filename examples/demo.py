@@ -103,7 +103,7 @@ class Node:
 def _stop_nodes(nodes: list[Node]) -> None:
     """SIGTERM every live agent (they forward it to their workers), then SIGKILL every session the demo started
     and whatever is left in them: a worker whose agent died can outlive it, but not its session."""
-    from resilient.testing.procs import stop_sessions
+    from tests._helpers.procs import stop_sessions
 
     stop_sessions([n.proc for n in nodes], grace=TERM_TIMEOUT + 15)
 
@@ -317,7 +317,7 @@ def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persis
             procs: list[Node]) -> tuple[Progress, Node]:
     """Start the supervisor and the three nodes, follow the ledger until every agent has exited. ``procs`` is
     filled as they start, so that the caller can stop every session on any exit."""
-    from resilient.testing.gcs import free_port
+    from tests._helpers.gcs import free_port
 
     env = dict(env, OMP_NUM_THREADS="1")  # three single-worker nodes share two cores
     for k in [k for k in env if k.startswith(("RESILIENT_", "TORCHELASTIC_", "PET_"))]:
@@ -494,7 +494,7 @@ def main() -> int:
         return _bad(f"--steps must be at least 1, got {args.steps}")
     if not args.timeout > 0:
         return _bad(f"--timeout must be above 0 seconds, got {args.timeout}")
-    from resilient.testing.faults import FaultSpecError, parse_inject
+    from resilient.drill.spec import FaultSpecError, parse_inject
 
     try:
         args.faults = parse_inject(args.inject, args.seed, world_size=2, nnodes=2)
@@ -519,7 +519,7 @@ def main() -> int:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
 
-    from resilient.testing.gcs import LocalGCS
+    from tests._helpers.gcs import LocalGCS
 
     gcs = LocalGCS(run_dir / "gcs-data") if args.gcs else None
     nodes: list[Node] = []

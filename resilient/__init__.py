@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "CheckpointManager": "resilient.checkpoint.manager",
-    "steps": "resilient.signals.client",
-    "section": "resilient.signals.client",
-    "on_scale": "resilient.signals.client",
-    "ScaleEvent": "resilient.signals.client",
+    "steps": "resilient.worker.steps",
+    "section": "resilient.worker.steps",
+    "on_scale": "resilient.worker.steps",
+    "ScaleEvent": "resilient.worker.steps",
     "Event": "resilient.events.api",
     "EventKind": "resilient.events.api",
     "Ledger": "resilient.events.ledger",

@@ -56,7 +56,7 @@ from resilient.checkpoint.upload import Uploader
 from resilient.checkpoint.writer import MemoryWriter
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
-from resilient.signals.client import preempt_save_due as _preempt_save_due
+from resilient.worker.preemption import preempt_save_due as _preempt_save_due
 
 logger = logging.getLogger(__name__)
 

@@ -117,7 +117,7 @@ class ResilientCallback(TrainerCallback):
             self._saved = step
         if self.replace_saves:
             control.should_save = False
-        from resilient.signals.client import preempt_save_due
+        from resilient.worker.preemption import preempt_save_due
 
         if self._steps is not None and not _force and preempt_save_due(step):
             # the last step the ranks agreed on after a preemption notice, just saved: stop, and let steps()

@@ -283,7 +283,7 @@ class ResilientCheckpoint(Callback):
             return  # gradient accumulation: no optimizer step finished in this batch
         conn = trainer._checkpoint_connector
         self.io.save_step(step, lambda: conn.dump_checkpoint(weights_only=False))
-        from resilient.signals.client import preempt_save_due
+        from resilient.worker.preemption import preempt_save_due
 
         if self._steps is not None and preempt_save_due(step):
             # the last step every rank agreed on after a preemption notice: it was just saved (the manager
@@ -365,7 +365,7 @@ def _quiet_sigterm() -> None:
 
     if threading.current_thread() is not threading.main_thread():
         return
-    from resilient.signals.client import _on_sigterm
+    from resilient.worker.preemption import on_sigterm as _on_sigterm
 
     try:
         signal.signal(signal.SIGTERM, _on_sigterm)
@@ -399,7 +399,7 @@ class ResilientPreemption(Callback):
 
     @staticmethod
     def _noticed(trainer: "pl.Trainer") -> bool:
-        from resilient.signals.client import preempted
+        from resilient.worker.preemption import preempted
 
         return bool(preempted() or getattr(trainer, "received_sigterm", False))
 

@@ -427,7 +427,7 @@ class Agent:
         (soft: a failure only costs speed), then the user's ``--preload`` modules (hard)."""
         # DistributedDataParallel imports torch._dynamo on construction: seconds per restart otherwise
         soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.manager",
-                "resilient.signals.client"]
+                "resilient.worker.steps"]
         if (self.cfg.ckpt_persistent or "").startswith("gs://"):
             if os.environ.get("STORAGE_EMULATOR_HOST"):
                 # gcsfs reads this at import, and the fork server imports it before a worker could set it;
@@ -1146,7 +1146,7 @@ class Agent:
 
     def _clear_preempt_marks(self, attempt: int) -> None:
         from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
-        from resilient.signals.client import PREEMPT_MARK_DIR
+        from resilient.worker.preemption import PREEMPT_MARK_DIR
 
         for r in range(self.base_rank, self.base_rank + self.cfg.nproc_per_node):
             (self.run_dir / PREEMPT_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
@@ -1209,7 +1209,7 @@ class Agent:
     def _preempted_cleanly(self, attempt: int) -> bool:
         """Every local worker ended its loop for the notice after a saved step (resilient.steps marks it)
         and exited 0; a script that does not use resilient never marks, and exits as under torchrun."""
-        from resilient.signals.client import PREEMPT_MARK_DIR
+        from resilient.worker.preemption import PREEMPT_MARK_DIR
 
         marks = self.run_dir / PREEMPT_MARK_DIR
         return bool(self.workers) and all(
@@ -1277,7 +1277,7 @@ class Agent:
     def _record_previous_world(self, a: object) -> None:
         """A node that did not train before has no world record: give it the previous world, so its ranks run
         the ``on_scale`` callbacks like everyone else's."""
-        from resilient.signals.scale import read_world, record_world
+        from resilient.worker.scale import read_world, record_world
 
         if read_world(self.run_dir) is None:
             try:

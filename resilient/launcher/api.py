@@ -147,7 +147,7 @@ class AgentConfig:
     rendezvous_timeout: float = 900.0
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
     # drills: faults the agent carries out (time-based) or hands to the workers (step-based, via resilient.steps)
-    inject: tuple = ()  # resilient.testing.faults.FaultSpec values, parsed from --inject
+    inject: tuple = ()  # resilient.drill.spec.FaultSpec values, parsed from --inject
     # supervisor
     node_timeout: float = 10.0  # seconds without a report from a node's agent before it counts as lost
     policy_timeout: float = 1.0  # a policy's decide() running longer is overruled by the default policy

@@ -221,7 +221,7 @@ def parse(argv: list[str]) -> AgentConfig:
 
     inject: tuple = ()
     if args.inject:
-        from resilient.testing.faults import FaultKind, FaultSpecError, parse_inject
+        from resilient.drill.spec import FaultKind, FaultSpecError, parse_inject
 
         try:
             inject = tuple(parse_inject(args.inject, args.inject_seed, world_size=nproc * max_nodes, nnodes=max_nodes))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from resilient.events import EventKind, Ledger
-from resilient.testing.faults import KIND_TO_HOW, FaultKind, FaultSpec, WorkerFault, plan_env
+from resilient.drill.spec import KIND_TO_HOW, FaultKind, FaultSpec, WorkerFault, plan_env
 
 logger = logging.getLogger(__name__)
 

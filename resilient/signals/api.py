@@ -104,7 +104,7 @@ class NodeMonitor(Protocol):
 @dataclass(frozen=True)
 class ScaleEvent:
     """Passed to ``resilient.on_scale`` callbacks when an attempt starts with another world size than the
-    last attempt that trained (see :mod:`resilient.signals.scale`)."""
+    last attempt that trained (see :mod:`resilient.worker.scale`)."""
 
     old_world_size: int
     new_world_size: int

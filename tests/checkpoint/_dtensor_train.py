@@ -169,7 +169,7 @@ def main() -> int:
         return rc
 
     import resilient
-    from resilient.testing import faults
+    from resilient import drill as faults
 
     rank = dist.get_rank()
     model, optim, dp_rank = build(args.layout, args.tp, seed=0)

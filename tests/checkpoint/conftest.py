@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.testing.gcs import LocalGCS as GCS
-from resilient.testing.gcs import free_port
+from tests._helpers.gcs import LocalGCS as GCS
+from tests._helpers.gcs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "ckpt_train.py"

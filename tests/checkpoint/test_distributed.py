@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
 from .conftest import TRAIN, Workers, ok
 

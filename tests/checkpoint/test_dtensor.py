@@ -22,7 +22,7 @@ import torch
 from resilient.checkpoint.api import Manifest
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
 from .conftest import GCS, REPO, Workers, _child_env, ok
 

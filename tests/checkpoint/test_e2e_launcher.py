@@ -14,7 +14,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
 from .conftest import GCS, REPO, TRAIN, _child_env
 from .test_distributed import assert_bit_exact, final

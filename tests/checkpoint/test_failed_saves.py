@@ -21,7 +21,7 @@ from resilient.checkpoint.manager import CheckpointManager
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.launcher.api import CKPT_FAILED_EXIT_CODE
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
 from .conftest import REPO, _child_env
 from .test_e2e_launcher import injected, resilient_run

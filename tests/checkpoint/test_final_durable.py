@@ -14,7 +14,7 @@ import pytest
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.launcher.api import NOT_DURABLE_EXIT_CODE, PREEMPTED_EXIT_CODE
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 
 from .conftest import REPO, _child_env
 from .test_e2e_launcher import resilient_run

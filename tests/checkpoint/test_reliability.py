@@ -18,7 +18,7 @@ import pytest
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.launcher.api import NOT_DURABLE_EXIT_CODE
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
 from .conftest import GCS
 from .test_distributed import assert_bit_exact, final

@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from resilient.events.ledger import read_events
-from resilient.testing.gcs import free_port
-from resilient.testing.procs import kill_sessions, session_procs
-from resilient.testing.faults import wait_for  # noqa: F401 - the tests import it from here
+from tests._helpers.gcs import free_port
+from tests._helpers.procs import kill_sessions, session_procs
+from tests._helpers.wait import wait_for  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).resolve().parent / "train.py"

@@ -1,5 +1,5 @@
 """A small job on the real stack: resilient.steps, CheckpointManager (local tier), gloo. Faults come from
-``RESILIENT_FAULTS`` (resilient.testing.faults), carried out by resilient.steps. Used to check the goodput
+``RESILIENT_FAULTS`` (resilient.drill), carried out by resilient.steps. Used to check the goodput
 report against real checkpointer events.
 
 ``STATE_MB`` adds a buffer of that many MiB to the saved state (a larger save, so its background write

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from resilient import compile_cache  # noqa: E402
-from resilient.testing.faults import maybe_fail  # noqa: E402
+from resilient.drill.worker import maybe_fail  # noqa: E402
 
 
 def main() -> None:

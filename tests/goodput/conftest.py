@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
-from resilient.testing.procs import kill_sessions
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
+from tests._helpers.procs import kill_sessions
 
 HERE = Path(__file__).parent
 TOY = HERE / "toy_train.py"

@@ -14,7 +14,7 @@ import pytest
 from resilient.events import read_events
 from resilient.goodput.api import CATEGORIES
 from resilient.goodput.calculator import report_for_run
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 from tests.goodput.conftest import finish, kill_group, launch
 
 pytestmark = pytest.mark.timeout(180)

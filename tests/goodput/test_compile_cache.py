@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from resilient import compile_cache
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 from tests.goodput.conftest import finish, kill_group
 
 WORKER = Path(__file__).parent / "compile_worker.py"

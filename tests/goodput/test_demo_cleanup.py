@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from resilient.testing.faults import wait_for
-from resilient.testing.procs import session_procs
+from tests._helpers.wait import wait_for
+from tests._helpers.procs import session_procs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -146,7 +146,7 @@ def test_secrets_never_reach_the_ledger_the_logs_or_the_metrics(tmp_path):
     import urllib.request
     from pathlib import Path
 
-    from resilient.testing.gcs import free_port
+    from tests._helpers.gcs import free_port
 
     repo = Path(__file__).resolve().parents[2]
     secret = "s3cr3t-VALUE-9f8e7d"

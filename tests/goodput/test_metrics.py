@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from resilient.goodput.metrics import MetricsServer
 from tests.goodput.conftest import finish, kill_group, launch
-from resilient.testing.gcs import free_port as _free_port
+from tests._helpers.gcs import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 
 Runs under ``resilient-run`` or with the launcher's environment set by a test. Settings (environment):
 TOY_STEPS total steps; TOY_SAVE_EVERY save interval; faults come from RESILIENT_FAULTS
-(resilient.testing.faults: carried out by resilient.steps, or here with TOY_OWN_STEPS=1); TOY_WAIT_FILE: after TOY_WAIT_AFTER steps rank 0 waits (at most 60 s) for this file to exist,
+(resilient.drill: carried out by resilient.steps, or here with TOY_OWN_STEPS=1); TOY_WAIT_FILE: after TOY_WAIT_AFTER steps rank 0 waits (at most 60 s) for this file to exist,
 so a test can look at the run while it is alive; TOY_READY_FILE is created then.
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import resilient
 from resilient.events import EventKind, Ledger
-from resilient.testing.faults import maybe_fail
+from resilient.drill.worker import maybe_fail
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env  # noqa: E402
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env  # noqa: E402
 
 from .conftest import HERE, assert_same_weights, resilient_run, restores  # noqa: E402
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from resilient.testing.faults import wait_for  # noqa: F401 - the tests import it from here
+from tests._helpers.wait import wait_for  # noqa: F401 - the tests import it from here
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -10,7 +10,7 @@ import pytest
 
 from resilient.events import EventKind, read_events
 from tests.launcher.conftest import launcher_cmd, leftovers, run_launcher, wait_for
-from resilient.testing.gcs import free_port as _free_port
+from tests._helpers.gcs import free_port as _free_port
 
 TORCHRUN_ENV = [
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from resilient.testing.faults import cpu_burners
+from tests._helpers.load import cpu_burners
 from tests.launcher.conftest import run_launcher, wait_for
 
 

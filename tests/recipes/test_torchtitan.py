@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "torchtitan"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 from tests.checkpoint.conftest import TRAIN, Workers, ok
 from tests.checkpoint.test_distributed import assert_bit_exact, final
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.testing.faults import cpu_burners
+from tests._helpers.load import cpu_burners
 
 DRIVER = Path(__file__).with_name("ddp_exit_driver.py")
 REPO = Path(__file__).resolve().parents[2]

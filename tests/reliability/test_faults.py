@@ -1,4 +1,4 @@
-"""resilient.testing.faults: the spec parser refuses bad input in one line, and every in-worker fault is
+"""resilient.drill: the spec parser refuses bad input in one line, and every in-worker fault is
 carried out for real (a real process, real signals, real files) and recorded in the ledger first."""
 import os
 import signal
@@ -10,8 +10,9 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.testing.faults import (FaultHow, FaultKind, FaultSpec, FaultSpecError, InjectedFault, WorkerFault,
-                                      fail_at, parse_inject, plan_env, wait_for)
+from resilient.drill.spec import FaultHow, FaultKind, FaultSpec, FaultSpecError, WorkerFault, parse_inject, plan_env
+from resilient.drill.worker import InjectedFault, fail_at
+from tests._helpers.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +69,7 @@ def test_raise_and_slow_in_process_are_recorded(tmp_path, monkeypatch):
 def test_worker_faults_happen_for_real_and_the_ledger_says_so_first(tmp_path, how, expect):
     tier = tmp_path / "local"
     (tier / "step_1").mkdir(parents=True)
-    code = ("import sys\nfrom resilient.testing.faults import maybe_fail\n"
+    code = ("import sys\nfrom resilient.drill.worker import maybe_fail\n"
             "for s in range(10):\n    maybe_fail(s)\nprint('done', flush=True)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO), RANK="1", TORCHELASTIC_RESTART_COUNT="0",
                RESILIENT_RUN_DIR=str(tmp_path / "run"), RESILIENT_CKPT_LOCAL=str(tier),

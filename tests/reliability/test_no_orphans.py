@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.testing.faults import wait_for
-from resilient.testing.procs import kill_sessions, session_procs
+from tests._helpers.wait import wait_for
+from tests._helpers.procs import kill_sessions, session_procs
 
 SCRIPT = Path(__file__).with_name("scripts") / "train.py"
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import torch
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.launcher.api import PREEMPTED_EXIT_CODE
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 
 SCRIPT = Path(__file__).with_name("scripts") / "train.py"
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.signals.api import MonitorConfig
 from resilient.signals.monitor import create_node_monitor
-from resilient.testing.gcs import free_port
+from tests._helpers.gcs import free_port
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 REPO = str(Path(__file__).resolve().parents[2])

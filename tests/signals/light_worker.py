@@ -11,7 +11,7 @@ import time
 
 
 def wait_for(path: str, timeout: float = 60.0) -> None:
-    from resilient.testing.faults import wait_for as wait  # stdlib only: the worker still starts in ~50 ms
+    from tests._helpers.wait import wait_for as wait  # stdlib only: the worker still starts in ~50 ms
 
     wait(lambda: os.path.exists(path), timeout, path, interval=0.002)
 

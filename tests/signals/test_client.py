@@ -12,10 +12,10 @@ import pytest
 import resilient
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.signals import client
+from resilient.worker import steps as client
 from resilient.signals import protocol as P
 from resilient.signals.api import ScaleEvent
-from resilient.signals.scale import read_world, record_world
+from resilient.worker.scale import read_world, record_world
 from tests.signals.harness import kinds
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))

@@ -10,7 +10,8 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env, wait_for
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
+from tests._helpers.wait import wait_for
 from tests.signals.harness import REPO, WORKER
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))

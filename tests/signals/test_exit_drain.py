@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from resilient.signals import client
+from resilient.worker import exit_safety as client
 
 
 def test_drain_ends_when_a_thread_lets_go_of_a_context_it_held(monkeypatch: pytest.MonkeyPatch) -> None:

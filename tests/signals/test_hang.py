@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from resilient.events.api import EventKind
-from resilient.testing.faults import FaultHow, WorkerFault, plan_env
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 from tests.signals.harness import kinds
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))

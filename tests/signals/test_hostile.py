@@ -13,7 +13,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 from tests.signals.harness import REPO
 
 LIGHT = str(Path(__file__).with_name("light_worker.py"))

@@ -9,7 +9,7 @@ Configured by environment (the tests set it; under resilient-run the launcher se
                  (lets a test freeze a rank at a known point without sleeping); only in attempt
                  T_MARK_ATTEMPT (default 0, from TORCHELASTIC_RESTART_COUNT)
   T_SECTION      if set, wrap every 5th step's extra work in resilient.section(T_SECTION)
-  RESILIENT_FAULTS  faults (resilient.testing.faults), carried out by resilient.steps; e.g. hang-collective:
+  RESILIENT_FAULTS  faults (resilient.drill), carried out by resilient.steps; e.g. hang-collective:
                  a rank waits in dist.recv for a message no peer sends while the others wait in their
                  all_reduce (a deadlock inside communication)
   T_OUT          directory for rank<R>.done (written after the loop)
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import resilient
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 
 
 def busy(seconds: float) -> None:

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from resilient.supervisor import transport as T
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from resilient.supervisor import transport as T
 from resilient.supervisor.api import NodeState
 from resilient.supervisor.core import SupervisorConfig, SupervisorCore
 from resilient.supervisor.loop import LoopConfig, SupervisorLoop
-from resilient.testing.faults import wait_for
+from tests._helpers.wait import wait_for
 
 SECRET = b"replay-test-secret-0123456789abcdef"
 JOB = "jobx"

@@ -1,1 +1,0 @@
-"""Real stand-ins for services a laptop or CI machine lacks (used by tests, benchmarks and the demo)."""

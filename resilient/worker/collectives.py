@@ -1,0 +1,245 @@
+"""Timing hooks: the seconds the training thread spends blocked in collectives, so a heartbeat can carry a
+step's *own-work* time (wall time minus waiting), which tells a straggler apart in synchronous training.
+
+Waiting is measured by wrapping the synchronous ``torch.distributed`` collectives and, for DDP (which keeps
+its own allreduce), by per-parameter gradient hooks and an end-of-backward callback, installed while
+``steps()`` runs (:func:`install` / :func:`uninstall`, counted: nested loops share one set of wrappers).
+Nothing here imports torch: only what the script has already imported is wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from resilient.worker.exit_safety import _hold, _remember_context
+
+logger = logging.getLogger(__name__)
+
+_perf = time.perf_counter
+
+
+class _WaitClock:
+    """Seconds the training thread spent blocked in collectives since the last ``take()``."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.wait = 0.0
+        self.depth = 0
+        # DDP buckets of the current step: latest arrival (hook call) and latest completion.
+        self.ddp_arrival = -1.0
+        self.ddp_done = -1.0
+
+    def take(self) -> float:
+        w = self.wait
+        if self.ddp_arrival >= 0 and self.ddp_done > self.ddp_arrival:
+            # backward returns right after the last bucket completes, and the last bucket is ready right
+            # after this rank's own backward work: the span between is time spent waiting for peers.
+            w += self.ddp_done - self.ddp_arrival
+        self.wait = 0.0
+        self.ddp_arrival = self.ddp_done = -1.0
+        return w
+
+
+_clock: _WaitClock | None = None
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather",
+    "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+    "_all_gather_base", "_reduce_scatter_base",
+)
+_patched: list[tuple[object, str, object]] = []
+_patch_lock = threading.Lock()
+
+
+def current_wait_seconds() -> float:
+    """Seconds spent blocked in collectives since the current step began (0 outside ``steps()``)."""
+    c = _clock
+    return c.wait if c is not None else 0.0
+
+
+def _on_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True if the first tensor argument lives in host memory (gloo's case; a device buffer is never held
+    longer than its caller holds it: accelerator memory is too dear)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, (list, tuple)) and a:
+            a = a[0]
+            if isinstance(a, (list, tuple)) and a:
+                a = a[0]
+        if isinstance(a, torch.Tensor):
+            return a.device.type == "cpu"
+    return False
+
+
+def _coalescing() -> bool:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    return bool(getattr(world, "pg_coalesce_state", None))
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        params = list(inspect.signature(fn).parameters)
+        async_pos = params.index("async_op") if "async_op" in params else -1
+    except (TypeError, ValueError):
+        async_pos = -1
+
+    def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if async_pos < 0 or len(args) > async_pos or not _on_host(args, kwargs) or _coalescing():
+            return fn(*args, **kwargs)
+        if kwargs.get("async_op"):
+            work = fn(*args, **kwargs)
+            _hold(work)
+            return work
+        work = fn(*args, **kwargs, async_op=True)
+        if work is None or not hasattr(work, "wait"):  # not a member of the group: nothing was issued
+            return None
+        _hold(work)
+        work.wait()
+        return None  # what the blocking form returns
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        c = _clock
+        # async ops return at once (their wait is elsewhere); other threads (a checkpointer's background
+        # collectives) do not block the training loop; nested calls (all_gather_object → all_gather)
+        # count once.
+        if c is None or kwargs.get("async_op") or c.depth or threading.get_ident() != c.thread:
+            return call(args, kwargs)
+        c.depth += 1
+        t0 = _perf()
+        try:
+            return call(args, kwargs)
+        finally:
+            c.wait += _perf() - t0
+            c.depth -= 1
+
+    timed.__resilient_timed__ = True  # type: ignore[attr-defined]
+    return timed
+
+
+# DDP's gradient waits are timed without a communication hook. A Python comm hook (torch's own
+# ``allreduce_hook`` included) chains ``fut.then(callback)``; the callback, and the release of its
+# references, run on the backend's thread when the allreduce completes. If that thread reaches for the GIL
+# after the training thread has begun interpreter shutdown, CPython ends it with ``pthread_exit`` and the
+# unwind through C++ ``noexcept`` frames aborts the process ("terminate called without an active
+# exception"): a successful worker killed by SIGABRT at exit, most often under CPU contention. So DDP keeps
+# its built-in C++ allreduce, and the two instants come from the autograd thread: each parameter's
+# post-accumulate-grad hook (the last one is when this rank's own backward work is done, i.e. the last
+# bucket is ready) and an end-of-backward callback (after DDP waited for every bucket).
+
+_bw_queued = False  # one end-of-backward callback per backward pass
+
+
+def _ddp_grad_ready(_param: Any) -> None:
+    global _bw_queued
+    c = _clock
+    if c is not None:
+        c.ddp_arrival = max(c.ddp_arrival, _perf())
+    if _bw_queued:
+        return
+    _bw_queued = True
+    try:
+        import torch
+        from torch.autograd import Variable
+
+        _remember_context(torch)
+        Variable._execution_engine.queue_callback(_ddp_requeue)
+    except Exception as e:  # noqa: BLE001 - a measurement must never break training
+        _bw_queued = False
+        logger.debug("cannot time the end of DDP's backward: %s", e)
+
+
+def _ddp_requeue() -> None:
+    # Queued by the first gradient, before DDP queues its own finalize_backward (DDP's hook runs after the
+    # parameter's): queue once more so the timing runs after DDP has waited for its buckets.
+    try:
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(_ddp_backward_done)
+    except Exception:  # noqa: BLE001
+        _ddp_backward_done()
+
+
+def _ddp_backward_done() -> None:
+    global _bw_queued
+    _bw_queued = False
+    c = _clock
+    if c is not None:
+        c.ddp_done = max(c.ddp_done, _perf())
+
+
+def _ddp_forward_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get("_resilient_hook_tried", False):
+            self.__dict__["_resilient_hook_tried"] = True
+            # hooks stay after steps() ends (they cannot be told apart from a user's): silent without a clock
+            try:
+                for p in self.module.parameters():
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(_ddp_grad_ready)
+            except Exception as e:  # noqa: BLE001 - a measurement must never break training
+                logger.info("cannot time DDP gradient waits (%s); straggler scores will miss them", e)
+        return orig(self, *args, **kwargs)
+
+    forward.__resilient_timed__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+_active_loops = 0  # nested or successive steps() loops share one set of wrappers
+
+
+def install() -> _WaitClock:
+    """Wrap collectives of an already imported ``torch.distributed`` (never imports torch itself); returns the
+    clock the wrappers charge waiting to."""
+    global _clock, _active_loops
+    with _patch_lock:
+        _active_loops += 1
+        if _clock is None:
+            _clock = _WaitClock()
+        clock = _clock
+        if _patched:
+            return clock
+        mods = [sys.modules.get("torch.distributed"), sys.modules.get("torch.distributed.distributed_c10d")]
+        for mod in mods:
+            if mod is None:
+                continue
+            for name in _COLLECTIVES:
+                fn = getattr(mod, name, None)
+                if fn is None or getattr(fn, "__resilient_timed__", False):
+                    continue
+                _patched.append((mod, name, fn))
+                setattr(mod, name, _timed(fn))
+        ddp_mod = sys.modules.get("torch.nn.parallel.distributed")
+        ddp = getattr(ddp_mod, "DistributedDataParallel", None) if ddp_mod is not None else None
+        if ddp is not None and not getattr(ddp.forward, "__resilient_timed__", False):
+            _patched.append((ddp, "forward", ddp.forward))
+            ddp.forward = _ddp_forward_wrapper(ddp.forward)
+        return clock
+
+
+def uninstall() -> None:
+    """When the last loop ends, restore the original functions (gradient hooks already registered stay;
+    they only time, and fall silent without a clock)."""
+    global _clock, _active_loops
+    with _patch_lock:
+        _active_loops = max(0, _active_loops - 1)
+        if _active_loops:
+            return
+        while _patched:
+            obj, name, fn = _patched.pop()
+            setattr(obj, name, fn)
+        _clock = None
+
+
