@@ -24,7 +24,6 @@ WORKER = str(Path(__file__).with_name("worker.py"))
 REPO = str(Path(__file__).resolve().parents[2])
 
 
-
 class Agent:
     def __init__(self, run_dir: Path, **config: object) -> None:
         self.run_dir = run_dir
@@ -50,25 +49,41 @@ class Agent:
         self.monitor.attempt_started(self.attempt, {r: r for r in range(nproc)}, {r: p.pid for r, p in enumerate(self.procs)})
         return self.procs
 
+    def _round(self, end: float) -> list[Event]:
+        """One pass of the agent loop: wait for the socket or the next deadline (at most until ``end``)."""
+        now = time.monotonic()
+        dl = self.monitor.next_deadline()
+        wait = max(0.0, min(0.1, end - now, max(0.0, dl - now) if dl is not None else 0.1))
+        r, _, _ = select.select([self.monitor.fileno()], [], [], wait)
+        evs = self.monitor.on_readable(time.monotonic()) if r else []
+        evs += self.monitor.tick(time.monotonic())
+        for ev in evs:
+            self.ledger.write(ev)
+        self.events += evs
+        return evs
+
     def pump(self, until, timeout: float) -> list[Event]:
-        """Run the agent loop until ``until(events)`` is true; events of this pump are returned."""
+        """Run the agent loop until ``until(events)`` is true; events of this pump are returned.
+
+        The socket is read before the condition is first checked, so a condition that holds at once still
+        sees what was already queued. To let time pass, use :meth:`pump_for`.
+        """
         new: list[Event] = []
         end = time.monotonic() + timeout
         while True:
-            now = time.monotonic()
+            new += self._round(end)
             if until(new):
                 return new
-            if now > end:
+            if time.monotonic() > end:
                 raise TimeoutError(f"condition not met in {timeout} s; events: {[(e.kind.value, e.rank, e.details) for e in new]}")
-            dl = self.monitor.next_deadline()
-            wait = min(0.1, end - now, max(0.0, dl - now) if dl is not None else 0.1)
-            r, _, _ = select.select([self.monitor.fileno()], [], [], wait)
-            evs = self.monitor.on_readable(time.monotonic()) if r else []
-            evs += self.monitor.tick(time.monotonic())
-            for ev in evs:
-                self.ledger.write(ev)
-            new += evs
-            self.events += evs
+
+    def pump_for(self, seconds: float) -> list[Event]:
+        """Run the agent loop for ``seconds`` (reading, ticking, writing the ledger); events of it are returned."""
+        new: list[Event] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            new += self._round(end)
+        return new
 
     def all_exited(self) -> bool:
         return all(p.poll() is not None for p in self.procs)

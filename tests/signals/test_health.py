@@ -49,7 +49,7 @@ def test_full_local_tier_is_host_unhealthy(make_agent, small_fs):
         a = make_agent(ckpt_local=str(d / "ckpt"), health_interval=0.05, disk_min_free_bytes=free - (8 << 20),
                        disk_min_free_fraction=0.999)
         size = 32 << 20
-    a.pump(lambda ev: True, 0.2)
+    a.pump_for(0.2)
     assert not [e for e in a.events if e.details.get("check") == "disk_free"]
     fill(d / "blob", size)
     evs = a.pump(lambda ev: [e for e in ev if e.details.get("check") == "disk_free"], 10)
@@ -71,7 +71,7 @@ def test_memory_pressure_and_missing_nvml(make_agent, caplog):
     evs = a.pump(lambda ev: kinds(ev, EventKind.HOST_UNHEALTHY), 10)
     (e,) = kinds(evs, EventKind.HOST_UNHEALTHY)
     assert e.details["check"] == "memory" and e.details["value"] > e.details["threshold"] == 0.01
-    a.pump(lambda ev: True, 0.3)
+    a.pump_for(0.3)
     assert len(kinds(a.events, EventKind.HOST_UNHEALTHY)) == 1
     try:
         import pynvml
@@ -97,7 +97,7 @@ def test_preemption_notice_file(make_agent):
     (e,) = kinds(evs, EventKind.PREEMPTION_NOTICE)
     assert e.details["deadline"] == pytest.approx(deadline) and e.details["reason"] == "maintenance"
     assert e.details["source"] == f"file:{notice}"
-    a.pump(lambda ev: True, 0.2)
+    a.pump_for(0.2)
     assert len(kinds(a.events, EventKind.PREEMPTION_NOTICE)) == 1  # same file: one notice
     tmp.write_text("30")  # a new notice: 30 s from its mtime
     os.replace(tmp, notice)
@@ -182,7 +182,7 @@ def test_unreachable_endpoint_is_quiet(make_agent, caplog):
     caplog.set_level(logging.INFO, logger="resilient.signals.health")
     a = make_agent(preempt_url="http://127.0.0.1:9/none", preempt_url_poll=0.05)
     a.pump(lambda ev: len([r for r in caplog.records if "unreachable" in r.getMessage()]) >= 1, 10)
-    a.pump(lambda ev: True, 0.3)
+    a.pump_for(0.3)
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
     assert not kinds(a.events, EventKind.PREEMPTION_NOTICE)
 

@@ -176,3 +176,40 @@ def test_non_finite_or_non_positive_seconds_are_refused(tmp_path, flag, value):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "ran" not in r.stdout, r.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was created
+
+
+@pytest.mark.timeout(30)
+def test_malformed_packets_from_a_worker_are_ignored(make_agent):
+    """Garbage on a worker's own connection is no message: no event, no state; the connection stays, and
+    what the worker sends after it still counts."""
+    import socket
+
+    from resilient.signals import protocol as P
+    from tests.signals.harness import kinds
+
+    a = make_agent(heartbeat_timeout=5.0, initial_timeout=30.0)
+    a.attempt = 0
+    a.monitor.attempt_started(0, {0: 0}, {0: os.getpid()})  # this process is rank 0's worker
+    hdr = lambda t: P.header(t, 0, 0, os.getpid(), 0)  # noqa: E731
+    other_version = bytes([P.STEP, P.PROTOCOL_VERSION + 1]) + hdr(P.STEP)[2:]
+    garbage = [b"garbage that is not a packet", b"\x02", hdr(P.STEP)[:-1], hdr(P.STEP) + bytes(3),
+               hdr(P.DONE) + bytes(5), P.with_type(hdr(P.STEP), 99) + bytes(24),
+               P.pack_step(other_version, 10**6, 0.01, 0.01)]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(P.socket_address(a.config.socket_path))
+        # one connection keeps packet order: the monitor reads each piece of garbage before what follows it
+        for pkt in garbage:
+            s.send(pkt)
+        s.send(P.pack_step(hdr(P.STEP), 7, 0.01, 0.01))
+        for pkt in garbage:
+            s.send(pkt)
+        s.send(P.pack_done(hdr(P.DONE), 7))
+        evs = a.pump(lambda ev: a.monitor.summary(time.monotonic())["ranks"][0]["done"], 10)
+    finally:
+        s.close()
+    r = a.monitor.summary(time.monotonic())["ranks"][0]
+    assert r["step"] == 7, r  # not the other protocol version's 10**6
+    assert [e.kind for e in evs] == [EventKind.WORKERS_READY] and evs[0].details["step"] == 7
+    assert a.monitor.refused == 0
+    assert not kinds(a.events, EventKind.HANG)
