@@ -130,7 +130,7 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def cold() -> None:
     """Restore as a freshly started process would: no parsed metadata left from an earlier restore."""
-    from resilient.checkpoint.restore import clear_caches
+    from resilient.checkpoint.restore.restore import clear_caches
 
     clear_caches()
 
@@ -144,7 +144,7 @@ def timed(fn: Any) -> float:
 def bench_blocking(state: dict[str, Any], work: Path, saves: int, compute_s: float) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     tensors = list(state["model"].values())
     copy_s = statistics.median(timed(lambda: [t.clone() for t in tensors]) for _ in range(3))
@@ -274,7 +274,7 @@ DCP_MD = ".metadata"
 
 def bench_local_restore(states: dict[str, dict[str, Any]], work: Path, reps: int) -> dict[str, Any]:
     """Local restore of each state, interleaved with a raw read of the same files into a reused buffer."""
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     files, targets = {}, {}
     for name, state in states.items():
@@ -320,7 +320,7 @@ def restore_memory(state_kind: str, mb: int, work: Path, tier: str) -> dict[str,
 
 
 def memory_worker(state_kind: str, mb: int, work: Path, tier: str) -> None:
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     state = make_any(state_kind, mb)
     nbytes = state_bytes(state)
@@ -355,8 +355,8 @@ def bench_peer_restore(state_kind: str, mb: int, work: Path, reps: int) -> dict[
 def peer_worker(state_kind: str, mb: int, work: Path, reps: int) -> None:
     import torch.distributed as dist
 
-    from resilient.checkpoint.manager import CheckpointManager
-    from resilient.checkpoint.transfer import CHUNK
+    from resilient.checkpoint.save.manager import CheckpointManager
+    from resilient.checkpoint.replicate.transfer import CHUNK
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -453,8 +453,8 @@ def bench_hotswap(state_kind: str, mb: int, work: Path, reps: int) -> dict[str, 
 def hotswap_worker(phase: str, state_kind: str, mb: int, work: Path, rep: int) -> None:
     import torch.distributed as dist
 
-    from resilient.checkpoint.manager import CheckpointManager
-    from resilient.checkpoint.transfer import CHUNK
+    from resilient.checkpoint.save.manager import CheckpointManager
+    from resilient.checkpoint.replicate.transfer import CHUNK
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -541,7 +541,7 @@ def bench_gcs_restore(states: dict[str, dict[str, Any]], work: Path, reps: int) 
     """Persistent restore (local tier empty) interleaved with two baselines through the same gcsfs client:
     all files read as parallel 8 MiB ranged reads (``cat_ranges``, gcsfs runs them concurrently), and the
     files read one ``cat_file`` after another."""
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     emu = Emulator(work / "gcs")
     out: dict[str, Any] = {"emulator": "fake-gcs-server (filesystem backend), same host"}
@@ -619,7 +619,7 @@ def save_memory_worker(total_mb: int, work: Path) -> None:
 
     import psutil
 
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     proc = psutil.Process()
     baseline = proc.memory_info().rss  # everything imported, no state yet

@@ -45,7 +45,10 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import torch  # noqa: E402
 
 from model import GPT, GPTConfig, load_corpus  # noqa: E402
-from resilient.checkpoint import compress as cz  # noqa: E402
+from resilient.checkpoint.format import codec as coding  # noqa: E402
+from resilient.checkpoint.storage import parts as store_parts  # noqa: E402
+from resilient.checkpoint.upload import chooser  # noqa: E402
+from resilient.checkpoint.upload import transcode  # noqa: E402
 
 
 def train(steps: int, seed: int = 0) -> tuple[GPT, torch.optim.Optimizer, float]:
@@ -82,7 +85,7 @@ def codecs() -> dict[str, Any]:
     import zstandard
 
     out: dict[str, Any] = {
-        "bgzstd": lambda b, es: len(cz.encode(b, es)),
+        "bgzstd": lambda b, es: len(coding.encode(b, es)),
         "zstd (DCP)": lambda b, es: len(zstandard.ZstdCompressor(level=1).compress(b)),
     }
     try:
@@ -120,10 +123,10 @@ def ratios(state: dict[str, dict[str, list[torch.Tensor]]]) -> dict[str, Any]:
                 n = sum(f(b, es) for b in blobs)
                 row[cname] = {"ratio": round(raw / n, 3), "MBps_per_core": round(raw / (time.perf_counter() - t0) / 1e6)}
             # decode throughput of ours
-            coded = [cz.encode(b, es) for b in blobs]
+            coded = [coding.encode(b, es) for b in blobs]
             t0 = time.perf_counter()
             for c in coded:
-                cz.decode(c)
+                coding.decode(c)
             row["bgzstd"]["decode_MBps_per_core"] = round(raw / (time.perf_counter() - t0) / 1e6)
             res[f"{dname}/{part}"] = row
     return res
@@ -131,10 +134,10 @@ def ratios(state: dict[str, dict[str, list[torch.Tensor]]]) -> dict[str, Any]:
 
 def upload(state: dict[str, Any], mode: str, root: Path, url: str, run_dir: Path) -> float:
     """Seconds of the persistent upload of one step (the manager's own figure, from the ledger)."""
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
     from resilient.events.ledger import read_events
 
-    os.environ[cz.ENV_MODE] = mode
+    os.environ[chooser.ENV_MODE] = mode
     os.environ["RESILIENT_RUN_DIR"] = str(run_dir)
     ck = CheckpointManager(local=root, persistent=url, interval=1, persistent_every=1, keep_persistent=1)
     ck.save(1, state)
@@ -150,19 +153,19 @@ def same_transport(step_dir: Path, url: str, step: int, coded_first: bool) -> tu
     at a time, as they are (cut at part boundaries) and coded by the pipeline."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from resilient.checkpoint.safe import load_metadata
-    from resilient.checkpoint.tiers import BoundedTier, make_tier
+    from resilient.checkpoint.format.safe import load_metadata
+    from resilient.checkpoint.storage.tiers import BoundedTier, make_tier
 
     tier = BoundedTier(make_tier(url, "persistent"), 60.0)
     names = sorted(p.name for p in step_dir.glob("*.distcp"))
 
     def plain() -> float:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(cz.SENDERS) as ex:
+        with ThreadPoolExecutor(store_parts.SENDERS) as ex:
             futs = []
             for n in names:
                 data = (step_dir / n).read_bytes()
-                ps = cz.part_size(len(data))
+                ps = store_parts.part_size(len(data))
                 futs += [ex.submit(tier.write_bytes, step, f"{n}.plain{i}", data[o:o + ps])
                          for i, o in enumerate(range(0, len(data), ps))]
             for f in futs:
@@ -172,7 +175,7 @@ def same_transport(step_dir: Path, url: str, step: int, coded_first: bool) -> tu
     def coded() -> tuple[float, float]:
         md = load_metadata((step_dir / ".metadata").read_bytes(), what=".metadata")
         t0 = time.perf_counter()
-        part = cz.stream_files(step_dir, names, md, cz.Codec.BGZSTD, cz.TierDest(tier, step + 1))
+        part = transcode.stream_files(step_dir, names, md, coding.Codec.BGZSTD, store_parts.TierDest(tier, step + 1))
         return time.perf_counter() - t0, part.ratio
 
     if coded_first:
@@ -243,7 +246,7 @@ def main() -> int:
             gcs.stop()
     result = {"model": "GPT 4x256 (recipes/pytorch), AdamW", "steps": args.steps, "loss": round(loss, 3),
               "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "ratios": r, "upload": up,
-              "part_MB": cz.part_size(0) / 2**20, "chunk_MB": cz.CHUNK / 2**20, "senders": cz.SENDERS,
+              "part_MB": store_parts.part_size(0) / 2**20, "chunk_MB": transcode.CHUNK / 2**20, "senders": store_parts.SENDERS,
               "goals": {"bf16 weights >= 1.3x": r["bf16/weights"]["bgzstd"]["ratio"],
                         "fp32 weights >= 1.15x": r["fp32/weights"]["bgzstd"]["ratio"],
                         "bf16 upload >= 1.25x faster": up["bf16"]["speedup_median"],

@@ -6,7 +6,7 @@ last completed save and costs a restart (failures during a restart are possible)
 are noisy. The same failure times (common random numbers, several seeds) are replayed against:
 
 * every fixed interval of a geometric sweep from 1 to 10,000 steps, refined around the best one;
-* ``auto``: :class:`resilient.checkpoint.interval.IntervalTuner` with its default 6 h prior, fed the
+* ``auto``: :class:`resilient.checkpoint.save.interval.IntervalTuner` with its default 6 h prior, fed the
   simulated step times, save costs and interruptions as the checkpointer feeds it.
 
 Goodput = useful step time ÷ wall time.
@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from resilient.checkpoint.interval import PRIOR_MTBF_ENV, IntervalTuner  # noqa: E402
+from resilient.checkpoint.save.interval import PRIOR_MTBF_ENV, IntervalTuner  # noqa: E402
 
 STEP_S = 10.0  # mean step time
 SAVE_S = 15.0  # mean blocking cost of a save

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --ddp: sum gradients in rank order (resilient.ddp.make_exact): bit-exact at any size")
     args = ap.parse_args(argv)
 
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
     from resilient import drill as faults
 
     out = Path(args.out)

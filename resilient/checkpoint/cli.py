@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilient.checkpoint.api import DCP_METADATA, PEER_SUBDIR, Manifest, StepInfo
-from resilient.checkpoint.tiers import DirTier, make_tier, parse_step, step_info, verify_step
+from resilient.checkpoint.storage.tiers import DirTier, make_tier, step_info, verify_step
+from resilient.checkpoint.format.layout import parse_step
 
 
 def _split(target: str) -> tuple[str, int | None]:
@@ -210,7 +211,7 @@ class _Holding:
 def _holding(tier: Any, step: int) -> _Holding | None:
     """The ranks ``tier`` holds whole of committed ``step`` (None: not committed there)."""
     from resilient.checkpoint.api import COMMIT_MARKER
-    from resilient.checkpoint.tiers import manifest_ranks, read_commit, read_manifest
+    from resilient.checkpoint.storage.tiers import manifest_ranks, read_commit, read_manifest
 
     files = tier.list_files(step)
     if COMMIT_MARKER not in files:
@@ -298,9 +299,10 @@ def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from resilient.checkpoint.api import CorruptFileError, UnsafeCheckpointError
-    from resilient.checkpoint.compress import CompressError, export_step
-    from resilient.checkpoint.safe import load_metadata
-    from resilient.checkpoint.tiers import verify_bytes
+    from resilient.checkpoint.format.codec import CompressError
+    from resilient.checkpoint.upload.transcode import export_step
+    from resilient.checkpoint.format.safe import load_metadata
+    from resilient.checkpoint.format.digests import verify_bytes
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

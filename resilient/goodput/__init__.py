@@ -13,7 +13,7 @@ _LAZY = {
     "GoodputError": "resilient.goodput.api",
     "compute_report": "resilient.goodput.calculator",
     "report_for_run": "resilient.goodput.calculator",
-    "IntervalTuner": "resilient.checkpoint.interval",
+    "IntervalTuner": "resilient.checkpoint.save.interval",
     "MetricsServer": "resilient.goodput.metrics",
 }
 

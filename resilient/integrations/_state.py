@@ -119,7 +119,7 @@ def manager_from(manager: Any, options: Mapping[str, Any]) -> Any:
     group exists: every rank calls it at the same point)."""
     if manager is not None:
         return manager
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     return CheckpointManager.from_env(**dict(options))
 

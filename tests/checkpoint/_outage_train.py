@@ -37,7 +37,7 @@ def _install() -> None:
     rank = int(os.environ.get("RANK", "0"))
     hold = int(os.environ.get("DRILL_HOLD_UPLOAD", "-1"))
     if hold >= 0 and rank == 0:
-        from resilient.checkpoint import tiers
+        from resilient.checkpoint.storage import tiers
 
         orig_put, orig_write = tiers.FsspecTier.put_file, tiers.FsspecTier.write_bytes
         held: list[bool] = []
@@ -60,7 +60,7 @@ def _install() -> None:
         tiers.FsspecTier.write_bytes = write_bytes  # type: ignore[method-assign]
     gates = {int(g): f for g, f in (x.split(":") for x in os.environ.get("DRILL_GATES", "").split(",") if x)}
     if gates:
-        from resilient.checkpoint.manager import CheckpointManager
+        from resilient.checkpoint.save.manager import CheckpointManager
 
         orig_save = CheckpointManager.save
 

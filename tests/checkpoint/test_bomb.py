@@ -18,9 +18,11 @@ import pytest
 import torch
 import zstandard
 
-from resilient.checkpoint import compress as cz
-from resilient.checkpoint.manager import CheckpointManager
-from resilient.checkpoint.safe import load_metadata
+from resilient.checkpoint.format import codec as coding
+
+from resilient.checkpoint.upload import chooser
+from resilient.checkpoint.save.manager import CheckpointManager
+from resilient.checkpoint.format.safe import load_metadata
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 
@@ -61,9 +63,9 @@ def zstd_bomb() -> bytes:
 def bgzstd_bomb() -> bytes:
     """A resilient.bgzstd/1 stream (element size 1) of BOMB zeros: the same full block again and again."""
     frame = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=False).compress(
-        bytes(cz.BLOCK))
-    block = cz._U32.pack(cz.BLOCK) + cz._U32.pack(len(frame)) + frame
-    return cz.MAGIC + bytes([1]) + block * (BOMB // cz.BLOCK)
+        bytes(coding.BLOCK))
+    block = coding._U32.pack(coding.BLOCK) + coding._U32.pack(len(frame)) + frame
+    return coding.MAGIC + bytes([1]) + block * (BOMB // coding.BLOCK)
 
 
 def state() -> dict:
@@ -89,7 +91,7 @@ def plant(step_dir: Path, bomb: bytes, fqn: str = "w") -> str:
 def bombed(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:
     """Steps 3 and 7 on a compressed persistent tier (file://), a bomb planted in step 7's tensor ``w``."""
     codec = request.param
-    monkeypatch.setenv(cz.ENV_MODE, codec)
+    monkeypatch.setenv(chooser.ENV_MODE, codec)
     bucket = tmp_path / "bucket"
     ck = CheckpointManager(local=tmp_path / "local", persistent=f"file://{bucket}", interval=1, persistent_every=1)
     s = state()
@@ -164,20 +166,20 @@ def test_object_items_are_bounded_too(tmp_path: Path, monkeypatch: pytest.Monkey
     md = load_metadata((tmp_path / "s" / DCP_METADATA).read_bytes(), "x")
     obj = next(i for i in md.storage_data if i.fqn == "extra.pos")
     w = next(i for i in md.storage_data if i.fqn == "w")
-    assert cz.item_limit(md, w) == 50_000 * 4 + cz.SAVE_SLACK
-    monkeypatch.setenv(cz.ENV_MAX_OBJECT_MB, "1")
-    assert cz.item_limit(md, obj) == 1 << 20
+    assert coding.item_limit(md, w) == 50_000 * 4 + coding.SAVE_SLACK
+    monkeypatch.setenv(coding.ENV_MAX_OBJECT_MB, "1")
+    assert coding.item_limit(md, obj) == 1 << 20
     for desc, bomb in (("resilient.bgzstd/1", bgzstd_bomb()), ("stream.zstd/1", zstd_bomb())):
-        with pytest.raises(cz.ItemTooLargeError, match="more than 1,048,576 bytes"):
-            cz.decode_item(bomb, [desc], cz.item_limit(md, obj))
-        with pytest.raises(cz.ItemTooLargeError):
-            for _ in cz.iter_decode(bomb, [desc], cz.item_limit(md, obj)):
+        with pytest.raises(coding.ItemTooLargeError, match="more than 1,048,576 bytes"):
+            coding.decode_item(bomb, [desc], coding.item_limit(md, obj))
+        with pytest.raises(coding.ItemTooLargeError):
+            for _ in coding.iter_decode(bomb, [desc], coding.item_limit(md, obj)):
                 pass
     info = md.storage_data[w]
     raw = (tmp_path / "s" / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
-    assert bytes(cz.decode_item(cz.encode(raw, 4), ["resilient.bgzstd/1"], cz.item_limit(md, w))) == raw
+    assert bytes(coding.decode_item(coding.encode(raw, 4), ["resilient.bgzstd/1"], coding.item_limit(md, w))) == raw
     coded = zstandard.ZstdCompressor().compress(raw)
-    assert bytes(cz.decode_item(coded, ["stream.zstd/1"], cz.item_limit(md, w))) == raw
+    assert bytes(coding.decode_item(coded, ["stream.zstd/1"], coding.item_limit(md, w))) == raw
     # a frame declaring more than the limit is refused from its header, before anything is decoded
-    with pytest.raises(cz.ItemTooLargeError):
-        cz.decode_item(coded, ["stream.zstd/1"], len(raw) - 1)
+    with pytest.raises(coding.ItemTooLargeError):
+        coding.decode_item(coded, ["stream.zstd/1"], len(raw) - 1)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.save.manager import CheckpointManager
 
 from .conftest import GCS, REPO, _child_env
 

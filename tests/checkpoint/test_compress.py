@@ -13,9 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from resilient.checkpoint import compress as cz
+from resilient.checkpoint.format import codec as coding
+
+from resilient.checkpoint.storage import parts as store_parts
+
+from resilient.checkpoint.upload import chooser
+
+
+from resilient.checkpoint.upload import transcode
 from resilient.checkpoint.api import DCP_METADATA, FileEntry, Manifest
-from resilient.checkpoint.safe import load_metadata
+from resilient.checkpoint.format.safe import load_metadata
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool]
@@ -56,10 +63,10 @@ def test_round_trip_is_bit_exact_for_every_dtype(dtype: torch.dtype, raw: bytes,
         t = torch.cat([t, _tensor(dtype, extra)])
     data = _bits(t) + bytes(range(odd))  # odd-sized: a tail shorter than one element
     es = t.element_size()
-    coded = cz.encode(data, es)
-    assert bytes(cz.decode(coded)) == data
+    coded = coding.encode(data, es)
+    assert bytes(coding.decode(coded)) == data
     # a real tensor's round trip, every bit compared (NaN != NaN, so compare bytes)
-    back = _tensor(dtype, bytes(cz.decode(cz.encode(_bits(t), es))))
+    back = _tensor(dtype, bytes(coding.decode(coding.encode(_bits(t), es))))
     assert _bits(back) == _bits(t)
 
 
@@ -68,19 +75,19 @@ def test_large_multi_block_round_trip_on_threads_and_ratio() -> None:
     w = (torch.randn(3 << 20, generator=g) * 0.02)  # 12 MiB: three blocks, coded on two threads
     for t in (w, w.bfloat16()):
         raw = _bits(t)
-        coded = cz.encode(raw, t.element_size(), threads=2)
-        assert bytes(cz.decode(coded)) == raw
+        coded = coding.encode(raw, t.element_size(), threads=2)
+        assert bytes(coding.decode(coded)) == raw
         # the exponent plane must make the codec pay: gaussian weights, as at initialisation
         assert len(raw) / len(coded) > (1.15 if t.dtype is torch.float32 else 1.3)
 
 
 @pytest.mark.parametrize("bad", [b"", b"RBG", b"XXXX\x04", "truncated", "flipped"])
 def test_malformed_stream_is_refused(bad: object) -> None:
-    good = cz.encode(_bits(torch.randn(5000) * 0.02), 4)
+    good = coding.encode(_bits(torch.randn(5000) * 0.02), 4)
     # "flipped": a byte inside the last (sign and exponent) plane's zstd frame: its checksum catches it
     data = {"truncated": good[:-7], "flipped": good[:-10] + bytes([good[-10] ^ 0xFF]) + good[-9:]}.get(bad, bad)
-    with pytest.raises(cz.CompressError):
-        cz.decode(data)  # type: ignore[arg-type]
+    with pytest.raises(coding.CompressError):
+        coding.decode(data)  # type: ignore[arg-type]
 
 
 def _state() -> dict[str, object]:
@@ -105,9 +112,9 @@ def _same(a: dict[str, object], b: dict[str, object]) -> None:
 
 def test_dcp_writer_extension_round_trip(tmp_path: Path) -> None:
     s = _state()
-    dcp.save(s, storage_writer=FileSystemWriter(tmp_path, _extensions=[cz.ByteGroupZstd(4)]), no_dist=True)
+    dcp.save(s, storage_writer=FileSystemWriter(tmp_path, _extensions=[coding.ByteGroupZstd(4)]), no_dist=True)
     got = _zeroed(s)
-    dcp.load(got, storage_reader=FileSystemReader(tmp_path, _extension_registry=cz.extension_registry()), no_dist=True)
+    dcp.load(got, storage_reader=FileSystemReader(tmp_path, _extension_registry=coding.extension_registry()), no_dist=True)
     _same(s, got)
     with pytest.raises(BaseException) as e:  # without the registry DCP names the extension it lacks (CheckpointException)
         dcp.load(_zeroed(s), storage_reader=FileSystemReader(tmp_path), no_dist=True)
@@ -138,18 +145,18 @@ def _plain_load(tmp_path: Path, d: Path, s: dict[str, object]) -> subprocess.Com
                           timeout=120, cwd=tmp_path)
 
 
-def _transcode(tmp_path: Path, codec: cz.Codec) -> tuple[Path, dict[str, object], cz.Transcoded]:
+def _transcode(tmp_path: Path, codec: coding.Codec) -> tuple[Path, dict[str, object], transcode.Transcoded]:
     s = _state()
     src = tmp_path / "plain"
     dcp.save(s, storage_writer=FileSystemWriter(src), no_dist=True)
     md = load_metadata((src / DCP_METADATA).read_bytes(), what=DCP_METADATA)
     names = sorted(p.name for p in src.glob("*.distcp"))
     out = tmp_path / codec.value
-    part = cz.transcode_files(src, names, md, codec, out)
+    part = transcode.transcode_files(src, names, md, codec, out)
     m = Manifest(step=1, rank=0, world_size=1, files={n: FileEntry(0, 0) for n in names}, metadata=FileEntry(0, 0))
-    m2 = cz.finish_step(out, m, part, cz.merged_metadata(md, [part.storage]), "manifest-rank0.json")
-    from resilient.checkpoint.load import file_blocks
-    from resilient.checkpoint.tiers import file_entry
+    m2 = transcode.finish_step(out, m, part, transcode.merged_metadata(md, [part.storage]), "manifest-rank0.json")
+    from resilient.checkpoint.format.digests import file_blocks
+    from resilient.checkpoint.format.digests import file_entry
 
     for n, fe in m2.all_files().items():  # the manifest describes the rewritten files, block by block
         assert (file_blocks(out / n, fe.block_size) if fe.blocks else file_entry(out / n)) == fe, n
@@ -158,21 +165,21 @@ def _transcode(tmp_path: Path, codec: cz.Codec) -> tuple[Path, dict[str, object]
 
 
 def test_zstd_transcode_is_read_by_plain_dcp_load(tmp_path: Path) -> None:
-    out, s, part = _transcode(tmp_path, cz.Codec.ZSTD)
+    out, s, part = _transcode(tmp_path, coding.Codec.ZSTD)
     assert part.ratio > 1.0
     r = _plain_load(tmp_path, out, s)
     assert r.returncode == 0 and "plain-ok" in r.stdout, r.stderr[-2000:]
 
 
 def test_bgzstd_transcode_loads_with_registry_and_exports_to_plain_dcp(tmp_path: Path) -> None:
-    out, s, part = _transcode(tmp_path, cz.Codec.BGZSTD)
+    out, s, part = _transcode(tmp_path, coding.Codec.BGZSTD)
     assert part.ratio > 1.0
     got = _zeroed(s)
-    dcp.load(got, storage_reader=FileSystemReader(out, _extension_registry=cz.extension_registry()), no_dist=True)
+    dcp.load(got, storage_reader=FileSystemReader(out, _extension_registry=coding.extension_registry()), no_dist=True)
     _same(s, got)
     plain = tmp_path / "exported"
     names = [p.name for p in out.iterdir() if p.name.endswith(".distcp")] + [DCP_METADATA]
-    assert cz.export_step(lambda n: (out / n).read_bytes(), names, plain) >= 7
+    assert transcode.export_step(lambda n: (out / n).read_bytes(), names, plain) >= 7
     r = _plain_load(tmp_path, plain, s)
     assert r.returncode == 0 and "plain-ok" in r.stdout, r.stderr[-2000:]
 
@@ -181,7 +188,8 @@ def test_bgzstd_transcode_loads_with_registry_and_exports_to_plain_dcp(tmp_path:
 def test_streamed_in_parts_to_gcs_is_byte_identical_and_loads(tmp_path: Path, gcs: object) -> None:
     """Items larger than a codec block, coded in small jobs ahead of the sender, sent as a multi-part
     upload to a real GCS API server: the object equals the directory copy, and DCP reads it back."""
-    from resilient.checkpoint.tiers import BoundedTier, FsspecTier, file_entry
+    from resilient.checkpoint.storage.tiers import BoundedTier, FsspecTier
+    from resilient.checkpoint.format.digests import file_entry
 
     g = torch.Generator().manual_seed(3)
     s = {"big": torch.randn(1_300_000, generator=g) * 0.02, "half": (torch.randn(900_000, generator=g)).bfloat16(),
@@ -192,12 +200,12 @@ def test_streamed_in_parts_to_gcs_is_byte_identical_and_loads(tmp_path: Path, gc
     names = sorted(p.name for p in src.glob("*.distcp"))
     gcs.make_bucket("cks")  # type: ignore[attr-defined]
     tier = BoundedTier(FsspecTier(f"gs://cks/{tmp_path.name}"), 30.0)
-    for step, codec in enumerate((cz.Codec.BGZSTD, cz.Codec.ZSTD)):
+    for step, codec in enumerate((coding.Codec.BGZSTD, coding.Codec.ZSTD)):
         out = tmp_path / codec.value
         # many jobs in flight, parts of 1 MiB: small items share parts, the 5.2 MB one is streamed on its own
         small = {"chunk": 256 << 10, "inflight": 2, "part": 1 << 20}
-        part = cz.stream_files(src, names, md, codec, cz.DirDest(out), **small)  # type: ignore[arg-type]
-        sent = cz.stream_files(src, names, md, codec, cz.TierDest(tier, step), **small)  # type: ignore[arg-type]
+        part = transcode.stream_files(src, names, md, codec, store_parts.DirDest(out), **small)  # type: ignore[arg-type]
+        sent = transcode.stream_files(src, names, md, codec, store_parts.TierDest(tier, step), **small)  # type: ignore[arg-type]
         assert sent.files == part.files and sent.storage == part.storage
         assert len(part.files) >= 3 and names[0] in part.files  # parts; the first keeps the file's name
         assert {i.relative_path for i in part.storage.values()} == set(part.files)
@@ -206,9 +214,9 @@ def test_streamed_in_parts_to_gcs_is_byte_identical_and_loads(tmp_path: Path, gc
             assert file_entry(out / n).crc32c == part.files[n].crc32c
         assert part.ratio > 1.05
         m = Manifest(step=1, rank=0, world_size=1, files={n: FileEntry(0, 0) for n in names}, metadata=FileEntry(0, 0))
-        cz.finish_step(out, m, part, cz.merged_metadata(md, [part.storage]), "manifest-rank0.json")
+        transcode.finish_step(out, m, part, transcode.merged_metadata(md, [part.storage]), "manifest-rank0.json")
         got = _zeroed(s)
-        dcp.load(got, storage_reader=FileSystemReader(out, _extension_registry=cz.extension_registry()),
+        dcp.load(got, storage_reader=FileSystemReader(out, _extension_registry=coding.extension_registry()),
                  no_dist=True)
         _same(s, got)
 
@@ -219,24 +227,24 @@ def test_store_killed_during_a_compressed_upload(tmp_path: Path, gcs: object,
     """The GCS server is SIGKILLed right after the first coded part of step 1 lands: that upload is reported
     failed and nothing of step 1 is committed; training's saves go on; the server comes back and step 2
     goes up compressed, complete, and restores bit-exact from the store alone."""
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
     from resilient.events.ledger import read_events
 
-    monkeypatch.setenv(cz.ENV_MODE, "bgzstd")
+    monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
     monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setattr(cz, "PART_MIN", 16 << 10)  # several parts per step
+    monkeypatch.setattr(store_parts, "PART_MIN", 16 << 10)  # several parts per step
     gcs.make_bucket("ckk")  # type: ignore[attr-defined]
     url = f"gs://ckk/{tmp_path.name}"
-    real_put = cz.TierDest.put
+    real_put = store_parts.TierDest.put
     landed: list[str] = []
 
-    def put_then_kill(self: cz.TierDest, name: str, data: object) -> None:
+    def put_then_kill(self: store_parts.TierDest, name: str, data: object) -> None:
         real_put(self, name, data)
         landed.append(name)
         if self.step == 1 and len(landed) == 1:
             gcs.stop()  # type: ignore[attr-defined]  # SIGKILL: later parts meet a dead store
 
-    monkeypatch.setattr(cz.TierDest, "put", put_then_kill)
+    monkeypatch.setattr(store_parts.TierDest, "put", put_then_kill)
     s = _state()
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
                            persistent_timeout_s=2.0, upload_retries=1, upload_backoff_s=0.1,
@@ -264,19 +272,19 @@ def test_store_killed_during_a_compressed_upload(tmp_path: Path, gcs: object,
 
 
 def test_chooser_compresses_only_when_it_pays() -> None:
-    c = cz.Chooser("auto")
-    assert c.decide().codec is cz.Codec.NONE  # the first transfer measures the link
+    c = chooser.Chooser("auto")
+    assert c.decide().codec is coding.Codec.NONE  # the first transfer measures the link
     c.observe_link(100e6, 2.0)  # 50 MB/s
-    assert c.decide().codec is cz.Codec.BGZSTD  # probe the codec on this run's data
+    assert c.decide().codec is coding.Codec.BGZSTD  # probe the codec on this run's data
     c.observe_codec(100e6, 0.4, 1.4)  # 250 MB/s, 1.4x: 4 + 14.3 < 20 ms/MB
     d = c.decide()
-    assert d.codec is cz.Codec.BGZSTD and d.ratio == 1.4 and "plain" in d.reason
+    assert d.codec is coding.Codec.BGZSTD and d.ratio == 1.4 and "plain" in d.reason
     c.observe_link(100e6, 0.1)  # the link got fast (1 GB/s): coding costs more than it saves
-    assert c.decide().codec is cz.Codec.NONE
-    assert cz.Chooser("none").decide().codec is cz.Codec.NONE
-    assert cz.Chooser("zstd").decide().codec is cz.Codec.ZSTD
+    assert c.decide().codec is coding.Codec.NONE
+    assert chooser.Chooser("none").decide().codec is coding.Codec.NONE
+    assert chooser.Chooser("zstd").decide().codec is coding.Codec.ZSTD
     with pytest.raises(ValueError, match="--ckpt-compress 'lz9': choose one of auto, none, bgzstd, zstd"):
-        cz.parse_mode("lz9")
+        coding.parse_mode("lz9")
 
 
 @pytest.mark.timeout(300)  # four interpreters importing torch, on busy cores
@@ -286,16 +294,16 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
     restore from it is bit-exact; ``resilient ckpt verify`` passes; ``export`` gives plain DCP."""
     import shutil
 
-    from resilient.checkpoint.manager import CheckpointManager
-    from resilient.checkpoint.tiers import read_manifest
+    from resilient.checkpoint.save.manager import CheckpointManager
+    from resilient.checkpoint.storage.tiers import read_manifest
 
     from .test_cli import cli
 
     from resilient.events.ledger import read_events
 
-    monkeypatch.setenv(cz.ENV_MODE, "bgzstd")
+    monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
     monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setattr(cz, "PART_MIN", 32 << 10)  # a small state in several parts, one item streamed alone
+    monkeypatch.setattr(store_parts, "PART_MIN", 32 << 10)  # a small state in several parts, one item streamed alone
     gcs.make_bucket("ckz")  # type: ignore[attr-defined]
     url = f"gs://ckz/{tmp_path.name}"
     s = _state()
@@ -341,10 +349,10 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
 def test_auto_decisions_are_written_to_the_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto``, three uploads of an 18 MB state: the first measures the link (plain), the second probes the
     codec (compressed), the third is decided from both measurements; each decision is a ledger event."""
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
     from resilient.events.ledger import read_events
 
-    monkeypatch.setenv(cz.ENV_MODE, "auto")
+    monkeypatch.setenv(chooser.ENV_MODE, "auto")
     monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
     g = torch.Generator().manual_seed(5)
     s = {"w": torch.randn(4_500_000, generator=g) * 0.02}  # above the 16 MiB below which transfers go plain
@@ -386,24 +394,28 @@ zstandard.ZstdCompressor = lambda *a, **k: (coded.append(1), _Z(*a, **k))[1]
 
 dist.init_process_group("gloo")
 r = dist.get_rank()
-from resilient.checkpoint import compress as cz
+from resilient.checkpoint.format import codec as coding
+from resilient.checkpoint.storage import parts as store_parts
+from resilient.checkpoint.upload import chooser
+from resilient.checkpoint.upload import prepare
+from resilient.checkpoint.upload import transcode
 from resilient.checkpoint.manager import CheckpointManager
 
 streamed = []
-real = {"prepare_upload": cz.prepare_upload, "observe_upload": cz.observe_upload, "stream_files": cz.stream_files}
-cz.stream_files = lambda *a, **k: (streamed.append(1), real["stream_files"](*a, **k))[1]
+real = {"prepare_upload": prepare.prepare_upload, "observe_upload": prepare.observe_upload, "stream_files": transcode.stream_files}
+transcode.stream_files = lambda *a, **k: (streamed.append(1), real["stream_files"](*a, **k))[1]
 root = sys.argv[1]
 g = torch.Generator().manual_seed(r)
 state = {"w": torch.randn(200_000, generator=g) * 0.02, "b": torch.randn(1000, generator=g).bfloat16()}
 res = {}
 for mode in ("before", "none", "bgzstd"):
     if mode == "before":  # the uploader as it was before compression existed: no hook at all
-        cz.prepare_upload = lambda *a, **k: None
-        cz.observe_upload = lambda *a, **k: None
-        os.environ[cz.ENV_MODE] = "none"
+        prepare.prepare_upload = lambda *a, **k: None
+        prepare.observe_upload = lambda *a, **k: None
+        os.environ[chooser.ENV_MODE] = "none"
     else:
-        cz.prepare_upload, cz.observe_upload = real["prepare_upload"], real["observe_upload"]
-        os.environ[cz.ENV_MODE] = mode
+        prepare.prepare_upload, prepare.observe_upload = real["prepare_upload"], real["observe_upload"]
+        os.environ[chooser.ENV_MODE] = mode
     c0, z0, s0 = len(calls), len(coded), len(streamed)
     ck = CheckpointManager(local=f"{root}/{mode}/local", persistent=f"file://{root}/{mode}/bucket", interval=1,
                            persistent_every=1)
@@ -453,15 +465,15 @@ def test_launcher_flag_sets_the_workers_mode_and_refuses_unknown_codecs(tmp_path
     from resilient.launcher.api import LaunchError
     from resilient.launcher.args import parse
 
-    monkeypatch.delenv(cz.ENV_MODE, raising=False)
+    monkeypatch.delenv(chooser.ENV_MODE, raising=False)
     base = ["--standalone", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run")]
     script = tmp_path / "train.py"
     script.write_text("")
     parse([*base, "--ckpt-compress", "none", str(script)])
     import os
 
-    assert os.environ[cz.ENV_MODE] == "none" and cz.chooser_from_env().mode is cz.CompressMode.NONE
+    assert os.environ[chooser.ENV_MODE] == "none" and chooser.chooser_from_env().mode is coding.CompressMode.NONE
     with pytest.raises(LaunchError, match="--ckpt-compress.*invalid choice: 'lz9'"):
         parse([*base, "--ckpt-compress", "lz9", str(script)])
-    monkeypatch.setenv(cz.ENV_MODE, "lz9")  # set by hand, wrong: logged, and uploads go plain
-    assert cz.chooser_from_env().mode is cz.CompressMode.NONE
+    monkeypatch.setenv(chooser.ENV_MODE, "lz9")  # set by hand, wrong: logged, and uploads go plain
+    assert chooser.chooser_from_env().mode is coding.CompressMode.NONE

@@ -106,7 +106,7 @@ def test_three_nodes_one_wiped_bit_exact(tmp_path: Path, workers: Workers) -> No
 def test_restore_onto_other_world_sizes(tmp_path: Path, workers: Workers) -> None:
     """A 2-rank checkpoint restores into one process without a process group, and into 3 ranks (DCP
     reshards replicated tensors; a per-rank value missing for the new rank 2 falls back to the shared one)."""
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     args = ["--steps", "8", "--interval", "4", "--local", str(tmp_path / "ckpt")]
     ok(workers.run(TRAIN, [*args, "--out", str(tmp_path / "two")], 2))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.checkpoint.safe import load_metadata
+from resilient.checkpoint.format.safe import load_metadata
 
 from .conftest import REPO, TRAIN, Workers, _child_env, ok
 from .test_cli import cli

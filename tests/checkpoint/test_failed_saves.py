@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from resilient.checkpoint.api import CheckpointConfigError, CheckpointSavesFailedError
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.launcher.api import CKPT_FAILED_EXIT_CODE

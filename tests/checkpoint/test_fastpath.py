@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient.checkpoint.api import CorruptFileError
-from resilient.checkpoint.reader import FastReader, _tensor_record
-from resilient.checkpoint.tiers import crc_combine, crc_parallel, file_entry, map_verified
+from resilient.checkpoint.restore.reader import FastReader, _tensor_record
+from resilient.checkpoint.format.digests import crc_combine, crc_parallel, file_entry, map_verified
 
 
 @pytest.mark.parametrize("n", [0, 1, 4097, (16 << 20) + 3, (33 << 20) + 1])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from resilient.checkpoint.collective import Ranks, RanksFailedError
-from resilient.checkpoint.plan import plan_fetch
-from resilient.checkpoint.transfer import Transfer
+from resilient.checkpoint.storage.collective import Ranks, RanksFailedError
+from resilient.checkpoint.restore.plan import plan_fetch
+from resilient.checkpoint.replicate.transfer import Transfer
 
 SIZES = {"a": 1, "b": 2, "c": 3, "d": 4, ".metadata": 5}
 
@@ -51,7 +51,7 @@ def test_run_keeps_the_result_on_this_rank() -> None:
 
 
 def test_retention_choice() -> None:
-    from resilient.checkpoint.retention import to_delete
+    from resilient.checkpoint.storage.retention import to_delete
 
     steps = {1: True, 2: False, 3: True, 4: True, 5: False}
     assert to_delete(steps, keep=2) == [1, 2]  # 5 may be being written

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resilient.checkpoint.api import (CheckpointConfigError, CheckpointMismatchError, NoRestorableStepError)
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 
@@ -210,7 +210,7 @@ def test_auto_interval_without_tuner_falls_back(tmp_path: Path, monkeypatch: pyt
     import sys
 
     monkeypatch.setitem(sys.modules, "resilient.goodput.interval", None)  # import fails
-    monkeypatch.setitem(sys.modules, "resilient.checkpoint.interval", None)
+    monkeypatch.setitem(sys.modules, "resilient.checkpoint.save.interval", None)
     with pytest.warns(UserWarning, match="every 10 steps"):
         ck = CheckpointManager(local=tmp_path, interval="auto")
     saved = [s for s in range(25) if ck.save(s, {"t": torch.ones(2)})]
@@ -220,7 +220,7 @@ def test_auto_interval_without_tuner_falls_back(tmp_path: Path, monkeypatch: pyt
 
 def test_fast_reader_reads_plain_dcp_checkpoints(tmp_path: Path) -> None:
     """The direct read path takes whole contiguous tensors, DCP's path the rest; same values either way."""
-    from resilient.checkpoint.reader import FastReader
+    from resilient.checkpoint.restore.reader import FastReader
 
     src = {"a": torch.randn(300, 7), "b": torch.arange(10, dtype=torch.int16), "obj": {"x": [1, 2]},
            "bf": torch.randn(33).to(torch.bfloat16)}

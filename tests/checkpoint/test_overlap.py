@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.checkpoint import stage
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.save import stage
+from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 

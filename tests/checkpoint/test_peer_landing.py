@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.checkpoint.load import BLOCK, blocks_of, bytes_blocks
-from resilient.checkpoint.transfer import DIRECT_MIN, wire_pieces
+from resilient.checkpoint.format.digests import BLOCK, blocks_of, bytes_blocks
+from resilient.checkpoint.replicate.transfer import DIRECT_MIN, wire_pieces
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 

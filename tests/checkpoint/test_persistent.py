@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resilient.checkpoint import tiers
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.storage import tiers
+from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 
@@ -161,7 +161,7 @@ def test_plain_file_larger_than_a_part_goes_up_in_parts_composed_by_gcs(tmp_path
     bucket's copy is byte-identical to the local one, no part is left behind, and a plain DCP read takes it."""
     import gcsfs
 
-    from resilient.checkpoint.compress import part_size
+    from resilient.checkpoint.storage.parts import part_size
 
     gcs.make_bucket("parts")
     url = f"gs://parts/{tmp_path.name}"

@@ -12,8 +12,9 @@ import torch
 import xxhash
 
 from resilient.checkpoint.api import FileEntry, StateUndefinedError
-from resilient.checkpoint.load import BLOCK, FileLoad, MemSource, blocks_of, bytes_blocks, load_files, plan_spans
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.format.digests import BLOCK, blocks_of, bytes_blocks
+from resilient.checkpoint.restore.load import FileLoad, MemSource, load_files, plan_spans
+from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 
@@ -52,7 +53,7 @@ def test_load_files_refetches_only_the_bad_block_into_the_same_tensor(digest: st
     assert len(blocks_of(entry)) == 3
     target = torch.zeros_like(t)
     ptr = target.data_ptr()
-    from resilient.checkpoint.load import Span
+    from resilient.checkpoint.format.spans import Span
 
     f = FileLoad("f", entry, [MemSource(bad, "local"), MemSource(good, "persistent")],
                  [Span(0, len(good), target.view(torch.uint8))])

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from resilient.checkpoint.api import NoRestorableStepError
-from resilient.checkpoint.manager import CheckpointManager
-from resilient.checkpoint.safe import load_metadata
-from resilient.checkpoint.tiers import crc_bytes
+from resilient.checkpoint.save.manager import CheckpointManager
+from resilient.checkpoint.format.safe import load_metadata
+from resilient.checkpoint.format.digests import crc_bytes
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 

@@ -166,7 +166,7 @@ def test_step_uploaded_again_is_not_complete_while_its_files_are_replaced(tmp_pa
     replace the old ones, the step must not look complete (the marker goes first, comes back last)."""
     import torch
 
-    from resilient.checkpoint.manager import CheckpointManager
+    from resilient.checkpoint.save.manager import CheckpointManager
 
     bucket = tmp_path / "bucket"
     ck = CheckpointManager(local=tmp_path / "local", persistent=f"file://{bucket}", interval=1, persistent_every=1)
@@ -192,7 +192,7 @@ def test_step_uploaded_again_is_not_complete_while_its_files_are_replaced(tmp_pa
     ck.close()
     assert seen and not any(committed for _, committed in seen), seen
     assert marker.exists()
-    from resilient.checkpoint.tiers import DirTier, verify_step
+    from resilient.checkpoint.storage.tiers import DirTier, verify_step
 
     assert set(verify_step(DirTier(bucket), 5, tmp_path).values()) == {"ok"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from resilient.checkpoint.api import COMMIT_MARKER, Tier
-from resilient.checkpoint.tiers import DirTier, FsspecTier, make_tier, step_info, verify_step
+from resilient.checkpoint.storage.tiers import DirTier, FsspecTier, make_tier, step_info, verify_step
 
 from .conftest import GCS
 
@@ -92,7 +92,7 @@ def test_missing_file_raises(tier: Tier, tmp_path: Path) -> None:
 
 def test_verify_step_finds_damage(tier: Tier, tmp_path: Path) -> None:
     from resilient.checkpoint.api import FileEntry, Manifest
-    from resilient.checkpoint.tiers import crc_bytes
+    from resilient.checkpoint.format.digests import crc_bytes
 
     data, meta = b"0123456789" * 100, b"meta"
     m = Manifest(step=3, rank=0, world_size=1, files={"__0_0.distcp": FileEntry(len(data), crc_bytes(data))},

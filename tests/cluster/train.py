@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import resilient
-from resilient.checkpoint.manager import CheckpointManager
+from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.data import ResumableSampler
 
 

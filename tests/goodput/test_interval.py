@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient.checkpoint.interval import IntervalTuner
+from resilient.checkpoint.save.interval import IntervalTuner
 
 
 def test_young_daly_from_observations():

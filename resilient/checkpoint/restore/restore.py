@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import gc
 import io
 import json
@@ -32,19 +31,21 @@ from resilient.checkpoint.api import (DCP_METADATA, TIER_ORDER, CheckpointError,
                                       CheckpointReshardError, CorruptFileError, FileEntry, Manifest,
                                       NoRestorableStepError, RestoreResult, StateUndefinedError, TierName,
                                       UnsafeCheckpointError)
-from resilient.checkpoint.context import FAILURES, Component
-from resilient.checkpoint.context import one_line as _one_line
-from resilient.checkpoint.context import per_rank_key as _per_rank_key
-from resilient.checkpoint.context import quiet as _quiet
-from resilient.checkpoint.context import rmdir_quiet as _rmdir_quiet
-from resilient.checkpoint.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, Span,
-                                       load_files, plan_spans, undefined, whole_file)
-from resilient.checkpoint.plan import plan_fetch
-from resilient.checkpoint.reader import FastReader, SafeLoadPlanner
-from resilient.checkpoint.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
-from resilient.checkpoint.stage import flatten, is_stateful, plain_state, set_path
-from resilient.checkpoint.tiers import map_verified, read_manifest, retry, verify_bytes, verify_file
-from resilient.checkpoint.transfer import Landed, Landing, run_transfers
+from resilient.checkpoint.storage.context import FAILURES, Component
+from resilient.checkpoint.storage.context import one_line as _one_line
+from resilient.checkpoint.storage.context import per_rank_key as _per_rank_key
+from resilient.checkpoint.storage.context import quiet as _quiet
+from resilient.checkpoint.storage.context import rmdir_quiet as _rmdir_quiet
+from resilient.checkpoint.restore.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, load_files,
+                                               plan_spans, undefined, whole_file)
+from resilient.checkpoint.format.spans import Span
+from resilient.checkpoint.restore.plan import plan_fetch
+from resilient.checkpoint.restore.reader import FastReader, SafeLoadPlanner
+from resilient.checkpoint.format.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
+from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
+from resilient.checkpoint.format.digests import map_verified, verify_bytes, verify_file
+from resilient.checkpoint.storage.tiers import read_manifest, retry
+from resilient.checkpoint.replicate.transfer import Landed, Landing, run_transfers
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)

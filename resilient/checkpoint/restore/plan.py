@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from resilient.checkpoint.transfer import Transfer
+from resilient.checkpoint.replicate.transfer import Transfer
 
 
 @dataclass(frozen=True)

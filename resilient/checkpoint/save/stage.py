@@ -1,8 +1,4 @@
-"""Staging: the state's leaves copied into host buffers that are reused from one save to the next.
-
-Keys follow DCP's own flattening (``"model.layer.weight"``), so a checkpoint written from our flat
-dict is read by a plain ``dcp.load`` of the user's nested dict.
-"""
+"""TODO docstring."""
 
 from __future__ import annotations
 
@@ -14,80 +10,10 @@ from typing import Any
 
 import torch
 
+from resilient.checkpoint.format.state import leaf_nbytes
+
+
 logger = logging.getLogger(__name__)
-
-Path_ = tuple[Any, ...]
-
-
-def is_stateful(v: Any) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
-
-
-def plain_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Top-level Stateful objects replaced by their ``state_dict()`` (as ``dcp.save`` does)."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict of str -> tensor/Stateful/value, got {type(state).__name__}")
-    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
-
-
-def _terminal(v: Any) -> bool:
-    """DCP's rule (``_traverse.traverse_state_dict``): mappings are traversed; a list only when it holds
-    tensors, mappings or such lists; tuples and everything else are leaves."""
-    if isinstance(v, Mapping):
-        return False
-    if not isinstance(v, list):
-        return True
-    return not any(isinstance(e, torch.Tensor) or (isinstance(e, (Mapping, list)) and not _terminal(e))
-                   for e in v)
-
-
-def _descend(v: Any) -> bool:
-    return not _terminal(v)
-
-
-def flatten(obj: Mapping[str, Any]) -> dict[str, tuple[Path_, Any]]:
-    """fqn -> (path of original keys, leaf). Leaves are tensors or opaque objects."""
-    out: dict[str, tuple[Path_, Any]] = {}
-
-    def rec(v: Any, path: Path_) -> None:
-        if isinstance(v, Mapping):
-            items = v.items()
-        elif path and _descend(v):
-            items = enumerate(v)  # type: ignore[arg-type]
-        else:
-            fqn = ".".join(str(p) for p in path)
-            if fqn in out:
-                raise ValueError(f"two state entries flatten to the same key {fqn!r}; rename one")
-            out[fqn] = (path, v)
-            return
-        if path and isinstance(v, Mapping) and not v:
-            out[".".join(str(p) for p in path)] = (path, v)  # keep empty dicts (e.g. fresh optimizer state)
-            return
-        for k, x in items:
-            rec(x, path + (k,))
-
-    rec(obj, ())
-    return out
-
-
-def set_path(root: Any, path: Path_, value: Any) -> None:
-    cur = root
-    for p in path[:-1]:
-        cur = cur[p]
-    if isinstance(cur, tuple):
-        return  # immutable container: tensors inside were loaded in place
-    cur[path[-1]] = value
-
-
-def leaf_nbytes(v: Any) -> int:
-    """Bytes of a leaf this rank holds: a DTensor's local shard, not the whole tensor it is part of."""
-    if isinstance(v, torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(v, DTensor):
-            v = v._local_tensor  # no to_local(): no autograd node for a count
-        return v.numel() * v.element_size()
-    return 0
 
 
 class Stager:

@@ -4,233 +4,25 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import threading
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import crc32c as _crc
-import xxhash as _xxh
+from resilient.checkpoint.api import (COMMIT_MARKER, CorruptFileError, DCP_METADATA, FileEntry, Manifest, STEP_PREFIX,
+                                      StepInfo, Tier)
+from resilient.checkpoint.format.digests import _CHUNK, verify_file
+from resilient.checkpoint.format.layout import manifest_name, parse_step, step_dirname
 
-from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, MANIFEST_FMT, STEP_PREFIX, CorruptFileError,
-                                      FileEntry, Manifest, StepInfo, Tier)
 
 logger = logging.getLogger(__name__)
 
 
-def readinto_exactly(f: Any, view: memoryview) -> int:
-    """Fill ``view`` from ``f``; returns the bytes read, fewer only at end of file."""
-    got = 0
-    while got < len(view):
-        k = f.readinto(view[got:])
-        if not k:
-            break
-        got += k
-    return got
-
-_CHUNK = 8 << 20
 T = TypeVar("T")
-
-
-def step_dirname(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def parse_step(name: str) -> int | None:
-    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-        return int(name[len(STEP_PREFIX):])
-    return None
-
-
-def manifest_name(rank: int) -> str:
-    return MANIFEST_FMT.format(rank=rank)
-
-
-def crc_bytes(data: bytes | memoryview, value: int = 0) -> int:
-    return _crc.crc32c(data, value)
-
-
-def xxh3_bytes(data: Any) -> int:
-    return _xxh.xxh3_64_intdigest(data)
-
-
-class Crc32cHash:
-    """crc32c with the incremental interface of ``xxhash.xxh3_64`` (``update``, ``intdigest``)."""
-
-    __slots__ = ("_v",)
-
-    def __init__(self) -> None:
-        self._v = 0
-
-    def update(self, data: Any) -> None:
-        self._v = _crc.crc32c(data, self._v)
-
-    def intdigest(self) -> int:
-        return self._v
-
-
-def hasher(entry: FileEntry) -> Callable[[], Any]:
-    """A factory of incremental hashes of one verification block, by the digest ``entry`` is verified by."""
-    return _xxh.xxh3_64 if entry.xxh3 else Crc32cHash
-
-
-def file_entry(path: str | os.PathLike[str]) -> FileEntry:
-    """Size, crc32c and xxh3 of a local file, read in chunks."""
-    crc = 0
-    size = 0
-    h = _xxh.xxh3_64()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            crc = _crc.crc32c(view[:n], crc)
-            h.update(view[:n])
-            size += n
-    return FileEntry(size=size, crc32c=crc, xxh3=(h.intdigest(),))
-
-
-def verify_file(path: str | os.PathLike[str], expected: FileEntry) -> None:
-    """Raise :class:`CorruptFileError` unless the file's size and crc32c match ``expected``."""
-    map_verified(path, expected)
-
-
-_POLY = 0x82F63B78  # crc32c, reflected
-_PARALLEL_MIN = 16 << 20
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def crc_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of ``A + B`` from crc32c(A), crc32c(B) and len(B) (zlib's crc32_combine, crc32c polynomial)."""
-    if len2 <= 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
-
-
-def crc_parallel(data: Any, threads: int | None = None) -> int:
-    """crc32c of a large buffer, its parts checksummed on several threads (crc32c releases the GIL)."""
-    mv = memoryview(data).cast("B")
-    n = len(mv)
-    k = threads or min(4, os.cpu_count() or 1)
-    if k <= 1 or n < _PARALLEL_MIN:
-        return _crc.crc32c(mv)
-    bounds = [n * i // k for i in range(k + 1)]
-    out = [0] * k
-
-    def part(i: int) -> None:
-        out[i] = _crc.crc32c(mv[bounds[i]:bounds[i + 1]])
-
-    workers = [threading.Thread(target=part, args=(i,), daemon=True) for i in range(1, k)]
-    for w in workers:
-        w.start()
-    part(0)
-    for w in workers:
-        w.join()
-    crc = out[0]
-    for i in range(1, k):
-        crc = crc_combine(crc, out[i], bounds[i + 1] - bounds[i])
-    return crc
-
-
-def map_verified(path: str | os.PathLike[str], expected: FileEntry) -> Any:
-    """The file's bytes (a read-only mapping of the page cache, no copy), verified
-    against ``expected``: one pass over the bytes instead of a verification read and a load read.
-
-    Raises :class:`CorruptFileError` like :func:`verify_file`.
-    """
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError as e:
-        raise CorruptFileError(f"{path}: missing") from e
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size != expected.size:
-            raise CorruptFileError(f"{path}: size {size} != manifest {expected.size} (torn or truncated write)")
-        if size == 0:
-            data: Any = bytearray(0)
-        else:
-            # read-only and shared: the page cache's own pages, mapped in bulk (a private writable
-            # mapping would be populated by copying every page)
-            try:
-                data = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                 prot=mmap.PROT_READ)
-            except (OSError, ValueError):  # a filesystem without mmap: one read into memory instead
-                data = bytearray(size)
-                got = readinto_exactly(f, memoryview(data))
-                if got < size:
-                    raise CorruptFileError(f"{path}: shorter than its size while reading ({got} < {size})")
-    _check(data, expected, str(path))
-    return data
-
-
-def xxh3_blocks(data: Any, expected: FileEntry, threads: int | None = None) -> list[int]:
-    """xxh3 of each of ``expected``'s verification blocks of ``data``, large buffers on several threads
-    (xxhash releases the GIL)."""
-    mv = memoryview(data).cast("B")
-    bounds = expected.bounds()
-    k = threads or min(4, os.cpu_count() or 1)
-    if k <= 1 or len(mv) < _PARALLEL_MIN or len(bounds) < 2:
-        return [_xxh.xxh3_64_intdigest(mv[a:b]) for a, b in bounds]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=k, thread_name_prefix="resilient-verify") as pool:
-        return list(pool.map(lambda ab: _xxh.xxh3_64_intdigest(mv[ab[0]:ab[1]]), bounds))
-
-
-def _check(data: Any, expected: FileEntry, what: str, crc: int | None = None) -> None:
-    """Raise :class:`CorruptFileError` unless ``data`` matches ``expected``'s digest: xxh3 of every block
-    when the manifest has it, else crc32c of the whole (``crc``: already computed)."""
-    if expected.xxh3:
-        for i, ((a, b), got, want) in enumerate(zip(expected.bounds(), xxh3_blocks(data, expected), expected.xxh3)):
-            if got != want:
-                raise CorruptFileError(f"{what}: xxh3 of block {i} (bytes {a}-{b}) {got:#018x} != manifest "
-                                       f"{want:#018x}")
-        return
-    got = crc_parallel(data) if crc is None else crc
-    if got != expected.crc32c:
-        raise CorruptFileError(f"{what}: crc32c {got:#010x} != manifest {expected.crc32c:#010x}")
-
-
-def verify_bytes(data: Any, expected: FileEntry, what: str, crc: int | None = None) -> None:
-    """:func:`verify_file` for a file held in memory (``crc``: its crc32c, already computed while receiving,
-    used when the manifest has no xxh3)."""
-    n = memoryview(data).nbytes
-    if n != expected.size:
-        raise CorruptFileError(f"{what}: size {n} != manifest {expected.size}")
-    _check(data, expected, what, crc)
 
 
 def retry(fn: Callable[[], T], *, what: str, retries: int, backoff_s: float, backoff_max_s: float,
@@ -622,7 +414,7 @@ def verify_step(tier: Tier, step: int, scratch: str | os.PathLike[str],
     ``weights_only=True``; a file that would run code, or a name that escapes the step directory, is
     reported as ``unsafe: ...``. ``content=False``: sizes and checksums only.
     """
-    from resilient.checkpoint.safe import unsafe_name
+    from resilient.checkpoint.format.safe import unsafe_name
 
     result: dict[str, str] = {}
     files = tier.list_files(step)
@@ -680,7 +472,7 @@ def _content_problem(path: Path, name: str, md: Any) -> tuple[str | None, Any]:
     import io
 
     from resilient.checkpoint.api import CheckpointError, UnsafeCheckpointError
-    from resilient.checkpoint.safe import load_metadata, safe_torch_load
+    from resilient.checkpoint.format.safe import load_metadata, safe_torch_load
 
     try:
         if name == DCP_METADATA:
@@ -694,7 +486,7 @@ def _content_problem(path: Path, name: str, md: Any) -> tuple[str | None, Any]:
                 f.seek(info.offset)
                 body = f.read(info.length)
                 if info.transform_descriptors:  # decoded within its true size and checked (compress.py)
-                    from resilient.checkpoint.compress import check_item
+                    from resilient.checkpoint.format.codec import check_item
 
                     check_item(body, info.transform_descriptors, md, idx, what=name)
                     continue

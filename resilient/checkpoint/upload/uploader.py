@@ -21,9 +21,14 @@ from typing import Any
 
 from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, CheckpointError, CorruptFileError, Manifest,
                                       TierName)
-from resilient.checkpoint.context import FAILURES, Component, Context
-from resilient.checkpoint.context import one_line as _one_line
-from resilient.checkpoint.tiers import DirTier, manifest_name, map_verified, read_manifest, retry, verify_bytes
+from resilient.checkpoint.storage.context import FAILURES, Component, Context
+from resilient.checkpoint.storage.context import one_line as _one_line
+from resilient.checkpoint.storage.tiers import DirTier, read_manifest, retry
+from resilient.checkpoint.format.layout import manifest_name
+from resilient.checkpoint.format.digests import map_verified, verify_bytes
+from resilient.checkpoint.storage.parts import SENDERS, TierDest, part_size
+from resilient.checkpoint.upload import prepare
+from resilient.checkpoint.upload.transcode import clear
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)
@@ -156,15 +161,14 @@ class Uploader(Component):
         persistent tier; rank 0 commits. Returns whether every rank's files landed: the same answer on every
         rank (rank 0's own commit failing is its event to report, not a reason for the ranks to disagree)."""
         assert self.persistent is not None
-        from resilient.checkpoint import compress
 
         cfg = self.config
         t0 = time.perf_counter()
         # collective (every rank takes part): it agrees on compressing before any call to the store, and the
         # coded parts it sends are bounded in time, so a rank stuck on a dead store holds the others in its
         # later gathers no longer than that bound
-        coded = compress.prepare_upload(self, step, src, group) if mem is None else None
-        ok, error, nbytes = True, None, compress.sent_bytes(coded)  # parts prepare_upload already sent
+        coded = prepare.prepare_upload(self, step, src, group) if mem is None else None
+        ok, error, nbytes = True, None, prepare.sent_bytes(coded)  # parts prepare_upload already sent
         try:
             # a step uploaded again (a job restored from an older step saves this number anew) must not stay
             # visible as complete while its files are replaced: each rank removes the marker before its own
@@ -197,7 +201,7 @@ class Uploader(Component):
                     nbytes += len(data)
             else:
                 nbytes += self._send_plain(step, Path(d), names, m)
-            compress.observe_upload(self, nbytes, time.perf_counter() - t_put)
+            prepare.observe_upload(self, nbytes, time.perf_counter() - t_put)
         except FAILURES as e:
             ok, error = False, e
             newer = self._newer_pending(step)
@@ -206,7 +210,7 @@ class Uploader(Component):
                 error = CheckpointError(f"gave up: step {newer} is waiting ({_one_line(e)})")
             logger.error("upload of step %d failed: %s", step, _one_line(error))
         if coded is not None:
-            compress.clear(coded[0])
+            clear(coded[0])
         if self._abandoned():
             # abandoned at exit: the other ranks may be gone already, a gather could wait on them forever
             results = [(False, nbytes)]
@@ -249,12 +253,11 @@ class Uploader(Component):
         """Send the files ``names`` of ``d`` to ``step`` of the persistent tier over the transport coded steps
         use (see the module note); each verified against ``m`` first (a copy that rotted on the local disk is
         never uploaded). Returns the bytes sent; raises when a file did not land."""
-        from resilient.checkpoint import compress
 
         tier, cfg = self.persistent, self.config
         assert tier is not None
         stop = (lambda: self._give_up(step))
-        dest = compress.TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+        dest = TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                                  backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)
         can_compose = bool(getattr(tier, "can_compose", False))
         expected = m.all_files()
@@ -279,7 +282,7 @@ class Uploader(Component):
         # the data files first, then the manifest and .metadata one at a time (small: nothing to gain from
         # two at once, and a dead store is given up on after one of them): a manifest lists files there
         batches = [[n for n in names if n in m.files], [n for n in names if n not in m.files]]
-        with ThreadPoolExecutor(compress.SENDERS, thread_name_prefix="resilient-ckpt-send") as ex:
+        with ThreadPoolExecutor(SENDERS, thread_name_prefix="resilient-ckpt-send") as ex:
             for batch in batches:
                 sent.clear()
                 composed.clear()
@@ -289,7 +292,7 @@ class Uploader(Component):
                     mv = memoryview(data).cast("B") if len(data) else memoryview(b"")
                     size = len(mv)
                     total += size
-                    psize = compress.part_size(size)
+                    psize = part_size(size)
                     if size <= psize:
                         sent.append((n, size, ex.submit(dest.put, n, mv)))
                         if n not in m.files:

@@ -16,6 +16,7 @@ this module has verified.
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 import struct
@@ -25,14 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import crc32c as _crc
-import numpy as np
 import torch
-import xxhash as _xxh
 
 from resilient.checkpoint.api import CorruptFileError, FileEntry, StateUndefinedError
-from resilient.checkpoint.reader import _tensor_record
-from resilient.checkpoint.tiers import Crc32cHash, hasher, verify_bytes
+from resilient.checkpoint.format.digests import Crc32cHash, blocks_of, hasher, verify_bytes
+from resilient.checkpoint.format.spans import Span
+from resilient.checkpoint.restore.reader import _tensor_record
+
+
+logger = logging.getLogger(__name__)
+
 
 PIECE = 1 << 20  # bytes copied then checksummed at once: stays in cache between the two
 _IOV_MAX = 1024
@@ -170,53 +173,6 @@ class Item:
     offset: int
     length: int
     target: torch.Tensor
-
-
-class Span:
-    """A run of file bytes: into ``dst`` (a uint8 view of a target) or, with ``dst`` None, only checked.
-
-    Planned once per tensor, so kept cheap: a plain class with slots, and a target's uint8 views (torch for
-    transfers, numpy for local reads) made only when a path asks for one (``target``: the tensor itself)."""
-
-    __slots__ = ("off", "n", "_dst", "_t", "_arr")
-
-    def __init__(self, off: int, n: int, dst: torch.Tensor | None = None, *, target: torch.Tensor | None = None):
-        self.off, self.n, self._dst, self._t, self._arr = off, n, dst, target, None
-
-    @property
-    def takes(self) -> bool:
-        """Do the bytes go into a target (else they are only checked)?"""
-        return self._dst is not None or self._t is not None
-
-    @property
-    def dst(self) -> torch.Tensor | None:
-        if self._dst is None and self._t is not None:
-            self._dst = self._t.detach().view(-1).view(torch.uint8)
-        return self._dst
-
-    def array(self) -> Any:
-        """The target's bytes as a uint8 numpy array (made once: slicing it is far cheaper than slicing a
-        tensor); straight from the tensor when numpy knows its dtype (one call instead of three)."""
-        if self._arr is None:
-            if self._dst is None and self._t is not None:
-                try:
-                    self._arr = self._t.detach().numpy().reshape(-1).view(np.uint8)
-                except (TypeError, RuntimeError, ValueError):  # bf16 and other dtypes numpy lacks
-                    self._arr = self.dst.numpy()  # type: ignore[union-attr]
-            else:
-                assert self._dst is not None
-                self._arr = self._dst.numpy()
-        return self._arr
-
-    def __repr__(self) -> str:
-        return f"Span(off={self.off}, n={self.n}, takes={self.takes})"
-
-
-def blocks_of(entry: FileEntry) -> list[tuple[int, int, int]]:
-    """(start, end, digest) of the manifest's verification blocks of a file (the whole file when the
-    manifest predates blocks); the digest is ``entry.digest``'s (see :func:`tiers.hasher`)."""
-    wants = entry.xxh3 or (entry.blocks if entry.block_size and entry.blocks else (entry.crc32c,))
-    return [(a, b, w) for (a, b), w in zip(entry.bounds(), wants)]
 
 
 _EOCD = b"PK\x05\x06"
@@ -532,43 +488,3 @@ def whole_file(src: Source, entry: FileEntry) -> Any:
     except CorruptFileError as e:
         raise OSError(str(e)) from None
     return data
-
-
-def file_blocks(path: str | os.PathLike[str], block_size: int) -> FileEntry:
-    """Size, crc32c and per-block crc32c and xxh3 of a local file, in one read."""
-    crc, size, blocks, xxh = 0, 0, [], []
-    bcrc, bfill = 0, 0
-    h = _xxh.xxh3_64()
-    buf = bytearray(min(block_size, 8 << 20))
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view[:min(len(buf), block_size - bfill)])
-            if not n:
-                break
-            crc = _crc.crc32c(view[:n], crc)
-            bcrc = _crc.crc32c(view[:n], bcrc)
-            h.update(view[:n])
-            size += n
-            bfill += n
-            if bfill == block_size:
-                blocks.append(bcrc)
-                xxh.append(h.intdigest())
-                bcrc, bfill, h = 0, 0, _xxh.xxh3_64()
-    if bfill or not size:
-        blocks.append(bcrc)
-        xxh.append(h.intdigest())
-    if not size:
-        blocks = []
-    return FileEntry(size=size, crc32c=crc, block_size=block_size, blocks=tuple(blocks), xxh3=tuple(xxh))
-
-
-def bytes_blocks(data: Any, block_size: int) -> FileEntry:
-    mv = memoryview(data).cast("B")
-    blocks = tuple(_crc.crc32c(mv[i:i + block_size]) for i in range(0, len(mv), block_size))
-    xxh = tuple(_xxh.xxh3_64_intdigest(mv[i:i + block_size]) for i in range(0, len(mv), block_size))
-    return FileEntry(size=len(mv), crc32c=_crc.crc32c(mv), block_size=block_size, blocks=blocks,
-                     xxh3=xxh or (_xxh.xxh3_64_intdigest(b""),))
-
-
-BLOCK = 4 << 20  # manifest verification block: the unit fetched again from the next tier

@@ -17,8 +17,8 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from resilient.checkpoint.api import COMMIT_MARKER, PER_RANK_PREFIX, CheckpointConfig
-from resilient.checkpoint.collective import Ranks
-from resilient.checkpoint.retention import retain
+from resilient.checkpoint.storage.collective import Ranks
+from resilient.checkpoint.storage.retention import retain
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,999 @@
+"""``CheckpointManager``: stage → local → peer → persistent, and restore from the fastest verified tier.
+
+The manager is a façade: saving lives here; the peer ring is in ``peer.py``, uploads in ``upload.py`` and
+restore in ``restore.py``, each a component over one shared :class:`~resilient.checkpoint.context.Context`.
+
+Threads: ``save()`` runs on the training thread and only stages (or, in overlapped mode, arms the
+mutation guard); one *save worker* thread does everything collective for saves in FIFO order on the
+manager's own gloo group (``dcp.save``, manifests, commit, peer replication, retention); one *upload*
+thread copies committed local steps to the persistent tier on a second group of its own. Every rank
+issues the same sequence of saves, so the collective sequences match across ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from resilient import env as _env
+from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, DCP_METADATA, DEFAULT_MAX_FAILED_SAVES,
+                                      CheckpointConfig, CheckpointError, CheckpointSavesFailedError, FileEntry,
+                                      Manifest, RestoreResult, TierName)
+from resilient.checkpoint.storage.collective import Ranks
+from resilient.checkpoint.storage.context import FAILURES, Context
+from resilient.checkpoint.storage.context import one_line as _one_line
+from resilient.checkpoint.storage.context import per_rank_key as _per_rank_key
+from resilient.checkpoint.storage.context import quiet as _quiet
+from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, file_blocks
+from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
+from resilient.checkpoint.replicate.peer import PeerRing
+from resilient.checkpoint.restore.restore import Restorer
+from resilient.checkpoint.storage.retention import retain
+from resilient.checkpoint.format.safe import load_metadata
+from resilient.checkpoint.save.stage import MutationGuard, Stager
+from resilient.checkpoint.format.state import flatten, leaf_nbytes, plain_state
+from resilient.checkpoint.storage.tiers import BoundedTier, DirTier, make_tier
+from resilient.checkpoint.format.digests import crc_bytes, file_entry
+from resilient.checkpoint.format.layout import manifest_name
+from resilient.checkpoint.upload.uploader import Uploader
+from resilient.checkpoint.save.writer import MemoryWriter
+from resilient.events.api import EventKind
+from resilient.events.ledger import Ledger
+from resilient.worker.preemption import preempt_save_due as _preempt_save_due
+
+logger = logging.getLogger(__name__)
+
+_SMALL = 1 << 20  # leaves up to this size are compared across ranks to find per-rank values
+DEFAULT_AUTO_FALLBACK = 10
+
+
+def _bytes_entry(data: bytes) -> FileEntry:
+    return bytes_blocks(data, BLOCK)
+
+
+def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
+    ck = ref()
+    if ck is not None and not ck._closed:
+        try:
+            ck.close(timeout=min(120.0, ck.config.collective_timeout_s), at_exit=True)
+        except FAILURES as e:  # exit goes on whatever happens here
+            logger.warning("finishing checkpoints at exit failed: %s", e)
+
+
+def _is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has none in its state
+        return False
+    return isinstance(v, DTensor)
+
+
+def _digest(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        if _is_dtensor(v):
+            # a subclass has no .numpy(): this rank's bytes are its local shard (plus where it sits)
+            return crc_bytes(f"{v.placements}".encode(), _digest(v.to_local()))
+        t = v.detach().cpu().contiguous().reshape(-1)
+        # no hash(): string hashes differ between processes
+        return crc_bytes(t.view(torch.uint8).numpy().tobytes(), crc_bytes(f"{tuple(v.shape)}{v.dtype}".encode()))
+    try:
+        return crc_bytes(pickle.dumps(v, protocol=4))
+    except Exception:  # unpicklable: treat as per-rank, DCP would fail on it anyway
+        return id(v)
+
+
+def _steps_text(steps: list[int], most: int = 12) -> str:
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    return ", ".join(map(str, steps[:most // 2])) + f", … ({len(steps) - most} more) …, " + \
+        ", ".join(map(str, steps[-(most // 2):]))
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    objects: dict[str, Any]
+    tensors: dict[str, Any]  # staged buffers, or live tensors to stage (overlap mode)
+    upload: bool
+    staged: threading.Event = field(default_factory=threading.Event)  # buffers filled
+    written: threading.Event = field(default_factory=threading.Event)  # buffers free again
+    decided: threading.Event = field(default_factory=threading.Event)  # interval for the next save known
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    # set by the save worker once known, the same on every rank: True when the step reached a tier (or an upload
+    # of its in-memory copy was queued), False for a failed save
+    reached: bool | None = None
+    via_upload: bool = False  # reached only as a queued upload of its in-memory copy (the local write failed)
+    # the save worker's stop verdict as it stood when this job's buffers were released (see _release): every
+    # rank reads it at the same save() call, so every rank stops at the same step
+    stop: dict[str, Any] | None = None
+
+
+class _Interval:
+    """When to save: a fixed number of steps, or ``auto`` from goodput's IntervalTuner on rank 0."""
+
+    def __init__(self, interval: int | str, persistent_every: int | str, rank: int,
+                 tuner_options: dict[str, Any] | None = None):
+        self.auto = interval == "auto"
+        self.auto_persistent = persistent_every == "auto"
+        self.tuner: Any = None
+        self.steps = interval if isinstance(interval, int) else DEFAULT_AUTO_FALLBACK
+        self.persistent_every = persistent_every if isinstance(persistent_every, int) else 5
+        if self.auto or self.auto_persistent:
+            try:
+                from resilient.checkpoint.save.interval import IntervalTuner
+
+                run_dir = os.environ.get(_env.RUN_DIR)
+                if run_dir and rank == 0 and hasattr(IntervalTuner, "from_run_dir"):
+                    # remembers earlier attempts (restarts, save and step times) from the run's ledger
+                    self.tuner = IntervalTuner.from_run_dir(run_dir, **(tuner_options or {}))
+                else:
+                    self.tuner = IntervalTuner(**(tuner_options or {}))
+                    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+                        self.tuner.observe_interruption()
+                if self.auto:
+                    self.steps = max(1, int(self.tuner.interval_steps()))
+                if self.auto_persistent:
+                    self.persistent_every = max(1, int(self.tuner.persistent_every()))
+            except Exception as e:  # ImportError while goodput is not there yet, or a tuner bug
+                if rank == 0:
+                    warnings.warn(f"interval='auto' unavailable ({e}); saving every {DEFAULT_AUTO_FALLBACK} steps",
+                                  stacklevel=3)
+                self.tuner = None
+        self.next_save: int | None = None
+        self._last_call: float | None = None
+        self.lock = threading.Lock()  # the tuner is fed from the training, save and upload threads
+
+    def observe_call(self) -> None:
+        now = time.perf_counter()
+        if self.tuner is not None and self._last_call is not None:
+            try:
+                with self.lock:
+                    self.tuner.observe_step(now - self._last_call)
+            except Exception as e:
+                logger.debug("tuner.observe_step failed: %s", e)
+        self._last_call = now
+
+    def due(self, step: int) -> bool:
+        if not self.auto:
+            return (step + 1) % self.steps == 0
+        if self.next_save is None:
+            self.next_save = step + self.steps - 1
+        return step >= self.next_save
+
+
+class CheckpointManager:
+    """Multi-tier asynchronous checkpointing for a training loop (see the issue's public API).
+
+    Construction, ``save`` at a due step, ``restore``, ``wait`` and ``close`` are collective when a
+    process group is initialised: every rank calls them in the same order.
+
+    ``local`` may hold ``{node}``/``{rank}``/``{local_rank}`` (one machine standing in for several
+    nodes); ``interval``/``persistent_every`` may be ``"auto"`` (goodput's ``IntervalTuner`` on rank 0,
+    built with ``tuner_options``, broadcast to all ranks); ``overlap=True`` stages behind the next
+    forward/backward. Per-rank values (RNG states, data positions: any small leaf whose value differs
+    across ranks at save time) are stored per rank and come back per rank.
+    """
+
+    def __init__(self, local: str | os.PathLike[str] | None = None, persistent: str | None = None,
+                 interval: int | str = 10, persistent_every: int | str = 5, peer: bool = True, *,
+                 overlap: bool = False, keep_local: int = 2, keep_peer: int = 2, keep_persistent: int = 3,
+                 storage_options: dict[str, Any] | None = None, upload_retries: int = 6,
+                 upload_backoff_s: float = 0.5, upload_backoff_max_s: float = 8.0,
+                 collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
+                 persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
+                 upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES):
+        self.config = CheckpointConfig(
+            local=os.fspath(local) if local is not None else None, persistent=persistent, interval=interval,
+            persistent_every=persistent_every, peer=peer, overlap=overlap, keep_local=keep_local,
+            keep_peer=keep_peer, keep_persistent=keep_persistent, upload_retries=upload_retries,
+            upload_backoff_s=upload_backoff_s, upload_backoff_max_s=upload_backoff_max_s,
+            collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
+            persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
+            upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves)
+        cfg = self.config
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._dist else 0
+        self.world_size = dist.get_world_size() if self._dist else 1
+        lws = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size) or self.world_size) if self._dist else 1
+        if lws < 1 or self.world_size % lws:
+            lws = self.world_size
+        self.local_world_size = lws
+        self.node = self.rank // lws
+        self.nnodes = self.world_size // lws
+        self.local_rank = self.rank % lws
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
+        # groups of our own: async DCP on the user's default group can hang, and the save worker and
+        # the uploader must not interleave collectives on one group
+        self._pg = dist.new_group(backend="gloo", timeout=timeout) if self._dist else None
+        self._pg_up = (dist.new_group(backend="gloo", timeout=timeout)
+                       if self._dist and cfg.persistent else None)
+
+        self.local = None
+        self.peer = None
+        self._replicating = False
+        self._scratch: Path
+        if cfg.local:
+            root = cfg.local.format(node=self.node, rank=self.rank, local_rank=self.local_rank)
+            self.local = DirTier(root, name=TierName.LOCAL.value)
+            self.local.root.mkdir(parents=True, exist_ok=True)
+            self._scratch = self.local.root
+            if cfg.peer:
+                # restore reads the partner's copy whatever the world is now: a job scaled down to one node
+                # still needs the lost node's shards; replication needs a partner to send to
+                self.peer = DirTier(self.local.root / "peer", name=TierName.PEER.value)
+            self._replicating = self.peer is not None and self.nnodes > 1
+            if cfg.peer and self.rank == 0 and self.nnodes == 1 and self._dist:
+                logger.info("peer replication off: one node (LOCAL_WORLD_SIZE=%d = WORLD_SIZE)", lws)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="resilient-ckpt-")
+            self._scratch = Path(self._tmp.name)
+        # every call to the persistent store is bounded: a dead store must cost seconds, not minutes
+        self.persistent = (BoundedTier(make_tier(cfg.persistent, TierName.PERSISTENT.value, cfg.storage_options),
+                                       cfg.persistent_timeout_s) if cfg.persistent else None)
+
+        self._ledger = Ledger.from_env()
+        self._ctx = Context(config=cfg, rank=self.rank, world_size=self.world_size, local_world_size=lws,
+                            distributed=self._dist, pg=self._pg, pg_up=self._pg_up, local=self.local,
+                            peer=self.peer, persistent=self.persistent, scratch=self._scratch, ledger=self._ledger)
+        self._interval = _Interval(cfg.interval, cfg.persistent_every, self.rank, tuner_options)
+        if self._interval.auto or self._interval.auto_persistent:
+            # every rank must save on the same steps: rank 0's tuner decides
+            self._interval.steps, self._interval.persistent_every = self._bcast(
+                (self._interval.steps, self._interval.persistent_every), self._pg)
+        self._stager = Stager()
+        self._guard = MutationGuard(timeout_s=cfg.collective_timeout_s)
+        self._last_job: _SaveJob | None = None
+        self._saves_since_upload = 0
+        self._guard_wait_reported = 0.0
+        self._closed = False
+        self._error_lock = threading.Lock()
+        self.last_restore: RestoreResult | None = None
+        # written by the save worker only (see last_saved_step)
+        self._saved_step: int | None = None
+        self._failed_streak: list[tuple[int, str | None, str | None]] = []  # (step, tier, error) in a row
+        self._stop: dict[str, Any] | None = None
+        self._traceback_written = False
+        self._t_created = time.time()
+
+        self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._save_loop, name="resilient-ckpt-save", daemon=True)
+        self._worker.start()
+        self._grace_until: float | None = None  # see wait()
+        self._ring = PeerRing(self._ctx)
+        self._restorer = Restorer(self._ctx)
+        self._up = Uploader(self._ctx, self._interval)
+        self._uploader: Uploader | None = None
+        if self.persistent is not None:
+            self._up.start()
+            self._uploader = self._up
+        # a script that ends right after its last save() must not lose it with the daemon threads
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ------------------------------------------------------------------ construction from env
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "CheckpointManager":
+        """Tiers and intervals from the ``RESILIENT_CKPT_*`` variables ``resilient-run`` exports."""
+        kw: dict[str, Any] = {
+            "local": os.environ.get(_env.CKPT_LOCAL) or None,
+            "persistent": os.environ.get(_env.CKPT_PERSISTENT) or None,
+        }
+        if os.environ.get(_env.CKPT_INTERVAL):
+            kw["interval"] = os.environ[_env.CKPT_INTERVAL]
+        if os.environ.get(_env.CKPT_PERSISTENT_EVERY):
+            kw["persistent_every"] = os.environ[_env.CKPT_PERSISTENT_EVERY]
+        if os.environ.get(_env.CKPT_MAX_FAILED_SAVES):
+            kw["max_failed_saves"] = os.environ[_env.CKPT_MAX_FAILED_SAVES]
+        kw.update(overrides)
+        if not kw.get("local") and not kw.get("persistent"):
+            raise CheckpointError(f"no checkpoint tier configured: set {_env.CKPT_LOCAL} and/or "
+                                  f"{_env.CKPT_PERSISTENT} (resilient-run --ckpt-local/--ckpt-persistent)")
+        return cls(**kw)
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, kind: EventKind, **details: Any) -> None:
+        if self._ledger is not None:
+            self._ledger.emit(kind, rank=self.rank, **details)
+
+    # ------------------------------------------------------------------ collectives helpers
+    def _ranks(self, group: Any) -> Ranks:
+        return Ranks(group, self.rank, self.world_size, self._dist)
+
+    def _gather(self, obj: Any, group: Any) -> list[Any]:
+        return self._ranks(group).gather(obj)
+
+    def _bcast(self, obj: Any, group: Any) -> Any:
+        return self._ranks(group).broadcast(obj)
+
+    def _all(self, ok: bool) -> bool:
+        return all(self._gather(bool(ok), self._pg))
+
+    # ------------------------------------------------------------------ save
+    @property
+    def interval(self) -> int:
+        return self._interval.steps
+
+    def save(self, step: int, state: Mapping[str, Any], force: bool = False) -> bool:
+        """Save ``state`` as step ``step`` if the interval says so (or ``force``). Returns whether it did.
+
+        Blocks only to copy the state to host memory (default mode) or not at all (``overlap=True``:
+        the copy runs behind the next forward/backward while hooks keep the optimizer from stepping
+        before it is done). The state may be changed as soon as this returns.
+        """
+        if self._closed:
+            raise CheckpointError("save() after close()")
+        self._interval.observe_call()
+        self._grace_until = None  # training went on: a later wait() gets a fresh upload grace
+        if not (force or self._interval.due(step) or _preempt_save_due(step)):  # a preempted job's last step
+            return False
+        t0 = time.perf_counter()
+        prev = self._last_job
+        if prev is not None:
+            # one set of staging buffers: the previous step must be on disk before we overwrite them
+            self._wait_event(prev.written, "previous checkpoint write")
+            if self._interval.auto or self._interval.auto_persistent:
+                # the tuner's answer is broadcast in the background; read it only once every rank has it
+                self._wait_event(prev.decided, "interval decision")
+            if prev.stop is not None:
+                self._stop_training(prev.stop)
+        if self._interval.auto:
+            self._interval.next_save = step + self._interval.steps
+        plain = plain_state(state)
+        leaves = {fqn: v for fqn, (_, v) in flatten(plain).items()}
+        objects = self._stager.stage(leaves, tensors=False)
+        tensors_in = {k: v for k, v in leaves.items() if isinstance(v, torch.Tensor)}
+        if self.config.overlap:
+            self._guard.arm()
+            tensors = tensors_in
+        else:
+            tensors = self._stager.stage(tensors_in, objects=False)
+            self._stager.synchronize()
+        self._saves_since_upload += 1
+        upload = self.persistent is not None and self._saves_since_upload >= self._interval.persistent_every
+        if upload:
+            self._saves_since_upload = 0
+        job = _SaveJob(step=step, objects=objects, tensors=tensors, upload=upload)
+        if not self.config.overlap:
+            job.staged.set()
+        self._last_job = job
+        self._jobs.put(job)
+        blocking = time.perf_counter() - t0
+        hook_wait = self._guard.waited_s - self._guard_wait_reported
+        self._guard_wait_reported = self._guard.waited_s
+        nbytes = sum(leaf_nbytes(v) for v in tensors_in.values())
+        if self._interval.tuner is not None and self.rank == 0:
+            try:
+                with self._interval.lock:
+                    self._interval.tuner.observe_save(blocking + hook_wait)
+            except FAILURES as e:
+                logger.debug("tuner.observe_save failed: %s", e)
+        if self.rank == 0:
+            self._emit(EventKind.CKPT_SAVE, step=step, blocking_seconds=blocking + hook_wait, bytes=nbytes,
+                       mode="overlap" if self.config.overlap else "default", hook_wait_seconds=hook_wait)
+        return True
+
+    def _wait_event(self, ev: threading.Event, what: str) -> None:
+        if not ev.wait(self.config.collective_timeout_s):
+            raise CheckpointError(f"{what} did not finish within {self.config.collective_timeout_s:.0f} s; "
+                                  "is a rank stuck or its disk hung?")
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._do_save(job)
+            except BaseException as e:  # fail static: a failed save is reported, training goes on; the
+                # worker survives whatever the save raised, or every later save() would wait on it
+                tier = self.local.name if self.local is not None else TierName.PERSISTENT.value
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier, error=_one_line(e))
+                self._settle(job, False, tier, _one_line(e), e)
+            finally:
+                if not job.staged.is_set():
+                    job.staged.set()
+                    self._guard.release()
+                if job.reached is None:  # a path that settled nothing: the step reached no tier
+                    self._settle(job, False, None, "the save ended without a result")
+                self._release(job)
+                job.decided.set()
+                job.done.set()
+
+    # ------------------------------------------------------------------ save outcomes (save worker only)
+    def _release(self, job: _SaveJob) -> None:
+        """The staging buffers are free: the next save() may stage. The stop verdict known now travels with
+        the job, so every rank reads the same verdict at the same save() call."""
+        if not job.written.is_set():
+            job.stop = self._stop
+            job.written.set()
+
+    def _settle(self, job: _SaveJob, reached: bool, tier: str | None, error: str | None,
+                exc: BaseException | None = None) -> None:
+        """Record whether ``job`` reached a tier. Save worker only, on every rank with the same ``reached``
+        (each caller decides from a collective result), once per job."""
+        if job.reached is not None:
+            return
+        job.reached = reached
+        if reached:
+            self._failed_streak.clear()
+            return
+        self._failed_streak.append((job.step, tier, error))
+        n = self.config.max_failed_saves
+        assert isinstance(n, int)
+        streak = len(self._failed_streak)
+        if exc is not None:
+            self._write_traceback(job.step, exc)
+        if self.rank == 0:
+            then = ("training goes on without checkpoints (max_failed_saves=0)" if n == 0 else
+                    f"the job stops after {n} in a row" if streak < n else "stopping the job")
+            where = f"{tier} tier: " if tier else ""
+            logger.warning("checkpoint of step %d failed, it reached no tier (%s%s); %d failed save(s) in a row, %s",
+                           job.step, where, error or "failed on another rank", streak, then)
+            self._emit(EventKind.CKPT_SAVE_FAILED, step=job.step, tier=tier, error=error or "failed on another rank",
+                       consecutive=streak, max_failed_saves=n)
+        if n and streak >= n and self._stop is None:
+            first = next(((t, e) for _, t, e in self._failed_streak if e), (tier, error))
+            steps = [s for s, _, _ in self._failed_streak]
+            where = {TierName.LOCAL.value: f"local tier {self.local.root}" if self.local is not None else "local tier",
+                     TierName.PERSISTENT.value: f"persistent tier {self.config.persistent}"}.get(first[0] or "",
+                                                                                               "every tier")
+            self._stop = {"steps": steps, "tier": first[0], "error": first[1], "max_failed_saves": n,
+                          "message": f"{len(steps)} checkpoint saves in a row reached no tier (steps "
+                                     f"{', '.join(map(str, steps))}; {where}: {first[1] or 'unknown error'}); "
+                                     "training stops rather than go on without checkpoints: free or fix the tier, "
+                                     "or pass --ckpt-max-failed-saves 0 (max_failed_saves=0) to train on without them"}
+
+    def _write_traceback(self, step: int, exc: BaseException) -> None:
+        """The first failed save's traceback, once per process, into the run's log directory (the terminal gets
+        one line per save from rank 0); without a run directory, into this module's log at DEBUG."""
+        if self._traceback_written:
+            return
+        self._traceback_written = True
+        import traceback
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        run_dir = os.environ.get(_env.RUN_DIR)
+        if not run_dir:
+            logger.debug("checkpoint of step %d failed:\n%s", step, text)
+            return
+        try:
+            d = Path(run_dir) / "logs"
+            d.mkdir(parents=True, exist_ok=True)
+            head = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} rank {self.rank} step {step}:\n"
+            fd = os.open(d / "checkpoint-errors.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (head + text).encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            logger.debug("cannot write the traceback of step %d: %s", step, e)
+
+    def _stop_training(self, stop: dict[str, Any]) -> None:
+        """Every rank, at the same save() call: end training after ``max_failed_saves`` failed saves in a row.
+        Under resilient-run each rank leaves a mark and exits 0, so the launcher stops the whole job with its own
+        exit code (a failing worker would only be restarted into the same failing saves); alone, raise."""
+        msg = stop["message"]
+        if self.rank == 0:
+            logger.error("%s", msg)
+            self._emit(EventKind.CKPT_STOP, **stop)
+        run_dir = os.environ.get(_env.RUN_DIR)
+        marked = False
+        if run_dir and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            try:
+                d = Path(run_dir) / CKPT_STOP_MARK_DIR
+                d.mkdir(parents=True, exist_ok=True)
+                tmp = d / f".attempt{attempt}.rank{self.rank}.tmp"
+                tmp.write_text(json.dumps(stop))
+                os.replace(tmp, d / f"attempt{attempt}.rank{self.rank}")
+                marked = True
+            except OSError as e:
+                logger.warning("cannot mark the checkpoint stop in %s: %s", run_dir, e)
+        if marked:
+            raise SystemExit(0)
+        raise CheckpointSavesFailedError(msg, stop["steps"], stop["tier"], stop["error"])
+
+    def _do_save(self, job: _SaveJob) -> None:
+        t0 = time.perf_counter()
+        if not job.staged.is_set():
+            try:
+                job.tensors = self._stager.stage(job.tensors, objects=False)
+                self._stager.synchronize()
+            finally:
+                job.staged.set()
+                self._guard.release()
+        if self._interval.auto or self._interval.auto_persistent:
+            self._decide_interval(job)
+        job.decided.set()
+        flat: dict[str, Any] = {**job.objects, **job.tensors}
+        per_rank = self._per_rank_keys(flat)
+        for k in per_rank:
+            flat[_per_rank_key(self.rank, k)] = flat[k]
+        if self.local is None:
+            self._save_without_local(job, flat, per_rank, t0)
+            return
+        tier = self.local
+        d = tier.path(job.step)
+        error: BaseException | None = None
+        try:
+            if self.local_rank == 0:
+                tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
+            d.mkdir(parents=True, exist_ok=True)
+            writer = FileSystemWriter(d, sync_files=True, thread_count=1, overwrite=True)
+            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+        except FAILURES as e:
+            error = e
+        ok = error is None
+        m = None
+        try:
+            if ok and self.nnodes > 1:
+                self._spread_metadata(d)
+            if ok:
+                m = self._write_manifest(tier, job.step, per_rank)
+        except FAILURES as e:
+            ok, error = False, e
+        try:
+            # each rank's error travels with its result: rank 0 alone reports the save, naming the first one
+            results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor(),
+                                    _one_line(error) if error is not None else None), self._pg)
+        except FAILURES as e:
+            job.tensors = {}
+            self._settle(job, False, tier.name, _one_line(e), e)
+            self._release(job)
+            raise
+        all_ok = all(r[0] for r in results)
+        if not all_ok:
+            first = next((r[3] for r in results if r[3]), None)
+            self._local_failed(job, flat, per_rank, error, first)
+            return
+        job.tensors = {}
+        self._saved_step = job.step
+        self._settle(job, True, tier.name, None)
+        self._release(job)  # staging buffers are free: the next save may stage
+        if self.local_rank == 0:
+            try:
+                self._commit(tier, job.step, ranks=self._node_ranks(self.node))
+            except FAILURES as e:  # the files are there: peers and the persistent tier still get them
+                logger.warning("local tier: commit of step %d failed (%s); the step is not complete on this "
+                               "node's local tier", job.step, _one_line(e))
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=tier.name, error=_one_line(e))
+        seconds = time.perf_counter() - t0
+        if self.rank == 0:
+            self._emit(EventKind.CKPT_TIER_DONE, step=job.step, tier=tier.name, seconds=seconds,
+                       bytes=sum(r[1] for r in results))
+        if self._replicating and m is not None:
+            self._replicate(job.step, m)
+        floor = min((r[2] for r in results if r[2] is not None), default=None)
+        if self.local_rank == 0:
+            self._retain(tier, self.config.keep_local, pinned_from=floor)
+            if self._replicating:
+                self._retain(self.peer, self.config.keep_peer, pinned_from=None)
+        job.ok = True
+        if job.upload:
+            self._request_upload(job.step)
+
+    def _local_failed(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str],
+                      error: BaseException | None, first: str | None = None) -> None:
+        """Collective (every rank, after agreeing the local write failed somewhere): report it, drop the
+        partial step, and still give the persistent tier this step from the staged host copy. ``first``: the
+        error of the first rank that failed (every rank has it)."""
+        assert self.local is not None
+        queued = False
+        try:
+            if error is not None:
+                self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=self.local.name,
+                           error=_one_line(error))
+                self._write_traceback(job.step, error)
+            self._gather(None, self._pg)  # nobody writes into the step any more
+            if self.local_rank == 0:
+                self.local.delete_step(job.step)  # free the space a partial write took
+            if job.upload and self.persistent is not None:
+                files = self._save_to_memory(job.step, flat, per_rank)
+                if files is not None:
+                    self._request_upload(job.step, files)
+                    queued = True
+        finally:
+            job.tensors = {}
+            if queued:
+                # not a failed save: the persistent tier gets the step; one line says the local tier missed it
+                if self.rank == 0:
+                    logger.warning("local tier: save of step %d failed, skipping the tier for this step (retried "
+                                   "at the next save; the persistent tier gets it): %s", job.step,
+                                   first or "failed on another rank")
+                job.via_upload = True
+                self._settle(job, True, TierName.PERSISTENT.value, None)
+            else:
+                self._settle(job, False, self.local.name, first or (_one_line(error) if error else None), error)
+            self._release(job)
+
+    def _save_to_memory(self, step: int, flat: dict[str, Any], per_rank: list[str]) -> dict[str, bytes] | None:
+        """Collective: this rank's DCP files of ``step`` (plus its manifest; ``.metadata`` on rank 0) as
+        bytes in memory, for an upload that cannot read them from the local tier."""
+        files: dict[str, bytes] = {}
+        ok, error = True, None
+        try:
+            writer = MemoryWriter(f"memory-step-{step}")
+            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+            files = writer.files
+        except FAILURES as e:
+            ok, error = False, e
+        md_entry = self._bcast(_bytes_entry(files[DCP_METADATA]).to_json() if ok and self.rank == 0 else None,
+                               self._pg)
+        if not self._all(ok and md_entry is not None):
+            logger.debug("step %d: in-memory copy for the persistent tier failed too: %s", step,
+                         _one_line(error) if error else "on another rank")
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
+                       error=_one_line(error) if error else "in-memory copy failed on another rank")
+            return None
+        mine = {n: b for n, b in files.items() if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")}
+        # only rank 0 holds .metadata in memory: the other ranks' manifests go without a layout (restore then
+        # parses their files)
+        entries = self._with_layout({n: _bytes_entry(b) for n, b in mine.items()}, files.get(DCP_METADATA),
+                                    lambda n: MemSource(mine[n], "memory"))
+        m = Manifest(step=step, rank=self.rank, world_size=self.world_size,
+                     files=entries,
+                     metadata=FileEntry.from_json(md_entry), per_rank_keys=tuple(per_rank), wall=time.time())
+        mine[manifest_name(self.rank)] = json.dumps(m.to_json()).encode()
+        if self.rank == 0:
+            mine[DCP_METADATA] = files[DCP_METADATA]
+        return mine
+
+    def _save_without_local(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str], t0: float) -> None:
+        """No local tier: write the persistent tier directly (still in the background)."""
+        assert self.persistent is not None
+        error = None
+        staging = self._scratch / f"direct-{self.rank}"
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            writer = FileSystemWriter(staging, sync_files=False, thread_count=1)
+            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+        except FAILURES as e:
+            error = e
+        finally:
+            job.tensors = {}
+            self._release(job)
+        tmp_tier = DirTier(staging.parent, name="staging")
+        # DCP wrote into `staging` itself; give it the step layout for the uploader
+        step_dir = tmp_tier.path(job.step)
+        if error is None:
+            shutil.rmtree(step_dir, ignore_errors=True)
+            os.replace(staging, step_dir)
+        ok = error is None
+        try:
+            if ok and self._dist:
+                self._spread_metadata(step_dir, shared_by_node=False)
+            if ok:
+                self._write_manifest(tmp_tier, job.step, per_rank)
+        except FAILURES as e:
+            ok, error = False, e
+        results = self._gather((ok, _one_line(error) if error is not None else None), self._pg)
+        if not all(r[0] for r in results):
+            self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.PERSISTENT.value,
+                       error=f"{type(error).__name__}: {error}" if error else "another rank failed")
+            shutil.rmtree(step_dir, ignore_errors=True)
+            self._settle(job, False, TierName.PERSISTENT.value, next((r[1] for r in results if r[1]), None), error)
+            return
+        landed = self._upload_step(job.step, tmp_tier, group=self._pg)
+        shutil.rmtree(step_dir, ignore_errors=True)
+        if landed:
+            self._saved_step = job.step
+        self._settle(job, landed, TierName.PERSISTENT.value, None if landed else self._up.last_error)
+        job.ok = landed
+
+    def _node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
+
+    def _my_files(self, d: Path) -> list[str]:
+        pre = f"__{self.rank}_"
+        try:
+            return sorted(n for n in os.listdir(d) if n.startswith(pre) and n.endswith(".distcp"))
+        except FileNotFoundError:
+            return []
+
+    def _my_bytes(self, d: Path) -> int:
+        return sum((d / n).stat().st_size for n in self._my_files(d))
+
+    def _spread_metadata(self, d: Path, shared_by_node: bool = True) -> None:
+        """DCP writes ``.metadata`` on rank 0 only; every node's copy of the step needs it."""
+        data = (d / DCP_METADATA).read_bytes() if self.rank == 0 else None
+        data = self._bcast(data, self._pg)
+        if self.rank != 0 and (self.local_rank == 0 or not shared_by_node):
+            tmp = d / ".metadata.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, d / DCP_METADATA)
+        elif self.rank != 0:
+            # another rank of this node writes it; wait for it to appear (same dir, same node)
+            deadline = time.monotonic() + self.config.collective_timeout_s
+            while not (d / DCP_METADATA).exists():
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{d / DCP_METADATA} did not appear")
+                time.sleep(0.01)
+
+    def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str]) -> Manifest:
+        d = tier.path(step)
+        files = {n: file_blocks(d / n, BLOCK) for n in self._my_files(d)}
+        files = self._with_layout(files, (d / DCP_METADATA).read_bytes(),
+                                  lambda n: FileSource(d / n, "local", files[n].size))
+        m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files,
+                     metadata=file_entry(d / DCP_METADATA), per_rank_keys=tuple(per_rank), wall=time.time())
+        tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
+        return m
+
+    def _with_layout(self, files: dict[str, FileEntry], metadata: bytes | None,
+                     open_src: Any) -> dict[str, FileEntry]:
+        """``files`` with the layout of their plain tensors (where each tensor's bytes are), for restore."""
+        if metadata is None:
+            return files
+        try:
+            md = load_metadata(metadata, what=DCP_METADATA)
+        except FAILURES as e:  # the manifest is still valid without a layout
+            logger.debug("no layout in the manifest: %s", e)
+            return files
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for info in md.storage_data.values():
+            if info.relative_path in files and not info.transform_descriptors:
+                per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        out = dict(files)
+        for n, items in per_file.items():
+            src = None
+            try:
+                src = open_src(n)
+                out[n] = dataclasses.replace(files[n], items=file_layout(src, items))
+            except (OSError, ValueError) as e:
+                logger.debug("no layout for %s: %s", n, e)
+            finally:
+                if src is not None:
+                    src.close()
+        return out
+
+    def _commit(self, tier: Any, step: int, ranks: list[int]) -> None:
+        body = {"step": step, "world_size": self.world_size, "ranks": ranks, "wall": time.time()}
+        tier.write_bytes(step, COMMIT_MARKER, json.dumps(body).encode())
+
+    def _per_rank_keys(self, flat: dict[str, Any]) -> list[str]:
+        """Leaves whose values differ across ranks; DCP would keep one rank's value for all of them."""
+        if not self._dist or self.world_size == 1:
+            return []
+        # a DTensor's local shards differ by rank by design; DCP stores them by their placements, so a DTensor
+        # is never a per-rank value (and keyed per rank, its shards would be stored twice)
+        small = {k: _digest(v) for k, v in flat.items()
+                 if not isinstance(v, torch.Tensor) or (not _is_dtensor(v) and leaf_nbytes(v) <= _SMALL)}
+        everyone = self._gather(small, self._pg)
+        keys = set().union(*(set(g) for g in everyone))
+        return sorted(k for k in keys if len({g.get(k) for g in everyone}) > 1)
+
+    def _decide_interval(self, job: _SaveJob) -> None:
+        iv = self._interval
+        # collective whatever this rank's tuner state: a rank without a tuner must still take part
+        proposal = (iv.steps, iv.persistent_every, {})
+        if self.rank == 0 and iv.tuner is not None:
+            try:
+                with iv.lock:
+                    proposal = (max(1, int(iv.tuner.interval_steps())) if iv.auto else iv.steps,
+                                max(1, int(iv.tuner.persistent_every())) if iv.auto_persistent
+                                else iv.persistent_every,
+                                iv.tuner.inputs())
+            except FAILURES as e:
+                logger.warning("interval tuner failed (%s); keeping %d steps", e, iv.steps)
+                proposal = (iv.steps, iv.persistent_every, {})
+        steps, every, inputs = self._bcast(proposal, self._pg)
+        changed = (steps, every) != (iv.steps, iv.persistent_every)
+        iv.steps, iv.persistent_every = steps, every
+        if changed and self.rank == 0:
+            self._emit(EventKind.CKPT_INTERVAL, interval=steps, persistent_every=every, inputs=inputs)
+
+    # ------------------------------------------------------------------ peer replication (peer.py)
+    def _partner(self, offset: int) -> int:
+        return self._ring._partner(offset)
+
+    def _replicate(self, step: int, m: Manifest) -> None:
+        self._ring._replicate(step, m)
+
+    # ------------------------------------------------------------------ retention
+    def _retain(self, tier: Any, keep: int, pinned_from: int | None, drop_newer_partial: bool = False) -> None:
+        retain(tier, keep, pinned_from, drop_newer_partial)
+
+    # ------------------------------------------------------------------ persistent upload (upload.py)
+    def _upload_floor(self) -> int | None:
+        return self._up._upload_floor()
+
+    def _request_upload(self, step: int, files: dict[str, bytes] | None = None) -> None:
+        self._up._request_upload(step, files)
+
+    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
+        """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
+        persistent tier; rank 0 commits. True when every rank's files landed (the same on every rank)."""
+        return self._up._upload_step(step, src, group, mem=mem)
+
+    # ------------------------------------------------------------------ wait / close
+    @property
+    def last_saved_step(self) -> int | None:
+        """The newest step this manager saved to a tier (its save worker is the only writer), else the step
+        ``restore()`` loaded (the training thread's), else None."""
+        if self._saved_step is not None:
+            return self._saved_step
+        return self.last_restore.step if self.last_restore is not None else None
+
+    def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
+        """Wait for in-flight saves, replication and uploads. Returns True when they finished and the last save
+        reached a tier; False on timeout, or when the last save reached no tier (its local write failed and its
+        copy for the persistent tier did not land either). It never raises for a failed save (training decides
+        what to do; the failure is in the log and the ledger, and ``max_failed_saves`` in a row stop the job).
+        A step that reached the local tier but not the persistent one is not a failed save: the ledger records
+        the upload's failure, and a finished run whose newest step is not there ends with its own exit code.
+
+        Uploads are waited for at most ``upload_timeout`` (default: the upload grace, ``--upload-grace``):
+        a dead persistent store must not hold the job; its pending steps stay queued.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = self._last_job
+        if job is not None:
+            if not job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        saved = job is None or bool(job.reached)
+        if self._uploader is None:
+            return saved
+        if upload_timeout is None:
+            # one grace for wait() and close() together: the clock starts at the first wait that finds
+            # uploads pending and stops when they drain (or training goes on)
+            if self._grace_until is None:
+                self._grace_until = time.monotonic() + float(self.config.upload_grace_s or 0.0)
+            up_deadline = self._grace_until
+        else:
+            up_deadline = time.monotonic() + upload_timeout
+        deadline = up_deadline if deadline is None else min(deadline, up_deadline)
+        if not self._up.drain(deadline):
+            return False
+        self._grace_until = None
+        if job is not None and job.via_upload and self._up.outcomes.get(job.step) is False:
+            return False  # its only copy was the upload that failed
+        return saved
+
+    def _upload_final(self, timeout: float | None) -> int | None:
+        """Queue the newest saved step for the persistent tier unless it is there or on its way (the last step
+        of a run, or the step saved for a preemption, is rarely a multiple of ``persistent_every``). Every rank
+        does the same: the saves' outcomes are collective. Returns the step queued."""
+        job = self._last_job
+        if self._uploader is None or self._up.closed:
+            return None
+        if job is not None and not job.done.wait(self.config.collective_timeout_s if timeout is None else timeout):
+            return None
+        step = self._saved_step
+        if step is None or (self._up.requested_max is not None and self._up.requested_max >= step):
+            return None
+        if self.rank == 0:
+            logger.info("uploading the final step %d to the persistent tier (within the upload grace, %.0f s)",
+                        step, float(self.config.upload_grace_s or 0.0))
+        self._request_upload(step)
+        return step
+
+    def close(self, timeout: float | None = None, at_exit: bool = False) -> None:
+        """Finish in-flight work and stop the background threads. Saves get up to ``timeout``; uploads get
+        at most the upload grace, then the steps still pending are abandoned (and recorded in the ledger)."""
+        if self._closed:
+            return
+        final = self._upload_final(timeout)
+        self.wait(timeout)  # False also for a failed save: what is still running is looked at below
+        self._closed = True
+        saving = self._last_job is not None and not self._last_job.done.is_set()
+        uploading = self._uploader is not None and not self._up.drain(time.monotonic())
+        finished = not saving and not uploading
+        if final is not None and self._up.outcomes.get(final) is not True and self.rank == 0:
+            why = (self._up.last_error if self._up.outcomes.get(final) is False
+                   else f"not uploaded within the upload grace of {float(self.config.upload_grace_s or 0):.0f} s")
+            logger.warning("the final step %d is not on the persistent tier (%s): only node-local tiers hold it",
+                           final, why)
+        self._up.closed = True
+        if not finished:
+            abandoned = self._up.abandon()
+            saving = self._last_job is not None and not self._last_job.done.is_set()
+            logger.warning("close(): %s still running; abandoning %s", "a save" if saving else "uploads",
+                           f"uploads of steps {abandoned}" if abandoned else "it")
+            for step in abandoned:
+                self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value,
+                           error="abandoned at exit",
+                           upload_grace_s=self.config.upload_grace_s)
+        self._jobs.put(None)
+        self._up.stop()
+        if finished:
+            self._worker.join(self.config.collective_timeout_s)
+            self._up.join(self.config.collective_timeout_s)
+        elif not self._up.settle(5.0):
+            # the process would tear its groups down under a thread inside a collective (gloo aborts: SIGABRT)
+            logger.debug("close(): the upload thread is still inside a collective")
+        self._guard.disarm_hooks()
+        self._stager.drop()
+        if self._ledger is not None:
+            self._ledger.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore (restore.py)
+    def _say_nothing_restored(self) -> None:
+        """Rank 0, when restore found no checkpoint: if this run's ledger shows saves from before this
+        process, starting from step 0 loses them; say so (one line and an event) instead of starting silently."""
+        run_dir = os.environ.get(_env.RUN_DIR)
+        if not run_dir:
+            return
+        try:
+            from resilient.events.ledger import read_events
+
+            events = [e for e in read_events(run_dir) if e.wall < self._t_created]
+        except (OSError, ValueError) as e:
+            logger.debug("cannot read the ledger of %s: %s", run_dir, e)
+            return
+        # saves of a run that finished (exit 0) before this launch are not lost: a finished run's directory
+        # reused for a fresh start begins after it; a preempted or failed launch's saves do count
+        finished = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_END and e.details.get("exit_code") == 0]
+        if finished:
+            events = events[finished[-1] + 1:]
+        attempted = sorted({int(e.details["step"]) for e in events
+                            if e.kind is EventKind.CKPT_SAVE and isinstance(e.details.get("step"), int)})
+        if not attempted:
+            return
+        done: dict[str, list[int]] = {}
+        for e in events:
+            if e.kind is EventKind.CKPT_TIER_DONE and isinstance(e.details.get("step"), int):
+                done.setdefault(str(e.details.get("tier")), []).append(int(e.details["step"]))
+        failed = sorted({int(e.details["step"]) for e in events
+                         if e.kind is EventKind.CKPT_SAVE_FAILED and isinstance(e.details.get("step"), int)})
+        tiers: dict[str, str] = {}
+        if self.local is not None:
+            tiers[TierName.LOCAL.value] = str(self.local.root)
+        if self.peer is not None:
+            tiers[TierName.PEER.value] = str(self.peer.root)
+        if self.config.persistent:
+            tiers[TierName.PERSISTENT.value] = str(self.config.persistent)
+        saved = "; ".join(f"{t} recorded steps {_steps_text(sorted(set(s)))}" for t, s in sorted(done.items()))
+        logger.warning("restore: no checkpoint found on any tier (%s), although this run saved before (steps %s%s%s); "
+                       "starting from step 0. Were the tiers wiped, or do they point somewhere else than before?",
+                       ", ".join(f"{t} {w}" for t, w in tiers.items()), _steps_text(attempted),
+                       f"; {saved}" if saved else "", f"; failed saves: {_steps_text(failed)}" if failed else "")
+        self._emit(EventKind.CKPT_RESTORE_MISSING, attempted_steps=attempted, tiers=tiers,
+                   done={t: sorted(set(s)) for t, s in done.items()}, failed_steps=failed)
+
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Load the newest step complete on some tier into ``state``; return the step to run next.
+
+        Each rank reads from the fastest tier holding a verified copy of each file, falling back
+        tier by tier (local → partner node over gloo → persistent) on a missing or corrupt file.
+        Returns 0 when there is nothing to restore.
+        """
+        if self._closed:
+            raise CheckpointError("restore() after close()")
+        self.wait()
+        res = self._restorer.restore(state)
+        self.last_restore = res
+        if res.step is None:
+            if self.rank == 0:
+                self._say_nothing_restored()
+            return 0
+        if self._interval.auto:
+            self._interval.next_save = res.step + self._interval.steps
+        return res.step + 1

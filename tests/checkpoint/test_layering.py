@@ -1,0 +1,106 @@
+"""The checkpoint package's layers, read from its source (every import, those inside functions too):
+``api`` ← ``format`` ← ``storage`` ← ``replicate``, ``upload`` ← ``restore`` ← ``save`` ← the top modules.
+A module imports only from layers below its own or from its own sub-package, and no modules import each
+other in a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "resilient" / "checkpoint"
+NAME = "resilient.checkpoint"
+
+LAYER = {"api": 0, "format": 1, "storage": 2, "replicate": 3, "upload": 3, "restore": 4, "save": 5}
+TOP = 6  # cli, the manager alias: may import anything below
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join([NAME, *parts])
+
+
+def _unit(module: str) -> str:
+    """The sub-package (or top module) a module of the package belongs to."""
+    rest = module[len(NAME) + 1:].split(".") if module != NAME else [""]
+    return rest[0]
+
+
+def _layer(module: str) -> int:
+    return LAYER.get(_unit(module), TOP)
+
+
+def _edges() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in PKG.rglob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                if t in modules and t != mod:
+                    edges[mod].add(t)
+    return edges
+
+
+def test_the_package_has_modules_in_every_layer() -> None:
+    units = {_unit(m) for m in _edges()}
+    assert set(LAYER) <= units, set(LAYER) - units
+
+
+def test_imports_go_down_the_layers_only() -> None:
+    wrong = []
+    for mod, targets in _edges().items():
+        for t in targets:
+            same_unit = _unit(t) == _unit(mod) and _unit(mod) in LAYER
+            if not same_unit and _layer(t) >= _layer(mod) and not mod.endswith("__init__"):
+                wrong.append(f"{mod} -> {t}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_circles() -> None:
+    edges = _edges()
+    state: dict[str, int] = {}
+    path: list[str] = []
+    circles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                circles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+@pytest.mark.parametrize("broken", ["up", "circle"])
+def test_the_checks_see_a_wrong_edge(broken: str) -> None:
+    """The walk above is not vacuous: an upward edge and a circle, added to the real graph, are found."""
+    edges = _edges()
+    low, high = f"{NAME}.format.layout", f"{NAME}.save.manager"
+    assert low in edges and high in edges
+    if broken == "up":
+        assert _layer(high) > _layer(low)
+    else:
+        edges[low].add(high)
+        seen, todo = set(), [high]
+        while todo:  # high reaches low through the real graph: adding low -> high closes a circle
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(edges[m])
+        assert low in seen
