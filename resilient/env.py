@@ -1,4 +1,15 @@
-"""Names of the environment variables ``resilient-run`` exports to its workers (a public contract)."""
+"""Every ``RESILIENT_*`` environment variable (a public contract: the names never change), and
+:class:`WorkerEnv`, the one codec of what ``resilient-run`` hands its workers: the launcher writes it
+(:meth:`WorkerEnv.to_env`), workers read it (:meth:`WorkerEnv.from_env`).
+
+No other module spells a ``RESILIENT_*`` name; each refers to the constant here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 RUN_DIR = "RESILIENT_RUN_DIR"  # the run's directory: ledger, logs
 RUN_ID = "RESILIENT_RUN_ID"
@@ -26,4 +37,108 @@ PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
 PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
 COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off
 FAULTS = "RESILIENT_FAULTS"  # a drill's in-worker faults (--inject), carried out by resilient.steps()
+CKPT_MAX_OBJECT_MB = "RESILIENT_CKPT_MAX_OBJECT_MB"  # largest object of a persistent upload, in MB
+CKPT_PRIOR_MTBF = "RESILIENT_CKPT_PRIOR_MTBF"  # the interval tuner's prior mean time between failures
+
+# set for a NeMo-Run job's torchrun shim (resilient.integrations.nemo)
+RUN_ARGS = "RESILIENT_RUN_ARGS"  # resilient-run's flags, given by the shim before torchrun's arguments
+PYTHON = "RESILIENT_PYTHON"  # the interpreter whose resilient-run the shim prefers
 RDZV_ID = "PET_RDZV_ID"  # torchrun's variable for --rdzv-id; also the default of `resilient supervisor --rdzv-id`
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ``resilient-run`` tells each worker, beside torchrun's own variables (``RANK``, ``WORLD_SIZE``, …).
+
+    ``to_env`` gives the variables (a field left None is not set); ``from_env`` reads them back, equal to what
+    was written, and returns None outside ``resilient-run`` (no run directory). A malformed value is an error
+    naming the variable."""
+
+    run_dir: str
+    run_id: str
+    node: str
+    node_rank: int
+    agent_socket: str | None = None  # None: no node monitor (heartbeats go nowhere)
+    ckpt_local: str | None = None
+    ckpt_persistent: str | None = None
+    ckpt_interval: str | None = None  # "N" steps or "auto"
+    ckpt_persistent_every: int | None = None
+    ckpt_compress: str | None = None
+    upload_grace: float | None = None
+    ckpt_max_failed_saves: int | None = None
+    heartbeat_timeout: float | None = None
+    policy: str | None = None
+    spare_nodes: int | None = None
+    faults: str | None = None  # a drill's plan (resilient.drill.spec.plan_env)
+
+    def __post_init__(self) -> None:
+        for f in ("run_dir", "run_id", "node"):
+            if not isinstance(getattr(self, f), str) or not getattr(self, f):
+                raise ValueError(f"WorkerEnv.{f} must be a non-empty string, got {getattr(self, f)!r}")
+        if self.node_rank < 0:
+            raise ValueError(f"WorkerEnv.node_rank must be >= 0, got {self.node_rank}")
+        for f in ("ckpt_persistent_every", "ckpt_max_failed_saves", "spare_nodes"):
+            v = getattr(self, f)
+            if v is not None and v < 0:
+                raise ValueError(f"WorkerEnv.{f} must be >= 0, got {v}")
+        for f in ("upload_grace", "heartbeat_timeout"):
+            v = getattr(self, f)
+            if v is not None and not (0 <= v < float("inf")):
+                raise ValueError(f"WorkerEnv.{f} must be finite seconds >= 0, got {v}")
+        if self.ckpt_interval is not None and self.ckpt_interval != "auto" and not (
+                self.ckpt_interval.isdigit() and int(self.ckpt_interval) > 0):
+            raise ValueError(f"WorkerEnv.ckpt_interval must be a step count > 0 or 'auto', got {self.ckpt_interval!r}")
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to set in a worker's environment."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out[_VARS[f.name][0]] = str(v)
+        return out
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
+        """What the launcher wrote into ``environ``; None when not started by ``resilient-run``."""
+        if not environ.get(RUN_DIR):
+            return None
+        kw = {}
+        for name, (var, parse) in _VARS.items():
+            raw = environ.get(var)
+            if raw is not None:
+                kw[name] = parse(var, raw)
+        missing = [_VARS[f][0] for f in ("run_id", "node", "node_rank") if f not in kw]
+        if missing:
+            raise ValueError(f"{RUN_DIR} is set but {', '.join(missing)} is not: not a resilient-run worker's "
+                             "environment")
+        return cls(**kw)
+
+
+_VARS = {
+    "run_dir": (RUN_DIR, _text), "run_id": (RUN_ID, _text), "node": (NODE, _text), "node_rank": (NODE_RANK, _int),
+    "agent_socket": (AGENT_SOCKET, _text), "ckpt_local": (CKPT_LOCAL, _text),
+    "ckpt_persistent": (CKPT_PERSISTENT, _text), "ckpt_interval": (CKPT_INTERVAL, _text),
+    "ckpt_persistent_every": (CKPT_PERSISTENT_EVERY, _int), "ckpt_compress": (CKPT_COMPRESS, _text),
+    "upload_grace": (UPLOAD_GRACE, _float), "ckpt_max_failed_saves": (CKPT_MAX_FAILED_SAVES, _int),
+    "heartbeat_timeout": (HEARTBEAT_TIMEOUT, _float), "policy": (POLICY, _text),
+    "spare_nodes": (SPARE_NODES, _int), "faults": (FAULTS, _text),
+}

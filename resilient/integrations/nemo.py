@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from resilient import env as renv
+
 SHIM_NAME = "torchrun"
 
 # NeMo-Run substitutes {{ command }} (the job's own command line); one resilient-run agent per node.
@@ -67,7 +69,7 @@ def write_shim(directory: str | os.PathLike[str] | None = None, python: str | No
     shim.write_text("#!/usr/bin/env sh\n"
                     "# torchrun -> resilient-run (written by resilient.integrations.nemo.write_shim)\n"
                     "# shellcheck disable=SC2086\n"
-                    f"exec {resilient_run_command(python)} $RESILIENT_RUN_ARGS \"$@\"\n")
+                    f"exec {resilient_run_command(python)} ${renv.RUN_ARGS} \"$@\"\n")
     shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return d
 
@@ -81,8 +83,8 @@ def shim_env(resilient_args: str = "", shim_dir: str | os.PathLike[str] | None =
                                    f"{type(resilient_args).__name__}; e.g. '--max-restarts 3'")
     d = write_shim(shim_dir)
     base = path if path is not None else os.environ.get("PATH", "")
-    return {"PATH": f"{d}{os.pathsep}{base}" if base else str(d), "RESILIENT_RUN_ARGS": resilient_args,
-            "RESILIENT_PYTHON": sys.executable}
+    return {"PATH": f"{d}{os.pathsep}{base}" if base else str(d), renv.RUN_ARGS: resilient_args,
+            renv.PYTHON: sys.executable}
 
 
 def local_executor(ntasks_per_node: int = 1, resilient_args: str = "", env_vars: dict[str, str] | None = None,
