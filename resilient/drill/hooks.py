@@ -51,7 +51,7 @@ def _arm_mid_write(f: WorkerFault) -> None:
 
 
 def _arm_mid_upload(f: WorkerFault) -> None:
-    from resilient.checkpoint import tiers
+    from resilient.checkpoint.storage import tiers
 
     for cls in (tiers.FsspecTier, tiers.DirTier):
         orig_put = cls.put_file
