@@ -31,18 +31,16 @@ import heapq
 import logging
 import math
 import random
-import traceback
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES, PRODUCTIVE, Badput
 from resilient.plan.api import ClusterConfig, Figures, PlannedFault, PlanInputError, PlanResult, SweepResult
-from resilient.supervisor.api import Action, JobView, NodeState, NodeView, Policy, PolicyError
-from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore, _Invalid
+from resilient.supervisor.api import JobView, NodeState, NodeView, Policy, PolicyError
+from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore
 from resilient.supervisor.default_policy import DefaultPolicy
 from resilient.supervisor.policy import load_policy
 
@@ -64,14 +62,29 @@ _P, _STARTUP, _SAVE, _RESTORE, _WASTED, _DETECT, _RECOVERY, _WAIT, _OTHER = (
     Badput.OTHER.value)
 
 
+@dataclass(frozen=True)
 class _View(JobView):
     """A :class:`JobView` whose derived tuples are computed once: policies and the core's validation ask for
-    ``members`` several times per decision, each an O(nodes) sort. Same functions, same values."""
+    ``members`` several times per decision, each an O(nodes) sort. Same functions, same values; ``members`` is
+    read off the assignment by the planner's core (its order is the group rank) instead of sorted."""
 
-    members = functools.cached_property(JobView.members.fget)  # type: ignore[assignment]
+    ranked: tuple[str, ...] = field(default=(), kw_only=True)
+
+    @property
+    def members(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.ranked
+
     active = functools.cached_property(JobView.active.fget)  # type: ignore[assignment]
     spares = functools.cached_property(JobView.spares.fget)  # type: ignore[assignment]
     world_size = functools.cached_property(JobView.world_size.fget)  # type: ignore[assignment]
+
+
+class _Inline:
+    """Calls a policy inline: a plan has no deadline, and a thread per call would cost more than the rest of a
+    decision."""
+
+    def call(self, fn, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+        return fn()
 
 
 class _FastCore(SupervisorCore):
@@ -80,39 +93,33 @@ class _FastCore(SupervisorCore):
     handful of nodes cost. The view is equal to the core's own (tests compare them)."""
 
     def __init__(self, cfg: SupervisorConfig, policy: Policy | None) -> None:
-        super().__init__(cfg, policy)
+        super().__init__(cfg, policy, policy_calls=_Inline())
         self._vc: dict[str, NodeView] = {}
         self._vc_members: tuple[str, ...] = ()
         self._vc_gr: dict[str, int] = {}
         self._dirty: set[str] = set()
         self._counted: set[str] = set()  # nodes with failures or stragglers in the window: pruned at each view
 
-    def _touch(self, *names: object) -> None:
-        for n in names:
-            if isinstance(n, str):
-                self._dirty.add(n)
-            elif isinstance(n, (tuple, list)):
-                self._dirty.update(x for x in n if isinstance(x, str))
-
-    def _ask(self, policy: Any, event: Event, view: JobView) -> Action:
-        """Called inline: the core's thread (which abandons a policy past ``--policy-timeout``) costs more than
-        the rest of a decision, and a plan has no deadline. The checks on the answer are the core's."""
-        try:
-            action = policy.decide(event, view)
-        except Exception:  # noqa: BLE001 - anything a policy raises is the policy's failure
-            raise _Invalid(f"the policy raised:\n{traceback.format_exc()}") from None
-        if not isinstance(action, Action) or type(action) is Action:
-            raise _Invalid(f"the policy returned {action!r:.200}, not an action (Restart, HotSwap, ScaleDown, "
-                           "ScaleUp, Cordon, Ignore or Stop)")
-        return action
+    def _touch(self, decisions: list[Decision]) -> list[Decision]:
+        """The nodes each decision's action names may have changed state (a cordon names its swap or scale-down
+        as the action)."""
+        for d in decisions:
+            for x in (d.action, getattr(d.action, "inner", d.action)):
+                for f in ("node", "spare", "nodes", "spares"):
+                    n = getattr(x, f, None)
+                    if isinstance(n, str):
+                        self._dirty.add(n)
+                    elif isinstance(n, (tuple, list)):
+                        self._dirty.update(y for y in n if isinstance(y, str))
+        return decisions
 
     def join(self, node: str, nproc: int, now: float) -> list[Decision]:
         self._dirty.add(node)
-        return super().join(node, nproc, now)
+        return self._touch(super().join(node, nproc, now))
 
     def handle(self, event: Event, now: float) -> list[Decision]:
         self._dirty.add(event.node)
-        out = super().handle(event, now)
+        out = self._touch(super().handle(event, now))
         n = self._nodes.get(event.node)
         if n is not None and (n.failures or n.stragglers):
             self._counted.add(event.node)
@@ -121,17 +128,6 @@ class _FastCore(SupervisorCore):
     def tick(self, now: float) -> list[Decision]:
         self._dirty.update(self._nodes)  # rare in the planner (pending scale-ups only): no shortcut
         return super().tick(now)
-
-    def _apply(self, a, event, now, fallback):  # type: ignore[no-untyped-def]
-        inner = getattr(a, "inner", a)
-        for x in (a, inner):
-            self._touch(*(getattr(x, f, None) for f in ("node", "spare", "nodes", "spares")))
-        return super()._apply(a, event, now, fallback)
-
-    def _apply_scale_up(self, event, now, why):  # type: ignore[no-untyped-def]
-        if self._pending is not None:
-            self._touch(tuple(self._pending.spares))
-        return super()._apply_scale_up(event, now, why)
 
     def form(self, now: float):  # type: ignore[no-untyped-def]
         self._dirty.update(self._nodes)
@@ -168,15 +164,14 @@ class _FastCore(SupervisorCore):
                                 last_seen=node.last_seen)
         dirty.clear()
         nodes = {n: cache[n] for n in self._nodes}  # the core's join order
-        v = _View(nodes=nodes, min_nodes=self.cfg.min_nodes, max_nodes=self.cfg.max_nodes,
+        # what JobView.members sorts out of every node, read off the assignment (its order is the group rank)
+        ranked = (NodeState.ACTIVE, NodeState.LOST)
+        return _View(nodes=nodes, min_nodes=self.cfg.min_nodes, max_nodes=self.cfg.max_nodes,
                      nproc_per_node=self.cfg.nproc_per_node, restarts_left=self.restarts_left,
                      attempt=a.attempt if a else 0, ckpt_steps=self._ckpt_steps, recent=tuple(self._recent),
                      failure_window=self.cfg.failure_window, now=now,
-                     pending_scale_up=tuple(self._pending.spares) if self._pending else ())
-        # what JobView.members sorts out of every node, read off the assignment (its order is the group rank)
-        ranked = (NodeState.ACTIVE, NodeState.LOST)
-        v.__dict__["members"] = tuple(m for m in members if cache[m].state in ranked and cache[m].group_rank is not None)
-        return v
+                     pending_scale_up=tuple(self._pending.spares) if self._pending else (),
+                     ranked=tuple(m for m in members if cache[m].state in ranked and cache[m].group_rank is not None))
 
 
 @dataclass

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable, Protocol, TypeVar
 
 from resilient.bounded import BoundedCaller, CallBusy
 from resilient.events.api import Event, EventKind
@@ -32,6 +32,8 @@ from resilient.supervisor.api import (
 from resilient.supervisor.default_policy import DefaultPolicy
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # events that may need a decision (when they come from an active node of the current attempt)
 DECIDING_KINDS = frozenset({
@@ -182,12 +184,23 @@ class _Invalid(Exception):
     pass
 
 
+class PolicyCalls(Protocol):
+    """How the core calls an in-process policy: :class:`BoundedCaller`'s ``call``."""
+
+    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T: ...
+
+
 class SupervisorCore:
-    def __init__(self, cfg: SupervisorConfig, policy: Policy | None = None) -> None:
+    """``policy_calls``: how an in-process policy is called; by default on a thread, abandoned after
+    ``policy_timeout`` and never called again while an earlier call runs. A caller without a deadline (the
+    planner) passes one that calls inline."""
+
+    def __init__(self, cfg: SupervisorConfig, policy: Policy | None = None, *,
+                 policy_calls: PolicyCalls | None = None) -> None:
         self.cfg = cfg
         self._default = DefaultPolicy()
         self._policy = policy
-        self._policy_calls = BoundedCaller("policy", max_abandoned=1, serial=True)
+        self._policy_calls: PolicyCalls = policy_calls or BoundedCaller("policy", max_abandoned=1, serial=True)
         self._nodes: dict[str, _Node] = {}  # join order
         self._assignment: Assignment | None = None
         self._restarts_used = 0
@@ -527,8 +540,9 @@ class SupervisorCore:
     def _ask(self, policy: Any, event: Event, view: JobView) -> Action:
         """Ask a policy. A policy file runs in a process of its own (``decide_within``: the time and memory
         limits, and every way it can fail, are enforced there, and calls never overlap). Any other policy
-        object is called through a serial :class:`BoundedCaller`: on timeout the call is abandoned, and the policy is
-        not called again until that call returns (two calls at once could corrupt a stateful policy)."""
+        object is called through ``policy_calls``, by default a serial :class:`BoundedCaller`: on timeout the call
+        is abandoned, and the policy is not called again until that call returns (two calls at once could
+        corrupt a stateful policy)."""
         decide_within = getattr(policy, "decide_within", None)
         if decide_within is not None:
             try:
@@ -541,6 +555,8 @@ class SupervisorCore:
         def run() -> tuple[bool, Any]:
             try:
                 return True, policy.decide(event, view)
+            except KeyboardInterrupt:  # the user's, when a policy is called inline
+                raise
             except BaseException:  # noqa: BLE001 - anything a policy raises is the policy's failure
                 return False, traceback.format_exc()
 
