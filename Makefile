@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	# NeMo-Run in a directory of its own, put on PYTHONPATH only by its test: its dependencies pin urllib3 and
 	# anyio below what the Hugging Face hub needs. leptonai pinned: newer releases lack a module it imports.
 	$(BIN)/python -m pip install -q --target $(VENV)/nemo-run 'nemo_run==0.11.1' 'leptonai==0.26.6'
+	# nvidia-resiliency-ext requires the deprecated pynvml package, an import hook that makes every `import torch`
+	# print a FutureWarning; nvidia-ml-py (also required) provides the same pynvml module without it. Last: a
+	# later pip install would report the missing requirement.
+	$(BIN)/python -m pip uninstall -q -y pynvml
 	@touch $(STAMP)
 
 test: venv
