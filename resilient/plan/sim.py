@@ -21,6 +21,9 @@ Assumptions, said once: failures arrive only while the job runs (a fault during 
 disruption in progress), each active node at the same rate; spares do not fail while idle; a step at a
 smaller world does ``world/nodes`` of a full step's work; uploads to the persistent tier finish before the
 next failure.
+
+This file is longer than 700 lines on purpose: the trial's event loop and the cost of each decision it carries
+out are one model, read together.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ attempt and of active nodes decide anything (several reports of one failure deci
 validated against the view, the restart budget is spent by every assignment change, and no assignment
 ever holds fewer than ``min_nodes`` or more than ``max_nodes`` nodes, a node twice, or a lost or cordoned
 node.
+
+This file is longer than 700 lines on purpose: it is one state machine, and its rules (validation, effects,
+deferred scale-ups and preemptions) read and write the same state; split, each invariant would span files.
 """
 
 from __future__ import annotations
