@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -217,3 +218,40 @@ def test_restarted_store_lists_a_prefix_where_a_write_was_cut(gcs: GCS) -> None:
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("cut/run/step_00000002", detail=False)) == [
         ".metadata", "COMMITTED"]
     assert not stray.exists()
+
+
+def _tier_threads() -> list[str]:
+    """Threads running a persistent-tier call (the bounded store calls name theirs after the tier)."""
+    return [t.name for t in threading.enumerate() if "tier" in t.name and t.is_alive()]
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_store_leaves_a_bounded_number_of_threads_behind(tmp_path: Path, gcs: GCS) -> None:
+    """A store that accepts connections and never answers (a real fake-gcs-server, SIGSTOPped) holds every
+    call until gcsfs gives up, minutes later. Save after save against it, the calls that overran their bound
+    stay capped: the tier refuses new calls at once instead of starting yet another thread."""
+    import torch
+
+    from resilient.checkpoint.save.manager import CheckpointManager
+
+    gcs.make_bucket("frozen")
+    ck = CheckpointManager(local=tmp_path / "local", persistent="gs://frozen/run", interval=1, persistent_every=1,
+                           upload_retries=0, max_failed_saves=0, peer=False)
+    state = {"w": torch.zeros(1000)}
+    ck.save(0, state)
+    assert ck.wait(60), "the store answers before it is frozen"
+    assert ck.persistent is not None and ck.persistent.steps() == {0: True}
+    assert gcs.proc is not None
+    ck.persistent.timeout_s = 0.5  # type: ignore[union-attr]  # each call to the frozen store overruns soon
+    os.kill(gcs.proc.pid, signal.SIGSTOP)
+    try:
+        counts = []
+        for step in range(1, 13):
+            ck.save(step, state)
+            ck.wait(60)  # the local save is done; the upload fails on the frozen store, in bounded time
+            counts.append(len(_tier_threads()))
+        cap = ck.persistent.max_abandoned  # type: ignore[union-attr]
+        assert max(counts) <= cap, (counts, _tier_threads())
+    finally:
+        os.kill(gcs.proc.pid, signal.SIGCONT)
+        ck.close()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from resilient.bounded import BoundedCaller
 from resilient.checkpoint.api import (COMMIT_MARKER, CorruptFileError, DCP_METADATA, FileEntry, Manifest, STEP_PREFIX,
                                       StepInfo, Tier)
 from resilient.checkpoint.format.digests import _CHUNK, verify_file
@@ -273,40 +274,24 @@ class FsspecTier:
             pass
 
 
-def _call_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run ``fn`` on a daemon thread and wait at most ``timeout_s``; raise ``TimeoutError`` after that.
-
-    A remote store that is down can hold one call for minutes (gcsfs retries a refused connection six
-    times with backoff); the caller is given its answer in time. The call itself cannot be cancelled: it
-    runs on, in a daemon thread that never delays exit.
-    """
-    box: list[Any] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as e:  # handed to the caller
-            box.append((False, e))
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"resilient-tier-call", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise TimeoutError(f"{what}: no answer within {timeout_s:.1f} s (is the store reachable?)")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+# calls of one tier that may overrun at once: the uploader's senders and a restore's ranged reads, with room
+MAX_ABANDONED = 4
 
 
 class BoundedTier:
     """Any tier, every call bounded in time: ``timeout_s`` plus the time to move the call's bytes at
-    ``min_rate`` bytes/s (so a large upload is not cut short by a bound meant for a dead store)."""
+    ``min_rate`` bytes/s (so a large upload is not cut short by a bound meant for a dead store).
 
-    def __init__(self, inner: Tier, timeout_s: float, min_rate: float = 8 << 20):
+    A store that is down can hold one call for minutes (gcsfs retries a refused connection with backoff) and
+    the call cannot be cancelled; once ``max_abandoned`` calls have overrun and still run, further calls are
+    refused at once (:class:`~resilient.bounded.CallBusy`, a ``TimeoutError``) instead of starting yet
+    another thread against the same dead store."""
+
+    def __init__(self, inner: Tier, timeout_s: float, min_rate: float = 8 << 20, max_abandoned: int = MAX_ABANDONED):
         self.inner, self.timeout_s, self.min_rate = inner, timeout_s, min_rate
         self.name = inner.name
+        self.max_abandoned = max_abandoned
+        self._caller = BoundedCaller(f"tier-{inner.name}", max_abandoned=max_abandoned)
 
     def __repr__(self) -> str:
         return f"Bounded({self.inner!r}, {self.timeout_s:g} s)"
@@ -316,7 +301,7 @@ class BoundedTier:
 
     def _call(self, what: str, fn: Callable[[], T], nbytes: int = 0, timeout_s: float | None = None) -> T:
         t = (self.timeout_s if timeout_s is None else timeout_s) + nbytes / self.min_rate
-        return _call_bounded(fn, t, f"{self.inner!r}.{what}")
+        return self._caller.call(fn, t, f"{self.inner!r}.{what} (is the store reachable?)")
 
     def url(self, step: int | None = None) -> str:
         return self.inner.url(step)
