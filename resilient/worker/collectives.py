@@ -128,16 +128,11 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-# DDP's gradient waits are timed without a communication hook. A Python comm hook (torch's own
-# ``allreduce_hook`` included) chains ``fut.then(callback)``; the callback, and the release of its
-# references, run on the backend's thread when the allreduce completes. If that thread reaches for the GIL
-# after the training thread has begun interpreter shutdown, CPython ends it with ``pthread_exit`` and the
-# unwind through C++ ``noexcept`` frames aborts the process ("terminate called without an active
-# exception"): a successful worker killed by SIGABRT at exit, most often under CPU contention. So DDP keeps
-# its built-in C++ allreduce, and the two instants come from the autograd thread: each parameter's
-# post-accumulate-grad hook (the last one is when this rank's own backward work is done, i.e. the last
-# bucket is ready) and an end-of-backward callback (after DDP waited for every bucket).
-
+# DDP's gradient waits are timed without a communication hook: a Python comm hook's callback runs, and is
+# released, on the backend's thread, which aborts a finalising interpreter when it takes the GIL. So DDP keeps
+# its C++ allreduce, and both instants come from the autograd thread: each parameter's post-accumulate-grad
+# hook (the last one: this rank's own backward work is done) and an end-of-backward callback (after DDP
+# waited for every bucket).
 _bw_queued = False  # one end-of-backward callback per backward pass
 
 

@@ -17,13 +17,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# The third exit hazard: gloo releases a finished work on its own thread, some time after ``wait()`` has
-# returned to the caller, and with it the work's tensors. Releasing a C++ reference to a tensor that has a
-# Python object calls back into Python (``ProcessGroupGloo::AsyncWork::~AsyncWork`` -> ``decref_pyobject``
-# -> ``take_gil``, seen in a core dump): the same abort if the training thread has begun finalising. So a
-# blocking collective on host tensors is issued as an async one and waited for here, and the last works are
-# kept: gloo's thread then never holds the last reference, the release happens in the training thread (when
-# a newer call pushes the work out), and at exit the kept works are pinned for good, never released at all.
+# Gloo releases a finished work (and with it tensors that have Python objects) on its own thread, after
+# ``wait()`` returned: a GIL grab that aborts a finalising interpreter. So blocking host collectives are issued
+# async and waited for here, the last works are kept (released by the training thread as newer ones push them
+# out), and at exit the kept ones are pinned for good.
 _held_works: collections.deque[Any] = collections.deque(maxlen=16)
 _pin_registered = False
 
@@ -50,14 +47,10 @@ def _pin_held_works() -> None:
         incref(w)
 
 
-# The second exit hazard is torch's: every backward stashes a Python ``contextvars.Context`` in the
-# thread-local state, and each gloo work enqueued during it (DDP's bucket allreduces) copies that state.
-# The work is destroyed on gloo's thread after it completes, and that releases the context: the same GIL
-# grab, the same abort if the interpreter is already finalising (a core dump shows it: ~AsyncAllreduceWork
-# on gloo's runLoop → ~ThreadLocalState → SafePyObject decref → take_gil → pthread_exit → std::terminate,
-# while the main thread is in Py_FinalizeEx). So every backward's context is kept for as long as a C++ copy
-# holds it (a starved gloo thread may destroy a work several backward passes late: keeping only the last
-# two let about one exit in 1,200 abort), and at exit, before finalisation, we wait, bounded, until none does.
+# Every backward stashes a Python ``contextvars.Context`` in thread-local state that each gloo work enqueued
+# during it (DDP's bucket allreduces) copies, and gloo's thread releases that copy when it destroys the work:
+# the same GIL grab. A starved gloo thread may do so several backward passes late, so every context is kept
+# while a C++ copy holds it, and the exit waits, bounded, until none does.
 _backward_contexts: list[Any] = []
 _EXIT_DRAIN_TIMEOUT = 5.0
 _drain_registered = False
@@ -96,7 +89,7 @@ def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
     deadline = t0 + timeout
     while True:
         # a count, not a list of the held contexts: such a list, alive during the next pass, would itself be
-        # the reference that pass finds (every exit that found a context held once then waited the full time)
+        # a reference that pass counts
         held = sum(1 for ctx in _backward_contexts if sys.getrefcount(ctx) > 3)  # list, loop variable, argument
         if not held:
             _backward_contexts.clear()

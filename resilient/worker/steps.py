@@ -97,7 +97,7 @@ class _Client:
         self.world_size = _int_env("WORLD_SIZE", 1)
         self.local_world_size = _int_env("LOCAL_WORLD_SIZE", 1)
         self.attempt = _int_env("TORCHELASTIC_RESTART_COUNT", -1)
-        # another node's preemption reaches this rank through the attempt's store (see _peer_proposed)
+        # another node's preemption reaches this rank through the attempt's store (see preemption.stop_proposed)
         self.multi_node = _int_env("GROUP_WORLD_SIZE", 1) > 1
         self.run_dir = os.environ.get(env.RUN_DIR) or None
         self._hdr = {t: P.header(t, self.local_rank, self.rank, self.pid, self.attempt)
