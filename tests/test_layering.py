@@ -14,6 +14,8 @@ is still being moved, is listed in ``KNOWN`` with the reason; any other violatio
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("resilient", "_pytest", "test-only"),
     ("resilient", "hypothesis", "test-only"),
     ("resilient", "resilient.testing", "test-only helpers live in tests/_helpers"),
+    ("resilient", "nvidia_resiliency_ext", "an extra ([nvrx]): only the benchmarks compare against it"),
     ("resilient.supervisor", "resilient.launcher", "the supervisor never imports the launcher"),
     ("resilient.worker", "resilient.launcher", "the worker runtime runs in the workers, not in the agent"),
     ("resilient.signals", "resilient.worker", "the agent side does not import the worker runtime"),
@@ -37,6 +40,13 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     *[("resilient.checkpoint.storage", f"resilient.checkpoint.{up}", "storage sits under save, replicate, "
        "upload and restore") for up in ("save", "replicate", "upload", "restore")],
 ]
+
+# Runtime dependencies (pyproject's project.dependencies) imported under another name than their own (dashes
+# as underscores); None: loaded by another dependency. One that nothing in resilient/ uses belongs in an extra.
+IMPORTED_AS: dict[str, str | None] = {
+    "nvidia-ml-py": "pynvml",
+    "gcsfs": None,  # fsspec loads it for gs:// URLs
+}
 
 # A policy (policies/*.py) sees the policy contract and the event vocabulary, nothing else of resilient.
 POLICY_DIR = "policies"
@@ -205,6 +215,15 @@ def test_no_forbidden_import(edges):
 def test_known_exceptions_still_exist(edges):
     gone = sorted(e for e in KNOWN if e[1] not in edges.get(e[0], set()))
     assert not gone, f"KNOWN lists edges that no longer exist (remove them): {gone}"
+
+
+def test_every_runtime_dependency_is_used_by_the_package(edges):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() for d in project["dependencies"]]
+    imported = {d.split(".")[0] for src, ds in edges.items() if under(src, "resilient") for d in ds}
+    modules = {n: IMPORTED_AS.get(n, n.replace("-", "_")) for n in names}
+    unused = sorted(n for n, m in modules.items() if m is not None and m not in imported)
+    assert not unused, f"runtime dependencies nothing in resilient/ imports (make them an extra): {unused}"
 
 
 def test_the_walk_sees_what_it_must(tmp_path, monkeypatch):
