@@ -1,9 +1,8 @@
-"""Starting, watching and stopping one node's worker processes.
+"""One node's workers of the current attempt: the starter they come from, their output, their exits.
 
-Two ways to start a worker, one interface: :class:`ForkServer` forks from a long-lived process that
-already imported torch (restarts in milliseconds), :class:`SpawnStarter` runs a fresh interpreter per
-worker exactly as torchrun does (the fallback, and the only way for ``--no-python``). Both report exits
-through a file descriptor the agent selects on, so exits are seen the moment they happen.
+:class:`WorkerGroup` is the one writer of the starter in use and of the list of workers. It knows starters only
+through the :class:`~resilient.launcher.starters.WorkerStarter` protocol; exits and output arrive on descriptors
+registered with the agent's selector, so the agent's one wait sees them the moment they happen.
 """
 
 from __future__ import annotations
@@ -14,444 +13,395 @@ import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+import uuid
+from collections.abc import Callable
+from pathlib import Path
 
-from resilient.launcher.api import WorkerCommand
+from resilient import env as renv
+from resilient.launcher.api import AgentConfig, NodeRound, WorkerExit
+from resilient.launcher.starters import ForkServerError, SpawnStarter, WorkerProc, WorkerStarter, signal_workers
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerProc:
-    local_rank: int
-    rank: int
-    env: dict[str, str]
-    stdout_fd: int | None = None  # fd the child writes its stdout to (None: inherit)
-    stderr_fd: int | None = None
-    error_file: str | None = None
-    pid: int | None = None
-    exit_code: int | None = None
-    exit_wall: float | None = None
-    _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+def _keep_local_default() -> object:
+    import dataclasses
+
+    from resilient.checkpoint.api import CheckpointConfig
+
+    return next((f.default for f in dataclasses.fields(CheckpointConfig) if f.name == "keep_local"), "?")
 
 
-class WorkerStarter(Protocol):
-    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
-        """Start the workers; the caller keeps ownership of (and closes) their output fds."""
-
-    def fileno(self) -> int: ...
-
-    def poll_exits(self) -> list[WorkerProc]:
-        """Called when ``fileno()`` is readable: the workers that have exited since the last call."""
-
-    def close(self) -> None: ...
-
-
-def signal_workers(workers: list[WorkerProc], sig: int) -> None:
-    for w in workers:
-        if w.pid is not None and w.exit_code is None:
-            try:
-                os.killpg(w.pid, sig)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                os.kill(w.pid, sig)
-
-
-class ForkServerError(RuntimeError):
-    def __init__(self, why: str, bad_module: str | None = None):
-        super().__init__(why)
-        self.bad_module = bad_module  # a learned module that made forking unsafe: never preload it again
-
-
-class _ForkedProc:
-    """The part of ``subprocess.Popen`` the agent uses, for a fork server forked by another one (not the agent's
-    child: its exit is seen through a pidfd, and the zygote it came from reaps it)."""
-
-    def __init__(self) -> None:
-        self.pid: int | None = None
-        self._pidfd: int | None = None
-        self.returncode: int | None = None
-
-    def attach(self, pid: int) -> None:
-        self.pid = pid
-        try:
-            self._pidfd = os.pidfd_open(pid)
-        except OSError:  # gone already
-            self.returncode = -1
-
-    def poll(self) -> int | None:
-        if self.returncode is None and self._pidfd is not None:
-            import select
-
-            if select.select([self._pidfd], [], [], 0)[0]:
-                self.returncode = -1  # not our child: its status is its parent's
-                os.close(self._pidfd)
-                self._pidfd = None
-        return self.returncode if self.pid is not None else None
-
-    def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while self.pid is not None and self.poll() is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired("fork server", timeout)
-            import select
-
-            select.select([self._pidfd], [], [], min(left, 1.0))
-        return self.returncode if self.returncode is not None else -1
-
-    def kill(self) -> None:
-        if self.pid is not None and self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-class ForkServer:
-    """Client of :mod:`resilient.launcher.zygote`."""
-
-    def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", preload_file: str | None = None,
-                 _copy_of: ForkServer | None = None):
-        """``preload_file``: where to write the list when it is long (learned modules), passed as ``@FILE``.
-        ``_copy_of``: see :meth:`fork`."""
-        self._buf = b""
-        self._by_id: dict[str, WorkerProc] = {}
-        self._events: list[dict] = []
-        self.preload = tuple(preload)
-        self.learned: list[str] = []  # modules the workers loaded, in order, as the zygote reported them
-        self.copy = _copy_of is not None
-        self.origin = _copy_of  # the fork server a copy was forked from
-        self.parent: ForkServer | None = None  # see adopt()
-        self._warm_sent = 0  # batches of learned modules sent (preload_more), and imported
-        self._warm_done = 0
-        self.warm_at: float | None = None  # wall time the last batch was imported
-        self._out = b""  # preload requests not yet taken by the server
-        self._ready = False
-        if _copy_of is not None:
-            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock = parent
-            self.proc: subprocess.Popen[bytes] | _ForkedProc = _ForkedProc()
-            _copy_of.sock.setblocking(True)
-            try:
-                socket.send_fds(_copy_of.sock, [b'{"op": "fork", "nfds": 1}\n'], [child.fileno()])
-            finally:
-                _copy_of.sock.setblocking(False)
-                child.close()
-            return
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock = parent
-        spec = ",".join(preload)
-        if preload_file is not None and len(spec) > 8192:
-            with open(preload_file, "w") as f:
-                f.write("\n".join(preload))
-            spec = f"@{preload_file}"
-        env = dict(os.environ)
-        # numpy's OpenBLAS starts a thread pool at import, and forking a threaded process is unsafe.
-        # Workers get the user's environment back, but BLAS calls made from numpy in a forked worker
-        # stay single-threaded (torch's own intra-op threads are unaffected).
-        env["OPENBLAS_NUM_THREADS"] = "1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "resilient.launcher.zygote", str(child.fileno()), spec, tag],
-            pass_fds=[child.fileno()],
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()
-
-    def fork(self) -> ForkServer:
-        """A copy of this (ready, idle or not) fork server, serving on a socket of its own: it has imported all
-        this one has, at no cost; :meth:`preload_more` then imports the learned modules in it, not in this one."""
-        if not self._ready:
-            raise ForkServerError("fork server not ready")
-        return ForkServer(self.preload, _copy_of=self)
-
-    def adopt(self, origin: ForkServer) -> None:
-        """This copy takes over from the fork server it was forked from, which must live (idle) as long as it does:
-        a copy dies with it. Closing this one closes it too."""
-        self.parent = origin
-
-    def preload_more(self, modules: list[str] | tuple[str, ...]) -> None:
-        """Ask this (idle: no worker started from it yet) fork server to import learned modules; it is warm again
-        once it has (:meth:`poll_ready`). A module that makes forking unsafe ends it (ForkServerError.bad_module)."""
-        self._warm_sent += 1
-        self._out += (json.dumps({"op": "preload", "modules": list(modules), "seq": self._warm_sent}) + "\n").encode()
-        self._flush()
-
-    def _flush(self) -> None:
-        # never blocks: the server reads only between imports, and the agent must not wait on it meanwhile
-        while self._out:
-            try:
-                n = self.sock.send(self._out, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                raise ForkServerError(f"fork server gone ({e})") from e
-            self._out = self._out[n:]
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the fork server has imported torch; it was started in the constructor so that
-        this import overlaps the rendezvous."""
-        if self._ready:
-            return
-        msg = self._read_one(timeout)
-        self._first(msg)
-
-    def _first(self, msg: dict) -> None:
-        if msg.get("ev") != "ready":
-            self.close()
-            raise ForkServerError(msg.get("why", f"unexpected first message {msg}"), msg.get("bad"))
-        if isinstance(self.proc, _ForkedProc) and self.proc.pid is None:
-            self.proc.attach(int(msg["pid"]))
-        self.sock.setblocking(False)
-        self._ready = True
-
-    def poll_ready(self) -> bool:
-        """Without blocking: has it finished its imports, and every batch of :meth:`preload_more`? Raises
-        ForkServerError when it failed (``bad_module``: the learned module that made forking unsafe)."""
-        if self._ready and self._warm_done >= self._warm_sent:
-            return True
-        if self.sock.fileno() < 0:
-            raise ForkServerError("fork server closed")
-        self._flush()
-        self.sock.setblocking(False)
-        try:
-            while True:
-                try:
-                    data = self.sock.recv(65536)
-                except (BlockingIOError, InterruptedError):
-                    break
-                if not data:
-                    if b"\n" in self._buf:
-                        break  # its last words (why it failed) come first
-                    raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
-                self._buf += data
-        finally:
-            if not self._ready:
-                self.sock.setblocking(True)
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            msg = json.loads(line)
-            if not self._ready:
-                self._first(msg)
-            elif msg.get("ev") == "warm":
-                self._warm_done = max(self._warm_done, int(msg.get("seq", 0)))
-                self.warm_at = msg.get("t")
-            elif msg.get("ev") == "failed":
-                self.close()
-                raise ForkServerError(msg.get("why", "failed"), msg.get("bad"))
-            else:
-                self._events.append(msg)  # worker events: poll_exits handles them
-        return self._ready and self._warm_done >= self._warm_sent
-
-    def take_learned(self) -> list[str]:
-        out, self.learned = self.learned, []
-        return out
-
-    def _read_one(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ForkServerError(f"fork server did not answer within {timeout:.0f}s")
-            self.sock.settimeout(left)
-            try:
-                data = self.sock.recv(65536)
-            except socket.timeout:
-                continue
-            if not data:
-                raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            if not data:
-                raise ForkServerError(f"fork server exited (code {self.proc.poll()})")
-            self._buf += data
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            self._events.append(json.loads(line))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
-        for w in workers:
-            wid = f"{w.local_rank}-{time.monotonic_ns()}"
-            fds = [fd for fd in (w.stdout_fd, w.stderr_fd) if fd is not None]
-            msg = {
-                "op": "spawn", "id": wid, "argv": [cmd.target, *cmd.args], "kind": cmd.kind,
-                "env": w.env, "cwd": cwd, "error_file": w.error_file, "nfds": len(fds),
-                "stdout": 0 if w.stdout_fd is not None else -1,
-                "stderr": (1 if w.stdout_fd is not None else 0) if w.stderr_fd is not None else -1,
-            }
-            data = (json.dumps(msg) + "\n").encode()
-            self.sock.setblocking(True)
-            try:
-                if fds:
-                    socket.send_fds(self.sock, [data], fds)
-                else:
-                    self.sock.sendall(data)
-            finally:
-                self.sock.setblocking(False)
-            self._by_id[wid] = w
-        # wait for every pid: the agent must be able to signal them right away
-        deadline = time.monotonic() + 30
-        self.sock.setblocking(True)
-        try:
-            while any(w.pid is None for w in workers):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ForkServerError("fork server did not report worker pids within 30s")
-                ev = self._read_one(left)
-                self._handle(ev)
-        finally:
-            self.sock.setblocking(False)
-
-    def _handle(self, ev: dict) -> WorkerProc | None:
-        if ev.get("ev") == "modules":
-            self.learned.extend(ev.get("names", ()))
-            return None
-        w = self._by_id.get(ev.get("id"))
-        if w is None:
-            return None
-        if ev["ev"] == "spawned":
-            w.pid = ev["pid"]
-        elif ev["ev"] == "refused":
-            raise ForkServerError(ev.get("why", "refused"))
-        elif ev["ev"] == "exit":
-            w.pid = w.pid or ev["pid"]
-            w.exit_code = ev["code"]
-            w.exit_wall = ev["t"]
-            del self._by_id[ev["id"]]
-            return w
+def default_ckpt_local(cfg: AgentConfig, run_dir: Path) -> str | None:
+    """Resilience by default: with no --ckpt-* flag, CheckpointManager.from_env() gets a local tier under
+    the run directory (per host: a run directory on a shared file system must not mix nodes' shards);
+    the manager's retention keeps it to the newest few steps."""
+    if cfg.ckpt_local or cfg.ckpt_persistent:
         return None
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def buffered(self) -> bool:
-        """Events already read from the socket (along with the answers :meth:`start` waited for): the socket will
-        not become readable for them, so the caller must call :meth:`poll_exits` without waiting for it."""
-        return bool(self._events) or b"\n" in self._buf
-
-    def poll_exits(self) -> list[WorkerProc]:
-        self._drain()
-        out = []
-        events, self._events = self._events, []
-        for ev in events:
-            w = self._handle(ev)
-            if w is not None:
-                out.append(w)
-        return out
-
-    def close(self) -> None:
-        if self.sock.fileno() < 0:
-            return
-        try:
-            self.sock.setblocking(True)
-            self.sock.sendall(b'{"op": "quit"}\n')
-        except OSError:
-            pass
-        if self.copy and self.proc.pid is None:
-            pass  # a copy that never answered: it ends on reading the quit, or with the fork server it came from
-        else:
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.sock.close()
-        if self.parent is not None:
-            self.parent.close()
+    return str(run_dir.resolve() / "ckpt" / (socket.gethostname() if not cfg.single_node else "local"))
 
 
-def _load_prctl() -> object | None:
+def say_default_ckpt_local(path: str | None) -> None:
+    if path is not None:
+        logger.warning("no --ckpt-local/--ckpt-persistent given: CheckpointManager.from_env() saves to %s "
+                       "(newest %s steps kept); pass --ckpt-local/--ckpt-persistent to choose", path,
+                       _keep_local_default())
+
+
+def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, master: tuple[str, int], *,
+               run_dir: Path, node: str, ckpt_local: str | None, monitor_socket: str | None,
+               drill_env: dict[str, str]) -> dict[str, str]:
+    """The environment of one worker: torchrun's variables, then ours (every name from :mod:`resilient.env`)."""
+    c = cfg
+    rank = nr.base_rank + local_rank
+    env = dict(os.environ)
+    env.update({
+        "LOCAL_RANK": str(local_rank),
+        "RANK": str(rank),
+        "GROUP_RANK": str(nr.group_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": c.role,
+        "LOCAL_WORLD_SIZE": str(c.nproc_per_node),
+        "WORLD_SIZE": str(nr.world_size),
+        "GROUP_WORLD_SIZE": str(nr.group_world_size),
+        "ROLE_WORLD_SIZE": str(nr.world_size),
+        # torchrun's standalone runs say localhost; scripts and tools compare it
+        "MASTER_ADDR": "localhost" if c.standalone and master[0] == "127.0.0.1" else master[0],
+        "MASTER_PORT": str(master[1]),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
+        "TORCHELASTIC_RUN_ID": c.rdzv_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        renv.RUN_DIR: str(run_dir.resolve()),
+        renv.RUN_ID: c.run_id,
+        renv.NODE: node,
+        renv.NODE_RANK: str(nr.group_rank),
+    })
+    if c.virtual_local_rank:
+        # as torchrun: each worker sees only its own GPU, as device 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible is not None else [str(i) for i in range(c.nproc_per_node)]
+        if local_rank >= len(devices):
+            raise ValueError(f"local rank {local_rank} exceeds the GPUs in CUDA_VISIBLE_DEVICES={visible}")
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
+    if monitor_socket is not None:
+        env[renv.AGENT_SOCKET] = monitor_socket
+    optional = {
+        renv.CKPT_LOCAL: c.ckpt_local or ckpt_local, renv.CKPT_PERSISTENT: c.ckpt_persistent,
+        renv.CKPT_INTERVAL: c.ckpt_interval,
+        renv.CKPT_PERSISTENT_EVERY: None if c.ckpt_persistent_every is None else str(c.ckpt_persistent_every),
+        renv.UPLOAD_GRACE: str(c.upload_grace),
+        renv.CKPT_MAX_FAILED_SAVES: str(c.ckpt_max_failed_saves),
+        renv.HEARTBEAT_TIMEOUT: None if c.heartbeat_timeout is None else str(c.heartbeat_timeout),
+        renv.POLICY: c.policy, renv.SPARE_NODES: str(c.spare_nodes) if c.spare_nodes else None,
+    }
+    env.update({k: v for k, v in optional.items() if v is not None})
+    env.update(drill_env)
+    return env
+
+
+def start_monitor(cfg: AgentConfig, ledger: object, group_rank: int, default_local: str | None,
+                  sel: selectors.BaseSelector) -> tuple[str | None, object]:
+    """The node monitor that watches the workers (heartbeats, hangs, stragglers, the local tier's disk), and the
+    socket its workers report to; (None, None) when it is unavailable: training goes on without the detectors."""
     try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: workers are still stopped by a live agent
-        return None
-
-
-# resolved once in the agent: the child between fork and exec must not load libraries
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int):
-    """``preexec_fn`` of a spawned worker: SIGKILL when the agent dies, even by SIGKILL, as the fork
-    server's workers do. The parent may die between fork and prctl: then nothing would ever send the
-    signal, so the child checks and ends itself."""
-    def setup() -> None:
-        if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # type: ignore[operator]
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return setup
+        from resilient.signals.api import MonitorConfig
+        from resilient.signals.monitor import create_node_monitor
+    except ImportError:
+        return None, None
+    sock = f"@resilient-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    mcfg = MonitorConfig(socket_path=sock, heartbeat_timeout=cfg.heartbeat_timeout,
+                         ckpt_local=cfg.ckpt_local or default_local)  # the default tier's disk too
+    try:
+        monitor = create_node_monitor(mcfg, ledger, group_rank)
+    except Exception as e:  # noqa: BLE001 - fail static
+        logger.warning("node monitor unavailable (%s); hang and straggler detection are off", e)
+        return sock, None
+    sel.register(monitor.fileno(), selectors.EVENT_READ, "monitor")
+    return sock, monitor
 
 
-class SpawnStarter:
-    """One fresh interpreter per worker; exits are seen through pidfds. Workers die with the agent
-    (PR_SET_PDEATHSIG set between fork and exec)."""
+def record_previous_world(run_dir: Path, previous_world_size: int) -> None:
+    """A node that did not train before has no world record: give it the previous world, so its ranks run
+    the ``on_scale`` callbacks like everyone else's."""
+    from resilient.worker.scale import read_world, record_world
+
+    if read_world(run_dir) is None:
+        try:
+            record_world(run_dir, previous_world_size)
+        except (OSError, ValueError) as e:
+            logger.warning("cannot record the previous world size: %s", e)
+
+
+class Streams:
+    """Tee'd worker output: read from pipes, written to the log file and (filtered) to the console."""
+
+    # a partial line longer than this (a progress bar that never ends its line) goes out as it is
+    MAX_PARTIAL = 64 * 1024
 
     def __init__(self) -> None:
-        self._pidfds: dict[int, WorkerProc] = {}
-        # one fd for the agent to watch: an epoll fd is itself selectable
-        self._sel = selectors.DefaultSelector()
+        # rfd → [log fd, console, prefix, show, partial line not yet shown]
+        self.pipes: dict[int, list] = {}
 
-    def start(self, cmd: WorkerCommand, workers: list[WorkerProc], cwd: str) -> None:
-        for w in workers:
-            if cmd.kind == "exec":
-                argv = [cmd.target, *cmd.args]
-            elif cmd.kind == "module":
-                argv = [os.getenv("PYTHON_EXEC", sys.executable), "-u", "-m", cmd.target, *cmd.args]
-            else:
-                argv = [os.getenv("PYTHON_EXEC", sys.executable), "-u", cmd.target, *cmd.args]
-            p = subprocess.Popen(
-                argv, env=w.env, cwd=cwd, stdin=subprocess.DEVNULL,
-                stdout=w.stdout_fd, stderr=w.stderr_fd, process_group=0,
-                # PDEATHSIG follows the thread that forked: Popen is called from the agent's main thread,
-                # which lives as long as the agent
-                preexec_fn=_die_with_parent(os.getpid()),
-            )
-            w.pid = p.pid
-            w._popen = p
-            pidfd = os.pidfd_open(p.pid)
-            self._pidfds[pidfd] = w
-            self._sel.register(pidfd, selectors.EVENT_READ)
+    def add(self, rfd: int, log_path: Path, console: object, prefix: str, show: bool) -> None:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.pipes[rfd] = [log_fd, console, prefix, show, b""]
 
-    def fileno(self) -> int:
-        return self._sel.fileno()  # type: ignore[attr-defined]
+    def pump(self, rfd: int) -> bool:
+        """Copy what is readable; False at end of stream."""
+        st = self.pipes[rfd]
+        log_fd, console, prefix, show, partial = st
+        try:
+            data = os.read(rfd, 65536)
+        except BlockingIOError:
+            return True
+        if not data:
+            if show and partial:
+                self._show(console, prefix, partial + b"\n")
+            os.close(rfd)
+            if log_fd >= 0:
+                os.close(log_fd)
+            del self.pipes[rfd]
+            return False
+        if log_fd >= 0:
+            try:
+                os.write(log_fd, data)
+            except OSError as e:  # a full log disk must not stop the agent: the console still gets the output
+                where = "goes to the terminal only" if show else "is lost (it is not tee'd)"
+                print(f"resilient-run: cannot write worker output to its log file ({e.strerror or e}); "
+                      f"{prefix.strip() or 'this worker'}'s output from now on {where}", file=sys.stderr)
+                os.close(log_fd)
+                st[0] = log_fd = -1
+        if show:
+            # Unbuffered workers write a line in pieces, and two ranks write at once: only whole lines go to
+            # the console, so a line is never glued to another rank's (a carriage return ends a line too:
+            # progress bars). What is left waits for the rest of its line.
+            buf = partial + data
+            cut = max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
+            if cut == 0 and len(buf) > self.MAX_PARTIAL:
+                cut = len(buf)
+            st[4] = buf[cut:]
+            if cut:
+                self._show(console, prefix, buf[:cut])
+        return True
 
-    def poll_exits(self) -> list[WorkerProc]:
-        out = []
-        for key, _ in self._sel.select(timeout=0):
-            w = self._pidfds.pop(key.fd)
-            self._sel.unregister(key.fd)
-            os.close(key.fd)
-            assert w._popen is not None
-            w.exit_code = w._popen.wait(timeout=5)
-            w.exit_wall = time.time()
-            out.append(w)
-        return out
+    @staticmethod
+    def _show(console: object, prefix: str, data: bytes) -> None:
+        lines = data.decode(errors="replace").splitlines(keepends=True)
+        # one write per batch of whole lines, each with its rank's prefix
+        console.write("".join(f"{prefix}{ln}" if ln.endswith(("\n", "\r")) else f"{prefix}{ln}\n"
+                              for ln in lines))  # type: ignore[attr-defined]
+        console.flush()  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        for fd in list(self._pidfds):
-            self._sel.unregister(fd)
-            os.close(fd)
-        self._pidfds.clear()
-        self._sel.close()
+        for rfd, (log_fd, *_rest) in list(self.pipes.items()):
+            for fd in (rfd, log_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.pipes.clear()
+
+
+def _std_map(spec: str, n: int) -> dict[int, int]:
+    from torch.distributed.elastic.multiprocessing.api import Std, to_map
+
+    return {k: int(v.value) for k, v in to_map(Std.from_str(spec), n).items()}
+
+
+class WorkerGroup:
+    """This node's workers: started from one starter, their output tee'd, their exits collected, stopped."""
+
+    def __init__(self, cfg: AgentConfig, run_dir: Path, sel: selectors.BaseSelector) -> None:
+        self.cfg, self.run_dir, self.sel = cfg, run_dir, sel
+        self.starter: WorkerStarter | None = None  # written by use() only
+        self._starter_fd = -1
+        self.workers: list[WorkerProc] = []
+        self.streams = Streams()
+
+    # ---------------------------------------------------------------- the starter
+    def use(self, starter: WorkerStarter) -> None:
+        """Start workers from ``starter`` from now on; the caller decides what becomes of the old one."""
+        if self._starter_fd >= 0:
+            self.sel.unregister(self._starter_fd)
+        self.starter = starter
+        self._starter_fd = starter.fileno()
+        self.sel.register(self._starter_fd, selectors.EVENT_READ, "exit")
+
+    def await_ready(self) -> None:
+        assert self.starter is not None
+        try:
+            self.starter.wait_ready()
+        except ForkServerError as e:
+            logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
+            self.use(SpawnStarter())
+
+    def _fall_back_to_spawn(self) -> None:
+        old = self.starter
+        self.use(SpawnStarter())
+        if old is not None:
+            old.close()
+
+    # ---------------------------------------------------------------- workers
+    def _log_dir(self, attempt: int, local_rank: int) -> Path:
+        base = Path(self.cfg.log_dir) / self.cfg.run_id if self.cfg.log_dir else self.run_dir / "logs"
+        d = base / f"attempt_{attempt}" / str(local_rank)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def start(self, attempt: int, base_rank: int, env_of: Callable[[int], dict[str, str]]) -> None:
+        c = self.cfg
+        n = c.nproc_per_node
+        redirects, tees = _std_map(c.redirects, n), _std_map(c.tee, n)
+        self.workers = []
+        for lr in range(n):
+            d = self._log_dir(attempt, lr)
+            w = WorkerProc(local_rank=lr, rank=base_rank + lr, env=env_of(lr), error_file=str(d / "error.json"))
+            w.env["TORCHELASTIC_ERROR_FILE"] = w.error_file  # type: ignore[assignment]
+            show = c.local_ranks_filter is None or lr in c.local_ranks_filter
+            for bit, name, console in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+                fd: int | None = None
+                if tees[lr] & bit:
+                    rfd, fd = os.pipe()
+                    os.set_blocking(rfd, False)
+                    self.streams.add(rfd, d / f"{name}.log", console, f"[{c.role}{lr}]:", show)
+                elif redirects[lr] & bit:
+                    fd = os.open(d / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                elif not show:
+                    fd = os.open(os.devnull, os.O_WRONLY)
+                setattr(w, f"{name}_fd", fd)
+            self.workers.append(w)
+        assert self.starter is not None
+        try:
+            self.starter.start(c.command, self.workers, os.getcwd())
+        except ForkServerError as e:
+            logger.warning("fork server failed (%s); falling back to fresh interpreters", e)
+            self._fall_back_to_spawn()
+            for w in self.workers:
+                w.pid = None
+            self.starter.start(c.command, self.workers, os.getcwd())
+        for w in self.workers:
+            for fd in (w.stdout_fd, w.stderr_fd):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            w.stdout_fd = w.stderr_fd = None
+        for rfd in self.streams.pipes:
+            if rfd not in self.sel.get_map():
+                self.sel.register(rfd, selectors.EVENT_READ, ("log", rfd))
+
+    def any_alive(self) -> bool:
+        return any(w.pid is not None and w.exit_code is None for w in self.workers)
+
+    def live_pids(self) -> dict[int, int]:
+        """This node's ranks that run, and their pids."""
+        return {w.rank: w.pid for w in self.workers if w.exit_code is None and w.pid}
+
+    def stop(self, first_sig: int, grace: float, wait: Callable[[float], object]) -> None:
+        """Signal every live worker, wait up to ``grace`` for them (``wait`` is the agent's one wait: exits,
+        output and signals go on being served), then SIGKILL; reap all."""
+        live = [w for w in self.workers if w.exit_code is None]
+        if not live:
+            return
+        signal_workers(live, first_sig)
+        deadline = time.monotonic() + grace
+        killed = first_sig == signal.SIGKILL
+        while any(w.exit_code is None for w in self.workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if killed:
+                    logger.error("workers %s survived SIGKILL for %.0fs", [w.pid for w in live if w.exit_code is None], grace)
+                    break
+                signal_workers(self.workers, signal.SIGKILL)
+                killed, deadline = True, time.monotonic() + 10
+                continue
+            wait(left)
+
+    def collect_exits(self) -> list[WorkerProc]:
+        assert self.starter is not None
+        try:
+            return self.starter.poll_exits()
+        except ForkServerError as e:
+            # The fork server died: its workers died with it (PDEATHSIG). Report them as failed.
+            logger.error("fork server lost: %s", e)
+            out = []
+            for w in self.workers:
+                if w.exit_code is None:
+                    w.exit_code, w.exit_wall = -signal.SIGKILL, time.time()
+                    out.append(w)
+            self._fall_back_to_spawn()
+            return out
+
+    def pending_exits(self) -> bool:
+        """Exits the starter read already: its descriptor will not wake the agent for them."""
+        return self.starter is not None and self.starter.buffered()
+
+    def pump(self, fd: int) -> None:
+        if not self.streams.pump(fd):
+            self.sel.unregister(fd)
+
+    def late_failures(self, attempt: int, recorded: set[int]) -> list[WorkerExit]:
+        """Workers that failed on their own while the first failure was handled (a rank whose peer died fails
+        in its collective), but not the ones the agent killed."""
+        return [WorkerExit(w.local_rank, w.rank, w.pid or -1, w.exit_code, w.exit_wall or time.time(),  # type: ignore[arg-type]
+                           w.error_file, attempt)
+                for w in self.workers if w.rank not in recorded and w.exit_code not in (None, 0, -signal.SIGKILL)]
+
+    def kill_node(self) -> None:
+        """A drill's lost node: workers, fork server and this agent SIGKILLed, nothing cleaned up."""
+        signal_workers([w for w in self.workers if w.exit_code is None], signal.SIGKILL)
+        pid = getattr(getattr(self.starter, "proc", None), "pid", None)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---------------------------------------------------------------- marks the workers leave
+    def clear_marks(self, attempt: int, base_rank: int) -> None:
+        """Marks of an earlier run in this run dir do not count."""
+        from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
+        from resilient.worker.preemption import PREEMPT_MARK_DIR
+
+        for r in range(base_rank, base_rank + self.cfg.nproc_per_node):
+            (self.run_dir / PREEMPT_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
+            (self.run_dir / CKPT_STOP_MARK_DIR / f"attempt{attempt}.rank{r}").unlink(missing_ok=True)
+
+    def preempt_marked(self, attempt: int) -> dict[int, bool]:
+        """Each worker's exit code is 0 and it left the mark of a loop ended for a preemption notice."""
+        from resilient.worker.preemption import PREEMPT_MARK_DIR
+
+        marks = self.run_dir / PREEMPT_MARK_DIR
+        return {w.rank: w.exit_code == 0 and (marks / f"attempt{attempt}.rank{w.rank}").exists() for w in self.workers}
+
+    def ckpt_stop_mark(self, attempt: int, base_rank: int) -> str | None:
+        """Why the workers of ``attempt`` stopped for failed checkpoint saves (they leave a mark, then exit 0
+        so that nothing restarts them into the same failures), or None."""
+        from resilient.checkpoint.api import CKPT_STOP_MARK_DIR
+
+        for r in range(base_rank, base_rank + self.cfg.nproc_per_node):
+            try:
+                body = json.loads((self.run_dir / CKPT_STOP_MARK_DIR / f"attempt{attempt}.rank{r}").read_text())
+            except (OSError, ValueError):
+                continue
+            return str(body.get("message") or "checkpoint saves kept failing") if isinstance(body, dict) else None
+        return None
+
+    def close(self, wait: Callable[[float], object]) -> None:
+        try:
+            self.stop(signal.SIGKILL, 10.0, wait)
+        except Exception as e:  # noqa: BLE001
+            logger.error("stopping workers: %s", e)
+        self.streams.close()
+        if self.starter is not None:
+            try:
+                self.starter.close()
+            except Exception as e:  # noqa: BLE001
+                logger.debug("closing %s: %s", type(self.starter).__name__, e)

@@ -58,15 +58,12 @@ def test_rejections_name_the_problem(tmp_path, argv, needle):
 
 def test_virtual_local_rank_env_like_torchrun(tmp_path, monkeypatch):
     """--virtual-local-rank: LOCAL_RANK=0 and one visible device per worker (no GPU needed to check the env)."""
-    from resilient.launcher.agent import Agent
+    from resilient.launcher.api import NodeRole, NodeRound
+    from resilient.launcher.workers import worker_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     cfg = parse(["--nproc-per-node", "2", "--virtual-local-rank", "--run-dir", str(tmp_path / "r"), SCRIPT])
-    agent = Agent(cfg)
-    from resilient.launcher.api import NodeRole, NodeRound
-
-    agent.node_round = NodeRound(round=0, role=NodeRole.ACTIVE, base_rank=0, world_size=2, group_rank=0,
-                                 group_world_size=1)
-    envs = [agent._worker_env(lr, 0, ("127.0.0.1", 1234)) for lr in (0, 1)]
+    nr = NodeRound(round=0, role=NodeRole.ACTIVE, base_rank=0, world_size=2, group_rank=0, group_world_size=1)
+    envs = [worker_env(cfg, nr, lr, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
+                       monitor_socket=None, drill_env={}) for lr in (0, 1)]
     assert [(e["LOCAL_RANK"], e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "4"), ("0", "1", "5")]
-    agent.ledger.close()

@@ -94,7 +94,7 @@ def test_automatic_preload_learns_imports_and_drops_a_module_that_starts_threads
 WARM_COPY_AGENT = r'''
 import os, sys, time
 from resilient.launcher.api import WorkerCommand
-from resilient.launcher.workers import ForkServer, WorkerProc
+from resilient.launcher.starters import ForkServer, WorkerProc
 
 out, marker = sys.argv[1], sys.argv[2]
 fs = ForkServer((), tag=marker)

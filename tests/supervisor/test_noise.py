@@ -6,7 +6,7 @@ import io
 import logging
 
 from resilient.events.api import Event, EventKind
-from resilient.launcher.agent import _describe
+from resilient.launcher.report import describe as _describe
 from resilient.logs import OnceTracebackFormatter
 from resilient.supervisor.core import SupervisorConfig, SupervisorCore
 

@@ -55,6 +55,13 @@ class Injector:
             if self.t0 + (f.at_seconds or 0.0) <= now:  # fell due before this node ran: it happened elsewhere
                 self._done.add(i)
 
+    def tick(self, workers: dict[int, int], group_rank: int, ckpt_local: str | None,
+             kill_node: Callable[[], None]) -> float | None:
+        """The agent's one call per pass: carry out what is due; seconds until the next fault, or None."""
+        due = self.next_due()
+        self.fire(workers, group_rank, ckpt_local, kill_node)
+        return due
+
     def next_due(self) -> float | None:
         """Seconds until the next fault, or None."""
         if self.t0 is None:

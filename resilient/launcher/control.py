@@ -1,0 +1,362 @@
+"""The agent's end of the control plane: the job's store, the signer, the channel to the supervisor, the presence
+connection and heartbeats, reconnecting after the supervisor went away, plans and acknowledgements.
+
+Decisions are the supervisor's; this client only carries messages both ways. It never raises on a lost store
+past the join: the workers go on training (fail static), reports wait in ``unsent`` until the supervisor is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+
+from resilient.events import Event, Ledger
+from resilient.launcher.api import AgentConfig, LaunchError, NodeRound
+from resilient.logs import RateLimitedLog
+
+logger = logging.getLogger(__name__)
+_RECONNECT_REFUSED = RateLimitedLog(logger, 30.0)  # an endpoint taken by another job, tried every second
+
+
+class StoreLost(Exception):
+    """The job's store (and with it the supervisor) stayed unreachable while this node had nothing to run."""
+
+
+class JobRefused(Exception):
+    """The rendezvous endpoint serves another job (another --rdzv-id): this agent must not join it."""
+
+
+def _conf_bool(v: object) -> bool | None:
+    if v is None:
+        return None
+    if str(v).lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise LaunchError(f"--rdzv-conf is_host must be true or false, got {v!r}")
+
+
+def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):
+    """The default place of the supervisor: a thread of the agent that hosts the job's store."""
+    from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+    from resilient.supervisor.loop import LoopConfig, SupervisorLoop
+    from resilient.supervisor.policy import load_policy
+
+    core_cfg = SupervisorConfig(min_nodes=c.min_nodes, max_nodes=c.max_nodes, nproc_per_node=c.nproc_per_node,
+                                max_restarts=c.max_restarts, node_timeout=c.node_timeout,
+                                policy_timeout=c.policy_timeout)
+    policy = load_policy(c.policy) if c.policy else None
+    last_call = float(c.rdzv_configs.get("last_call_timeout", 30.0))  # type: ignore[arg-type]
+    loop = SupervisorLoop(LoopConfig(core=core_cfg, advertise_addr=addr, tick=min(0.05, c.monitor_interval),
+                                     last_call=last_call, store_timeout=c.rendezvous_timeout),
+                          store, signer, ledger, SupervisorCore(core_cfg, policy))
+    loop.start()
+    return loop
+
+
+class ControlClient:
+    """One node's connection to the job's supervisor (hosting both, when this node hosts the store)."""
+
+    def __init__(self, cfg: AgentConfig, node: str, ledger: Ledger) -> None:
+        self.cfg, self.node, self.ledger = cfg, node, ledger
+        self.store = None
+        self.signer = None
+        self.chan = None
+        self.sup_loop = None  # the supervisor's loop, when this agent hosts the job's store
+        self.clock = None  # ClockSample: the supervisor host's clock minus ours, measured when joining
+        self._presence = None  # our end of the supervisor's presence connection: closes when we die
+        self._endpoint: tuple[str, int] = ("", 0)
+        self._unsent: list[Event] = []  # reports that found no supervisor
+        self._sup_gone = False  # the supervisor closed its end: join it again (its new term) when it is back
+        self._lost_at: float | None = None  # written by _reached only
+        self._last_hb = 0.0
+        self._hb_interval = min(1.0, cfg.node_timeout / 4)
+        self._last_reconnect = 0.0
+        self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
+
+    # ---------------------------------------------------------------- joining
+    def _advertised_addr(self) -> str:
+        if self.cfg.local_addr:
+            return self.cfg.local_addr
+        if self.cfg.single_node and not self.cfg.spare_nodes:
+            return "127.0.0.1"
+        return socket.getfqdn()
+
+    def join(self) -> None:
+        """Reach the job's store (hosting it, and the supervisor, when the endpoint is this machine's and the
+        port is free, as torch's c10d rendezvous decides its host), then announce this node.
+
+        Membership is the supervisor's: it answers with assignments (members and their group ranks, spares,
+        a fresh store per round). torch's dynamic rendezvous closes at ``--nnodes`` MAX and a late agent
+        then kills the job (nvidia-resiliency-ext#348); a spare must be able to arrive at any moment.
+        """
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+        from resilient.supervisor import transport as T
+
+        c = self.cfg
+        t0 = time.monotonic()
+        host, port = parse_rendezvous_endpoint(c.rdzv_endpoint, default_port=29400)
+        is_host = _conf_bool(c.rdzv_configs.get("is_host"))
+        store = None
+        if is_host is not False and (is_host or port == 0 or _matches_machine_hostname(host)):
+            try:
+                store = T.connect_store(host, port, c.rendezvous_timeout, is_master=True)
+            except (RuntimeError, ValueError) as e:  # the port is taken: another agent or a supervisor hosts it
+                if is_host:
+                    raise LaunchError(f"cannot host the rendezvous store on {host}:{port}: {e}") from None
+                logger.debug("not hosting %s:%s (%s); joining as a client", host, port, e)
+        hosting = store is not None
+        if store is None:
+            store = T.connect_store(host, port, c.rendezvous_timeout)
+        # the id names the job (torchrun's meaning): an endpoint serving another id is not ours to join
+        if c.rdzv_id == T.ANY_JOB:
+            raise JobRefused(f"--rdzv-id {T.ANY_JOB!r} is reserved; choose another id for the job")
+        try:
+            keys = T.Keys(c.rdzv_id)
+        except ValueError as e:
+            raise JobRefused(f"--rdzv-id: {e}") from None
+        served = T.claim_job(store, c.rdzv_id, hosting=hosting, timeout=c.rendezvous_timeout)
+        if served != c.rdzv_id:
+            T.knock(store, c.rdzv_id, self.node)
+            raise JobRefused(T.refused_line(served, c.rdzv_id, self.node, f"{host}:{port}"))
+        secret = T.load_secret(c.job_secret_file)
+        if secret is None:
+            # without a configured secret the store itself is the only guard (single host, or trusted network)
+            if hosting:
+                secret = T.new_secret()
+                store.set(keys.secret, secret)
+            else:
+                store.wait([keys.secret], timedelta(seconds=c.rendezvous_timeout))
+                secret = store.get(keys.secret)
+        self.store = store
+        self.signer = T.Signer(secret, c.rdzv_id)
+        self.chan = T.AgentChannel(store, self.signer, self.node)
+        if hosting:
+            self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
+        self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
+        self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
+        store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
+        self._presence, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,
+                                                                self.node, timeout=min(30.0, c.rendezvous_timeout),
+                                                                term=self.chan.term)
+        self._last_hb = time.monotonic()
+        # past the join, a store call must fail within a node timeout, not a rendezvous timeout: a dead or
+        # hung supervisor must not freeze this loop (the workers go on either way)
+        store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
+        self._endpoint = (host, port)
+        logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
+
+    # ---------------------------------------------------------------- reachability
+    def _reached(self, e: Exception | None) -> None:
+        """The one writer of ``_lost_at``: None once a store call succeeded, the first failure's time after."""
+        if e is None:
+            self._lost_at = None
+        elif self._lost_at is None:
+            self._lost_at = time.monotonic()
+            logger.error("the job's store is unreachable (%s); workers keep training", str(e).splitlines()[0])
+
+    @property
+    def reachable(self) -> bool:
+        return self._lost_at is None
+
+    def lost_for(self) -> float:
+        """Seconds the store has been unreachable (0 while it answers)."""
+        return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
+
+    # ---------------------------------------------------------------- messages
+    def kick(self) -> None:
+        """Run the in-process supervisor's pass now: a decision then costs no polling period."""
+        if self.sup_loop is not None:
+            self.sup_loop.step(time.monotonic())
+
+    def report(self, ev: Event) -> None:
+        """Tell the supervisor (never raises: a lost supervisor must not stop training)."""
+        from resilient.supervisor.transport import MessageKind
+
+        if self.chan is None:
+            return  # not joined yet (or torn down): the node's ledger has it
+        try:
+            self.chan.send(MessageKind.EVENT, event=ev.to_json())
+        except Exception as e:  # noqa: BLE001 - DistStoreError and friends
+            self._reached(e)
+            self._unsent.append(ev)  # told again once the supervisor is back: it must not be lost
+            return
+        self.kick()
+
+    def _flush_unsent(self) -> None:
+        """A failure reported while the supervisor was away still needs its decision: tell it again."""
+        unsent, self._unsent = self._unsent, []
+        for ev in unsent:
+            self.report(ev)
+
+    def _send(self, kind: str, **body: object) -> None:
+        try:
+            self.chan.send(kind, **body)
+        except Exception as e:  # noqa: BLE001
+            self._reached(e)
+        self.kick()
+
+    def ack(self, round_: int) -> None:
+        from resilient.supervisor.transport import MessageKind
+
+        self._send(MessageKind.ACK, round=round_)
+
+    def done(self, round_: int) -> None:
+        from resilient.supervisor.transport import MessageKind
+
+        self._send(MessageKind.DONE, round=round_)
+
+    def leave(self, reason: str) -> None:
+        from resilient.supervisor.transport import MessageKind
+
+        if self.sup_loop is not None:
+            # the supervisor goes down with this agent: nothing is left for it to decide
+            self.sup_loop.core.finish(reason)
+            return
+        try:
+            self.chan.send(MessageKind.LEAVE, reason=reason)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("could not say goodbye: %s", e)
+
+    def end_preempted(self, reason: str, timeout: float) -> None:
+        """This node hosts the supervisor and was preempted: the others stop after the agreed step and exit 75."""
+        if self.sup_loop is not None:
+            self.sup_loop.end_preempted(self.node, reason, timeout)
+
+    def wait_settled(self, stop_asked: object, interval: float) -> None:
+        """The agent hosting the store stays until every agent read the final plan (torchrun's exit barrier)."""
+        if self.sup_loop is not None:
+            deadline = time.monotonic() + self.sup_loop.cfg.linger
+            while not self.sup_loop.settled.is_set() and time.monotonic() < deadline and not stop_asked():  # type: ignore[operator]
+                self.sup_loop.step(time.monotonic())
+                self.sup_loop.settled.wait(interval)
+
+    # ---------------------------------------------------------------- one pass
+    def poll(self, node_round: NodeRound, done_round: int | None) -> dict | None:
+        """Heartbeat, reconnect if the supervisor went away, and the newest plan if one newer than the current
+        round exists. Only a plan that carries the job's signature counts: a forged key must not restart anything."""
+        self._heartbeat(node_round)
+        self._maybe_reconnect(node_round, done_round)
+        return self._new_plan(node_round.round)
+
+    def _heartbeat(self, node_round: NodeRound) -> None:
+        from resilient.supervisor.transport import MessageKind, presence_closed
+
+        if (self._presence is not None and self.sup_loop is None and not self._sup_gone
+                and presence_closed(self._presence)):
+            # the supervisor stopped or died: a new one takes nothing bound to the old one's term, so this node
+            # joins it again, even if the store itself answers (torch's client may reconnect by itself)
+            self._sup_gone = True
+            self._reached(ConnectionError("the supervisor closed its connection"))
+        if self._unsent and self._lost_at is None:
+            self._flush_unsent()  # the store answers again (torch's client may reconnect by itself)
+        now = time.monotonic()
+        if now - self._last_hb < self._hb_interval:
+            return
+        self._last_hb = now
+        try:
+            self.chan.send(MessageKind.HB, round=node_round.round, active=node_round.active)
+        except Exception as e:  # noqa: BLE001
+            self._reached(e)
+
+    def _maybe_reconnect(self, node_round: NodeRound, done_round: int | None) -> None:
+        """Fail static: the supervisor (and the store it hosts) went away. Try again every second; once back,
+        join again with our current round — the supervisor adopted it from its ledger — and carry on."""
+        from resilient.supervisor import transport as T
+
+        if (self._lost_at is None and not self._sup_gone) or self.sup_loop is not None:
+            return
+        now = time.monotonic()
+        if now - self._last_reconnect < 1.0:
+            return
+        self._last_reconnect = now
+        c = self.cfg
+        keys = T.Keys(c.rdzv_id)
+        try:
+            store = T.connect_store(self._endpoint[0], self._endpoint[1], 2.0)
+            served = T.claim_job(store, c.rdzv_id, hosting=False, timeout=2.0)
+            if served != c.rdzv_id:  # another job's supervisor took the endpoint: not ours, keep waiting for ours
+                raise JobRefused(T.refused_line(served, c.rdzv_id, self.node, "{}:{}".format(*self._endpoint)))
+            secret = T.load_secret(c.job_secret_file)
+            if secret is None:
+                store.wait([keys.secret], timedelta(seconds=2))
+                secret = store.get(keys.secret)
+            store.wait([keys.presence, keys.term], timedelta(seconds=2))
+            presence = store.get(keys.presence).decode()
+            store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
+            signer = T.Signer(secret, c.rdzv_id)
+            chan = T.AgentChannel(store, signer, self.node)
+            chan.sync_term()
+            chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
+                      rejoin=True, round=node_round.round, active=node_round.active,
+                      done=done_round == node_round.round)
+            conn = T.presence_connect(presence, signer, self.node, timeout=2.0, term=chan.term)
+        except JobRefused as e:
+            T.knock(store, c.rdzv_id, self.node)
+            _RECONNECT_REFUSED.warning("%s", e)
+            return
+        except Exception as e:  # noqa: BLE001 - not back yet
+            logger.debug("supervisor not reachable yet: %s", str(e).splitlines()[0])
+            return
+        if self._presence is not None:
+            self._presence.close()
+        self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        lost_for = self.lost_for()
+        self._reached(None)
+        self._sup_gone = False
+        self._flush_unsent()
+        self._resync = True
+        logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", lost_for, node_round.round)
+
+    def _new_plan(self, round_: int) -> dict | None:
+        """The newest plan if one newer than ``round_`` exists (bounded store calls)."""
+        try:
+            # a restarted supervisor's store holds its newest round only: an agent more than one round behind (a
+            # spare still warming up while the job restarted) finds no round + 1 there and must take the latest
+            if not self.chan.has_round(round_ + 1) and not (self._resync and self.chan.latest_round() > round_):
+                self._reached(None)
+                return None
+            latest = self.chan.latest_round()
+            # the newest round, or the next one if ``latest`` lags: either way its signature is checked
+            plan = self.chan.plan(latest if latest > round_ else round_ + 1)
+        except Exception as e:  # noqa: BLE001
+            self._reached(e)
+            return None
+        self._reached(None)
+        if plan is not None and int(plan.get("round", -1)) > round_:
+            self._resync = False
+            return plan
+        return None
+
+    # ---------------------------------------------------------------- learned modules (automatic preload)
+    def publish_learned(self, names: tuple[str, ...]) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(self.chan.keys.preload, self.signer.seal({"modules": list(names), "node": self.node}))
+        except Exception as e:  # noqa: BLE001 - a speed-up for spares only
+            logger.debug("cannot publish learned modules: %s", e)
+
+    def fetch_learned(self) -> list[str]:
+        """What the active nodes' workers import, for a spare (nothing when the store is away or the key forged)."""
+        if self.store is None or self._lost_at is not None:
+            return []
+        try:
+            if not self.store.check([self.chan.keys.preload]):
+                return []
+            body = self.signer.open(self.store.get(self.chan.keys.preload))
+        except Exception as e:  # noqa: BLE001 - forged, or the store is away: nothing learned
+            logger.debug("cannot read learned modules: %s", e)
+            return []
+        return [str(m) for m in body.get("modules", ()) if isinstance(m, str)]
+
+    def close(self) -> None:
+        if self._presence is not None:
+            self._presence.close()
+        if self.sup_loop is not None:
+            self.sup_loop.close()
+        self.store = None

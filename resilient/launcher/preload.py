@@ -1,0 +1,202 @@
+"""Automatic preload: after the first attempt, a fork server that has already imported what the workers imported
+replaces the current one at the next restart (a spare's at once), so heavy scripts restart as fast as with a
+hand-written ``--preload``.
+
+The warmed fork server is a copy of the running one (forked: torch and the rest come for free) that then imports
+only the learned modules, and more as the workers report them; it takes over only once it has imported all it was
+given: training and restarts never wait for it. A learned module that makes forking unsafe is remembered in the
+run directory and never preloaded again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from resilient.launcher.api import AgentConfig, WorkerLaunchMethod
+from resilient.launcher.starters import ForkServer, ForkServerError, SpawnStarter, WorkerStarter
+
+logger = logging.getLogger(__name__)
+
+
+def preload_modules(cfg: AgentConfig) -> tuple[str, ...]:
+    """What the fork server imports ahead of time: what every resilient worker imports anyway
+    (soft: a failure only costs speed), then the user's ``--preload`` modules (hard)."""
+    # DistributedDataParallel imports torch._dynamo on construction: seconds per restart otherwise
+    soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.manager",
+            "resilient.worker.steps"]
+    if (cfg.ckpt_persistent or "").startswith("gs://"):
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            # gcsfs reads this at import, and the fork server imports it before a worker could set it;
+            # against an emulator its bucket-type probe otherwise waits a minute per call
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        soft.append("gcsfs")
+    return tuple(f"?{m}" for m in soft) + tuple(cfg.preload)
+
+
+def new_fork_server(cfg: AgentConfig, run_dir: Path, learned: tuple[str, ...]) -> ForkServer:
+    d = run_dir / "preload"
+    if learned:
+        d.mkdir(parents=True, exist_ok=True)
+    return ForkServer(preload_modules(cfg) + tuple(f"+{m}" for m in learned), tag=f"run={run_dir.resolve()}",
+                      preload_file=str(d / f"modules-{os.getpid()}.txt"))
+
+
+def first_starter(cfg: AgentConfig, run_dir: Path) -> WorkerStarter:
+    """The fork server (started now, so that importing torch overlaps the rendezvous), or fresh interpreters."""
+    if cfg.command.kind == "exec" or cfg.launch_method == WorkerLaunchMethod.SPAWN:
+        return SpawnStarter()
+    try:
+        return new_fork_server(cfg, run_dir, ())
+    except OSError as e:
+        logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
+        return SpawnStarter()
+
+
+class Preloader:
+    """The fork server being warmed with learned modules, and what was learned. The group's starter is only
+    replaced through ``use`` (the group is its one writer)."""
+
+    QUIET = 0.5  # seconds without a new module before the list is taken as settled
+    REFRESHES = 4  # fork servers warmed per agent for learned modules: imports cost CPU
+
+    def __init__(self, cfg: AgentConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.enabled = cfg.launch_method == WorkerLaunchMethod.FORK_SERVER and cfg.command.kind != "exec"
+        self._learned: list[str] = []
+        self._learned_set: set[str] = set()
+        self._learned_at = 0.0
+        self._preloaded: tuple[str, ...] = ()
+        self.next: ForkServer | None = None  # the fork server being warmed
+        self._next_preload: tuple[str, ...] = ()
+        self._next_set: set[str] = set()
+        self._next_asked = 0.0
+        self._refreshes = 0
+        self._ready_said = False
+        self._polled = 0.0
+        self._denied = self._load_denied()
+
+    def _add(self, names: list[str], at: float) -> None:
+        new = [m for m in names if m not in self._learned_set]
+        if new:
+            self._learned += new
+            self._learned_set.update(new)
+            self._learned_at = at
+
+    def learn(self, starter: WorkerStarter | None) -> None:
+        """Collect the modules workers reported loading (through the fork server)."""
+        if starter is not None:
+            self._add(starter.take_learned(), time.monotonic())
+
+    def refresh(self, group: object, active: bool, fetch: Callable[[], list[str]],
+                publish: Callable[[tuple[str, ...]], None]) -> None:
+        """One pass: learn, warm a fork server with what was learned, and let a warm one take over while no
+        worker lives. ``fetch``/``publish`` share the learned list between nodes (a spare learns from the active)."""
+        if not self.enabled:
+            return
+        self.learn(group.starter)  # type: ignore[attr-defined]
+        now = time.monotonic()
+        if not active and now - self._polled > 1.0:
+            self._polled = now
+            # settled already on the node that sent it
+            self._add(fetch(), time.monotonic() - self.QUIET)
+        want = tuple(m for m in self._learned if m not in self._denied)
+        settled = now - self._learned_at >= self.QUIET
+        nxt = self.next
+        if nxt is not None:
+            try:
+                extra = [m for m in want if m not in self._next_set]
+                if extra and settled:  # it is idle: it imports them too, before it takes over
+                    nxt.preload_more(extra)
+                    self._next_preload += tuple(extra)
+                    self._next_set.update(extra)
+                    self._ready_said = False
+                    if active:
+                        publish(self._next_preload)
+                warm = nxt.poll_ready()
+            except ForkServerError as e:
+                self.next = None
+                nxt.close()
+                if e.bad_module:
+                    self._denied.add(e.bad_module)
+                    self._save_denied()
+                    logger.warning("automatic preload: %s; %s is never preloaded again", e, e.bad_module)
+                else:
+                    logger.warning("automatic preload failed (%s); restarts import as before", e)
+                    self._refreshes = self.REFRESHES
+                return
+            if warm and not self._ready_said:
+                self._ready_said = True
+                logger.info("automatic preload: fork server ready with %d learned modules (warm %.2fs after it was "
+                            "asked); it takes over at the next restart", len(self._next_preload),
+                            now - self._next_asked)
+            if warm and not group.any_alive():  # type: ignore[attr-defined]
+                self.swap(group)
+            return
+        have = set(self._preloaded)
+        if not want or all(m in have for m in want) or not settled or self._refreshes >= self.REFRESHES:
+            return
+        self._refreshes += 1
+        try:
+            nxt = group.starter.ready_copy()  # type: ignore[attr-defined]
+            if nxt is not None:  # a copy: only the modules it lacks cost time
+                nxt.preload_more([m for m in want if m not in have])
+                how = "a copy of the running one"
+            else:
+                nxt = new_fork_server(self.cfg, self.run_dir, want)
+                how = "a new one"
+        except (OSError, ForkServerError) as e:
+            logger.warning("automatic preload: cannot start a fork server (%s)", e)
+            self._refreshes = self.REFRESHES
+            return
+        self.next = nxt
+        self._next_preload = want
+        self._next_set = set(want)
+        self._next_asked = now
+        self._ready_said = False
+        new = [m for m in want if m not in have]
+        logger.info("automatic preload: warming a fork server (%s) with %d modules the workers loaded (%s%s)", how,
+                    len(new), ", ".join(new[:5]), ", ..." if len(new) > 5 else "")
+        if active:
+            publish(want)
+
+    def swap(self, group: object) -> None:
+        """Between attempts (no live worker): the warmed fork server takes over."""
+        nxt = self.next
+        try:
+            if nxt is None or not nxt.poll_ready():
+                return
+        except ForkServerError:
+            return  # refresh says why and forgets it
+        self.next = None
+        old = group.starter  # type: ignore[attr-defined]
+        if old is not None:
+            self.learn(old)
+        group.use(nxt)  # type: ignore[attr-defined]
+        if old is not None:
+            if nxt.origin is old:
+                nxt.adopt(old)  # the copy dies with the server it was forked from: that one stays, idle
+            else:
+                old.close()
+        self._preloaded = self._next_preload
+        logger.info("automatic preload: fork server with %d learned modules in use", len(self._preloaded))
+
+    def _save_denied(self) -> None:
+        try:
+            (self.run_dir / "preload").mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "preload" / "denied.txt").write_text("".join(f"{m}\n" for m in sorted(self._denied)))
+        except OSError as e:
+            logger.debug("cannot remember denied preloads: %s", e)
+
+    def _load_denied(self) -> set[str]:
+        try:
+            return set((self.run_dir / "preload" / "denied.txt").read_text().split())
+        except OSError:
+            return set()
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.next.close()
