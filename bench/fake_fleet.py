@@ -1,5 +1,5 @@
 """A fake fleet for ``bench/supervisor_scale.py``: light node agents without workers, speaking the node agent's
-exact protocol (``resilient/launcher/agent.py``) to a real ``resilient supervisor`` process.
+exact protocol (``resilient/launcher/control.py``) to a real ``resilient supervisor`` process.
 
 One process hosts many agents on one thread, driven by a timer heap: a process with 132 agents makes about
 400 store calls a second, each a short blocking round trip, so threads would only add switching. Each
@@ -8,7 +8,7 @@ with a signed hello, as a real agent does. Per agent:
 
 * join: ``JOIN`` (nproc, pid, host), wait for the presence address, open the presence connection;
 * every second, ``HB`` (round, active);
-* every 0.5 s (random phase), look for the next plan as ``Agent._new_plan`` does (``has_round(r+1)``, then
+* every 0.5 s (random phase), look for the next plan as ``ControlClient._new_plan`` does (``has_round(r+1)``, then
   ``latest``, then the signed plan); a new one is taken and acknowledged (``ACK``);
 * while measuring, random failures: ``EVENT`` with a ``worker_exit`` (exit code 1) of a random rank of a
   random active agent of this process, at most one per agent and round (a real agent's workers are stopped
@@ -81,7 +81,7 @@ class FakeAgent:
         self.send(T.MessageKind.HB, round=self.round, active=self.active)
 
     def poll(self) -> bool:
-        """``Agent._new_plan`` and what follows it (take the round, acknowledge); True when a plan came."""
+        """``ControlClient._new_plan`` and what follows it (take the round, acknowledge); True when a plan came."""
         s = self.stats
         try:
             s["check"] += 1
