@@ -1,8 +1,12 @@
-"""The worker client: plain range outside resilient-run, ledger records, on_scale, an absent agent."""
+"""The worker client: plain range outside resilient-run, ledger records, on_scale, an absent agent, the
+preemption agreement."""
+import ast
 import json
 import math
 import os
 import select
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -168,3 +172,55 @@ def test_filesystem_socket_path(tmp_path, monkeypatch):
         mon.close()
         monkeypatch.setattr(client, "_client_obj", None)
     assert not os.path.exists(path)
+
+
+def test_the_preemption_stop_key_has_one_writer():
+    # what decides a preempted attempt's last step lives in one module; nothing else spells the store key
+    pkg = Path(resilient.__file__).resolve().parent
+    spelled = set()
+    for path in pkg.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "preempt_stop" in node.value:
+                spelled.add(path.relative_to(pkg).as_posix())
+    assert spelled == {"worker/preemption.py"}
+
+
+AGREE = r'''
+import json, os, sys
+import torch.distributed as dist
+from resilient.worker import preemption
+dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=60))
+rank = dist.get_rank()
+out = {}
+if rank == 0:
+    out["proposed_before"] = preemption.stop_proposed(3)
+    out["agreed"] = preemption.agree_stop(3, 10)
+dist.barrier()
+if rank == 1:
+    out["proposed"] = preemption.stop_proposed(3)
+    out["other_attempt"] = preemption.stop_proposed(4)
+    out["agreed"] = preemption.agree_stop(3, 12)  # later, with another proposal: the first word stands
+dist.barrier()
+print(json.dumps(out), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_ranks_agree_on_the_first_proposed_stop_step(tmp_path):
+    from tests._helpers.gcs import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILIENT_", "TORCHELASTIC_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(resilient.__file__).resolve().parents[1]))
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    r0, r1 = (json.loads(o[0].strip().splitlines()[-1]) for o in outs)
+    assert r0 == {"proposed_before": False, "agreed": 10}
+    assert r1 == {"proposed": True, "other_attempt": False, "agreed": 10}
