@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests._helpers (process and port helpers) come from this checkout
 RECIPE = REPO / "recipes" / "pytorch" / "train.py"
 BIN = Path(sys.executable).parent
 CONFIGS = ("torchrun", "ft_launcher", "resilient-run")
