@@ -168,7 +168,7 @@ class Agent:
                 continue
             self.node_round = NodeRound(round=a.round, role=NodeRole.ACTIVE, group_rank=a.members.index(self.node),
                                         group_world_size=len(a.members), base_rank=a.base_rank(self.node),
-                                        world_size=a.world_size)
+                                        world_size=a.world_size, max_restarts=plan.get("max_restarts", self.cfg.max_restarts))
             self.control.ack(self.round)
             self.restart_count = attempt = a.attempt
             self._begin_attempt(a, plan, last)
@@ -202,7 +202,7 @@ class Agent:
             self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=cause, detect_seconds=round(lag, 4),
                              action=plan["action"].get("action"))
             logger.warning("%s; restarting workers (attempt %d of at most %d, %s)", why(cause, self.failures, self._hang_note), attempt,
-                           self.cfg.max_restarts, describe(plan["action"]))
+                           self.node_round.max_restarts, describe(plan["action"]))
         self._ran = True
         if self.injector is not None:
             self.injector.started(self.round, plan.get("started"))

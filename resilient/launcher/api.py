@@ -59,6 +59,7 @@ class NodeRound:
     group_world_size: int = 1
     base_rank: int = 0  # global rank of this node's local rank 0
     world_size: int = 1
+    max_restarts: int = 0  # the job's restart budget: the supervisor's, whatever this agent's --max-restarts says
 
     @property
     def active(self) -> bool:

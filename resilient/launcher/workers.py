@@ -71,7 +71,7 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
         "MASTER_ADDR": "localhost" if c.standalone and master[0] == "127.0.0.1" else master[0],
         "MASTER_PORT": str(master[1]),
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
-        "TORCHELASTIC_MAX_RESTARTS": str(c.max_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(nr.max_restarts),
         "TORCHELASTIC_RUN_ID": c.rdzv_id,
         "TORCHELASTIC_USE_AGENT_STORE": str(True),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

@@ -261,7 +261,7 @@ class SupervisorLoop:
         if self.started is None:
             self.started = time.time()
         plan = {"round": a.round, "assignment": a.to_json(), "master": f"{addr}:{port}", "action": action,
-                "id": decision_id, "started": self.started}
+                "id": decision_id, "started": self.started, "max_restarts": self.cfg.core.max_restarts}
         self.chan.publish(a.round, plan)
         logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
                     a.world_size)

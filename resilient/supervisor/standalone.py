@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="warm spare nodes expected")
     p.add_argument("--policy", default=None, help="Python policy file (default: the escalating default policy)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
-                   help="budget of restarts, swaps and scalings for the whole job")
+                   help="budget of restarts, swaps and scalings for the whole job (default 3); the agents show this "
+                        "budget to their workers (TORCHELASTIC_MAX_RESTARTS) and in their restart lines, whatever "
+                        "their own --max-restarts")
     p.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
                    help="seconds without a report before a node counts as lost")
     p.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0)
