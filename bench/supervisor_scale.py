@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from resilient.events.api import Event, EventKind  # noqa: E402
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore  # noqa: E402
+from resilient.supervisor.config import SupervisorConfig  # noqa: E402
+from resilient.supervisor.core import SupervisorCore  # noqa: E402
 from resilient.supervisor.policy import load_policy  # noqa: E402
 from tests._helpers.procs import stop_sessions  # noqa: E402
 

@@ -41,7 +41,8 @@ def _conf_bool(v: object) -> bool | None:
 
 def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):
     """The default place of the supervisor: a thread of the agent that hosts the job's store."""
-    from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+    from resilient.supervisor.config import SupervisorConfig
+    from resilient.supervisor.core import SupervisorCore
     from resilient.supervisor.loop import LoopConfig, SupervisorLoop
     from resilient.supervisor.policy import load_policy
 

@@ -43,7 +43,8 @@ from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES, PRODUCTIVE, Badput
 from resilient.plan.api import ClusterConfig, Figures, PlannedFault, PlanInputError, PlanResult, SweepResult
 from resilient.supervisor.api import JobView, NodeState, NodeView, Policy, PolicyError
-from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import Decision, SupervisorCore
 from resilient.supervisor.default_policy import DefaultPolicy
 from resilient.supervisor.policy import load_policy
 

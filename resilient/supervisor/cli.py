@@ -22,7 +22,8 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import Policy, PolicyError
-from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import Decision, SupervisorCore
 from resilient.supervisor.policy import IsolatedPolicy, PolicyLimits, load_policy
 
 logger = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from resilient.supervisor.api import (
     FAILURE_KINDS, WORKERS_STOPPED_KINDS, Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy,
     PolicyError, Restart, ScaleDown, ScaleUp, Stop,
 )
+from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.default_policy import DefaultPolicy
 
 logger = logging.getLogger(__name__)
@@ -45,36 +46,6 @@ DECIDING_KINDS = frozenset({
 })
 _CHANGING = (Restart, HotSwap, ScaleDown, ScaleUp)
 LOCAL_TIER = "local"
-
-
-@dataclass
-class SupervisorConfig:
-    min_nodes: int
-    max_nodes: int
-    nproc_per_node: int
-    max_restarts: int = 3  # the budget: every Restart/HotSwap/ScaleDown/ScaleUp spends one
-    node_timeout: float = 10.0  # seconds without a report before a node is lost
-    failure_window: float = 3600.0
-    policy_timeout: float = 1.0
-    scale_up_wait: float = 60.0  # how long a ScaleUp waits for a checkpoint boundary before it goes anyway
-    # how long a decision on a node's preemption notice waits for the job's agreed step to be saved (every other
-    # member done, the preempted node gone) before it is carried out anyway
-    preempt_wait: float = 120.0
-    recent_events: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SupervisorConfig.{name} must be an integer >= 1, got {v!r}")
-        if self.max_nodes < self.min_nodes:
-            raise ValueError(f"SupervisorConfig.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})")
-        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
-            raise ValueError(f"SupervisorConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait", "preempt_wait"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.events.follow import LedgerTail
 from resilient.supervisor.api import NodeState
-from resilient.supervisor.core import Assignment, Decision, SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import Assignment, Decision, SupervisorCore
 from resilient.logs import RateLimitedLog
 from resilient.supervisor.transport import (
     MessageKind, PresenceServer, Signer, SupervisorChannel, connect_store, refused_line,

@@ -17,7 +17,8 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import Cordon, HotSwap, Policy, ScaleDown
-from resilient.supervisor.core import Decision, SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import Decision, SupervisorCore
 
 CURRENT = "current"  # an event of the attempt running when it is fed
 

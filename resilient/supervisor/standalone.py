@@ -138,7 +138,8 @@ def parse(argv: list[str]) -> StandaloneConfig:
 def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     """Host the job's store and supervise until the job ends (0: succeeded, 1: stopped) or ``stop`` is set."""
     from resilient.supervisor import transport as T
-    from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+    from resilient.supervisor.config import SupervisorConfig
+    from resilient.supervisor.core import SupervisorCore
     from resilient.supervisor.loop import LoopConfig, SupervisorLoop
     from resilient.supervisor.policy import load_policy
 

@@ -13,7 +13,8 @@ from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES
 from resilient.plan.api import ClusterConfig, Figures, PlanInputError, PlannedFault
 from resilient.plan.sim import _FastCore, simulate, sweep
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import SupervisorCore
 from resilient.supervisor.policy import load_policy
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"

@@ -13,7 +13,8 @@ from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import (
     Cordon, HotSwap, Ignore, NodeState, Restart, ScaleDown, ScaleUp, Stop,
 )
-from resilient.supervisor.core import Assignment, Decision, SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import Assignment, Decision, SupervisorCore
 
 
 def cfg(**kw) -> SupervisorConfig:

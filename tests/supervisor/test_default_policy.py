@@ -13,7 +13,8 @@ import pytest
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import Cordon, HotSwap, NodeState, Restart
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import SupervisorCore
 from resilient.supervisor.default_policy import DefaultPolicy, bad_luck_chance
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ import logging
 from resilient.events.api import Event, EventKind
 from resilient.launcher.report import describe as _describe
 from resilient.logs import OnceTracebackFormatter
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import SupervisorCore
 
 
 def _crash(core: SupervisorCore, node: str, rank: int, code: int, at: float):

@@ -9,7 +9,8 @@ import pytest
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import PolicyError, Restart, Stop
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import SupervisorCore
 from resilient.supervisor.policy import default_policy, load_policy
 
 HEADER = "from resilient.supervisor.api import Restart, Stop\n"

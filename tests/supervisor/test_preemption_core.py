@@ -4,7 +4,8 @@ never counted as a failure; with no way to replace the node, the job ends as pre
 from __future__ import annotations
 
 from resilient.events.api import Event, EventKind
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import SupervisorCore
 
 
 def _core(min_nodes: int, nodes: tuple[str, ...]) -> SupervisorCore:

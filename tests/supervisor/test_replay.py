@@ -21,7 +21,8 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger, read_events
 from resilient.supervisor import transport as T
 from resilient.supervisor.api import NodeState
-from resilient.supervisor.core import SupervisorConfig, SupervisorCore
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import SupervisorCore
 from resilient.supervisor.loop import LoopConfig, SupervisorLoop
 from tests._helpers.wait import wait_for
 

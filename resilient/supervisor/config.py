@@ -1,0 +1,55 @@
+"""What the supervisor decides with: one :class:`SupervisorConfig`, and the one argparse group of the flags that
+set it, shared by ``resilient-run`` (whose agent may host the supervisor) and ``resilient supervisor``.
+
+``--nnodes``, ``--nproc-per-node`` and ``--max-restarts`` are not in the group: ``resilient-run`` takes them from
+torchrun's own parser (same spellings, ``PET_*`` twins), ``resilient supervisor`` adds them itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass
+class SupervisorConfig:
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int = 3  # the budget: every Restart/HotSwap/ScaleDown/ScaleUp spends one
+    node_timeout: float = 10.0  # seconds without a report before a node is lost
+    failure_window: float = 3600.0
+    policy_timeout: float = 1.0
+    scale_up_wait: float = 60.0  # how long a ScaleUp waits for a checkpoint boundary before it goes anyway
+    # how long a decision on a node's preemption notice waits for the job's agreed step to be saved (every other
+    # member done, the preempted node gone) before it is carried out anyway
+    preempt_wait: float = 120.0
+    recent_events: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SupervisorConfig.{name} must be an integer >= 1, got {v!r}")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"SupervisorConfig.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})")
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ValueError(f"SupervisorConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait", "preempt_wait"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
+
+
+def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
+    """The supervisor's flags both commands take, with one meaning and one default each."""
+    g.add_argument("--policy", default=None,
+                   help="Python policy file for the supervisor (default: the escalating default policy)")
+    g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
+    g.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
+                   help="seconds without a report from a node's agent before the supervisor counts it lost")
+    g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
+                   help="seconds a policy's decide() may take before the default policy decides instead")
+    g.add_argument("--job-secret-file", "--job_secret_file", default=None,
+                   help="file with the per-job secret that signs agent/supervisor messages (else the "
+                        "RESILIENT_JOB_SECRET variable; else one is generated and shared through the store)")
