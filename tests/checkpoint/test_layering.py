@@ -104,3 +104,33 @@ def test_the_checks_see_a_wrong_edge(broken: str) -> None:
                 seen.add(m)
                 todo.extend(edges[m])
         assert low in seen
+
+
+def _trees() -> dict[str, ast.AST]:
+    return {_module(p): ast.parse(p.read_text(), str(p)) for p in PKG.rglob("*.py")}
+
+
+def test_the_commit_marker_has_one_writer() -> None:
+    """Every tier's commit marker is written by one function (its body is the format restore trusts)."""
+    writers = []
+    for mod, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "write_bytes" \
+                    and any(isinstance(a, ast.Name) and a.id == "COMMIT_MARKER" for a in node.args):
+                writers.append(f"{mod}:{node.lineno}")
+    assert len(writers) == 1, writers
+
+
+def test_components_are_called_through_their_public_methods() -> None:
+    """``self.<component>._<private>(...)``: a façade that reaches into a part's private methods."""
+    reaching = []
+    for mod, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                f, v = node.func, node.func.value
+                if f.attr.startswith("_") and not f.attr.startswith("__") and isinstance(v, ast.Attribute) \
+                        and isinstance(v.value, ast.Name) and v.value.id == "self":
+                    reaching.append(f"{mod}:{node.lineno} self.{v.attr}.{f.attr}")
+    assert not reaching, reaching
+

@@ -206,18 +206,6 @@ def test_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ck.close()
 
 
-def test_auto_interval_without_tuner_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-
-    monkeypatch.setitem(sys.modules, "resilient.goodput.interval", None)  # import fails
-    monkeypatch.setitem(sys.modules, "resilient.checkpoint.save.interval", None)
-    with pytest.warns(UserWarning, match="every 10 steps"):
-        ck = CheckpointManager(local=tmp_path, interval="auto")
-    saved = [s for s in range(25) if ck.save(s, {"t": torch.ones(2)})]
-    ck.close()
-    assert saved == [9, 19]
-
-
 def test_fast_reader_reads_plain_dcp_checkpoints(tmp_path: Path) -> None:
     """The direct read path takes whole contiguous tensors, DCP's path the rest; same values either way."""
     from resilient.checkpoint.restore.reader import FastReader
@@ -249,3 +237,4 @@ def test_exit_without_close_finishes_the_last_save(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "step_00000000" / "COMMITTED").exists()
+

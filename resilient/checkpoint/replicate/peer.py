@@ -20,10 +20,10 @@ logger = logging.getLogger(__name__)
 class PeerRing(Component):
     """Replication of a committed local step to the partner node (collective on the manager's group)."""
 
-    def _partner(self, offset: int) -> int:
+    def partner(self, offset: int) -> int:
         return (self.rank + offset * self.local_world_size) % self.world_size
 
-    def _replicate(self, step: int, m: Manifest) -> None:
+    def replicate(self, step: int, m: Manifest) -> None:
         """Send this rank's files to the same local rank on the next node; receive the previous node's."""
         assert self.local is not None and self.peer is not None
         t0 = time.perf_counter()
@@ -33,7 +33,7 @@ class PeerRing(Component):
             names.append(DCP_METADATA)
         specs = [FileSpec(n, (d / n).stat().st_size) for n in names]
         everyone = self._gather(specs, self._pg)
-        src, dst = self._partner(-1), self._partner(+1)
+        src, dst = self.partner(-1), self.partner(+1)
         ok, error = True, None
         out = self.peer.path(step)
         try:

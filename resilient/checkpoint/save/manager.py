@@ -51,6 +51,7 @@ from resilient.checkpoint.replicate.peer import PeerRing
 from resilient.checkpoint.restore.restore import Restorer
 from resilient.checkpoint.storage.retention import retain
 from resilient.checkpoint.format.safe import load_metadata
+from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.checkpoint.save.stage import MutationGuard, Stager
 from resilient.checkpoint.format.state import flatten, leaf_nbytes, plain_state
 from resilient.checkpoint.storage.tiers import BoundedTier, DirTier, make_tier
@@ -142,10 +143,8 @@ class _Interval:
         self.persistent_every = persistent_every if isinstance(persistent_every, int) else 5
         if self.auto or self.auto_persistent:
             try:
-                from resilient.checkpoint.save.interval import IntervalTuner
-
                 run_dir = os.environ.get(_env.RUN_DIR)
-                if run_dir and rank == 0 and hasattr(IntervalTuner, "from_run_dir"):
+                if run_dir and rank == 0:
                     # remembers earlier attempts (restarts, save and step times) from the run's ledger
                     self.tuner = IntervalTuner.from_run_dir(run_dir, **(tuner_options or {}))
                 else:
@@ -156,7 +155,7 @@ class _Interval:
                     self.steps = max(1, int(self.tuner.interval_steps()))
                 if self.auto_persistent:
                     self.persistent_every = max(1, int(self.tuner.persistent_every()))
-            except Exception as e:  # ImportError while goodput is not there yet, or a tuner bug
+            except Exception as e:  # a tuner bug must not stop training: fixed intervals instead
                 if rank == 0:
                     warnings.warn(f"interval='auto' unavailable ({e}); saving every {DEFAULT_AUTO_FALLBACK} steps",
                                   stacklevel=3)
@@ -555,7 +554,7 @@ class CheckpointManager:
             ok, error = False, e
         try:
             # each rank's error travels with its result: rank 0 alone reports the save, naming the first one
-            results = self._gather((ok, self._my_bytes(d) if ok else 0, self._upload_floor(),
+            results = self._gather((ok, self._my_bytes(d) if ok else 0, self._up.upload_floor(),
                                     _one_line(error) if error is not None else None), self._pg)
         except FAILURES as e:
             job.tensors = {}
@@ -573,7 +572,7 @@ class CheckpointManager:
         self._release(job)  # staging buffers are free: the next save may stage
         if self.local_rank == 0:
             try:
-                self._commit(tier, job.step, ranks=self._node_ranks(self.node))
+                self._ctx.commit(tier, job.step, ranks=self._node_ranks(self.node))
             except FAILURES as e:  # the files are there: peers and the persistent tier still get them
                 logger.warning("local tier: commit of step %d failed (%s); the step is not complete on this "
                                "node's local tier", job.step, _one_line(e))
@@ -583,15 +582,15 @@ class CheckpointManager:
             self._emit(EventKind.CKPT_TIER_DONE, step=job.step, tier=tier.name, seconds=seconds,
                        bytes=sum(r[1] for r in results))
         if self._replicating and m is not None:
-            self._replicate(job.step, m)
+            self._ring.replicate(job.step, m)
         floor = min((r[2] for r in results if r[2] is not None), default=None)
         if self.local_rank == 0:
-            self._retain(tier, self.config.keep_local, pinned_from=floor)
+            retain(tier, self.config.keep_local, pinned_from=floor)
             if self._replicating:
-                self._retain(self.peer, self.config.keep_peer, pinned_from=None)
+                retain(self.peer, self.config.keep_peer, pinned_from=None)
         job.ok = True
         if job.upload:
-            self._request_upload(job.step)
+            self._up.request(job.step)
 
     def _local_failed(self, job: _SaveJob, flat: dict[str, Any], per_rank: list[str],
                       error: BaseException | None, first: str | None = None) -> None:
@@ -611,7 +610,7 @@ class CheckpointManager:
             if job.upload and self.persistent is not None:
                 files = self._save_to_memory(job.step, flat, per_rank)
                 if files is not None:
-                    self._request_upload(job.step, files)
+                    self._up.request(job.step, files)
                     queued = True
         finally:
             job.tensors = {}
@@ -695,7 +694,7 @@ class CheckpointManager:
             shutil.rmtree(step_dir, ignore_errors=True)
             self._settle(job, False, TierName.PERSISTENT.value, next((r[1] for r in results if r[1]), None), error)
             return
-        landed = self._upload_step(job.step, tmp_tier, group=self._pg)
+        landed = self._up.upload_step(job.step, tmp_tier, group=self._pg)
         shutil.rmtree(step_dir, ignore_errors=True)
         if landed:
             self._saved_step = job.step
@@ -768,10 +767,6 @@ class CheckpointManager:
                     src.close()
         return out
 
-    def _commit(self, tier: Any, step: int, ranks: list[int]) -> None:
-        body = {"step": step, "world_size": self.world_size, "ranks": ranks, "wall": time.time()}
-        tier.write_bytes(step, COMMIT_MARKER, json.dumps(body).encode())
-
     def _per_rank_keys(self, flat: dict[str, Any]) -> list[str]:
         """Leaves whose values differ across ranks; DCP would keep one rank's value for all of them."""
         if not self._dist or self.world_size == 1:
@@ -803,29 +798,6 @@ class CheckpointManager:
         iv.steps, iv.persistent_every = steps, every
         if changed and self.rank == 0:
             self._emit(EventKind.CKPT_INTERVAL, interval=steps, persistent_every=every, inputs=inputs)
-
-    # ------------------------------------------------------------------ peer replication (peer.py)
-    def _partner(self, offset: int) -> int:
-        return self._ring._partner(offset)
-
-    def _replicate(self, step: int, m: Manifest) -> None:
-        self._ring._replicate(step, m)
-
-    # ------------------------------------------------------------------ retention
-    def _retain(self, tier: Any, keep: int, pinned_from: int | None, drop_newer_partial: bool = False) -> None:
-        retain(tier, keep, pinned_from, drop_newer_partial)
-
-    # ------------------------------------------------------------------ persistent upload (upload.py)
-    def _upload_floor(self) -> int | None:
-        return self._up._upload_floor()
-
-    def _request_upload(self, step: int, files: dict[str, bytes] | None = None) -> None:
-        self._up._request_upload(step, files)
-
-    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
-        """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
-        persistent tier; rank 0 commits. True when every rank's files landed (the same on every rank)."""
-        return self._up._upload_step(step, src, group, mem=mem)
 
     # ------------------------------------------------------------------ wait / close
     @property
@@ -886,7 +858,7 @@ class CheckpointManager:
         if self.rank == 0:
             logger.info("uploading the final step %d to the persistent tier (within the upload grace, %.0f s)",
                         step, float(self.config.upload_grace_s or 0.0))
-        self._request_upload(step)
+        self._up.request(step)
         return step
 
     def close(self, timeout: float | None = None, at_exit: bool = False) -> None:

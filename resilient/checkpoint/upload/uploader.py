@@ -1,8 +1,8 @@
 """Uploads to the persistent tier: one thread copies committed local steps (or in-memory copies of steps the
 local tier could not hold) to the store on a gloo group of its own, newest requested step first.
 
-Plain files travel like compressed ones (``compress.py``): in part objects of one request each, two at a
-time. A file of one part goes up under its own name; a larger one goes up as hidden parts that the store then
+Plain files travel like compressed ones (:mod:`resilient.checkpoint.storage.parts`): in part objects of one
+request each, two at a time. A file of one part goes up under its own name; a larger one goes up as hidden parts that the store then
 composes into the file (GCS compose: no byte travels twice), where the store can (else one resumable upload).
 Either way a file appears whole or not at all, and the step stays invisible until rank 0 commits it after
 every rank's files landed.
@@ -52,7 +52,7 @@ class Uploader(Component):
         self._up_current: int | None = None  # the step being uploaded
         self._up_closing = False
         self._thread: threading.Thread | None = None
-        # written by the upload thread (and _request_upload under _up_cv); read by wait()/close()
+        # written by the upload thread (and request() under _up_cv); read by wait()/close()
         self.requested_max: int | None = None  # newest step ever asked of the persistent tier
         self.outcomes: dict[int, bool] = {}  # step -> whether every rank's files landed (the same on every rank)
         self.last_error: str | None = None  # this rank's error of the last failed upload
@@ -101,12 +101,12 @@ class Uploader(Component):
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _upload_floor(self) -> int | None:
+    def upload_floor(self) -> int | None:
         with self._up_cv:
             pend = list(self._up_pending)
             return min(pend) if pend else None
 
-    def _request_upload(self, step: int, files: dict[str, bytes] | None = None) -> None:
+    def request(self, step: int, files: dict[str, bytes] | None = None) -> None:
         """Queue ``step`` for upload, from the local tier or (``files``) from memory."""
         with self._up_cv:
             self._up_pending.append(step)
@@ -145,7 +145,7 @@ class Uploader(Component):
                     mem = self._up_mem.get(step)
                     self._up_current = step
                 assert self.local is not None
-                self._upload_step(step, self.local, group=self._pg_up, mem=mem)
+                self.upload_step(step, self.local, group=self._pg_up, mem=mem)
             except BaseException as e:  # the uploader must outlive any one upload
                 logger.exception("upload loop error: %s", e)
             finally:
@@ -156,7 +156,7 @@ class Uploader(Component):
                     self._up_current = None
                     self._up_cv.notify_all()
 
-    def _upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
+    def upload_step(self, step: int, src: DirTier, group: Any, mem: dict[str, bytes] | None = None) -> bool:
         """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
         persistent tier; rank 0 commits. Returns whether every rank's files landed: the same answer on every
         rank (rank 0's own commit failing is its event to report, not a reason for the ranks to disagree)."""
