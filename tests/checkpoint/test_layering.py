@@ -134,3 +134,17 @@ def test_components_are_called_through_their_public_methods() -> None:
                     reaching.append(f"{mod}:{node.lineno} self.{v.attr}.{f.attr}")
     assert not reaching, reaching
 
+
+def test_layers_import_each_other_at_the_top_of_a_module() -> None:
+    """An import inside a function is how a circle hides; the layers need none (the package's ``__init__``
+    and the command line import lazily so that ``import resilient`` and ``resilient ckpt ls`` stay fast)."""
+    hidden = []
+    for mod, tree in _trees().items():
+        if _unit(mod) not in LAYER or mod.endswith("__init__"):
+            continue
+        top = {id(n) for n in tree.body}  # type: ignore[attr-defined]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and id(node) not in top and (node.module or "").startswith(NAME):
+                hidden.append(f"{mod}:{node.lineno} {node.module}")
+    assert not hidden, hidden
+

@@ -19,7 +19,7 @@ items each), listed in that rank's manifest like any file.
 * ``zstd`` -> descriptor ``stream.zstd/1``: DCP's own ``ZStandard``; plain ``dcp.load`` reads it (with
   zstandard installed), at a lower ratio (no byte planes).
 
-Upload (:func:`prepare_upload`, called by the uploader): items are coded in jobs of a few MB on two
+Upload (:mod:`resilient.checkpoint.upload.prepare`, called by the uploader): items are coded in jobs of a few MB on two
 threads, ahead of the sending; coded whole items are cut into parts of one request each, sent two at a
 time while coding goes on (a single-request upload cost the GCS emulator half the CPU per byte of a
 resumable one); an item larger than a part is streamed alone. No scratch copy, bounded memory.
@@ -55,7 +55,8 @@ import zstandard
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from resilient.checkpoint.api import CheckpointConfigError, CheckpointError
+from resilient.checkpoint.api import CheckpointConfigError, CheckpointError, UnsafeCheckpointError
+from resilient.checkpoint.format.safe import safe_torch_load
 
 
 logger = logging.getLogger(__name__)
@@ -331,9 +332,6 @@ def check_item(body: Any, descriptors: Sequence[str], metadata: Any, index: Any,
     own checksums (zstd's frame checksums while decoding, the zip records' crc32 of torch.save after),
     load it as restore does, and check a tensor's dtype and shape against ``.metadata``."""
     import zipfile
-
-    from resilient.checkpoint.api import UnsafeCheckpointError
-    from resilient.checkpoint.format.safe import safe_torch_load
 
     item = f"item {index.fqn!r}"
     try:

@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Checksums of checkpoint files, the one place they are computed: crc32c of a whole file (combined from
+pieces on several threads for large ones), xxh3 per manifest block, a file's block layout (``blocks_of``,
+``file_blocks``, ``bytes_blocks``, :data:`BLOCK`), and the checks against a manifest entry (``verify_file``,
+``verify_bytes``, ``map_verified``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Names of a step at rest: the step directory (``step_00000042``) and each rank's manifest file."""
 
 from __future__ import annotations
 

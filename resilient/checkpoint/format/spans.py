@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""A byte range of a checkpoint file and, when it holds a tensor's bytes, the tensor they land in: the unit
+a restore loads and a peer transfer receives."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Staging: the state's leaves copied into host buffers that are reused from one save to the next.
-
-Keys follow DCP's own flattening (``"model.layer.weight"``), so a checkpoint written from our flat
-dict is read by a plain ``dcp.load`` of the user's nested dict.
-"""
+"""The state tree as DCP saves it: which leaves are stateful objects, the flattening DCP uses
+(``"model.layer.weight"``, so a checkpoint written from our flat dict is read by a plain ``dcp.load`` of the
+user's nested dict), and setting a value back at its path."""
 
 from __future__ import annotations
 

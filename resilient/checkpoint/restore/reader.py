@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
 from resilient.checkpoint.api import UnsafeCheckpointError
+from resilient.checkpoint.format.codec import ItemTooLargeError, decode_item, extension_registry, item_limit
 from resilient.checkpoint.format.safe import load_metadata, safe_torch_load
 
 logger = logging.getLogger(__name__)
@@ -198,8 +199,6 @@ class FastReader(FileSystemReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], files: Mapping[str, Any] | None = None):
-        from resilient.checkpoint.format.codec import extension_registry
-
         super().__init__(path, _extension_registry=extension_registry())  # items compressed for transfer
         if files:
             self.fs = MemoryFS(files)
@@ -215,8 +214,6 @@ class FastReader(FileSystemReader):
     def _decoded(self, relative_path: str, req: Any, item_md: Any, raw: Any) -> "MemoryStream":
         """A coded item decoded in memory, at most the size ``.metadata`` gives it (DCP's own transforms
         read a stream to its end: a 128 KB bomb would grow to GBs); a bomb is refused as unsafe."""
-        from resilient.checkpoint.format.codec import ItemTooLargeError, decode_item, item_limit
-
         md = getattr(self, "_metadata", None)
         limit = item_limit(md, req.storage_index) if md is not None else None
         try:

@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""Staging: the state's leaves copied into host buffers that are reused from one save to the next
+(:class:`Stager`), and the guard that holds an optimizer step until its tensors are staged
+(:class:`MutationGuard`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""Part objects and the way they are sent, for coded and plain uploads alike: a file larger than a request
+goes as several objects named by :func:`part_name`, of :func:`part_size` bytes, :data:`SENDERS` at a time,
+each bounded in time (:class:`Sink` for a stream, :class:`DirDest` / :class:`TierDest` for whole parts)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, TypeVar
+
+from resilient.checkpoint.format.layout import step_dirname
+from resilient.checkpoint.storage.tiers import retry
 
 
 logger = logging.getLogger(__name__)
@@ -88,8 +93,6 @@ def tier_sink(tier: Any, step: int, name: str) -> Sink:
     """File ``name`` of ``step`` on a tier (a :class:`~resilient.checkpoint.tiers.BoundedTier` or the tier
     itself): an fsspec file opened without autocommit (on GCS a resumable upload, finalised by commit;
     an aborted one leaves no object), or a temporary file renamed in a directory tier."""
-    from resilient.checkpoint.format.layout import step_dirname
-
     inner = getattr(tier, "inner", tier)
     timeout_s = float(getattr(tier, "timeout_s", 30.0))
     min_rate = float(getattr(tier, "min_rate", 8 << 20))
@@ -183,8 +186,6 @@ class TierDest:
         return (self.timeout_s + nbytes / self.min_rate + self.backoff_max_s) * (self.retries + 1)
 
     def put(self, name: str, data: Any) -> None:
-        from resilient.checkpoint.storage.tiers import retry
-
         retry(lambda: self.tier.write_bytes(self.step, name, data), what=f"upload {name} of step {self.step}",
               retries=self.retries, backoff_s=self.backoff_s, backoff_max_s=self.backoff_max_s,
               should_stop=self.should_stop)

@@ -7,17 +7,18 @@ import logging
 import os
 import random
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from resilient.bounded import BoundedCaller
-from resilient.checkpoint.api import (COMMIT_MARKER, CorruptFileError, DCP_METADATA, FileEntry, Manifest, STEP_PREFIX,
-                                      StepInfo, Tier)
+from resilient.checkpoint.api import (COMMIT_MARKER, CheckpointError, CorruptFileError, DCP_METADATA, FileEntry,
+                                      Manifest, STEP_PREFIX, StepInfo, Tier, UnsafeCheckpointError)
+from resilient.checkpoint.format.codec import check_item
 from resilient.checkpoint.format.digests import _CHUNK, verify_file
 from resilient.checkpoint.format.layout import manifest_name, parse_step, step_dirname
+from resilient.checkpoint.format.safe import load_metadata, safe_torch_load, unsafe_name
 
 
 logger = logging.getLogger(__name__)
@@ -399,8 +400,6 @@ def verify_step(tier: Tier, step: int, scratch: str | os.PathLike[str],
     ``weights_only=True``; a file that would run code, or a name that escapes the step directory, is
     reported as ``unsafe: ...``. ``content=False``: sizes and checksums only.
     """
-    from resilient.checkpoint.format.safe import unsafe_name
-
     result: dict[str, str] = {}
     files = tier.list_files(step)
     entries: dict[str, FileEntry] = {}
@@ -456,9 +455,6 @@ def _content_problem(path: Path, name: str, md: Any) -> tuple[str | None, Any]:
     """Load a verified file as restore would: (problem or None, DCP metadata once read)."""
     import io
 
-    from resilient.checkpoint.api import CheckpointError, UnsafeCheckpointError
-    from resilient.checkpoint.format.safe import load_metadata, safe_torch_load
-
     try:
         if name == DCP_METADATA:
             return None, load_metadata(path.read_bytes(), what=name)
@@ -470,9 +466,7 @@ def _content_problem(path: Path, name: str, md: Any) -> tuple[str | None, Any]:
                     continue
                 f.seek(info.offset)
                 body = f.read(info.length)
-                if info.transform_descriptors:  # decoded within its true size and checked (compress.py)
-                    from resilient.checkpoint.format.codec import check_item
-
+                if info.transform_descriptors:  # decoded within its true size and checked (format/codec.py)
                     check_item(body, info.transform_descriptors, md, idx, what=name)
                     continue
                 safe_torch_load(io.BytesIO(body), what=f"item {idx.fqn!r}")

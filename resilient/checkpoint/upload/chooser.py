@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""Whether an upload is worth compressing: ``--ckpt-compress none|bgzstd|zstd|auto``; ``auto`` compares the
+measured link and codec throughputs and the ratio, and probes once before it knows them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""The uploader's hook for compressed uploads: decide with rank 0's measurements whether a step goes coded,
+send the coded parts as they are produced, and hand the uploader what is left to send."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from resilient.checkpoint.api import DCP_METADATA, Manifest
+from resilient.checkpoint.api import COMMIT_MARKER, DCP_METADATA, Manifest
 from resilient.checkpoint.format.codec import Codec, CompressError, CompressMode
+from resilient.checkpoint.format.layout import manifest_name
+from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.storage.parts import TierDest
-from resilient.checkpoint.upload.chooser import Chooser, chooser_from_env
+from resilient.checkpoint.storage.tiers import read_manifest
 from resilient.checkpoint.upload import transcode
+from resilient.checkpoint.upload.chooser import Chooser, chooser_from_env
 from resilient.checkpoint.upload.transcode import Transcoded, clear, finish_step, merged_metadata
+from resilient.events.api import EventKind
 
 
 logger = logging.getLogger(__name__)
@@ -54,12 +59,6 @@ def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None
 
     The decision is gathered before any call to the store. The layout is gathered after this rank's sends,
     which are bounded in time (:class:`Sink`), like the uploader's own gather of results that follows."""
-    from resilient.checkpoint.api import COMMIT_MARKER
-    from resilient.checkpoint.format.safe import load_metadata
-    from resilient.checkpoint.format.layout import manifest_name
-    from resilient.checkpoint.storage.tiers import read_manifest
-    from resilient.events.api import EventKind
-
     chooser = _chooser(mgr)
     if chooser.mode is CompressMode.NONE:
         return None  # no collective, no work: compression off costs nothing

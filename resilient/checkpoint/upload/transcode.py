@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""Rewriting a step's files for a transfer: items coded in jobs on a few threads, whole coded items cut into
+part objects and sent while coding goes on (:func:`stream_files`); the merged ``.metadata`` and manifest of
+the coded step (:func:`merged_metadata`, :func:`finish_step`); and the way back, a plain copy that needs
+nothing of this package (:func:`export_step`)."""
 
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from resilient.checkpoint.api import DCP_METADATA, FileEntry, Manifest
+from resilient.checkpoint.api import DCP_METADATA, FileEntry, Manifest, UnsafeCheckpointError
 from resilient.checkpoint.format.codec import (BLOCK, Codec, CompressError, DESCRIPTOR, ItemTooLargeError, MAGIC, _cctx,
                                                _plane_cctx, _planes_encode, item_limit, iter_decode)
-from resilient.checkpoint.format.digests import _Blocks
+from resilient.checkpoint.format.digests import BLOCK as VERIFY_BLOCK, _Blocks, crc_bytes, map_verified
+from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.storage.parts import DirDest, SENDERS, Sink, TierDest, part_name, part_size
 
 
@@ -134,8 +138,6 @@ def _code_job(codec: Codec, src: memoryview, pieces: Sequence[_Piece], es_of: Se
     return lens, out, time.perf_counter() - t0
 
 
-
-
 def stream_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata: Any, codec: Codec,
                  dest: DirDest | TierDest, expected: dict[str, FileEntry] | None = None,
                  threads: int | None = None, inflight: int = INFLIGHT, chunk: int = CHUNK,
@@ -150,9 +152,6 @@ def stream_files(src_dir: str | os.PathLike[str], names: Sequence[str], metadata
     ``expected``: the local manifest's entries, verified before a byte is sent (a copy that rotted on the
     local disk is never uploaded). ``metadata``: the step's DCP metadata. Returns this rank's part files
     and item layout; the caller gathers :attr:`Transcoded.storage` from every rank for :func:`merged_metadata`."""
-    from resilient.checkpoint.format.digests import BLOCK as VERIFY_BLOCK
-    from resilient.checkpoint.format.digests import map_verified
-
     t0 = time.perf_counter()
     threads = threads or min(2, os.cpu_count() or 1)
     sizes = _elem_sizes(metadata)
@@ -294,8 +293,6 @@ def merged_metadata(metadata: Any, parts: Iterable[dict[Any, _StorageInfo]]) -> 
 def finish_step(out_dir: str | os.PathLike[str], manifest: Manifest, part: Transcoded, metadata_bytes: bytes,
                 manifest_name: str) -> Manifest:
     """Write ``.metadata`` and this rank's manifest of the rewritten step into ``out_dir``."""
-    from resilient.checkpoint.format.digests import crc_bytes
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / DCP_METADATA).write_bytes(metadata_bytes)
@@ -316,9 +313,6 @@ def export_step(read_file: Callable[[str], bytes], names: Sequence[str], out_dir
     ``.metadata``): memory stays a few MB whatever an item decodes to, and a decompression bomb raises
     :class:`~resilient.checkpoint.api.UnsafeCheckpointError` naming the file and item. The caller removes
     what was written when this raises."""
-    from resilient.checkpoint.api import UnsafeCheckpointError
-    from resilient.checkpoint.format.safe import load_metadata
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = metadata if metadata is not None else load_metadata(read_file(DCP_METADATA), what=DCP_METADATA)
