@@ -8,7 +8,8 @@ down ``resilient goodput``, the metrics endpoint, the supervisor or the interval
 line (a writer at work, or one killed mid-line) is not malformed: a whole read stops before it, a tail waits
 for its newline.
 
-* :func:`read_events`: every well-formed event, as an iterator.
+* :func:`read_events`: every well-formed event, as an iterator (also importable as
+  ``resilient.events.read_events`` and ``resilient.events.ledger.read_events``).
 * :func:`read_ledger`: the same as a :class:`LedgerRead`, with the count of malformed lines and whether a
   writer lost events (the marker beside the ledger, see :func:`ledger_incomplete`).
 * :class:`LedgerTail`: follows a growing ledger; each call returns only what was appended since the last.
