@@ -1,6 +1,6 @@
 """LedgerTail: each call returns only what was appended since the last, a torn last line waits for its
-newline, and ``contains`` decodes only the lines a follower wants (the supervisor follows checkpoint
-boundaries of a ledger every other node writes to as well)."""
+newline, ``contains`` decodes only the lines a follower wants (the supervisor follows checkpoint boundaries of
+a ledger every other node writes to as well), and ``kinds`` keeps only those (the interval tuner's follower)."""
 from __future__ import annotations
 
 import json
@@ -36,3 +36,14 @@ def test_contains_skips_other_lines_undecoded(tmp_path):
     assert [(e.kind, e.details["step"]) for e in got] == [(EventKind.CKPT_TIER_DONE, 9)]
     assert tail.skipped == 0  # the garbage line was never decoded
     assert tail.read_new() == []  # and the position moved past everything
+
+
+def test_kinds_keeps_only_those_kinds(tmp_path):
+    led = Ledger(tmp_path, node="n")
+    tail = LedgerTail(tmp_path)
+    led.emit(EventKind.STEP, rank=0, step=1, seconds=0.1)
+    led.emit(EventKind.LOG, message="x")
+    led.emit(EventKind.RESTART, attempt=1)
+    assert [e.kind for e in tail.read_new(None, kinds={EventKind.STEP, EventKind.RESTART})] == \
+        [EventKind.STEP, EventKind.RESTART]
+    assert tail.read_new() == []
