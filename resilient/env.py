@@ -64,6 +64,12 @@ def _float(name: str, raw: str) -> float:
         raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
 
 
+def upload_grace_s(environ: Mapping[str, str] = os.environ) -> float | None:
+    """``resilient-run --upload-grace`` as a worker sees it; None when not set."""
+    raw = environ.get(UPLOAD_GRACE, "").strip()
+    return _float(UPLOAD_GRACE, raw) if raw else None
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """What ``resilient-run`` tells each worker, beside torchrun's own variables (``RANK``, ``WORLD_SIZE``, …).

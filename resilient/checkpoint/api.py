@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from resilient import env as renv
 
 STEP_PREFIX = "step_"
 COMMIT_MARKER = "COMMITTED"
@@ -274,7 +273,7 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     persistent_timeout_s: float = 30.0  # bound on one persistent-tier call (plus time for its bytes)
     restore_probe_s: float = 5.0  # at restore, a persistent store silent this long is skipped
-    upload_grace_s: float | None = None  # at exit, pending uploads get this long; None: $RESILIENT_UPLOAD_GRACE or 60
+    upload_grace_s: float | None = None  # at exit, pending uploads get this long; None: 60
     # consecutive saves that reach no tier before save() stops the job; 0: train on without checkpoints
     max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES
 
@@ -319,12 +318,7 @@ class CheckpointConfig:
         if self.upload_retries < 0 or self.upload_backoff_s < 0 or not math.isfinite(self.upload_backoff_max_s):
             raise CheckpointConfigError("upload_retries and upload_backoff_s must be >= 0")
         if self.upload_grace_s is None:
-            raw = os.environ.get(renv.UPLOAD_GRACE, "").strip()
-            try:
-                self.upload_grace_s = float(raw) if raw else DEFAULT_UPLOAD_GRACE_S
-            except ValueError:
-                raise CheckpointConfigError(f"RESILIENT_UPLOAD_GRACE={raw!r}: give a number of seconds "
-                                            "(resilient-run --upload-grace S)") from None
+            self.upload_grace_s = DEFAULT_UPLOAD_GRACE_S
         for name in ("persistent_timeout_s", "restore_probe_s", "upload_grace_s", "collective_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \

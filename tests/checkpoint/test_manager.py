@@ -238,3 +238,22 @@ def test_exit_without_close_finishes_the_last_save(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "step_00000000" / "COMMITTED").exists()
 
+
+def test_the_config_reads_no_environment_the_manager_takes_the_jobs_upload_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CheckpointConfig`` is what it is given; ``--upload-grace`` reaches a worker's manager through the
+    environment ``resilient-run`` writes, read where the manager meets the job."""
+    from resilient import env
+    from resilient.checkpoint.api import DEFAULT_UPLOAD_GRACE_S, CheckpointConfig
+
+    monkeypatch.setenv(env.UPLOAD_GRACE, "7")
+    assert CheckpointConfig(local=str(tmp_path)).upload_grace_s == DEFAULT_UPLOAD_GRACE_S
+    ck = CheckpointManager(local=tmp_path)
+    ck.close()
+    assert ck.config.upload_grace_s == 7.0
+    given = CheckpointManager(local=tmp_path / "b", upload_grace_s=3)
+    given.close()
+    assert given.config.upload_grace_s == 3
+    monkeypatch.setenv(env.UPLOAD_GRACE, "soon")
+    with pytest.raises(CheckpointConfigError, match=env.UPLOAD_GRACE):
+        CheckpointManager(local=tmp_path / "c")

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from resilient import env as _env
 from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, DCP_METADATA, DEFAULT_MAX_FAILED_SAVES,
-                                      CheckpointConfig, CheckpointError, CheckpointSavesFailedError, FileEntry,
-                                      Manifest, RestoreResult, TierName)
+                                      CheckpointConfig, CheckpointConfigError, CheckpointError,
+                                      CheckpointSavesFailedError, FileEntry, Manifest, RestoreResult, TierName)
 from resilient.checkpoint.storage.collective import Ranks
 from resilient.checkpoint.storage.context import FAILURES, Context
 from resilient.checkpoint.storage.context import one_line as _one_line
@@ -203,6 +203,11 @@ class CheckpointManager:
                  collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
                  upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES):
+        if upload_grace_s is None:  # the job's --upload-grace, when resilient-run started this process
+            try:
+                upload_grace_s = _env.upload_grace_s()
+            except ValueError as e:
+                raise CheckpointConfigError(f"{e} (resilient-run --upload-grace S)") from None
         self.config = CheckpointConfig(
             local=os.fspath(local) if local is not None else None, persistent=persistent, interval=interval,
             persistent_every=persistent_every, peer=peer, overlap=overlap, keep_local=keep_local,
