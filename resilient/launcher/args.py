@@ -17,6 +17,7 @@ from pathlib import Path
 
 from resilient import env as renv
 from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod
+from resilient.supervisor.config import add_supervisor_arguments
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("resilient")
     g.add_argument("--run-dir", "--run_dir", default=None,
                    help="directory for the run's ledger (events.jsonl) and logs (default ./runs/<run id>)")
-    g.add_argument("--policy", default=None, help="Python policy file for the supervisor")
     g.add_argument("--ckpt-local", "--ckpt_local", default=None, help="node-local checkpoint directory")
     g.add_argument("--ckpt-persistent", "--ckpt_persistent", default=None, help="fsspec URL of the persistent tier")
     g.add_argument("--ckpt-interval", "--ckpt_interval", default=None, help="save every N steps, or 'auto'")
@@ -54,19 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
                    help="seconds without a heartbeat before a rank counts as hung (default: learned)")
-    g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
     g.add_argument("--inject", default=None,
                    help="faults for a drill, e.g. kill-worker@30s,hang-worker@60s,kill-node@90s,slow-rank:1@0s,"
                         "raise-worker:0@step12 (seconds after training starts, or a step; each recorded in the "
                         "ledger as fault_injected)")
     g.add_argument("--inject-seed", type=int, default=0, help="seed choosing the targets --inject leaves open")
-    g.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
-                   help="seconds without a report from a node's agent before the supervisor counts it lost")
-    g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
-                   help="seconds a policy's decide() may take before the default policy decides instead")
-    g.add_argument("--job-secret-file", "--job_secret_file", default=None,
-                   help="file with the per-job secret that signs agent/supervisor messages (else the "
-                        "RESILIENT_JOB_SECRET variable; else one is generated and shared through the store)")
     g.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
                    help="serve Prometheus metrics on this port (node 0), on loopback unless --metrics-addr")
     g.add_argument("--metrics-addr", "--metrics_addr", default="127.0.0.1",
@@ -79,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "restarts); spawn: a fresh interpreter per worker, as torchrun")
     g.add_argument("--preload", default=os.environ.get(renv.PRELOAD, ""),
                    help="comma-separated modules the fork server imports ahead of time")
+    add_supervisor_arguments(parser.add_argument_group("supervisor (hosted by the agent that hosts the job's store)"))
     return parser
 
 

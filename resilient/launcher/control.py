@@ -42,18 +42,14 @@ def _conf_bool(v: object) -> bool | None:
 def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):
     """The default place of the supervisor: a thread of the agent that hosts the job's store."""
     from resilient.supervisor.config import SupervisorConfig
-    from resilient.supervisor.core import SupervisorCore
-    from resilient.supervisor.loop import LoopConfig, SupervisorLoop
-    from resilient.supervisor.policy import load_policy
+    from resilient.supervisor.standalone import supervise
 
     core_cfg = SupervisorConfig(min_nodes=c.min_nodes, max_nodes=c.max_nodes, nproc_per_node=c.nproc_per_node,
                                 max_restarts=c.max_restarts, node_timeout=c.node_timeout,
                                 policy_timeout=c.policy_timeout)
-    policy = load_policy(c.policy) if c.policy else None
     last_call = float(c.rdzv_configs.get("last_call_timeout", 30.0))  # type: ignore[arg-type]
-    loop = SupervisorLoop(LoopConfig(core=core_cfg, advertise_addr=addr, tick=min(0.05, c.monitor_interval),
-                                     last_call=last_call, store_timeout=c.rendezvous_timeout),
-                          store, signer, ledger, SupervisorCore(core_cfg, policy))
+    loop = supervise(core_cfg, c.policy, store, signer, ledger, advertise_addr=addr, last_call=last_call,
+                     store_timeout=c.rendezvous_timeout, tick=min(0.05, c.monitor_interval))
     loop.start()
     return loop
 

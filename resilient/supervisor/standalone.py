@@ -27,6 +27,7 @@ from pathlib import Path
 from resilient import env as renv
 from resilient.events.ledger import Ledger, read_events
 from resilient.supervisor.api import PolicyError
+from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the job's id, as the agents' --rdzv-id (default: $PET_RDZV_ID, else the id of the first "
                         "agent that joins); agents of another id are refused")
     p.add_argument("--run-dir", "--run_dir", required=True, help="directory of the job's ledger (events.jsonl)")
-    p.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="warm spare nodes expected")
-    p.add_argument("--policy", default=None, help="Python policy file (default: the escalating default policy)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
                    help="budget of restarts, swaps and scalings for the whole job (default 3); the agents show this "
                         "budget to their workers (TORCHELASTIC_MAX_RESTARTS) and in their restart lines, whatever "
                         "their own --max-restarts")
-    p.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
-                   help="seconds without a report before a node counts as lost")
-    p.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0)
     p.add_argument("--last-call-timeout", type=float, default=30.0,
                    help="once MIN nodes joined, seconds to wait for more (up to MAX) before starting")
-    p.add_argument("--job-secret-file", "--job_secret_file", default=None)
     p.add_argument("--advertise-addr", default=None,
                    help="address workers use to reach the stores hosted here (default: this host's name)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    add_supervisor_arguments(p)
     return p
 
 
@@ -135,13 +131,25 @@ def parse(argv: list[str]) -> StandaloneConfig:
                             advertise_addr=a.advertise_addr, nproc_per_node=a.nproc_per_node, rdzv_id=a.rdzv_id)
 
 
-def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
-    """Host the job's store and supervise until the job ends (0: succeeded, 1: stopped) or ``stop`` is set."""
-    from resilient.supervisor import transport as T
-    from resilient.supervisor.config import SupervisorConfig
+def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object, signer: object,
+              ledger: Ledger | None, *, advertise_addr: str, last_call: float, store_timeout: float,
+              tick: float | None = None, name: str | None = None):
+    """The supervisor wired up (core, policy, loop over the job's store), not started yet: the one way both
+    ``resilient supervisor`` and the agent that hosts the job's store build it."""
     from resilient.supervisor.core import SupervisorCore
     from resilient.supervisor.loop import LoopConfig, SupervisorLoop
     from resilient.supervisor.policy import load_policy
+
+    how = {k: v for k, v in (("tick", tick), ("name", name)) if v is not None}
+    loop_cfg = LoopConfig(core=core_cfg, advertise_addr=advertise_addr, last_call=last_call,
+                          store_timeout=store_timeout, **how)
+    return SupervisorLoop(loop_cfg, store, signer, ledger,
+                          SupervisorCore(core_cfg, load_policy(policy_file) if policy_file else None))
+
+
+def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
+    """Host the job's store and supervise until the job ends (0: succeeded, 1: stopped) or ``stop`` is set."""
+    from resilient.supervisor import transport as T
 
     stop = stop or threading.Event()
     host, port = cfg.rdzv_endpoint.rsplit(":", 1)
@@ -169,11 +177,10 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     core_cfg = SupervisorConfig(min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node,
                                 max_restarts=cfg.max_restarts, node_timeout=cfg.node_timeout,
                                 policy_timeout=cfg.policy_timeout)
-    core = SupervisorCore(core_cfg, load_policy(cfg.policy) if cfg.policy else None)
     addr = cfg.advertise_addr or (host if host not in ("0.0.0.0", "") else socket.getfqdn())
-    loop = SupervisorLoop(LoopConfig(core=core_cfg, advertise_addr=addr, last_call=cfg.last_call,
-                                     store_timeout=cfg.store_timeout, name=cfg.name),
-                          store, T.Signer(secret, job), ledger, core)
+    loop = supervise(core_cfg, cfg.policy, store, T.Signer(secret, job), ledger, advertise_addr=addr,
+                     last_call=cfg.last_call, store_timeout=cfg.store_timeout, name=cfg.name)
+    core = loop.core
     try:
         past = list(read_events(run_dir))
     except FileNotFoundError:
