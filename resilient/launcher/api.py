@@ -139,6 +139,7 @@ class AgentConfig:
     ckpt_persistent: str | None = None
     ckpt_interval: str | None = None
     ckpt_persistent_every: int | None = None
+    ckpt_compress: str | None = None  # codec of persistent uploads (workers: RESILIENT_CKPT_COMPRESS); None: auto
     upload_grace: float = 60.0  # seconds pending uploads get at exit (workers: RESILIENT_UPLOAD_GRACE)
     ckpt_max_failed_saves: int = 3  # failed saves in a row before the job stops; 0: train on (RESILIENT_CKPT_MAX_FAILED_SAVES)
     heartbeat_timeout: float | None = None

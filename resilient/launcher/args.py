@@ -241,6 +241,7 @@ def parse(argv: list[str]) -> AgentConfig:
             preload=tuple(m for m in args.preload.split(",") if m),
             policy=args.policy, ckpt_local=args.ckpt_local, ckpt_persistent=args.ckpt_persistent,
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
+            ckpt_compress=args.ckpt_compress,
             upload_grace=args.upload_grace, ckpt_max_failed_saves=_max_failed_saves_of(args.ckpt_max_failed_saves),
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
@@ -249,9 +250,6 @@ def parse(argv: list[str]) -> AgentConfig:
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None
-    if args.ckpt_compress:
-        # the workers' environment starts from ours; CheckpointManager reads it there
-        os.environ[renv.CKPT_COMPRESS] = args.ckpt_compress
     # directories last: a rejected command line leaves nothing behind
     _writable_dir(run_dir, "--run-dir")
     if args.ckpt_local:

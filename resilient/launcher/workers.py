@@ -53,7 +53,7 @@ def say_default_ckpt_local(path: str | None) -> None:
 def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, master: tuple[str, int], *,
                run_dir: Path, node: str, ckpt_local: str | None, monitor_socket: str | None,
                drill_env: dict[str, str]) -> dict[str, str]:
-    """The environment of one worker: torchrun's variables, then ours (every name from :mod:`resilient.env`)."""
+    """The environment of one worker: torchrun's variables, then ours (:class:`resilient.env.WorkerEnv`)."""
     c = cfg
     rank = nr.base_rank + local_rank
     env = dict(os.environ)
@@ -75,10 +75,6 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
         "TORCHELASTIC_RUN_ID": c.rdzv_id,
         "TORCHELASTIC_USE_AGENT_STORE": str(True),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        renv.RUN_DIR: str(run_dir.resolve()),
-        renv.RUN_ID: c.run_id,
-        renv.NODE: node,
-        renv.NODE_RANK: str(nr.group_rank),
     })
     if c.virtual_local_rank:
         # as torchrun: each worker sees only its own GPU, as device 0
@@ -88,18 +84,12 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
             raise ValueError(f"local rank {local_rank} exceeds the GPUs in CUDA_VISIBLE_DEVICES={visible}")
         env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
-    if monitor_socket is not None:
-        env[renv.AGENT_SOCKET] = monitor_socket
-    optional = {
-        renv.CKPT_LOCAL: c.ckpt_local or ckpt_local, renv.CKPT_PERSISTENT: c.ckpt_persistent,
-        renv.CKPT_INTERVAL: c.ckpt_interval,
-        renv.CKPT_PERSISTENT_EVERY: None if c.ckpt_persistent_every is None else str(c.ckpt_persistent_every),
-        renv.UPLOAD_GRACE: str(c.upload_grace),
-        renv.CKPT_MAX_FAILED_SAVES: str(c.ckpt_max_failed_saves),
-        renv.HEARTBEAT_TIMEOUT: None if c.heartbeat_timeout is None else str(c.heartbeat_timeout),
-        renv.POLICY: c.policy, renv.SPARE_NODES: str(c.spare_nodes) if c.spare_nodes else None,
-    }
-    env.update({k: v for k, v in optional.items() if v is not None})
+    env.update(renv.WorkerEnv(
+        run_dir=str(run_dir.resolve()), run_id=c.run_id, node=node, node_rank=nr.group_rank,
+        agent_socket=monitor_socket, ckpt_local=c.ckpt_local or ckpt_local, ckpt_persistent=c.ckpt_persistent,
+        ckpt_interval=c.ckpt_interval, ckpt_persistent_every=c.ckpt_persistent_every, ckpt_compress=c.ckpt_compress,
+        upload_grace=c.upload_grace, ckpt_max_failed_saves=c.ckpt_max_failed_saves,
+        heartbeat_timeout=c.heartbeat_timeout, policy=c.policy, spare_nodes=c.spare_nodes or None).to_env())
     env.update(drill_env)
     return env
 

@@ -469,10 +469,17 @@ def test_launcher_flag_sets_the_workers_mode_and_refuses_unknown_codecs(tmp_path
     base = ["--standalone", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run")]
     script = tmp_path / "train.py"
     script.write_text("")
-    parse([*base, "--ckpt-compress", "none", str(script)])
+    cfg = parse([*base, "--ckpt-compress", "none", str(script)])
     import os
 
-    assert os.environ[chooser.ENV_MODE] == "none" and chooser.chooser_from_env().mode is coding.CompressMode.NONE
+    from resilient.launcher.api import NodeRound
+    from resilient.launcher.workers import worker_env
+
+    env = worker_env(cfg, NodeRound(), 0, 0, ("127.0.0.1", 1), run_dir=tmp_path / "run", node="n", ckpt_local=None,
+                     monitor_socket=None, drill_env={})
+    assert chooser.ENV_MODE not in os.environ  # the workers' environment carries it, not the agent's
+    monkeypatch.setenv(chooser.ENV_MODE, env[chooser.ENV_MODE])  # as a worker sees it
+    assert chooser.chooser_from_env().mode is coding.CompressMode.NONE
     with pytest.raises(LaunchError, match="--ckpt-compress.*invalid choice: 'lz9'"):
         parse([*base, "--ckpt-compress", "lz9", str(script)])
     monkeypatch.setenv(chooser.ENV_MODE, "lz9")  # set by hand, wrong: logged, and uploads go plain

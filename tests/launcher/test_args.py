@@ -1,4 +1,6 @@
 """Command-line parsing: torchrun's flags in both spellings, PET_* variables, script flags passed through."""
+import os
+
 import pytest
 
 from resilient.launcher.api import LaunchError, WorkerLaunchMethod
@@ -67,3 +69,19 @@ def test_virtual_local_rank_env_like_torchrun(tmp_path, monkeypatch):
     envs = [worker_env(cfg, nr, lr, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
                        monitor_socket=None, drill_env={}) for lr in (0, 1)]
     assert [(e["LOCAL_RANK"], e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "4"), ("0", "1", "5")]
+
+
+def test_ckpt_compress_reaches_the_workers_through_the_config_not_the_agents_environment(tmp_path, monkeypatch):
+    from resilient import env as renv
+    from resilient.launcher.api import NodeRole, NodeRound
+    from resilient.launcher.workers import worker_env
+
+    monkeypatch.delenv(renv.CKPT_COMPRESS, raising=False)
+    cfg = parse(["--nproc-per-node", "1", "--ckpt-compress", "bgzstd", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert cfg.ckpt_compress == "bgzstd" and renv.CKPT_COMPRESS not in os.environ
+    nr = NodeRound(round=0, role=NodeRole.ACTIVE, world_size=1)
+    env = worker_env(cfg, nr, 0, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
+                     monitor_socket=None, drill_env={})
+    assert renv.WorkerEnv.from_env(env).ckpt_compress == "bgzstd"
+    cfg = parse(["--nproc-per-node", "1", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert cfg.ckpt_compress is None
