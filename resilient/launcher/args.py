@@ -17,7 +17,7 @@ from pathlib import Path
 
 from resilient import env as renv
 from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod
-from resilient.supervisor.config import add_supervisor_arguments
+from resilient.supervisor.config import add_supervisor_arguments, parse_nnodes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,18 +97,6 @@ def _max_failed_saves_of(flag: int | None) -> int:
         raise LaunchError(f"{renv.CKPT_MAX_FAILED_SAVES}: {e}") from None
 
 
-def _nnodes(v: str) -> tuple[int, int]:
-    try:
-        parts = [int(x) for x in v.split(":")]
-    except ValueError:
-        raise LaunchError(f"--nnodes must be N or MIN:MAX, got {v!r}") from None
-    if len(parts) == 1:
-        return parts[0], parts[0]
-    if len(parts) == 2:
-        return parts[0], parts[1]
-    raise LaunchError(f"--nnodes must be N or MIN:MAX, got {v!r}")
-
-
 def _nproc(v: str) -> int:
     from torch.distributed.run import determine_local_world_size
 
@@ -138,9 +126,10 @@ def parse(argv: list[str]) -> AgentConfig:
     if not args.training_script:
         raise LaunchError("no training script given: resilient-run [flags] SCRIPT [ARGS...]")
 
-    min_nodes, max_nodes = _nnodes(args.nnodes)
-    if not (0 < min_nodes <= max_nodes):
-        raise LaunchError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {args.nnodes!r}")
+    try:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     if args.max_restarts is not None and int(args.max_restarts) < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
 

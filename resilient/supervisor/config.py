@@ -41,6 +41,20 @@ class SupervisorConfig:
                 raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
 
 
+def parse_nnodes(v: str) -> tuple[int, int]:
+    """``--nnodes`` of either command: N or MIN:MAX, with 0 < MIN <= MAX; ValueError naming the flag."""
+    try:
+        parts = [int(x) for x in v.split(":")]
+    except ValueError:
+        raise ValueError(f"--nnodes must be N or MIN:MAX, got {v!r}") from None
+    if len(parts) not in (1, 2):
+        raise ValueError(f"--nnodes must be N or MIN:MAX, got {v!r}")
+    lo, hi = parts[0], parts[-1]
+    if not (0 < lo <= hi):
+        raise ValueError(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {v!r}")
+    return lo, hi
+
+
 def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     """The supervisor's flags both commands take, with one meaning and one default each."""
     g.add_argument("--policy", default=None,

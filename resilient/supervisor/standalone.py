@@ -27,7 +27,7 @@ from pathlib import Path
 from resilient import env as renv
 from resilient.events.ledger import Ledger, read_events
 from resilient.supervisor.api import PolicyError
-from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments
+from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments, parse_nnodes
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str]) -> StandaloneConfig:
     a = build_parser().parse_args(argv)
     try:
-        parts = [int(x) for x in a.nnodes.split(":")]
-    except ValueError:
-        raise _BadInput(f"--nnodes must be N or MIN:MAX, got {a.nnodes!r}") from None
-    if len(parts) not in (1, 2):
-        raise _BadInput(f"--nnodes must be N or MIN:MAX, got {a.nnodes!r}")
-    lo, hi = parts[0], parts[-1]
+        lo, hi = parse_nnodes(a.nnodes)
+    except ValueError as e:
+        raise _BadInput(str(e)) from None
     if a.policy is not None:
         from resilient.supervisor.policy import load_policy
 

@@ -85,3 +85,14 @@ def test_ckpt_compress_reaches_the_workers_through_the_config_not_the_agents_env
     assert renv.WorkerEnv.from_env(env).ckpt_compress == "bgzstd"
     cfg = parse(["--nproc-per-node", "1", "--run-dir", str(tmp_path / "r"), SCRIPT])
     assert cfg.ckpt_compress is None
+
+
+@pytest.mark.parametrize("nnodes", ["x", "1:2:3", "2:1", "0"])
+def test_both_commands_refuse_a_bad_nnodes_in_the_same_words(tmp_path, nnodes):
+    from resilient.supervisor import standalone as S
+
+    with pytest.raises(LaunchError) as agent:
+        parse(["--nnodes", nnodes, "--run-dir", str(tmp_path / "r"), SCRIPT])
+    with pytest.raises(Exception) as sup:
+        S.parse(["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", nnodes, "--run-dir", str(tmp_path / "s")])
+    assert str(agent.value) == str(sup.value) and str(agent.value).startswith("--nnodes must be N or MIN:MAX")
