@@ -26,7 +26,7 @@ def preload_modules(cfg: AgentConfig) -> tuple[str, ...]:
     """What the fork server imports ahead of time: what every resilient worker imports anyway
     (soft: a failure only costs speed), then the user's ``--preload`` modules (hard)."""
     # DistributedDataParallel imports torch._dynamo on construction: seconds per restart otherwise
-    soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.manager",
+    soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.save.manager",
             "resilient.worker.steps"]
     if (cfg.ckpt_persistent or "").startswith("gs://"):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
