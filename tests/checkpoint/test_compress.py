@@ -402,7 +402,8 @@ from resilient.checkpoint.upload import transcode
 from resilient.checkpoint.manager import CheckpointManager
 
 streamed = []
-real = {"prepare_upload": prepare.prepare_upload, "observe_upload": prepare.observe_upload, "stream_files": transcode.stream_files}
+real = {"prepare": prepare.CodedUploads.prepare, "observe": prepare.CodedUploads.observe,
+        "stream_files": transcode.stream_files}
 transcode.stream_files = lambda *a, **k: (streamed.append(1), real["stream_files"](*a, **k))[1]
 root = sys.argv[1]
 g = torch.Generator().manual_seed(r)
@@ -410,11 +411,11 @@ state = {"w": torch.randn(200_000, generator=g) * 0.02, "b": torch.randn(1000, g
 res = {}
 for mode in ("before", "none", "bgzstd"):
     if mode == "before":  # the uploader as it was before compression existed: no hook at all
-        prepare.prepare_upload = lambda *a, **k: None
-        prepare.observe_upload = lambda *a, **k: None
+        prepare.CodedUploads.prepare = lambda *a, **k: None
+        prepare.CodedUploads.observe = lambda *a, **k: None
         os.environ[chooser.ENV_MODE] = "none"
     else:
-        prepare.prepare_upload, prepare.observe_upload = real["prepare_upload"], real["observe_upload"]
+        prepare.CodedUploads.prepare, prepare.CodedUploads.observe = real["prepare"], real["observe"]
         os.environ[chooser.ENV_MODE] = mode
     c0, z0, s0 = len(calls), len(coded), len(streamed)
     ck = CheckpointManager(local=f"{root}/{mode}/local", persistent=f"file://{root}/{mode}/bucket", interval=1,

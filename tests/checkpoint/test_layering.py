@@ -148,3 +148,13 @@ def test_layers_import_each_other_at_the_top_of_a_module() -> None:
                 hidden.append(f"{mod}:{node.lineno} {node.module}")
     assert not hidden, hidden
 
+
+def test_no_state_is_kept_in_another_objects_dict() -> None:
+    """``obj.__dict__[...]``: state hidden in an object that does not declare it (its owner cannot see it)."""
+    hidden = []
+    for mod, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+                hidden.append(f"{mod}:{node.lineno}")
+    assert not hidden, hidden
+

@@ -15,19 +15,13 @@ from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.storage.parts import TierDest
 from resilient.checkpoint.storage.tiers import read_manifest
 from resilient.checkpoint.upload import transcode
-from resilient.checkpoint.upload.chooser import Chooser, chooser_from_env
+from resilient.checkpoint.storage.context import Component
+from resilient.checkpoint.upload.chooser import Chooser
 from resilient.checkpoint.upload.transcode import Transcoded, clear, finish_step, merged_metadata
 from resilient.events.api import EventKind
 
 
 logger = logging.getLogger(__name__)
-
-
-def _chooser(mgr: Any) -> Chooser:
-    c = mgr.__dict__.get("_compress_chooser")
-    if c is None:
-        c = mgr.__dict__["_compress_chooser"] = chooser_from_env()
-    return c
 
 
 class Prepared(tuple):  # type: ignore[type-arg]
@@ -48,7 +42,7 @@ def sent_bytes(coded: Any) -> int:
     return int(getattr(coded, "sent", 0) or 0)
 
 
-def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None:
+def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group: Any) -> Prepared | None:
     """Collective on ``group`` (every rank): decide, with rank 0's measurements, whether this step goes to
     the persistent tier compressed (rank 0 writes the decision to the ledger); if so send this rank's files
     of ``step`` from the local tier ``src`` to the store as they are coded (:func:`stream_files`: coding
@@ -59,7 +53,6 @@ def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None
 
     The decision is gathered before any call to the store. The layout is gathered after this rank's sends,
     which are bounded in time (:class:`Sink`), like the uploader's own gather of results that follows."""
-    chooser = _chooser(mgr)
     if chooser.mode is CompressMode.NONE:
         return None  # no collective, no work: compression off costs nothing
     chooser.streamed = False
@@ -120,11 +113,23 @@ def prepare_upload(mgr: Any, step: int, src: Any, group: Any) -> Prepared | None
     return Prepared(out, dataclasses.replace(m2, files={}), part.coded_bytes)
 
 
-def observe_upload(mgr: Any, nbytes: int, seconds: float) -> None:
-    """The bytes this rank sent to the store and how long that took: the link's measured throughput
-    (unless the data went out coded: then the stream measured it, and what is left is a few small files)."""
-    c = _chooser(mgr)
-    if c.streamed:
-        c.streamed = False
-        return
-    c.observe_link(nbytes, seconds)
+class CodedUploads:
+    """One uploader's compressed uploads: the chooser, whose measurements (the link's and the codec's
+    throughput, the ratio) carry from one step to the next. The uploader owns it and is its only caller."""
+
+    def __init__(self, chooser: Chooser):
+        self.chooser = chooser
+
+    def prepare(self, up: Component, step: int, src: Any, group: Any) -> Prepared | None:
+        """:func:`prepare_upload` with this uploader's chooser."""
+        return prepare_upload(up, self.chooser, step, src, group)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """The bytes this rank sent to the store and how long that took: the link's measured throughput
+        (unless the data went out coded: then the stream measured it, and what is left is a few small
+        files)."""
+        c = self.chooser
+        if c.streamed:
+            c.streamed = False
+            return
+        c.observe_link(nbytes, seconds)

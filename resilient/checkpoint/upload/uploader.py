@@ -28,6 +28,7 @@ from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.digests import map_verified, verify_bytes
 from resilient.checkpoint.storage.parts import SENDERS, TierDest, part_size
 from resilient.checkpoint.upload import prepare
+from resilient.checkpoint.upload.chooser import chooser_from_env
 from resilient.checkpoint.upload.transcode import clear
 from resilient.events.api import EventKind
 
@@ -43,6 +44,7 @@ class Uploader(Component):
     def __init__(self, ctx: Context, interval: Any):
         super().__init__(ctx)
         self._interval = interval
+        self.coded = prepare.CodedUploads(chooser_from_env())
         self.closed = False  # the manager is closing: see _give_up
         self._up_abandon = False
         self._up_cv = threading.Condition()
@@ -167,7 +169,7 @@ class Uploader(Component):
         # collective (every rank takes part): it agrees on compressing before any call to the store, and the
         # coded parts it sends are bounded in time, so a rank stuck on a dead store holds the others in its
         # later gathers no longer than that bound
-        coded = prepare.prepare_upload(self, step, src, group) if mem is None else None
+        coded = self.coded.prepare(self, step, src, group) if mem is None else None
         ok, error, nbytes = True, None, prepare.sent_bytes(coded)  # parts prepare_upload already sent
         try:
             # a step uploaded again (a job restored from an older step saves this number anew) must not stay
@@ -201,7 +203,7 @@ class Uploader(Component):
                     nbytes += len(data)
             else:
                 nbytes += self._send_plain(step, Path(d), names, m)
-            prepare.observe_upload(self, nbytes, time.perf_counter() - t_put)
+            self.coded.observe(nbytes, time.perf_counter() - t_put)
         except FAILURES as e:
             ok, error = False, e
             newer = self._newer_pending(step)
