@@ -158,3 +158,11 @@ def test_no_state_is_kept_in_another_objects_dict() -> None:
                 hidden.append(f"{mod}:{node.lineno}")
     assert not hidden, hidden
 
+
+def test_components_read_the_context_without_copies_of_it() -> None:
+    """A part of the manager reads ``self.ctx``; a property per field of the context is a second name for it."""
+    tree = _trees()[f"{NAME}.storage.context"]
+    component = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Component")
+    properties = [f.name for f in component.body if isinstance(f, ast.FunctionDef)
+                  and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)]
+    assert not properties, properties

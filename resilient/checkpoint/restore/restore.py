@@ -238,21 +238,21 @@ class Restorer(Component):
         self._plans = _Lru(1)  # (step, metadata, targets) -> _Direct
 
     def _tiers(self) -> list[Any]:
-        return [t for t in (self.local, self.peer, self.persistent) if t is not None]
+        return [t for t in (self.ctx.local, self.ctx.peer, self.ctx.persistent) if t is not None]
 
     def _scan(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for t in self._tiers():
             try:
-                if t is self.persistent:
+                if t is self.ctx.persistent:
                     # a bounded probe: a dead store must not hold the start of training
-                    steps = t.steps(timeout_s=self.config.restore_probe_s)
+                    steps = t.steps(timeout_s=self.ctx.config.restore_probe_s)
                 else:
                     steps = t.steps()
                 out[t.name] = sorted(s for s, c in steps.items() if c)
             except FAILURES as e:
                 out[t.name] = []
-                if t is self.persistent:
+                if t is self.ctx.persistent:
                     others = [x.name for x in self._tiers() if x is not t]
                     msg = (f"unreachable at restore ({_one_line(e)}); restoring from "
                            f"{' and '.join(others) if others else 'nothing'} without it")
@@ -276,11 +276,11 @@ class Restorer(Component):
         Returns a result with step None when there is nothing to restore.
         """
         t0 = time.perf_counter()
-        views = self._gather(self._scan(), self._pg)
+        views = self._gather(self._scan(), self.ctx.pg)
         candidates = sorted({s for v in views for steps in v.values() for s in steps}, reverse=True)
-        if self.local is not None and self.local_rank == 0:
+        if self.ctx.local is not None and self.ctx.local_rank == 0:
             # partial steps left by a crash are garbage now (nothing is writing before restore)
-            for tier in (self.local, self.peer):
+            for tier in (self.ctx.local, self.ctx.peer):
                 if tier is not None:
                     self._retain(tier, 10**9, pinned_from=None, drop_newer_partial=True)
         if not candidates:
@@ -309,7 +309,7 @@ class Restorer(Component):
             if res is not None:
                 self._emit(EventKind.CKPT_RESTORE, step=step, tier=res.tier, seconds=res.seconds, bytes=res.bytes,
                            sources=sorted(set(res.sources.values())))
-                logger.info("rank %d restored step %d from %s in %.2f s", self.rank, step, res.tier, res.seconds)
+                logger.info("rank %d restored step %d from %s in %.2f s", self.ctx.rank, step, res.tier, res.seconds)
                 return res
             failures.append(step)
         extra = f"; refused as unsafe: {'; '.join(sorted(set(unsafe))[:5])}" if unsafe else ""
@@ -330,7 +330,7 @@ class Restorer(Component):
         otherwise (compressed at upload): its files are not blocks of the local copies, and its manifests and
         ``.metadata`` belong together; a bad block of a local copy, or a rank whose copies are only there, is
         then served from it whole."""
-        near = [t.name for t in (self.local, self.peer) if t is not None]
+        near = [t.name for t in (self.ctx.local, self.ctx.peer) if t is not None]
         if (not near or all((step, n) in self._excluded for n in near)
                 or (step, TierName.PERSISTENT.value) in self._excluded
                 or not any(step in v.get(TierName.PERSISTENT.value, []) for v in views)):
@@ -338,13 +338,13 @@ class Restorer(Component):
         for n in near:
             self._excluded.add((step, n))
         shutil.rmtree(self._fetch_dir(step), ignore_errors=True)
-        logger.warning("rank %d: step %d: trying it again from the persistent tier's copy alone", self.rank, step)
+        logger.warning("rank %d: step %d: trying it again from the persistent tier's copy alone", self.ctx.rank, step)
         return True
 
     def _persistent_range(self, step: int, name: str, entry: FileEntry) -> RangeSource:
         """The persistent tier's copy of ``name`` read by byte ranges of ``entry``'s layout; a copy encoded
         otherwise (compressed at upload) refuses, so that the block is not taken from bytes of another file."""
-        tier = self.persistent
+        tier = self.ctx.persistent
         assert tier is not None
 
         def read(off: int, n: int) -> bytes:
@@ -367,7 +367,7 @@ class Restorer(Component):
 
     def _local_copies(self, step: int) -> list[tuple[str, Path]]:
         out = []
-        for t in (self.local, self.peer):
+        for t in (self.ctx.local, self.ctx.peer):
             if t is not None and t.path(step).is_dir() and (step, t.name) not in getattr(self, "_excluded", ()):
                 out.append((t.name, t.path(step)))
         fetched = self._fetch_dir(step)
@@ -376,7 +376,7 @@ class Restorer(Component):
         return out
 
     def _fetch_dir(self, step: int) -> Path:
-        return self._scratch / ".fetch" / f"rank{self.rank}" / f"step_{step:08d}"
+        return self.ctx.scratch / ".fetch" / f"rank{self.ctx.rank}" / f"step_{step:08d}"
 
     def _try_restore(self, step: int, state: Mapping[str, Any], views: list[dict[str, list[int]]],
                      t0: float) -> "RestoreResult | _Unsafe | None":
@@ -397,7 +397,7 @@ class Restorer(Component):
                 except (OSError, ValueError, KeyError, TypeError):
                     logger.warning("unreadable manifest %s skipped", p)
         manifests: dict[int, Manifest] = {}
-        for theirs in self._gather(mine, self._pg):
+        for theirs in self._gather(mine, self.ctx.pg):
             for r, m in theirs.items():
                 manifests.setdefault(r, m)
         world_old = next(iter(manifests.values())).world_size if manifests else None
@@ -407,14 +407,15 @@ class Restorer(Component):
             missing = [r for r in range(world_old or 0) if r not in manifests] if world_old else None
             try:
                 if missing is None:
-                    m0 = _checked(retry(lambda: read_manifest(self.persistent, step, 0),  # type: ignore
+                    m0 = _checked(retry(lambda: read_manifest(self.ctx.persistent, step, 0),  # type: ignore
                                         what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
                     manifests[0] = m0
                     self._from_persistent.add(0)
                     world_old = m0.world_size
                     missing = [r for r in range(world_old) if r not in manifests]
                 for r in missing:
-                    manifests[r] = _checked(retry(lambda r=r: read_manifest(self.persistent, step, r),  # type: ignore
+                    persistent = self.ctx.persistent
+                    manifests[r] = _checked(retry(lambda r=r: read_manifest(persistent, step, r),  # type: ignore
                                                   what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
                     self._from_persistent.add(r)
             except FAILURES as e:
@@ -455,7 +456,7 @@ class Restorer(Component):
         except UnsafeCheckpointError as e:
             refused = (sources.get(DCP_METADATA), str(e))
         except FAILURES as e:
-            logger.warning("rank %d: step %d: %s", self.rank, step, _one_line(e))
+            logger.warning("rank %d: step %d: %s", self.ctx.rank, step, _one_line(e))
             refused = ("", "")
         verdict = self._refused(step, refused)
         if verdict is not None:
@@ -465,19 +466,19 @@ class Restorer(Component):
         phases["metadata"] = time.perf_counter() - t_phase
         # every rank stops here if one cannot plan, none is left waiting in a collective, and every rank's
         # error is told
-        plan = self._ranks(self._pg).run(
+        plan = self._ranks(self.ctx.pg).run(
             f"planning the restore of step {step}",
             lambda: self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old),
             catch=(CheckpointError,))
         # a world-size change some state cannot follow: every rank learns every rank's findings and all
         # raise the same error, before a single data file is fetched or a byte lands in the state
         reshard: dict[str, str] = {}
-        for theirs in self._gather(plan.reshard, self._pg):
+        for theirs in self._gather(plan.reshard, self.ctx.pg):
             for k, why in theirs.items():
                 reshard.setdefault(k, why)
         if reshard:
-            err = CheckpointReshardError(step, world_old, self.world_size, reshard)
-            if self.rank == 0:
+            err = CheckpointReshardError(step, world_old, self.ctx.world_size, reshard)
+            if self.ctx.rank == 0:
                 logger.error("%s", err)
             raise err
         need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan.load_sd)}
@@ -525,7 +526,7 @@ class Restorer(Component):
         refused = None
         if slow_keys:
             slow_sd = {k: plan.load_sd[k] for k in slow_keys}
-            view = self._scratch / ".restore" / f"rank{self.rank}"
+            view = self.ctx.scratch / ".restore" / f"rank{self.ctx.rank}"
             shutil.rmtree(view, ignore_errors=True)
             view.mkdir(parents=True)
             for n, p in paths.items():
@@ -556,9 +557,9 @@ class Restorer(Component):
         nbytes = sum(files[n].size for n in need)
         res = RestoreResult(step=step, tier=tier, seconds=time.perf_counter() - t0, bytes=nbytes,
                             sources={n: sources[n] for n in need}, phases=phases)
-        logger.debug("rank %d restore of step %d phases: %s", self.rank, step, phases)
-        shutil.rmtree(self._scratch / ".fetch" / f"rank{self.rank}", ignore_errors=True)
-        _rmdir_quiet(self._scratch / ".fetch")
+        logger.debug("rank %d restore of step %d phases: %s", self.ctx.rank, step, phases)
+        shutil.rmtree(self.ctx.scratch / ".fetch" / f"rank{self.ctx.rank}", ignore_errors=True)
+        _rmdir_quiet(self.ctx.scratch / ".fetch")
         return res
 
     def _direct_plan(self, md: Any, plan: "_LoadPlan", need: set[str], files: dict[str, FileEntry]) -> _Direct:
@@ -622,7 +623,7 @@ class Restorer(Component):
     def _on_bad(self, step: int) -> Any:
         def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
             logger.warning("rank %d: step %d: %s block %d from the %s tier: %s; trying the next copy",
-                           self.rank, step, f.name, block, tier, why)
+                           self.ctx.rank, step, f.name, block, tier, why)
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier, error=f"{f.name} block {block}: {why}")
         return on_bad
 
@@ -644,7 +645,7 @@ class Restorer(Component):
             self._pre = {f.name: f for f in loads}
             self._pre_opened = opened
         except FAILURES as e:  # _load_direct loads them again, from the start
-            logger.warning("rank %d: loading this node's files during the transfers failed: %s", self.rank, e)
+            logger.warning("rank %d: loading this node's files during the transfers failed: %s", self.ctx.rank, e)
             self._pre, self._pre_lost = {}, []
             for src in opened:
                 src.close()
@@ -730,7 +731,7 @@ class Restorer(Component):
                 src.close()
         lost_files = sorted({x.split(" ")[0] for x in lost})
         # last resort, collective: files with lost blocks from another rank's copy over gloo
-        if any(self._gather(lost_files, self._pg)):
+        if any(self._gather(lost_files, self.ctx.pg)):
             got = self._assemble(step, set(lost_files), files, in_persistent, have_already=({}, {}, {}),
                                  exclude=frozenset(lost_files))
             again: list[str] = []
@@ -751,13 +752,13 @@ class Restorer(Component):
             if again and any(v is False for v in self._persistent_same.values()):
                 # not the end: the persistent tier holds the step compressed, read whole next (_persistent_alone)
                 logger.warning("rank %d: step %d: no good copy of %s on this node or another rank; reading the "
-                               "persistent tier's compressed copy of the step next", self.rank, step,
+                               "persistent tier's compressed copy of the step next", self.ctx.rank, step,
                                "; ".join(again[:5]))
                 self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.LOCAL.value,
                            error=f"no good copy of {'; '.join(again[:5])} on this node or another rank; "
                                  "reading the persistent tier's compressed copy next")
             elif again:
-                logger.error("rank %d: %s", self.rank, undefined(again, step))
+                logger.error("rank %d: %s", self.ctx.rank, undefined(again, step))
                 self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier="all",
                            error=f"no good copy of {'; '.join(again[:5])}")
             if not self._all(not again):
@@ -771,7 +772,7 @@ class Restorer(Component):
         """The copies of ``name`` this rank can read without the others, best first."""
         out: list[Source] = []
         seen: set[str] = set()
-        if name in self._remote and self.persistent is not None:
+        if name in self._remote and self.ctx.persistent is not None:
             out.append(self._persistent_range(step, name, entry))
         elif name in mem:
             out.append(MemSource(mem[name], sources.get(name, TierName.PEER.value)))
@@ -782,7 +783,7 @@ class Restorer(Component):
                 out.append(src)
                 seen.add(os.path.realpath(paths[name]))
             except OSError as e:
-                logger.warning("rank %d: %s: %s", self.rank, name, e)
+                logger.warning("rank %d: %s: %s", self.ctx.rank, name, e)
         for tier_name, d in self._local_copies(step):
             p = d / name
             if os.path.realpath(p) in seen or not p.exists():
@@ -794,7 +795,7 @@ class Restorer(Component):
             opened.append(src)
             out.append(src)
             seen.add(os.path.realpath(p))
-        if in_persistent and self.persistent is not None and name not in self._remote \
+        if in_persistent and self.ctx.persistent is not None and name not in self._remote \
                 and sources.get(name) != TierName.PERSISTENT.value:
             out.append(self._persistent_range(step, name, entry))
         return out
@@ -804,7 +805,7 @@ class Restorer(Component):
             try:
                 return whole_file(src, f.entry)
             except (OSError, ValueError, RuntimeError, TimeoutError) as e:
-                logger.warning("rank %d: whole copy of %s from the %s tier: %s", self.rank, f.name, src.tier, e)
+                logger.warning("rank %d: whole copy of %s from the %s tier: %s", self.ctx.rank, f.name, src.tier, e)
         raise undefined([f"{f.name} (whole file)"])
 
     def _refused(self, step: int, refused: tuple[str | None, str] | None) -> "_Unsafe | None":
@@ -812,9 +813,9 @@ class Restorer(Component):
         are excluded for this step (on every rank) and the step is tried again from the next tier."""
         if refused is not None and refused[1]:
             tier, msg = refused
-            logger.error("rank %d: %s", self.rank, msg)
+            logger.error("rank %d: %s", self.ctx.rank, msg)
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier or "unknown", error=f"unsafe: {msg}")
-        everyone = self._gather(refused, self._pg)
+        everyone = self._gather(refused, self.ctx.pg)
         if all(r is None for r in everyone):
             return None
         for r in everyone:
@@ -843,7 +844,7 @@ class Restorer(Component):
         rank's own files from this node meanwhile).
         """
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
-        needs = self._gather(sorted(need), self._pg)
+        needs = self._gather(sorted(need), self.ctx.pg)
         wanted = set().union(*(set(n) for n in needs))
         # copies on this node of anything some rank needs: verified when this rank loads them; a copy
         # only sent to others is verified by its receiver (one read instead of two)
@@ -865,14 +866,14 @@ class Restorer(Component):
                         raise CorruptFileError(f"{d / n}: size differs from the manifest")
                     have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
                 except (CorruptFileError, OSError) as e:
-                    logger.warning("rank %d: %s copy of step %d skipped: %s", self.rank, tier_name, step, e)
+                    logger.warning("rank %d: %s copy of step %d skipped: %s", self.ctx.rank, tier_name, step, e)
         for n, p in paths.items():
             have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
-        everyone = self._gather(sorted(set(have) | set(mem)), self._pg)
+        everyone = self._gather(sorted(set(have) | set(mem)), self.ctx.pg)
 
         fetch_plan = plan_fetch(needs, everyone, {n: files[n].size for n in wanted}, in_persistent)
         transfers = fetch_plan.transfers
-        downloads = list(fetch_plan.downloads.get(self.rank, []))
+        downloads = list(fetch_plan.downloads.get(self.ctx.rank, []))
         if not fetch_plan.feasible:
             logger.warning("step %d: some files are on no tier; trying an older step", step)
             return None
@@ -885,7 +886,7 @@ class Restorer(Component):
         ok = True
         # the same on every rank (the sender cuts the file the way the receiver lands it)
         wire = {n: files[n] for n in sorted(wanted) if lazy and files[n].items and n != DCP_METADATA}
-        incoming = (sum(t.size for t in transfers if t.dst == self.rank and t.name not in wire)
+        incoming = (sum(t.size for t in transfers if t.dst == self.ctx.rank and t.name not in wire)
                     + sum(files[n].size for n in downloads))
         in_memory = incoming <= _memory_budget()
         try:
@@ -893,19 +894,19 @@ class Restorer(Component):
                 src_path = {n: str(p) for n, (_, p) in have.items()}
                 src_mem = {n: b for n, b in mem.items()}
                 bg = None
-                if prefetch is not None and any(self.rank in (t.src, t.dst) for t in transfers):
+                if prefetch is not None and any(self.ctx.rank in (t.src, t.dst) for t in transfers):
                     bg = threading.Thread(target=prefetch, name="resilient-restore-local", daemon=True)
                     bg.start()
                 try:
-                    received = run_transfers(self._pg, self.rank, transfers, src_path=src_path, src_mem=src_mem,
+                    received = run_transfers(self.ctx.pg, self.ctx.rank, transfers, src_path=src_path, src_mem=src_mem,
                                              out_dir=None if in_memory else fetch, to_memory=in_memory,
                                              wire=wire, land=land)
                 finally:
                     if bg is not None:
-                        bg.join(self.config.collective_timeout_s)
+                        bg.join(self.ctx.config.collective_timeout_s)
                 if bg is not None and bg.is_alive():
                     raise CheckpointError(f"loading this node's files did not finish within "
-                                          f"{self.config.collective_timeout_s:.0f} s; is the disk hung?")
+                                          f"{self.ctx.config.collective_timeout_s:.0f} s; is the disk hung?")
                 for n, got in received.items():
                     if isinstance(got, Landed):
                         self._landed[n] = got
@@ -913,7 +914,7 @@ class Restorer(Component):
                         sources[n] = TierName.PEER.value
                         for b in got.bad:
                             logger.warning("rank %d: step %d: %s block %d from a peer: %s differs from the "
-                                           "manifest; %s", self.rank, step, n, b, files[n].digest,
+                                           "manifest; %s", self.ctx.rank, step, n, b, files[n].digest,
                                            "falling back to the persistent tier" if in_persistent
                                            else "trying the next copy")
                             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PEER.value,
@@ -930,7 +931,7 @@ class Restorer(Component):
                     except CorruptFileError as e:
                         if not in_persistent:
                             raise
-                        logger.warning("rank %d: %s; falling back to the persistent tier", self.rank, e)
+                        logger.warning("rank %d: %s; falling back to the persistent tier", self.ctx.rank, e)
                         downloads.append(n)
             for n in downloads:
                 if lazy and files[n].items and n != DCP_METADATA:
@@ -939,24 +940,25 @@ class Restorer(Component):
                     sources[n] = TierName.PERSISTENT.value
                     continue
                 if in_memory:
-                    data = retry(lambda n=n: self.persistent.read_parallel(step, n, files[n].size),  # type: ignore
-                                 what=f"download {n} of step {step}", retries=self.config.upload_retries,
-                                 backoff_s=self.config.upload_backoff_s,
-                                 backoff_max_s=self.config.upload_backoff_max_s)
+                    data = retry(lambda n=n: self.ctx.persistent.read_parallel(step, n, files[n].size),  # type: ignore
+                                 what=f"download {n} of step {step}", retries=self.ctx.config.upload_retries,
+                                 backoff_s=self.ctx.config.upload_backoff_s,
+                                 backoff_max_s=self.ctx.config.upload_backoff_max_s)
                     verify_bytes(data, files[n], what=f"{n} from the persistent tier")
                     mem[n] = data
                 else:
                     fetch.mkdir(parents=True, exist_ok=True)
                     dst = fetch / n
-                    retry(lambda n=n, dst=dst: self.persistent.get_file(step, n, str(dst), files[n].size),  # type: ignore
-                          what=f"download {n} of step {step}", retries=self.config.upload_retries,
-                          backoff_s=self.config.upload_backoff_s, backoff_max_s=self.config.upload_backoff_max_s)
+                    cfg = self.ctx.config
+                    retry(lambda n=n, dst=dst: self.ctx.persistent.get_file(step, n, str(dst), files[n].size),  # type: ignore
+                          what=f"download {n} of step {step}", retries=cfg.upload_retries,
+                          backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s)
                     verify_file(dst, files[n])
                     paths[n] = dst
                 sources[n] = TierName.PERSISTENT.value
         except FAILURES as e:
             ok = False
-            logger.warning("rank %d: assembling step %d failed: %s", self.rank, step, e)
+            logger.warning("rank %d: assembling step %d failed: %s", self.ctx.rank, step, e)
         if not self._all(ok):
             return None
         return paths, mem, sources
@@ -971,19 +973,19 @@ class Restorer(Component):
         expand: dict[str, list[str]] = {}
         missing, shape_mismatch = [], {}
         reshard: dict[str, str] = {}
-        resized = world_old != self.world_size
+        resized = world_old != self.ctx.world_size
         params = _param_like(state)
         for fqn, (path, v) in leaves.items():
             key = fqn
             if fqn in per_rank_keys:
-                pk = _per_rank_key(self.rank, fqn)
+                pk = _per_rank_key(self.ctx.rank, fqn)
                 own = pk in md or any(k.startswith(pk + ".") for k in md)
                 if resized and self._is_object(v, md, fqn, world_old):
                     # a per-rank object (a data position, a shard index, a counter) cannot be split, merged
                     # or copied: a copy makes two ranks repeat the same data, a dropped one skips data
-                    gone = [r for r in range(self.world_size, world_old) if _per_rank_key(r, fqn) in md]
+                    gone = [r for r in range(self.ctx.world_size, world_old) if _per_rank_key(r, fqn) in md]
                     if not own:
-                        reshard[fqn] = f"a per-rank object with no value saved for rank {self.rank}"
+                        reshard[fqn] = f"a per-rank object with no value saved for rank {self.ctx.rank}"
                         continue
                     if gone:
                         reshard[fqn] = (f"a per-rank object whose values of ranks {gone[0]}-{gone[-1]} would be "
@@ -992,10 +994,10 @@ class Restorer(Component):
                         continue
                 if own:
                     key = pk
-                elif self.rank == 0 or self.rank >= world_old:
+                elif self.ctx.rank == 0 or self.ctx.rank >= world_old:
                     # tensors (RNG states, running statistics): a copy of a saved rank's value is a valid start
                     logger.warning("per-rank value %r has no entry for rank %d (saved with %d ranks); "
-                                   "using the shared one", fqn, self.rank, world_old)
+                                   "using the shared one", fqn, self.ctx.rank, world_old)
                 m = md.get(key)
                 if resized and isinstance(v, torch.Tensor) and isinstance(m, TensorStorageMetadata) \
                         and tuple(m.size) != tuple(v.shape):

@@ -100,68 +100,10 @@ class Context:
 
 
 class Component:
-    """A part of the manager: reads the shared :class:`Context` under the names the manager's code uses."""
+    """A part of the manager: reads the shared :class:`Context` (``self.ctx``), never copies it."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
-
-    # this rank and the job
-    @property
-    def config(self) -> CheckpointConfig:
-        return self.ctx.config
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def local_world_size(self) -> int:
-        return self.ctx.local_world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.ctx.local_rank
-
-    @property
-    def node(self) -> int:
-        return self.ctx.node
-
-    @property
-    def nnodes(self) -> int:
-        return self.ctx.nnodes
-
-    @property
-    def _dist(self) -> bool:
-        return self.ctx.distributed
-
-    @property
-    def _pg(self) -> Any:
-        return self.ctx.pg
-
-    @property
-    def _pg_up(self) -> Any:
-        return self.ctx.pg_up
-
-    # tiers
-    @property
-    def local(self) -> Any:
-        return self.ctx.local
-
-    @property
-    def peer(self) -> Any:
-        return self.ctx.peer
-
-    @property
-    def persistent(self) -> Any:
-        return self.ctx.persistent
-
-    @property
-    def _scratch(self) -> Path:
-        return self.ctx.scratch
 
     # helpers
     def _emit(self, kind: EventKind, **details: Any) -> None:
@@ -177,7 +119,7 @@ class Component:
         return self.ctx.ranks(group).broadcast(obj)
 
     def _all(self, ok: bool) -> bool:
-        return all(self._gather(bool(ok), self._pg))
+        return all(self._gather(bool(ok), self.ctx.pg))
 
     def _node_ranks(self, node: int) -> list[int]:
         return self.ctx.node_ranks(node)

@@ -57,22 +57,22 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
         return None  # no collective, no work: compression off costs nothing
     chooser.streamed = False
     try:
-        m: Manifest | None = read_manifest(src, step, mgr.rank)
+        m: Manifest | None = read_manifest(src, step, mgr.ctx.rank)
     except (OSError, ValueError, KeyError) as e:
         m = None  # the upload itself reports it
         logger.debug("step %d: no manifest to compress from (%s)", step, e)
     mine = chooser.decide(sum(f.size for f in m.files.values()) if m is not None else None)
     decision = mgr._gather(mine, group)[0]  # rank 0's measurements decide for every rank
-    if mgr.rank == 0:
+    if mgr.ctx.rank == 0:
         logger.info("step %d to the %s tier: %s (%s)", step, decision.tier, decision.codec.value, decision.reason)
         mgr._emit(EventKind.CKPT_COMPRESS, step=step, **decision.to_json())
     if decision.codec is Codec.NONE:
         return None
     # per rank: ranks of a node share the local tier, and each clears its own scratch when done
-    out = Path(src.root) / ".coded" / f"step_{step:08d}-rank{mgr.rank}"
+    out = Path(src.root) / ".coded" / f"step_{step:08d}-rank{mgr.ctx.rank}"
     clear(out)
     part: Transcoded | None = None
-    tier = mgr.persistent
+    tier = mgr.ctx.persistent
     try:
         if m is None:
             raise CompressError("no manifest")
@@ -81,7 +81,7 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
         # a step uploaded again (a job restored from an older step saves this number anew) must not stay
         # visible as complete while its files are replaced: the marker goes before this rank's first write
         tier.delete_file(step, COMMIT_MARKER)
-        cfg = mgr.config
+        cfg = mgr.ctx.config
         give_up = getattr(mgr, "_give_up", None)
         dest = TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                         backoff_max_s=cfg.upload_backoff_max_s,
@@ -96,7 +96,7 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
         return None
     m2: Manifest | None = None
     try:
-        m2 = finish_step(out, m, part, merged_metadata(md, parts), manifest_name(mgr.rank))
+        m2 = finish_step(out, m, part, merged_metadata(md, parts), manifest_name(mgr.ctx.rank))
     except Exception as e:  # a full scratch disk: every rank must then go plain, or .metadata would lie
         logger.warning("step %d: writing the compressed manifest failed (%s: %s); uploading it plain", step,
                        type(e).__name__, e)
@@ -106,7 +106,7 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
     chooser.observe_codec(part.raw_bytes, part.codec_seconds / max(part.threads, 1), part.ratio)
     chooser.observe_link(part.coded_bytes, part.send_seconds)
     chooser.streamed = True
-    if mgr.rank == 0:
+    if mgr.ctx.rank == 0:
         logger.info("step %d: %s %.2fx, sent in %.2f s (codec %.0f MB/s on %d threads, %.2f s blocked sending)",
                     step, decision.codec.value, part.ratio, part.seconds, part.codec_bps / 1e6, part.threads,
                     part.send_seconds)

@@ -2,8 +2,9 @@
 local tier could not hold) to the store on a gloo group of its own, newest requested step first.
 
 Plain files travel like compressed ones (:mod:`resilient.checkpoint.storage.parts`): in part objects of one
-request each, two at a time. A file of one part goes up under its own name; a larger one goes up as hidden parts that the store then
-composes into the file (GCS compose: no byte travels twice), where the store can (else one resumable upload).
+request each, two at a time. A file of one part goes up under its own name; a larger one goes up as hidden
+parts that the store then composes into the file (GCS compose: no byte travels twice), where the store can
+(else one resumable upload).
 Either way a file appears whole or not at all, and the step stays invisible until rank 0 commits it after
 every rank's files landed.
 """
@@ -139,15 +140,15 @@ class Uploader(Component):
                 # ranks may have seen different numbers of requests: agree on one every rank has
                 self._collective.set()
                 try:
-                    step = min(self._gather(newest, self._pg_up))
+                    step = min(self._gather(newest, self.ctx.pg_up))
                 finally:
                     self._collective.clear()
                 with self._up_cv:
                     self._drop_pending(lambda s: s >= step)
                     mem = self._up_mem.get(step)
                     self._up_current = step
-                assert self.local is not None
-                self.upload_step(step, self.local, group=self._pg_up, mem=mem)
+                assert self.ctx.local is not None
+                self.upload_step(step, self.ctx.local, group=self.ctx.pg_up, mem=mem)
             except BaseException as e:  # the uploader must outlive any one upload
                 logger.exception("upload loop error: %s", e)
             finally:
@@ -162,9 +163,9 @@ class Uploader(Component):
         """Copy this rank's files of ``step`` from ``src`` (or from ``mem``: name -> bytes) to the
         persistent tier; rank 0 commits. Returns whether every rank's files landed: the same answer on every
         rank (rank 0's own commit failing is its event to report, not a reason for the ranks to disagree)."""
-        assert self.persistent is not None
+        assert self.ctx.persistent is not None
 
-        cfg = self.config
+        cfg = self.ctx.config
         t0 = time.perf_counter()
         # collective (every rank takes part): it agrees on compressing before any call to the store, and the
         # coded parts it sends are bounded in time, so a rank stuck on a dead store holds the others in its
@@ -176,19 +177,19 @@ class Uploader(Component):
             # visible as complete while its files are replaced: each rank removes the marker before its own
             # first write (no collective for it: a rank must never wait in one while another is stuck on a
             # dead store), and only rank 0 writes it back, after every rank's files are in
-            retry(lambda: self.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
+            retry(lambda: self.ctx.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
                   what=f"uncommit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                   backoff_max_s=cfg.upload_backoff_max_s, should_stop=lambda: self._give_up(step))
             if mem is not None:
-                m = Manifest.from_json(json.loads(mem[manifest_name(self.rank)]))
+                m = Manifest.from_json(json.loads(mem[manifest_name(self.ctx.rank)]))
             else:
-                m = read_manifest(src, step, self.rank)
+                m = read_manifest(src, step, self.ctx.rank)
             d = src.path(step)
             if coded is not None:
                 d, m = coded  # the same step with every item compressed, and its manifest
             t_put = time.perf_counter()
-            names = list(m.files) + [manifest_name(self.rank)]
-            if self.rank == 0:
+            names = list(m.files) + [manifest_name(self.ctx.rank)]
+            if self.ctx.rank == 0:
                 names.append(DCP_METADATA)
             if mem is not None:
                 for n in names:
@@ -196,7 +197,7 @@ class Uploader(Component):
                     data = mem[n]
                     if fe is not None:
                         verify_bytes(data, fe, what=f"{n} of step {step} in memory")
-                    retry(lambda n=n, data=data: self.persistent.write_bytes(step, n, data),  # type: ignore
+                    retry(lambda n=n, data=data: self.ctx.persistent.write_bytes(step, n, data),  # type: ignore
                           what=f"upload {n} of step {step}", retries=cfg.upload_retries,
                           backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
                           should_stop=lambda: self._give_up(step))
@@ -225,9 +226,9 @@ class Uploader(Component):
             finally:
                 self._collective.clear()
         landed = all(r[0] for r in results)
-        if landed and self.rank == 0:
+        if landed and self.ctx.rank == 0:
             try:
-                retry(lambda: self._commit(self.persistent, step, ranks=list(range(self.world_size))),
+                retry(lambda: self._commit(self.ctx.persistent, step, ranks=list(range(self.ctx.world_size))),
                       what=f"commit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                       backoff_max_s=cfg.upload_backoff_max_s)
                 seconds = time.perf_counter() - t0
@@ -240,7 +241,7 @@ class Uploader(Component):
                             tuner.observe_upload(seconds)
                     except FAILURES as e:
                         logger.debug("tuner.observe_upload failed: %s", e)
-                self._retain(self.persistent, cfg.keep_persistent, pinned_from=None)
+                self._retain(self.ctx.persistent, cfg.keep_persistent, pinned_from=None)
             except FAILURES as e:
                 ok, error = False, e
         if not ok:
@@ -256,7 +257,7 @@ class Uploader(Component):
         use (see the module note); each verified against ``m`` first (a copy that rotted on the local disk is
         never uploaded). Returns the bytes sent; raises when a file did not land."""
 
-        tier, cfg = self.persistent, self.config
+        tier, cfg = self.ctx.persistent, self.ctx.config
         assert tier is not None
         stop = (lambda: self._give_up(step))
         dest = TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
