@@ -21,9 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from resilient.checkpoint.api import DCP_METADATA, PEER_SUBDIR, Manifest, StepInfo
-from resilient.checkpoint.storage.tiers import DirTier, make_tier, step_info, verify_step
+from resilient.checkpoint.api import DCP_METADATA, Manifest, PEER_SUBDIR, StepInfo
 from resilient.checkpoint.format.layout import parse_step
+from resilient.checkpoint.storage.tiers import DirTier, make_tier, step_info, verify_step
 
 
 def _split(target: str) -> tuple[str, int | None]:

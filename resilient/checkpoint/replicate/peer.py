@@ -7,11 +7,11 @@ import logging
 import time
 
 from resilient.checkpoint.api import COMMIT_MARKER, DCP_METADATA, Manifest, TierName
-from resilient.checkpoint.storage.context import FAILURES, Component
-from resilient.checkpoint.format.layout import manifest_name
-from resilient.checkpoint.storage.tiers import read_manifest
 from resilient.checkpoint.format.digests import verify_file
+from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.replicate.transfer import FileSpec, ring_exchange
+from resilient.checkpoint.storage.context import Component, FAILURES
+from resilient.checkpoint.storage.tiers import read_manifest
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)

@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 
 from resilient.checkpoint.api import FileEntry
+from resilient.checkpoint.format.digests import blocks_of, crc_bytes, hasher, readinto_exactly
 from resilient.checkpoint.format.spans import Span
-from resilient.checkpoint.format.digests import blocks_of
-from resilient.checkpoint.format.digests import crc_bytes, hasher, readinto_exactly
 
 logger = logging.getLogger(__name__)
 

@@ -27,25 +27,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from resilient.checkpoint.api import (DCP_METADATA, TIER_ORDER, CheckpointError, CheckpointMismatchError,
-                                      CheckpointReshardError, CorruptFileError, FileEntry, Manifest,
-                                      NoRestorableStepError, RestoreResult, StateUndefinedError, TierName,
-                                      UnsafeCheckpointError)
-from resilient.checkpoint.storage.context import FAILURES, Component
-from resilient.checkpoint.storage.context import one_line as _one_line
-from resilient.checkpoint.storage.context import per_rank_key as _per_rank_key
-from resilient.checkpoint.storage.context import quiet as _quiet
-from resilient.checkpoint.storage.context import rmdir_quiet as _rmdir_quiet
+from resilient.checkpoint.api import (CheckpointError, CheckpointMismatchError, CheckpointReshardError,
+                                      CorruptFileError, DCP_METADATA, FileEntry, Manifest, NoRestorableStepError,
+                                      RestoreResult, StateUndefinedError, TIER_ORDER, TierName, UnsafeCheckpointError)
+from resilient.checkpoint.format.digests import map_verified, verify_bytes, verify_file
+from resilient.checkpoint.format.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
+from resilient.checkpoint.format.spans import Span
+from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
+from resilient.checkpoint.replicate.transfer import Landed, Landing, run_transfers
 from resilient.checkpoint.restore.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, load_files,
                                                plan_spans, undefined, whole_file)
-from resilient.checkpoint.format.spans import Span
 from resilient.checkpoint.restore.plan import plan_fetch
 from resilient.checkpoint.restore.reader import FastReader, SafeLoadPlanner
-from resilient.checkpoint.format.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
-from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
-from resilient.checkpoint.format.digests import map_verified, verify_bytes, verify_file
+from resilient.checkpoint.storage.context import (Component, FAILURES, one_line as _one_line,
+                                                  per_rank_key as _per_rank_key, quiet as _quiet,
+                                                  rmdir_quiet as _rmdir_quiet)
 from resilient.checkpoint.storage.tiers import read_manifest, retry
-from resilient.checkpoint.replicate.transfer import Landed, Landing, run_transfers
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)

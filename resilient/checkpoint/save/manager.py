@@ -37,28 +37,25 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from resilient import env as _env
-from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, DCP_METADATA, DEFAULT_MAX_FAILED_SAVES,
-                                      CheckpointConfig, CheckpointConfigError, CheckpointError,
-                                      CheckpointSavesFailedError, FileEntry, Manifest, RestoreResult, TierName)
-from resilient.checkpoint.storage.collective import Ranks
-from resilient.checkpoint.storage.context import FAILURES, Context
-from resilient.checkpoint.storage.context import one_line as _one_line
-from resilient.checkpoint.storage.context import per_rank_key as _per_rank_key
-from resilient.checkpoint.storage.context import quiet as _quiet
-from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, file_blocks
-from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
-from resilient.checkpoint.replicate.peer import PeerRing
-from resilient.checkpoint.restore.restore import Restorer
-from resilient.checkpoint.storage.retention import retain
+from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, CheckpointConfig, CheckpointConfigError,
+                                      CheckpointError, CheckpointSavesFailedError, DCP_METADATA,
+                                      DEFAULT_MAX_FAILED_SAVES, FileEntry, Manifest, RestoreResult, TierName)
+from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry
+from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
+from resilient.checkpoint.format.state import flatten, leaf_nbytes, plain_state
+from resilient.checkpoint.replicate.peer import PeerRing
+from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
+from resilient.checkpoint.restore.restore import Restorer
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.checkpoint.save.stage import MutationGuard, Stager
-from resilient.checkpoint.format.state import flatten, leaf_nbytes, plain_state
-from resilient.checkpoint.storage.tiers import BoundedTier, DirTier, make_tier
-from resilient.checkpoint.format.digests import crc_bytes, file_entry
-from resilient.checkpoint.format.layout import manifest_name
-from resilient.checkpoint.upload.uploader import Uploader
 from resilient.checkpoint.save.writer import MemoryWriter
+from resilient.checkpoint.storage.collective import Ranks
+from resilient.checkpoint.storage.context import (Context, FAILURES, one_line as _one_line,
+                                                  per_rank_key as _per_rank_key, quiet as _quiet)
+from resilient.checkpoint.storage.retention import retain
+from resilient.checkpoint.storage.tiers import BoundedTier, DirTier, make_tier
+from resilient.checkpoint.upload.uploader import Uploader
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
 from resilient.worker.preemption import preempt_save_due as _preempt_save_due

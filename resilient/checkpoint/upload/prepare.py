@@ -12,14 +12,13 @@ from resilient.checkpoint.api import COMMIT_MARKER, DCP_METADATA, Manifest
 from resilient.checkpoint.format.codec import Codec, CompressError, CompressMode
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
+from resilient.checkpoint.storage.context import Component
 from resilient.checkpoint.storage.parts import TierDest
 from resilient.checkpoint.storage.tiers import read_manifest
 from resilient.checkpoint.upload import transcode
-from resilient.checkpoint.storage.context import Component
 from resilient.checkpoint.upload.chooser import Chooser
 from resilient.checkpoint.upload.transcode import Transcoded, clear, finish_step, merged_metadata
 from resilient.events.api import EventKind
-
 
 logger = logging.getLogger(__name__)
 

@@ -15,19 +15,16 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from resilient.checkpoint.api import (COMMIT_MARKER, DCP_METADATA, CheckpointError, CorruptFileError, Manifest,
-                                      TierName)
-from resilient.checkpoint.storage.context import FAILURES, Component, Context
-from resilient.checkpoint.storage.context import one_line as _one_line
-from resilient.checkpoint.storage.tiers import DirTier, read_manifest, retry
-from resilient.checkpoint.format.layout import manifest_name
+from resilient.checkpoint.api import COMMIT_MARKER, CheckpointError, CorruptFileError, DCP_METADATA, Manifest, TierName
 from resilient.checkpoint.format.digests import map_verified, verify_bytes
+from resilient.checkpoint.format.layout import manifest_name
+from resilient.checkpoint.storage.context import Component, Context, FAILURES, one_line as _one_line
 from resilient.checkpoint.storage.parts import SENDERS, TierDest, part_size
+from resilient.checkpoint.storage.tiers import DirTier, read_manifest, retry
 from resilient.checkpoint.upload import prepare
 from resilient.checkpoint.upload.chooser import chooser_from_env
 from resilient.checkpoint.upload.transcode import clear
