@@ -4,6 +4,10 @@ Each rank reads from the fastest tier holding a verified copy of each file (this
 copies, another rank's copy over gloo, the persistent tier), falling back file by file and tier by tier.
 Plain tensors land straight in the target tensors, each block verified right after it lands (``load.py``);
 the rest of the state goes through DCP's reader over verified files.
+
+Over 700 lines: the choice of a step, the agreement on it across ranks and the fetch with its fallbacks are
+one collective sequence; which file comes from where is already apart (``plan.py``), as are the block loads
+(``load.py``) and the reader (``reader.py``).
 """
 
 from __future__ import annotations

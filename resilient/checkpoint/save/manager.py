@@ -1,7 +1,13 @@
 """``CheckpointManager``: stage → local → peer → persistent, and restore from the fastest verified tier.
 
-The manager is a façade: saving lives here; the peer ring is in ``peer.py``, uploads in ``upload.py`` and
-restore in ``restore.py``, each a component over one shared :class:`~resilient.checkpoint.context.Context`.
+The manager is a façade: saving lives here; the peer ring is in :mod:`resilient.checkpoint.replicate.peer`,
+uploads in :mod:`resilient.checkpoint.upload.uploader` and restore in :mod:`resilient.checkpoint.restore.restore`,
+each a component over one shared :class:`~resilient.checkpoint.storage.context.Context`, called through its
+public methods.
+
+Over 700 lines: the save path (staging hand-off, the save worker's collective sequence, the commit and the
+in-memory fallback) is one sequence whose steps every rank must take in the same order; split across files
+it would be read out of order.
 
 Threads: ``save()`` runs on the training thread and only stages (or, in overlapped mode, arms the
 mutation guard); one *save worker* thread does everything collective for saves in FIFO order on the
