@@ -1,7 +1,8 @@
 """What the checkpointer's components share: the tiers, this rank's place in the job, its groups, the ledger.
 
-``CheckpointManager`` is a façade over components (saving, the peer ring in ``peer.py``, uploads in
-``upload.py``, restore in ``restore.py``) that each hold the one :class:`Context` built at construction.
+``CheckpointManager`` is a façade over components (saving, the peer ring in ``replicate/peer.py``, uploads
+in ``upload/uploader.py``, restore in ``restore/restore.py``) that each hold the one :class:`Context` built at
+construction. :meth:`Context.commit` is the one writer of a step's commit marker.
 """
 
 from __future__ import annotations
