@@ -99,7 +99,7 @@ class Agent:
         from resilient.logs import scrub_argv  # tokens passed as flags must not land in the ledger
 
         self.ledger.emit(EventKind.RUN_START, argv=scrub_argv(sys.argv), run_id=c.run_id, nproc_per_node=c.nproc_per_node,
-                         nnodes=f"{c.min_nodes}:{c.max_nodes}", launch=c.launch_method.value)
+                         nnodes=f"{c.supervisor.min_nodes}:{c.supervisor.max_nodes}", launch=c.launch_method.value)
         end = Ending(1, "failed")
         try:
             t0 = time.monotonic()
@@ -168,7 +168,7 @@ class Agent:
                 continue
             self.node_round = NodeRound(round=a.round, role=NodeRole.ACTIVE, group_rank=a.members.index(self.node),
                                         group_world_size=len(a.members), base_rank=a.base_rank(self.node),
-                                        world_size=a.world_size, max_restarts=plan.get("max_restarts", self.cfg.max_restarts))
+                                        world_size=a.world_size, max_restarts=plan.get("max_restarts", self.cfg.supervisor.max_restarts))
             self.control.ack(self.round)
             self.restart_count = attempt = a.attempt
             self._begin_attempt(a, plan, last)

@@ -7,6 +7,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 
+from resilient.supervisor.config import SupervisorConfig
+
 
 # Exit code of an agent whose workers stopped for a preemption notice (SIGTERM) after saving their last
 # step: sysexits' EX_TEMPFAIL, "try again later". Slurm (--requeue) and Kubernetes (podFailurePolicy
@@ -27,6 +29,13 @@ NOT_DURABLE_EXIT_CODE = 73
 
 class LaunchError(Exception):
     """Bad input found before any worker starts: one line for the user, exit code 2."""
+
+
+def check_seconds(flag: str, v: float | None) -> None:
+    """A watchdog's seconds: nan compares false with everything and inf never expires, both would switch it off
+    silently."""
+    if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+        raise LaunchError(f"{flag} must be a positive, finite number of seconds, got {v}")
 
 
 class WorkerLaunchMethod(str, enum.Enum):
@@ -110,8 +119,9 @@ class AgentConfig:
 
     command: WorkerCommand
     nproc_per_node: int
-    min_nodes: int = 1
-    max_nodes: int = 1
+    # the job's supervisor as this agent hosts it (when it hosts the job's store): --nnodes, --max-restarts,
+    # --node-timeout, --policy-timeout; under `resilient supervisor` that one's decides
+    supervisor: SupervisorConfig
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "localhost:0"
     rdzv_id: str = "none"
@@ -122,7 +132,6 @@ class AgentConfig:
     local_addr: str | None = None
     standalone: bool = False
     role: str = "default"
-    max_restarts: int = 0
     monitor_interval: float = 0.1
     term_timeout: float = 30.0
     log_dir: str | None = None
@@ -150,26 +159,19 @@ class AgentConfig:
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
     # drills: faults the agent carries out (time-based) or hands to the workers (step-based, via resilient.steps)
     inject: tuple = ()  # resilient.drill.spec.FaultSpec values, parsed from --inject
-    # supervisor
-    node_timeout: float = 10.0  # seconds without a report from a node's agent before it counts as lost
-    policy_timeout: float = 1.0  # a policy's decide() running longer is overruled by the default policy
     job_secret_file: str | None = None  # file holding the per-job secret (else RESILIENT_JOB_SECRET, else generated)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise LaunchError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
-        if not (0 < self.min_nodes <= self.max_nodes):
-            raise LaunchError(
-                f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {self.min_nodes}:{self.max_nodes}"
-            )
-        if self.max_restarts < 0:
-            raise LaunchError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        # nan compares false with everything and inf never expires: both would switch a watchdog off silently
+        if self.supervisor.nproc_per_node != self.nproc_per_node:
+            raise LaunchError(f"the supervisor's nproc_per_node ({self.supervisor.nproc_per_node}) is not this node's "
+                              f"--nproc-per-node ({self.nproc_per_node})")
         for flag, v in (("--monitor-interval", self.monitor_interval), ("--term-timeout", self.term_timeout),
                         ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout),
-                        ("--node-timeout", self.node_timeout), ("--policy-timeout", self.policy_timeout)):
-            if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
-                raise LaunchError(f"{flag} must be a positive, finite number of seconds, got {v}")
+                        ("--node-timeout", self.supervisor.node_timeout),
+                        ("--policy-timeout", self.supervisor.policy_timeout)):
+            check_seconds(flag, v)
         if self.spare_nodes < 0:
             raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
         if not (isinstance(self.upload_grace, (int, float)) and 0 <= self.upload_grace < float("inf")):
@@ -191,7 +193,7 @@ class AgentConfig:
 
     @property
     def single_node(self) -> bool:
-        return self.max_nodes == 1
+        return self.supervisor.max_nodes == 1
 
     @property
     def script_name(self) -> str:

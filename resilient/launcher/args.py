@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 from resilient import env as renv
-from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod
-from resilient.supervisor.config import add_supervisor_arguments, parse_nnodes
+from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod, check_seconds
+from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments, parse_nnodes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -216,14 +216,19 @@ def parse(argv: list[str]) -> AgentConfig:
                 raise LaunchError(f"--inject: {f.describe()}: {f.kind.value} happens inside the worker at a step "
                                   f"(@stepN, or @0s for the start); the script must use resilient.steps()")
 
+    for flag, v in (("--node-timeout", args.node_timeout), ("--policy-timeout", args.policy_timeout)):
+        check_seconds(flag, v)
     try:
+        supervisor = SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
+                                      max_restarts=int(args.max_restarts), node_timeout=args.node_timeout,
+                                      policy_timeout=args.policy_timeout)
         cfg = AgentConfig(
-            command=command, nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
+            command=command, nproc_per_node=nproc, supervisor=supervisor,
             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_configs=rdzv_configs,
             node_rank=int(args.node_rank), master_addr=args.master_addr,
             master_port=int(args.master_port) if args.master_port is not None else None,
             local_addr=args.local_addr, standalone=standalone, role=args.role,
-            max_restarts=int(args.max_restarts), monitor_interval=float(args.monitor_interval),
+            monitor_interval=float(args.monitor_interval),
             term_timeout=float(args.term_timeout), log_dir=args.log_dir, redirects=str(args.redirects),
             tee=str(args.tee), local_ranks_filter=ranks_filter, run_id=run_id, run_dir=str(run_dir),
             launch_method=WorkerLaunchMethod(args.worker_launch),
@@ -235,7 +240,7 @@ def parse(argv: list[str]) -> AgentConfig:
             heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
-            inject=inject, node_timeout=args.node_timeout, policy_timeout=args.policy_timeout, job_secret_file=args.job_secret_file,
+            inject=inject, job_secret_file=args.job_secret_file,
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None

@@ -41,14 +41,10 @@ def _conf_bool(v: object) -> bool | None:
 
 def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):
     """The default place of the supervisor: a thread of the agent that hosts the job's store."""
-    from resilient.supervisor.config import SupervisorConfig
     from resilient.supervisor.standalone import supervise
 
-    core_cfg = SupervisorConfig(min_nodes=c.min_nodes, max_nodes=c.max_nodes, nproc_per_node=c.nproc_per_node,
-                                max_restarts=c.max_restarts, node_timeout=c.node_timeout,
-                                policy_timeout=c.policy_timeout)
     last_call = float(c.rdzv_configs.get("last_call_timeout", 30.0))  # type: ignore[arg-type]
-    loop = supervise(core_cfg, c.policy, store, signer, ledger, advertise_addr=addr, last_call=last_call,
+    loop = supervise(c.supervisor, c.policy, store, signer, ledger, advertise_addr=addr, last_call=last_call,
                      store_timeout=c.rendezvous_timeout, tick=min(0.05, c.monitor_interval))
     loop.start()
     return loop
@@ -70,7 +66,7 @@ class ControlClient:
         self._sup_gone = False  # the supervisor closed its end: join it again (its new term) when it is back
         self._lost_at: float | None = None  # written by _reached only
         self._last_hb = 0.0
-        self._hb_interval = min(1.0, cfg.node_timeout / 4)
+        self._hb_interval = min(1.0, cfg.supervisor.node_timeout / 4)
         self._last_reconnect = 0.0
         self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
 
@@ -143,7 +139,7 @@ class ControlClient:
         self._last_hb = time.monotonic()
         # past the join, a store call must fail within a node timeout, not a rendezvous timeout: a dead or
         # hung supervisor must not freeze this loop (the workers go on either way)
-        store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
+        store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.supervisor.node_timeout))))
         self._endpoint = (host, port)
         logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
 
@@ -284,7 +280,7 @@ class ControlClient:
                 secret = store.get(keys.secret)
             store.wait([keys.presence, keys.term], timedelta(seconds=2))
             presence = store.get(keys.presence).decode()
-            store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.node_timeout))))
+            store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.supervisor.node_timeout))))
             signer = T.Signer(secret, c.rdzv_id)
             chan = T.AgentChannel(store, signer, self.node)
             chan.sync_term()

@@ -20,20 +20,20 @@ def test_script_flags_pass_through_even_when_they_look_like_ours(tmp_path):
 def test_both_spellings(tmp_path, spelling):
     cfg = parse([spelling, "3", "--max_restarts", "2", "--run_dir", str(tmp_path / "r"), "--ckpt_interval", "auto",
                  SCRIPT])
-    assert (cfg.nproc_per_node, cfg.max_restarts, cfg.ckpt_interval) == (3, 2, "auto")
+    assert (cfg.nproc_per_node, cfg.supervisor.max_restarts, cfg.ckpt_interval) == (3, 2, "auto")
 
 
 def test_pet_environment_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
     monkeypatch.setenv("PET_MAX_RESTARTS", "7")
     cfg = parse(["--run-dir", str(tmp_path / "r"), SCRIPT])
-    assert (cfg.nproc_per_node, cfg.max_restarts) == (4, 7)
+    assert (cfg.nproc_per_node, cfg.supervisor.max_restarts) == (4, 7)
 
 
 def test_elastic_nnodes_and_rendezvous(tmp_path):
     cfg = parse(["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29500", "--rdzv-id", "job7",
                  "--rdzv-conf", "join_timeout=30,read_timeout=60", "--run-dir", str(tmp_path / "r"), SCRIPT])
-    assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv_endpoint, cfg.run_id) == (2, 4, "head:29500", "job7")
+    assert (cfg.supervisor.min_nodes, cfg.supervisor.max_nodes, cfg.rdzv_endpoint, cfg.run_id) == (2, 4, "head:29500", "job7")
     assert cfg.rdzv_configs == {"join_timeout": "30", "read_timeout": "60"}
 
 
