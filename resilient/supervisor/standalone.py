@@ -41,31 +41,20 @@ class _BadInput(Exception):
 @dataclass
 class StandaloneConfig:
     rdzv_endpoint: str
-    min_nodes: int
-    max_nodes: int
+    supervisor: SupervisorConfig  # what decides: --nnodes, --max-restarts, --node-timeout, --policy-timeout
     run_dir: str
     spare_nodes: int = 0
     policy: str | None = None
-    max_restarts: int = 3
-    node_timeout: float = 10.0
-    policy_timeout: float = 1.0
     last_call: float = 30.0
     job_secret_file: str | None = None
     rdzv_id: str | None = None  # None: the first agent's id
     advertise_addr: str | None = None  # what workers use as MASTER_ADDR for the per-round stores
-    nproc_per_node: int = 1  # only until agents report their own
     store_timeout: float = 30.0
     name: str = field(default_factory=lambda: f"supervisor@{socket.gethostname()}")
 
     def __post_init__(self) -> None:
-        if not (0 < self.min_nodes <= self.max_nodes):
-            raise _BadInput(f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
-        if self.spare_nodes < 0 or self.max_restarts < 0 or self.nproc_per_node < 1:
-            raise _BadInput("--spare-nodes and --max-restarts must be >= 0, --nproc-per-node >= 1")
-        for flag, v in (("--node-timeout", self.node_timeout), ("--policy-timeout", self.policy_timeout),
-                        ("--last-call-timeout", self.last_call)):
-            if not (v == v and 0 <= v < float("inf")) or (flag != "--last-call-timeout" and v == 0):
-                raise _BadInput(f"{flag} must be a positive, finite number of seconds, got {v}")
+        _check_flags(self.spare_nodes, self.supervisor.max_restarts, self.supervisor.nproc_per_node,
+                     self.supervisor.node_timeout, self.supervisor.policy_timeout, self.last_call)
         if self.rdzv_id is not None:
             from resilient.supervisor.transport import ANY_JOB, Keys
 
@@ -79,6 +68,16 @@ class StandaloneConfig:
         host, _, port = self.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not (0 < int(port) < 65536):
             raise _BadInput(f"--rdzv-endpoint must be HOST:PORT with a fixed port, got {self.rdzv_endpoint!r}")
+
+
+def _check_flags(spare_nodes: int, max_restarts: int, nproc: int, node_timeout: float, policy_timeout: float,
+                 last_call: float) -> None:
+    if spare_nodes < 0 or max_restarts < 0 or nproc < 1:
+        raise _BadInput("--spare-nodes and --max-restarts must be >= 0, --nproc-per-node >= 1")
+    for flag, v in (("--node-timeout", node_timeout), ("--policy-timeout", policy_timeout),
+                    ("--last-call-timeout", last_call)):
+        if not (v == v and 0 <= v < float("inf")) or (flag != "--last-call-timeout" and v == 0):
+            raise _BadInput(f"{flag} must be a positive, finite number of seconds, got {v}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,11 +120,15 @@ def parse(argv: list[str]) -> StandaloneConfig:
             load_policy(a.policy)
         except PolicyError as e:
             raise _BadInput(str(e)) from None
-    return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, min_nodes=lo, max_nodes=hi, run_dir=a.run_dir,
-                            spare_nodes=a.spare_nodes, policy=a.policy, max_restarts=a.max_restarts,
-                            node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
-                            last_call=a.last_call_timeout, job_secret_file=a.job_secret_file,
-                            advertise_addr=a.advertise_addr, nproc_per_node=a.nproc_per_node, rdzv_id=a.rdzv_id)
+    # the flags' own words first: SupervisorConfig's checks name its fields, not the flags
+    _check_flags(a.spare_nodes, a.max_restarts, a.nproc_per_node, a.node_timeout, a.policy_timeout,
+                 a.last_call_timeout)
+    # nproc_per_node: only until the agents report their own
+    sup = SupervisorConfig(min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
+                           node_timeout=a.node_timeout, policy_timeout=a.policy_timeout)
+    return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, supervisor=sup, run_dir=a.run_dir,
+                            spare_nodes=a.spare_nodes, policy=a.policy, last_call=a.last_call_timeout,
+                            job_secret_file=a.job_secret_file, advertise_addr=a.advertise_addr, rdzv_id=a.rdzv_id)
 
 
 def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object, signer: object,
@@ -171,11 +174,8 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(run_dir, node=cfg.name)
-    core_cfg = SupervisorConfig(min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, nproc_per_node=cfg.nproc_per_node,
-                                max_restarts=cfg.max_restarts, node_timeout=cfg.node_timeout,
-                                policy_timeout=cfg.policy_timeout)
     addr = cfg.advertise_addr or (host if host not in ("0.0.0.0", "") else socket.getfqdn())
-    loop = supervise(core_cfg, cfg.policy, store, T.Signer(secret, job), ledger, advertise_addr=addr,
+    loop = supervise(cfg.supervisor, cfg.policy, store, T.Signer(secret, job), ledger, advertise_addr=addr,
                      last_call=cfg.last_call, store_timeout=cfg.store_timeout, name=cfg.name)
     core = loop.core
     try:
