@@ -34,6 +34,10 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("resilient.supervisor", "resilient.launcher", "the supervisor never imports the launcher"),
     ("resilient.worker", "resilient.launcher", "the worker runtime runs in the workers, not in the agent"),
     ("resilient.signals", "resilient.worker", "the agent side does not import the worker runtime"),
+    ("resilient.worker", "resilient.drill", "drills plug into the worker runtime, never the other way"),
+    ("resilient.worker", "resilient.supervisor", "a worker talks to its agent, not to the supervisor"),
+    ("resilient.events", "resilient.supervisor", "the event vocabulary is below every user of it"),
+    ("resilient.events", "resilient.launcher", "the event vocabulary is below every user of it"),
     # checkpoint layers, one way: format <- storage <- {save, replicate, upload, restore}
     *[("resilient.checkpoint.format", f"resilient.checkpoint.{up}", "format is the bottom layer")
       for up in ("storage", "save", "replicate", "upload", "restore")],

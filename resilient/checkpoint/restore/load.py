@@ -150,7 +150,7 @@ class RangeSource:
         pass
 
 
-class _Window(MemSource):
+class _RangeView(MemSource):
     """Bytes ``[base, base + len(data))`` of a file, addressed by file offsets."""
 
     def __init__(self, data: Any, base: int, tier: str):
@@ -374,7 +374,7 @@ def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: i
     h = new_hash()
     if isinstance(src, RangeSource):
         # a remote copy: one ranged read per block, copied from there (a few blocks in flight, no full copy)
-        src = _Window(src.read(start, end - start), start, src.tier)
+        src = _RangeView(src.read(start, end - start), start, src.tier)
     if isinstance(src, FileSource) and keep is None and not verified:
         return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want, h)
     for off, n, dst, doff in _block_work(spans, start, end, starts):

@@ -28,7 +28,7 @@ from resilient.checkpoint.format.safe import load_metadata, safe_torch_load
 logger = logging.getLogger(__name__)
 
 
-class _Window(io.RawIOBase):
+class _ReadWindow(io.RawIOBase):
     """Seek/tell bookkeeping shared by the read-only in-memory streams below: a position in ``[0, _len]``."""
 
     _len: int
@@ -49,7 +49,7 @@ class _Window(io.RawIOBase):
         return self._pos
 
 
-class MemoryStream(_Window):
+class MemoryStream(_ReadWindow):
     """Read-only seekable stream over a buffer, without copying it."""
 
     def __init__(self, data: Any):
@@ -92,7 +92,7 @@ class MemoryFS(FileSystem):
         return Path(path).name in self.files or super().exists(path)
 
 
-class _Slice(_Window):
+class _Slice(_ReadWindow):
     """A window ``[offset, offset + length)`` of a seekable stream, itself a seekable stream."""
 
     def __init__(self, base: Any, offset: int, length: int):

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ when it pays
 @dataclass
-class Decision:
+class UploadChoice:
     tier: str
     codec: Codec
     reason: str
@@ -61,21 +61,21 @@ class Chooser:
         self.ratio: float | None = None
         self._since_probe = 0
         self._lock = threading.Lock()
-        self.last: Decision | None = None
+        self.last: UploadChoice | None = None
         self.streamed = False  # the last transfer's data went out coded: its link was measured on the stream
 
-    def decide(self, nbytes: int | None = None) -> Decision:
+    def decide(self, nbytes: int | None = None) -> UploadChoice:
         """``nbytes``: this rank's plain bytes to send."""
         with self._lock:
             d = self._decide(nbytes)
             self.last = d
             return d
 
-    def _decide(self, nbytes: int | None) -> Decision:
+    def _decide(self, nbytes: int | None) -> UploadChoice:
         mb = (lambda v: None if v is None else round(v / 1e6, 1))
 
-        def dec(codec: Codec, reason: str) -> Decision:
-            return Decision(self.tier, codec, reason, mb(self.link_bps), mb(self.codec_bps),
+        def dec(codec: Codec, reason: str) -> UploadChoice:
+            return UploadChoice(self.tier, codec, reason, mb(self.link_bps), mb(self.codec_bps),
                             None if self.ratio is None else round(self.ratio, 3), self.mode.value)
 
         if self.mode is not CompressMode.AUTO:
