@@ -90,7 +90,7 @@ def dir_sink(out_dir: Path, name: str) -> Sink:
 
 
 def tier_sink(tier: Any, step: int, name: str) -> Sink:
-    """File ``name`` of ``step`` on a tier (a :class:`~resilient.checkpoint.tiers.BoundedTier` or the tier
+    """File ``name`` of ``step`` on a tier (a :class:`~resilient.checkpoint.storage.tiers.BoundedTier` or the tier
     itself): an fsspec file opened without autocommit (on GCS a resumable upload, finalised by commit;
     an aborted one leaves no object), or a temporary file renamed in a directory tier."""
     inner = getattr(tier, "inner", tier)
