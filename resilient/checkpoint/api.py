@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from resilient import env
+
 
 STEP_PREFIX = "step_"
 COMMIT_MARKER = "COMMITTED"
@@ -281,7 +283,7 @@ class CheckpointConfig:
         if not self.local and not self.persistent:
             raise CheckpointConfigError(
                 "CheckpointManager needs at least one tier: pass local='/path' (fast node-local disk) "
-                "and/or persistent='gs://bucket/run' (or set RESILIENT_CKPT_LOCAL / RESILIENT_CKPT_PERSISTENT)")
+                f"and/or persistent='gs://bucket/run' (or set {env.CKPT_LOCAL} / {env.CKPT_PERSISTENT})")
         if isinstance(self.interval, str):
             s = self.interval.strip().lower()
             if s == "auto":

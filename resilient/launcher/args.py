@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-max-failed-saves", "--ckpt_max_failed_saves", type=_max_failed_saves,
                    default=None, metavar="N",
                    help="stop the job (exit 74) after N checkpoint saves in a row reached no tier; 0 trains on "
-                        "without checkpoints (default 3; env RESILIENT_CKPT_MAX_FAILED_SAVES)")
+                        f"without checkpoints (default 3; env {renv.CKPT_MAX_FAILED_SAVES})")
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,

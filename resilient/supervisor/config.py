@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from resilient import env
+
 
 @dataclass
 class SupervisorConfig:
@@ -66,4 +68,4 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
                    help="seconds a policy's decide() may take before the default policy decides instead")
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,
                    help="file with the per-job secret that signs agent/supervisor messages (else the "
-                        "RESILIENT_JOB_SECRET variable; else one is generated and shared through the store)")
+                        f"{env.JOB_SECRET} variable; else one is generated and shared through the store)")

@@ -167,8 +167,8 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
         return EXIT_STOPPED  # told to stop before any agent came
     keys = T.Keys(job)
     if secret is None:
-        logger.warning("no job secret configured (--job-secret-file or RESILIENT_JOB_SECRET): agents learn a "
-                       "generated one from the store, and after a restart of this supervisor they need it again")
+        logger.warning("no job secret configured (--job-secret-file or %s): agents learn a generated one from "
+                       "the store, and after a restart of this supervisor they need it again", renv.JOB_SECRET)
         secret = T.new_secret()
         store.set(keys.secret, secret)
     run_dir = Path(cfg.run_dir)

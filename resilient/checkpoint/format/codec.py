@@ -55,6 +55,7 @@ import zstandard
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from resilient import env
 from resilient.checkpoint.api import CheckpointConfigError, CheckpointError, UnsafeCheckpointError
 from resilient.checkpoint.format.safe import safe_torch_load
 
@@ -365,7 +366,7 @@ SAVE_SLACK = 64 << 10
 # objects (DCP's bytes items: RNG states, loader positions, optimizer hyper-parameters) have no size in
 # ``.metadata``: they are bounded by this, which RESILIENT_CKPT_MAX_OBJECT_MB overrides
 MAX_OBJECT_MB = 256
-ENV_MAX_OBJECT_MB = "RESILIENT_CKPT_MAX_OBJECT_MB"
+ENV_MAX_OBJECT_MB = env.CKPT_MAX_OBJECT_MB
 
 
 def max_object_bytes() -> int:

@@ -40,13 +40,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient import env
 from resilient.events.api import Event, EventKind
 from resilient.events.follow import LedgerTail
 
 logger = logging.getLogger(__name__)
 
 # seconds; the tuner's prior MTBF when a run gives none in code (``resilient-run`` has no flag for it)
-PRIOR_MTBF_ENV = "RESILIENT_CKPT_PRIOR_MTBF"
+PRIOR_MTBF_ENV = env.CKPT_PRIOR_MTBF
 
 _CKPT_KINDS = {EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_TIER_FAILED}
 _READ_KINDS = frozenset({*_CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
