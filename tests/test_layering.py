@@ -38,6 +38,9 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("resilient.worker", "resilient.supervisor", "a worker talks to its agent, not to the supervisor"),
     ("resilient.events", "resilient.supervisor", "the event vocabulary is below every user of it"),
     ("resilient.events", "resilient.launcher", "the event vocabulary is below every user of it"),
+    ("resilient.events", "resilient.checkpoint", "the event vocabulary is below every user of it"),
+    *[("resilient.goodput", f"resilient.{up}", "goodput reads ledgers; it never reaches into what wrote them")
+      for up in ("checkpoint", "launcher", "supervisor", "worker")],
     # checkpoint layers, one way: format <- storage <- {save, replicate, upload, restore}
     *[("resilient.checkpoint.format", f"resilient.checkpoint.{up}", "format is the bottom layer")
       for up in ("storage", "save", "replicate", "upload", "restore")],

@@ -77,7 +77,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from resilient.checkpoint.save.interval import background_spans, overlap_seconds, stall_spans
+from resilient.events.spans import background_spans, overlap_seconds, stall_spans
 from resilient.events.api import Event, EventKind
 from resilient.events.follow import read_ledger
 from resilient.goodput.api import (

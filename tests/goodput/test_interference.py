@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.checkpoint.save.interval import IntervalTuner, background_spans, save_costs
+from resilient.checkpoint.save.interval import IntervalTuner, save_costs
+from resilient.events.spans import background_spans
 from resilient.events import Event, EventKind, Ledger, read_events
 from resilient.goodput.api import CATEGORIES, Badput
 from resilient.goodput.calculator import apply_clock_offsets, compute_report, report_for_run

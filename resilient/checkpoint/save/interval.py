@@ -36,101 +36,21 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from resilient import env
 from resilient.events.api import Event, EventKind
 from resilient.events.follow import LedgerTail
+from resilient.events.spans import CKPT_KINDS, finite, merge_spans, overlap_seconds, save_spans, stall_spans
 
 logger = logging.getLogger(__name__)
 
 # seconds; the tuner's prior MTBF when a run gives none in code (``resilient-run`` has no flag for it)
 PRIOR_MTBF_ENV = env.CKPT_PRIOR_MTBF
 
-_CKPT_KINDS = {EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_TIER_FAILED}
-_READ_KINDS = frozenset({*_CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
-
-
-def _finite(v: object) -> float | None:
-    if isinstance(v, bool):
-        return None
-    try:
-        f = float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return f if math.isfinite(f) else None
-
-
-def merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, disjoint union of ``(start, end)`` spans (empty ones dropped)."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(sp for sp in spans if sp[1] > sp[0]):
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def overlap_seconds(a: float, b: float, merged: Sequence[tuple[float, float]],
-                    ends: Sequence[float] | None = None) -> float:
-    """Length of ``[a, b]`` covered by ``merged`` (sorted, disjoint; ``ends`` its end points, for speed)."""
-    if ends is None:
-        ends = [e for _, e in merged]
-    i = bisect.bisect_right(ends, a)
-    total = 0.0
-    while i < len(merged) and merged[i][0] < b:
-        total += min(b, merged[i][1]) - max(a, merged[i][0])
-        i += 1
-    return max(0.0, total)
-
-
-def stall_spans(events: Iterable[Event]) -> list[tuple[float, float]]:
-    """When training was blocked by a save: ``[wall - blocking_seconds, wall]`` of each CKPT_SAVE, merged."""
-    out = []
-    for ev in events:
-        if ev.kind is EventKind.CKPT_SAVE:
-            b = _finite(ev.details.get("blocking_seconds"))
-            if b is not None and b > 0:
-                out.append((ev.wall - b, ev.wall))
-    return merge_spans(out)
-
-
-def _save_spans(events: Iterable[Event]) -> dict[tuple[Any, Any], tuple[list[tuple[float, float]], bool]]:
-    """Background work of each save, keyed by (attempt, step): its spans, and whether any tier finished it.
-
-    A save's background work runs from its CKPT_SAVE (the end of the blocking part) to its first tier's
-    CKPT_TIER_DONE/FAILED; each CKPT_TIER_DONE also covers ``[wall - seconds, wall]`` (local write, peer
-    replication, persistent upload, which may run long after the save)."""
-    saves: dict[tuple[Any, Any], float] = {}
-    out: dict[tuple[Any, Any], tuple[list[tuple[float, float]], bool]] = {}
-    for ev in sorted((e for e in events if e.kind in _CKPT_KINDS), key=lambda e: e.wall):
-        step = ev.details.get("step")
-        if not isinstance(step, (int, float)) or isinstance(step, bool):
-            continue
-        key = (ev.attempt, step)
-        spans, _ = out.setdefault(key, ([], False))
-        if ev.kind is EventKind.CKPT_SAVE:
-            saves.setdefault(key, ev.wall)  # several ranks may report the same save: the first opens it
-            continue
-        start = saves.pop(key, None)
-        if start is not None:
-            spans.append((start, ev.wall))
-        if ev.kind is EventKind.CKPT_TIER_DONE:
-            secs = _finite(ev.details.get("seconds"))
-            if secs is not None and secs > 0:
-                spans.append((ev.wall - secs, ev.wall))
-        out[key] = (spans, True)
-    return out
-
-
-def background_spans(events: Iterable[Event]) -> list[tuple[float, float]]:
-    """When checkpoint work ran in the background (writes, replication, uploads), merged. A save whose
-    tiers have not reported yet contributes nothing until they do."""
-    return merge_spans(sp for spans, _ in _save_spans(events).values() for sp in spans)
+_READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
 
 
 @dataclass(frozen=True)
@@ -151,13 +71,13 @@ def save_costs(events: Iterable[Event]) -> SaveCosts:
     evs = list(events)
     stalls = stall_spans(evs)
     stall_ends = [e for _, e in stalls]
-    per_save = _save_spans(evs)
+    per_save = save_spans(evs)
     bg = merge_spans(sp for spans, _ in per_save.values() for sp in spans)
     bg_ends = [e for _, e in bg]
     seen_attempts: set[Any] = set()
     steps: list[tuple[float, float, float]] = []  # (start, end, seconds net of stalls)
     for ev in sorted((e for e in evs if e.kind is EventKind.STEP), key=lambda e: e.wall):
-        d = _finite(ev.details.get("seconds"))
+        d = finite(ev.details.get("seconds"))
         if d is None or d <= 0:
             continue
         if ev.attempt not in seen_attempts:  # warm-up: compilation, first touches
@@ -381,7 +301,7 @@ class IntervalTuner:
         interruption it was restarted for. Reads the run's ledger (steps, saves, uploads, restarts)."""
         if "prior_mtbf_s" not in kwargs and os.environ.get(PRIOR_MTBF_ENV):
             raw = os.environ[PRIOR_MTBF_ENV]
-            v = _finite(raw)
+            v = finite(raw)
             if v is None or v <= 0:
                 raise ValueError(f"{PRIOR_MTBF_ENV}={raw!r} is not a positive number of seconds; "
                                  "unset it or give e.g. 21600 (6 h)")
