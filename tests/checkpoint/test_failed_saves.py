@@ -157,8 +157,10 @@ def test_wait_is_false_after_a_failed_save_and_alone_the_stop_raises(tmp_path: P
     model = torch.nn.Linear(4, 4)
     ck = CheckpointManager(local=full_disk / "ckpt", interval=1, peer=False, max_failed_saves=2)
     try:
+        assert ck.last_save_reached_a_tier is None  # no save yet
         assert ck.save(0, {"model": model})
         assert ck.wait(60) is False  # the save reached no tier
+        assert ck.last_save_reached_a_tier is False  # a failed save, not a timeout
         assert ck.last_saved_step is None
         assert ck.save(1, {"model": model})  # the second failure in a row: the next save stops
         with pytest.raises(CheckpointSavesFailedError, match=r"2 checkpoint saves in a row reached no tier") as e:
@@ -169,6 +171,6 @@ def test_wait_is_false_after_a_failed_save_and_alone_the_stop_raises(tmp_path: P
     good = CheckpointManager(local=tmp_path / "good", interval=1, peer=False)
     try:
         good.save(0, {"model": model})
-        assert good.wait(60) is True and good.last_saved_step == 0
+        assert good.wait(60) is True and good.last_saved_step == 0 and good.last_save_reached_a_tier is True
     finally:
         good.close(timeout=60)

@@ -816,10 +816,21 @@ class CheckpointManager:
             return self._saved_step
         return self.last_restore.step if self.last_restore is not None else None
 
+    @property
+    def last_save_reached_a_tier(self) -> bool | None:
+        """Whether the newest save reached a tier: None while it is still being written (or before any save),
+        True once it reached one, False when it reached none. After ``wait()`` returned False, this tells a
+        failed save (False) from a timeout (None)."""
+        job = self._last_job
+        if job is None or not job.done.is_set():
+            return None
+        return bool(job.reached) and not (job.via_upload and self._up.outcomes.get(job.step) is False)
+
     def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
         """Wait for in-flight saves, replication and uploads. Returns True when they finished and the last save
         reached a tier; False on timeout, or when the last save reached no tier (its local write failed and its
-        copy for the persistent tier did not land either). It never raises for a failed save (training decides
+        copy for the persistent tier did not land either; :attr:`last_save_reached_a_tier` tells which). It
+        never raises for a failed save (training decides
         what to do; the failure is in the log and the ledger, and ``max_failed_saves`` in a row stop the job).
         A step that reached the local tier but not the persistent one is not a failed save: the ledger records
         the upload's failure, and a finished run whose newest step is not there ends with its own exit code.
