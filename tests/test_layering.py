@@ -39,6 +39,8 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("resilient.events", "resilient.supervisor", "the event vocabulary is below every user of it"),
     ("resilient.events", "resilient.launcher", "the event vocabulary is below every user of it"),
     ("resilient.events", "resilient.checkpoint", "the event vocabulary is below every user of it"),
+    *[("resilient.checkpoint", f"resilient.{up}", "the checkpointer is a library under the launcher and the drills")
+      for up in ("launcher", "supervisor", "drill", "goodput", "plan")],
     *[("resilient.goodput", f"resilient.{up}", "goodput reads ledgers; it never reaches into what wrote them")
       for up in ("checkpoint", "launcher", "supervisor", "worker")],
     # checkpoint layers, one way: format <- storage <- {save, replicate, upload, restore}
