@@ -824,6 +824,10 @@ class CheckpointManager:
         job = self._last_job
         if job is None or not job.done.is_set():
             return None
+        return self._reached(job)
+
+    def _reached(self, job: _SaveJob) -> bool:
+        # a step saved only as a queued upload (its local write failed) is lost if that upload failed
         return bool(job.reached) and not (job.via_upload and self._up.outcomes.get(job.step) is False)
 
     def wait(self, timeout: float | None = None, upload_timeout: float | None = None) -> bool:
@@ -858,9 +862,7 @@ class CheckpointManager:
         if not self._up.drain(deadline):
             return False
         self._grace_until = None
-        if job is not None and job.via_upload and self._up.outcomes.get(job.step) is False:
-            return False  # its only copy was the upload that failed
-        return saved
+        return job is None or self._reached(job)
 
     def _upload_final(self, timeout: float | None) -> int | None:
         """Queue the newest saved step for the persistent tier unless it is there or on its way (the last step
