@@ -29,7 +29,10 @@ class EventKind(str, enum.Enum):
     WORKERS_READY = "workers_ready"  # first step of an attempt seen by the agent
 
     # faults (signals)
-    WORKER_EXIT = "worker_exit"  # details: pid, exit_code, signal (name or None), local_rank
+    # details: pid, exit_code, signal (name or None), local_rank, failure_class; where known: exc_type, message
+    # (first line), frame ("file:line in function"), oom_kill (bool), consequence (a peer's death caused it),
+    # restore (a failed restore's details)
+    WORKER_EXIT = "worker_exit"
     HANG = "hang"  # details: last_heartbeat_age, timeout, local_rank
     STRAGGLER = "straggler"  # details: score, threshold, reference
     HOST_UNHEALTHY = "host_unhealthy"  # details: check, value, threshold
@@ -40,7 +43,8 @@ class EventKind(str, enum.Enum):
     FAULT_INJECTED = "fault_injected"  # a drill's fault (--inject); details: fault, target, at
 
     # actions (agent built-in reaction, later the supervisor's policy)
-    ACTION = "action"  # details: action ("restart", "stop", "hot_swap", ...), cause (event kind), reason
+    # details: action ("restart", "stop", "hot_swap", ...), cause (event kind), reason, failure_class (the cause's)
+    ACTION = "action"
     RESTART = "restart"  # details: attempt (new), cause, detect_seconds
     SCALE = "scale"  # details: old_world_size, new_world_size, old_dp, new_dp
 

@@ -334,7 +334,7 @@ class Agent:
         if report:
             ev = self.ledger.emit(EventKind.WORKER_EXIT, rank=ex.rank, attempt=ex.attempt, pid=ex.pid,
                                   exit_code=ex.exit_code, signal=ex.signal_name, local_rank=ex.local_rank,
-                                  detect_seconds=round(max(0.0, time.time() - ex.wall), 4))
+                                  detect_seconds=round(max(0.0, time.time() - ex.wall), 4), **self.group.cause(ex))
         logger.warning("worker %s", ex.describe())
         if report:
             self.control.report(ev)

@@ -1,14 +1,18 @@
 """How a node agent ends: its exit code and the reason it records, as pure functions of what happened.
 
 torchrun's codes where torchrun has one (0 succeeded, 1 failed or stopped by a signal); the preemption and
-checkpoint codes of :mod:`resilient.launcher.api` where schedulers must tell a requeue from a failure.
+checkpoint codes of :mod:`resilient.launcher.api` where schedulers must tell a requeue from a failure. Also why a
+worker failed (:func:`failure_cause`): its error file and the cgroup's OOM kill count, the only reads here.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from resilient.launcher.api import (
     CKPT_FAILED_EXIT_CODE, NOT_DURABLE_EXIT_CODE, PREEMPTED_EXIT_CODE, Outcome, WorkerExit,
@@ -71,6 +75,98 @@ def checkpoint_exit(ending: Ending, *, ckpt_stop: str | None, not_durable: tuple
                 f"training finished, but {what} (exit {NOT_DURABLE_EXIT_CODE})")
     return (Ending(ending.code, f"{ending.reason}; step {step} is not durable"),
             f"preempted (exit {ending.code} kept, so that the job is requeued), but {what}")
+
+
+def read_error_file(path: str | None, limit: int = 1 << 20) -> dict[str, Any]:
+    """What a worker's error file (torch elastic's ``@record`` format, which the fork server writes too) says:
+    ``exc_type``, ``message`` (the first line of the exception's text), ``frame`` (``file:line in function``,
+    where it was raised) and, when the worker put them there, ``restore`` (a failed restore's details). Empty
+    when there is no readable file (a script without ``@record`` run directly, a signal)."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit)
+        data = json.loads(raw)
+    except (OSError, ValueError):
+        return {}
+    msg = data.get("message") if isinstance(data, dict) else None
+    extra: dict[str, Any] = {}
+    if isinstance(msg, dict):
+        text = msg.get("message")
+        extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), dict) else {}
+    else:
+        text = msg
+    text = str(text or "")
+    stack = str(extra.get("py_callstack") or "")
+    out: dict[str, Any] = {}
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    # "Type: message" is how torch's @record and the fork server spell it; the traceback's last line says the same
+    head, sep, rest = first.partition(": ")
+    if sep and head and " " not in head:
+        out["exc_type"], out["message"] = head, rest[:500]
+    elif first:
+        out["message"] = first[:500]
+    frames = _FRAME.findall(stack)
+    if frames:
+        file, line, func = frames[-1]
+        out["frame"] = f"{file}:{line} in {func}"
+    if "exc_type" not in out and stack.strip():
+        last = stack.strip().splitlines()[-1]
+        head, sep, rest = last.partition(": ")
+        if head and " " not in head:
+            out["exc_type"] = head
+            out.setdefault("message", rest[:500])
+    restore = extra.get("restore")
+    if isinstance(restore, dict):
+        out["restore"] = restore
+    return out
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.MULTILINE)
+
+
+def oom_kills() -> int | None:
+    """The kernel's OOM kill count of this process's cgroup (cgroup v2 ``memory.events``, else v1's
+    ``memory.oom_control``), None where neither is readable. Workers live in the agent's cgroup, so a count that
+    grew across a worker's SIGKILL says the kernel killed it for memory."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    paths = []
+    for ln in lines:
+        parts = ln.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0":
+            paths.append(("/sys/fs/cgroup" + parts[2].rstrip("/"), "memory.events", "oom_kill"))
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            paths.append(("/sys/fs/cgroup/memory" + parts[2].rstrip("/"), "memory.oom_control", "oom_kill"))
+    for base, name, key in paths:
+        try:
+            with open(f"{base}/{name}") as f:
+                for ln in f:
+                    k, _, v = ln.partition(" ")
+                    if k == key:
+                        return int(v)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def failure_cause(ex: WorkerExit, oom_before: int | None, oom_now: int | None) -> dict[str, Any]:
+    """The cause a worker_exit event carries: the error file's facts, the OOM kill, and the ``failure_class``
+    (:func:`resilient.supervisor.classify.classify`) of the whole."""
+    from resilient.events.api import EventKind
+    from resilient.supervisor.classify import classify, peer_consequence
+
+    d: dict[str, Any] = read_error_file(ex.error_file) if ex.exit_code > 0 else {}
+    if ex.signal_name == "SIGKILL" and oom_before is not None and oom_now is not None:
+        d["oom_kill"] = oom_now > oom_before
+    if d.get("exc_type") and peer_consequence(d.get("exc_type"), d.get("message")):
+        d["consequence"] = True  # a collective with a dead peer: the first failure is elsewhere
+    d["failure_class"] = classify(EventKind.WORKER_EXIT, {**d, "signal": ex.signal_name}).value
+    return d
 
 
 def failure_summary(script_name: str, failures: Iterable[WorkerExit]) -> str:

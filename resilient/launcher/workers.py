@@ -21,6 +21,7 @@ from pathlib import Path
 
 from resilient import env as renv
 from resilient.launcher.api import AgentConfig, NodeRound, WorkerExit
+from resilient.launcher.exit import failure_cause, oom_kills
 from resilient.launcher.starters import ForkServerError, SpawnStarter, WorkerProc, WorkerStarter, signal_workers
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ class WorkerGroup:
         self.starter: WorkerStarter | None = None  # written by use() only
         self._starter_fd = -1
         self.workers: list[WorkerProc] = []
+        self.oom_at_start: int | None = None  # the cgroup's OOM kill count when the attempt's workers started
         self.streams = Streams()
 
     # ---------------------------------------------------------------- the starter
@@ -252,6 +254,7 @@ class WorkerGroup:
             d = self._log_dir(attempt, lr)
             w = WorkerProc(local_rank=lr, rank=base_rank + lr, env=env_of(lr), error_file=str(d / "error.json"))
             w.env["TORCHELASTIC_ERROR_FILE"] = w.error_file  # type: ignore[assignment]
+            Path(w.error_file).unlink(missing_ok=True)  # an earlier run's file would name another failure's cause
             show = c.local_ranks_filter is None or lr in c.local_ranks_filter
             for bit, name, console in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
                 fd: int | None = None
@@ -265,6 +268,7 @@ class WorkerGroup:
                     fd = os.open(os.devnull, os.O_WRONLY)
                 setattr(w, f"{name}_fd", fd)
             self.workers.append(w)
+        self.oom_at_start = oom_kills()
         assert self.starter is not None
         try:
             self.starter.start(c.command, self.workers, os.getcwd())
@@ -335,6 +339,11 @@ class WorkerGroup:
     def pump(self, fd: int) -> None:
         if not self.streams.pump(fd):
             self.sel.unregister(fd)
+
+    def cause(self, ex: WorkerExit) -> dict:
+        """The cause a worker_exit event carries (its error file, an OOM kill since this attempt started, the
+        failure class): :func:`resilient.launcher.exit.failure_cause`."""
+        return failure_cause(ex, self.oom_at_start, oom_kills())
 
     def late_failures(self, attempt: int, recorded: set[int]) -> list[WorkerExit]:
         """Workers that failed on their own while the first failure was handled (a rank whose peer died fails

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from resilient.events.api import Event, EventKind
+from resilient.supervisor.classify import FailureClass, classify
 
 
 class PolicyError(Exception):
@@ -201,6 +202,12 @@ class JobView:
 
     def node_of(self, event: Event) -> NodeView | None:
         return self.nodes.get(event.node)
+
+    @staticmethod
+    def failure_class(event: Event) -> FailureClass:
+        """Why ``event``'s failure happened, as one stable class (:mod:`resilient.supervisor.classify`): the
+        ``failure_class`` the agent wrote into the event, else the class its kind and details give."""
+        return classify(event.kind, event.details)
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ from resilient.supervisor.api import (
     FAILURE_KINDS, WORKERS_STOPPED_KINDS, Action, Cordon, HotSwap, Ignore, JobView, NodeState, NodeView, Policy,
     PolicyError, Restart, ScaleDown, ScaleUp, Stop,
 )
+from resilient.supervisor.classify import classify
 from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.default_policy import DefaultPolicy
 
@@ -44,6 +45,8 @@ DECIDING_KINDS = frozenset({
     EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGENT_LOST, EventKind.NODE_JOINED, EventKind.STRAGGLER,
     EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY, EventKind.PREEMPTION_NOTICE,
 })
+# causes whose failure class the action's ledger record names
+CLASSIFIED_KINDS = DECIDING_KINDS - {EventKind.NODE_JOINED, EventKind.STRAGGLER}
 _CHANGING = (Restart, HotSwap, ScaleDown, ScaleUp)
 LOCAL_TIER = "local"
 
@@ -107,6 +110,8 @@ class Decision:
             "cause_rank": c.rank if c is not None else None, "id": self.id,
             "round": self.assignment.round if self.assignment is not None else None,
         }
+        if c is not None and c.kind in CLASSIFIED_KINDS:
+            details["failure_class"] = classify(c.kind, c.details).value
         if self.assignment is not None:
             details["assignment"] = self.assignment.to_json()
         if self.fallback is not None:

@@ -1,0 +1,65 @@
+"""The failure classifier: a table of cases, each the facts an event carries and the class they give."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient.events.api import Event, EventKind
+from resilient.supervisor.api import JobView
+from resilient.supervisor.classify import FailureClass, classify
+
+W = EventKind.WORKER_EXIT
+CASES = [
+    # (kind, details, class)
+    (W, {"exit_code": 1, "exc_type": "NoRestorableStepError", "message": "committed steps [89, 79] exist"},
+     FailureClass.STATE_UNRECOVERABLE),
+    (W, {"exit_code": 1, "exc_type": "resilient.checkpoint.api.StateUndefinedError", "message": "undefined"},
+     FailureClass.STATE_UNRECOVERABLE),
+    (EventKind.CKPT_TIER_FAILED, {"tier": "all", "state_undefined": True}, FailureClass.STATE_UNRECOVERABLE),
+    (W, {"exit_code": -9, "signal": "SIGKILL", "oom_kill": True}, FailureClass.RESOURCE),
+    (W, {"exit_code": -9, "signal": "SIGKILL", "oom_kill": False}, FailureClass.TRANSIENT),
+    (W, {"exit_code": -9, "signal": "SIGKILL"}, FailureClass.TRANSIENT),
+    (W, {"exit_code": -15, "signal": "SIGTERM"}, FailureClass.TRANSIENT),
+    (W, {"exit_code": -11, "signal": "SIGSEGV"}, FailureClass.UNKNOWN),
+    (W, {"exit_code": 1, "exc_type": "torch.OutOfMemoryError", "message": "CUDA out of memory. Tried to"},
+     FailureClass.RESOURCE),
+    (W, {"exit_code": 1, "exc_type": "MemoryError", "message": ""}, FailureClass.RESOURCE),
+    (W, {"exit_code": 1, "exc_type": "RuntimeError", "message": "[gloo] Connection closed by peer [127.0.0.1]:1"},
+     FailureClass.TRANSIENT),
+    (W, {"exit_code": 1, "exc_type": "torch.distributed.DistNetworkError", "message": "failed to recv"},
+     FailureClass.TRANSIENT),
+    (W, {"exit_code": 1, "exc_type": "RuntimeError", "message": "x", "consequence": True}, FailureClass.TRANSIENT),
+    (W, {"exit_code": 1, "exc_type": "RuntimeError", "message": "CUDA error: uncorrectable ECC error encountered"},
+     FailureClass.HARDWARE),
+    (W, {"exit_code": 1, "exc_type": "ValueError", "message": "step 5 is bad", "frame": "t.py:3 in f"},
+     FailureClass.SOFTWARE),
+    (W, {"exit_code": 3}, FailureClass.UNKNOWN),  # sys.exit(3): no error file, no cause known
+    (W, {"exit_code": 1, "failure_class": "hardware"}, FailureClass.HARDWARE),  # the agent's own class wins
+    (W, {"exit_code": 1, "failure_class": "no-such-class", "exc_type": "KeyError"}, FailureClass.SOFTWARE),
+    (W, {"exit_code": 1, "preempted": True}, FailureClass.PREEMPTION),
+    (EventKind.GPU_UNHEALTHY, {"index": 0, "check": "ecc", "value": 2}, FailureClass.HARDWARE),
+    (EventKind.HOST_UNHEALTHY, {"check": "memory", "value": 0.99}, FailureClass.RESOURCE),
+    (EventKind.PREEMPTION_NOTICE, {"source": "SIGTERM"}, FailureClass.PREEMPTION),
+    (EventKind.HANG, {"last_heartbeat_age": 5.0}, FailureClass.UNKNOWN),
+    (EventKind.AGENT_LOST, {"reason": "timeout"}, FailureClass.UNKNOWN),
+    ("no_such_kind", {}, FailureClass.UNKNOWN),
+    (W, None, FailureClass.UNKNOWN),
+]
+
+
+@pytest.mark.parametrize("kind,details,expected", CASES)
+def test_classify_table(kind, details, expected) -> None:
+    assert classify(kind, details) is expected
+
+
+def test_classes_are_stable_strings() -> None:
+    # ledger readers and policies compare these strings: they are a contract
+    assert [c.value for c in FailureClass] == ["transient", "software", "state_unrecoverable", "resource",
+                                               "hardware", "preemption", "unknown"]
+
+
+def test_job_view_exposes_the_class() -> None:
+    ev = Event(EventKind.WORKER_EXIT, node="a", rank=0, attempt=0,
+               details={"exit_code": 1, "exc_type": "NoRestorableStepError", "message": "none"})
+    view = JobView(nodes={}, min_nodes=1, max_nodes=1, nproc_per_node=1, restarts_left=3)
+    assert view.failure_class(ev) is FailureClass.STATE_UNRECOVERABLE
