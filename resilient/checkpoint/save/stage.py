@@ -1,6 +1,11 @@
 """Staging: the state's leaves copied into host buffers that are reused from one save to the next
 (:class:`Stager`), and the guard that holds an optimizer step until its tensors are staged
-(:class:`MutationGuard`)."""
+(:class:`MutationGuard`).
+
+Tensors on a GPU are copied into one page-locked host arena (:class:`_Arena`) on a side stream that first
+waits for the training stream, so the copy sees the finished values; the save waits on an event recorded
+after the copies (not a device-wide synchronisation). Tensors on the CPU take per-tensor buffers.
+"""
 
 from __future__ import annotations
 
@@ -17,58 +22,202 @@ from resilient.checkpoint.format.state import leaf_nbytes
 
 logger = logging.getLogger(__name__)
 
+_ALIGN = 512  # each buffer of the arena starts aligned (DMA and vector copies prefer it)
+
+
+class _Arena:
+    """Host buffers for device tensors: one allocation, page-locked once, carved into one buffer per tensor.
+
+    One allocation registered with ``cudaHostRegister`` holds exactly the state's bytes: the pinned caching
+    allocator rounds every request up to a power of two, up to twice the state in host memory. Each buffer is
+    a tensor with a storage of exactly its own bytes (DCP's writer clones a view of a larger storage, which
+    would be a second copy). ``pin=False`` builds the same layout in plain memory (CPU tests)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._layout: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+        self._base: torch.Tensor | None = None
+        self._registered = False
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0  # how many times host memory was taken (the tests read it)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._base is None else self._base.numel()
+
+    def ensure(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+        """Buffers for ``specs`` (fqn, shape, dtype), the same as last time when the layout did not change."""
+        layout = tuple(specs)
+        if layout == self._layout and self._base is not None:
+            return self.buffers
+        self.release()
+        offs, total = [], 0
+        for _, shape, dtype in layout:
+            n = _numel(shape) * _itemsize(dtype)
+            offs.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        base = self._allocate(max(total, 1))
+        mv = memoryview(base.numpy())
+        bufs: dict[str, torch.Tensor] = {}
+        for (fqn, shape, dtype), off in zip(layout, offs):
+            n = _numel(shape) * _itemsize(dtype)
+            if n == 0:
+                bufs[fqn] = torch.empty(shape, dtype=dtype)
+                continue
+            bufs[fqn] = torch.frombuffer(mv, dtype=torch.uint8, count=n, offset=off).view(dtype).view(shape)
+        self._base, self._layout, self.buffers = base, layout, bufs
+        self.allocations += 1
+        return bufs
+
+    def _allocate(self, total: int) -> torch.Tensor:
+        if not self.pin:
+            return torch.empty(total, dtype=torch.uint8)
+        base = torch.empty(total, dtype=torch.uint8)
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), total, 0)
+            if int(err) == 0:
+                self._registered = True
+                return base
+            logger.info("cudaHostRegister of %d bytes failed (%s); pinned allocator instead", total, err)
+        except (AttributeError, RuntimeError, TypeError) as e:
+            logger.info("cudaHostRegister unavailable (%s); pinned allocator instead", e)
+        return torch.empty(total, dtype=torch.uint8, pin_memory=True)
+
+    def release(self) -> None:
+        """Give the memory back. The caller has waited for every copy into it."""
+        if self._base is not None and self._registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
+            except (AttributeError, RuntimeError, TypeError) as e:
+                logger.debug("cudaHostUnregister failed: %s", e)
+        self._base, self._layout, self.buffers, self._registered = None, (), {}, False
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has none in its state
+        return None
+    return DTensor
+
 
 class Stager:
     """Copies leaves into host buffers kept between saves (no allocation after the first save)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._arena: _Arena | None = None
+        self._streams: dict[torch.device, Any] = {}
+        self._pending: list[Any] = []  # events recorded after the device copies of the last stage()
 
     @property
     def nbytes(self) -> int:
-        return sum(leaf_nbytes(b) for b in self._buffers.values())
+        return sum(leaf_nbytes(b) for b in self._buffers.values()) + (self._arena.nbytes if self._arena else 0)
+
+    @property
+    def allocations(self) -> int:
+        """How many times the device tensors' host arena was allocated (once while the state keeps its shapes)."""
+        return self._arena.allocations if self._arena is not None else 0
 
     def _buffer(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(fqn)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             # contiguous whatever the source layout: copy_ handles strides, and restore reads it faster
-            pin = t.device.type == "cuda" and torch.cuda.is_available()
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
             self._buffers[fqn] = buf
         return buf
 
     def stage(self, leaves: Mapping[str, Any], *, tensors: bool = True, objects: bool = True) -> dict[str, Any]:
-        """Copy of ``leaves``: tensors into reused buffers, other values deep-copied."""
+        """Copy of ``leaves``: tensors into reused buffers, other values deep-copied. Copies from a GPU are
+        only issued here: :meth:`synchronize` waits for them."""
         out: dict[str, Any] = {}
+        on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fqn -> (leaf, its local tensor)
+        dt = _dtensor_type()
         for fqn, v in leaves.items():
             if isinstance(v, torch.Tensor):
-                if tensors:
+                if not tensors:
+                    continue
+                local = v.to_local() if dt is not None and isinstance(v, dt) else v
+                plain = (dt is not None and isinstance(v, dt)) or type(v) is torch.Tensor \
+                    or isinstance(v, torch.nn.Parameter)
+                if plain and local.device.type == "cuda" and torch.cuda.is_available():
+                    on_device[fqn] = (v, local)
+                    out[fqn] = None  # filled below: keeps the leaves' order
+                else:
                     out[fqn] = self._stage_tensor(fqn, v)
             elif objects:
                 out[fqn] = copy.deepcopy(v)
+        if on_device:
+            self._stage_device(on_device, out)
         return out
 
     def _stage_tensor(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
+        dt = _dtensor_type()
+        if dt is not None and isinstance(t, dt):
             local = t.to_local()
             buf = self._buffer(fqn, local)
-            buf.copy_(local.detach(), non_blocking=buf.is_pinned())
-            return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())
+            buf.copy_(local.detach())
+            return dt.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return t.detach().clone().cpu()  # other tensor subclasses: no buffer reuse
         buf = self._buffer(fqn, t)
-        buf.copy_(t.detach(), non_blocking=buf.is_pinned())
+        buf.copy_(t.detach())
         return buf
 
+    def _stage_device(self, leaves: dict[str, tuple[torch.Tensor, torch.Tensor]], out: dict[str, Any]) -> None:
+        """GPU tensors into the pinned arena on a side stream per device, ordered after the training stream."""
+        self.synchronize()  # the arena may be rebuilt: no copy into the old one may still run
+        if self._arena is None:
+            self._arena = _Arena(pin=True)
+        bufs = self._arena.ensure([(fqn, tuple(local.shape), local.dtype) for fqn, (_, local) in leaves.items()])
+        by_device: dict[torch.device, list[str]] = {}
+        for fqn, (_, local) in leaves.items():
+            by_device.setdefault(local.device, []).append(fqn)
+        dt = _dtensor_type()
+        for device, fqns in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # the copy must see what the training stream computed up to now
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for fqn in fqns:
+                    v, local = leaves[fqn]
+                    bufs[fqn].copy_(local.detach(), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self._pending.append(ev)
+        for fqn, (v, _) in leaves.items():
+            buf = bufs[fqn]
+            if dt is not None and isinstance(v, dt):
+                out[fqn] = dt.from_local(buf, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                         stride=v.stride())
+            else:
+                out[fqn] = buf
+
     def synchronize(self) -> None:
-        if torch.cuda.is_available() and any(b.is_pinned() for b in self._buffers.values()):
-            torch.cuda.synchronize()
+        """Wait until the copies of the last :meth:`stage` landed (their events; the device runs on)."""
+        pending, self._pending = self._pending, []
+        for ev in pending:
+            ev.synchronize()
 
     def drop(self) -> None:
+        self.synchronize()
         self._buffers.clear()
+        if self._arena is not None:
+            self._arena.release()
+            self._arena = None
 
 
 class MutationGuard:
