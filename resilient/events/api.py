@@ -36,7 +36,9 @@ class EventKind(str, enum.Enum):
     HANG = "hang"  # details: last_heartbeat_age, timeout, local_rank
     STRAGGLER = "straggler"  # details: score, threshold, reference
     HOST_UNHEALTHY = "host_unhealthy"  # details: check, value, threshold
-    GPU_UNHEALTHY = "gpu_unhealthy"  # details: index, check, value
+    # details: index (NVML's; None: NVML itself), uuid, check (resilient.signals.gpu.GpuCheck), value, and per check
+    # threshold / timeout / rounds / reasons_mask
+    GPU_UNHEALTHY = "gpu_unhealthy"
     PREEMPTION_NOTICE = "preemption_notice"  # details: deadline (wall seconds), source
     AGENT_LOST = "agent_lost"  # node lost (event.node): details: reason ("timeout" | "disconnected"), last_seen_age
     NODE_JOINED = "node_joined"  # an agent joined (event.node); details: nproc, spare (bool)
@@ -73,7 +75,7 @@ class EventKind(str, enum.Enum):
     # "plain"), reason, link_mbps, codec_mbps, ratio (as measured before this transfer; None until measured)
     CKPT_COMPRESS = "ckpt_compress"
 
-    LOG = "log"  # anything else worth keeping; details: message
+    LOG = "log"  # anything else worth keeping; details: message (a GPU's benign Xid: index, uuid, check, xid, xid_kind)
 
 
 def _node_name() -> str:

@@ -2,7 +2,8 @@
 
 Host and GPU checks run in a background thread (a statvfs on a stuck filesystem or an NVML call on a
 failing GPU can block; the agent's loop must not). Each check reports a transition: an event when it
-turns unhealthy, nothing while it stays so, re-armed once it is healthy again.
+turns unhealthy, nothing while it stays so, re-armed once it is healthy again. The GPU checks are
+:mod:`resilient.signals.gpu`'s; an Xid that is not unhealthy becomes a ``log`` event in the node's ledger.
 
 A preemption notice comes from a file (default ``RUN_DIR/preempt``) whose appearance means "this node goes
 away soon", or from an HTTP endpoint polled on a thread (:class:`NoticeURL`, e.g. the GCE metadata server). Its content may name the deadline: empty (mtime + grace), a number (epoch seconds, or seconds from
@@ -19,29 +20,39 @@ import os
 import shutil
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from resilient.events.api import Event, EventKind
+from resilient.signals.gpu import GpuCheck, GpuHealth, GpuHealthConfig
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class HealthConfig:
+    """``gpu``: the NVML checks' settings; None builds them from ``gpu_temperature_threshold`` and this process's
+    ``CUDA_VISIBLE_DEVICES`` (the agent's, which its workers' GPUs are picked from)."""
+
     interval: float = 5.0
     memory_threshold: float = 95.0
     ckpt_local: str | None = None
     disk_min_free_bytes: int = 1 << 30
     disk_min_free_fraction: float = 0.02
     gpu_temperature_threshold: float = 90.0
+    gpu: GpuHealthConfig | None = None
 
     def __post_init__(self) -> None:
         if self.interval <= 0:
             raise ValueError(f"health check interval must be > 0 seconds, got {self.interval}")
+        if self.gpu is None:
+            object.__setattr__(self, "gpu", GpuHealthConfig(temperature_threshold=self.gpu_temperature_threshold,
+                                                            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES")))
+        elif self.gpu.temperature_threshold != self.gpu_temperature_threshold != 90.0:
+            raise ValueError(f"two GPU temperature thresholds: gpu_temperature_threshold={self.gpu_temperature_threshold}"
+                             f" and gpu.temperature_threshold={self.gpu.temperature_threshold}")
 
 
 def _existing_dir(path: str) -> str | None:
@@ -55,11 +66,13 @@ def _existing_dir(path: str) -> str | None:
 class HostChecks:
     """One round of host checks → events for checks that just turned unhealthy."""
 
-    def __init__(self, config: HealthConfig, make_event: Callable[..., Event]) -> None:
+    def __init__(self, config: HealthConfig, make_event: Callable[..., Event], nvml: Any = None) -> None:
+        """``nvml``: a ``pynvml`` module to use instead of importing it (a stand-in where no GPU exists)."""
         self.config = config
         self._event = make_event
         self._bad: set[str] = set()
-        self._gpu = _Nvml()
+        assert config.gpu is not None  # filled in by HealthConfig
+        self.gpu = GpuHealth(config.gpu, nvml=nvml)
 
     def _transition(self, key: str, bad: bool, kind: EventKind, **details: Any) -> list[Event]:
         """``key`` names the check's state (one per GPU and metric); ``details`` go into the event."""
@@ -88,68 +101,18 @@ class HostChecks:
                 out += self._transition("disk_free", du.free < need, EventKind.HOST_UNHEALTHY,
                                         check="disk_free", value=du.free, threshold=need, path=self.config.ckpt_local,
                                         total_bytes=du.total)
-        for index, check, value, bad in self._gpu.checks(self.config.gpu_temperature_threshold):
-            out += self._transition(f"gpu{index}:{check}", bad, EventKind.GPU_UNHEALTHY,
-                                    index=index, check=check, value=value)
+        readings, xids = self.gpu.round()
+        for r in readings:
+            out += self._transition(r.key, r.bad, EventKind.GPU_UNHEALTHY,
+                                    index=r.index, uuid=r.uuid, check=r.check.value, value=r.value, **r.extra)
+        for x in xids:
+            logger.warning("GPU %s: Xid %d (%s): reported, not unhealthy", x.index, x.xid, x.kind)
+            out.append(self._event(EventKind.LOG, message=f"GPU {x.index}: Xid {x.xid} ({x.kind})", index=x.index,
+                                   uuid=x.uuid, check=GpuCheck.XID.value, xid=x.xid, xid_kind=x.kind))
         return out
 
     def close(self) -> None:
-        self._gpu.close()
-
-
-class _Nvml:
-    """NVML where present; without the library or a driver, GPU checks are skipped (said once)."""
-
-    def __init__(self) -> None:
-        self.nvml: Any = None
-        self._tried = False
-
-    def _init(self) -> None:
-        # first use happens on the health thread: a wedged driver can block nvmlInit, never the agent
-        self._tried = True
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # pynvml warns about its own deprecation on import
-                import pynvml
-            pynvml.nvmlInit()
-            self.count = pynvml.nvmlDeviceGetCount()
-            self.nvml = pynvml
-        except ImportError:
-            logger.info("pynvml is not installed: GPU health checks skipped")
-        except Exception as e:  # noqa: BLE001 — NVMLError subclasses vary by version; any means "no GPU"
-            logger.info("NVML unavailable (%s): GPU health checks skipped", e)
-
-    def checks(self, temp_threshold: float) -> list[tuple[int, str, Any, bool]]:
-        if not self._tried:
-            self._init()
-        if self.nvml is None:
-            return []
-        nv, out = self.nvml, []
-        for i in range(self.count):
-            try:
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-            except Exception as e:  # noqa: BLE001 — a GPU that fell off the bus fails right here
-                out.append((i, "reachable", str(e), True))
-                continue
-            out.append((i, "reachable", True, False))
-            try:
-                t = nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)
-                out.append((i, "temperature", t, t >= temp_threshold))
-            except Exception:  # noqa: BLE001 — not every GPU reports every metric
-                pass
-            try:
-                ecc = nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
-                out.append((i, "ecc_uncorrected", ecc, ecc > 0))
-            except Exception:  # noqa: BLE001
-                pass
-        return out
-
-    def close(self) -> None:
-        if self.nvml is not None:
-            try:
-                self.nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
-                pass
+        self.gpu.close()
 
 
 class HealthThread:
