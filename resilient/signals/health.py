@@ -71,6 +71,7 @@ class HostChecks:
         self.config = config
         self._event = make_event
         self._bad: set[str] = set()
+        self._no_psutil = False
         assert config.gpu is not None  # filled in by HealthConfig
         self.gpu = GpuHealth(config.gpu, nvml=nvml)
 
@@ -86,13 +87,18 @@ class HostChecks:
         return []
 
     def run(self) -> list[Event]:
-        import psutil
-
         out: list[Event] = []
-        mem = psutil.virtual_memory()
-        out += self._transition("memory", mem.percent >= self.config.memory_threshold, EventKind.HOST_UNHEALTHY,
-                                check="memory", value=mem.percent, threshold=self.config.memory_threshold,
-                                available_bytes=mem.available)
+        try:
+            import psutil
+        except ImportError:  # a dependency, but a source tree run on a bare GPU machine may lack it
+            if not self._no_psutil:
+                logger.warning("psutil is not installed: the memory check is skipped")
+            self._no_psutil = True
+        else:
+            mem = psutil.virtual_memory()
+            out += self._transition("memory", mem.percent >= self.config.memory_threshold, EventKind.HOST_UNHEALTHY,
+                                    check="memory", value=mem.percent, threshold=self.config.memory_threshold,
+                                    available_bytes=mem.available)
         if self.config.ckpt_local:
             d = _existing_dir(self.config.ckpt_local)
             if d is not None:
