@@ -113,7 +113,12 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 class NoRestorableStepError(CheckpointError):
-    """Committed steps exist but none could be assembled from verified files on any tier."""
+    """Committed steps exist but none could be assembled from verified files on any tier. ``details``: the steps
+    tried, the tiers, and for each step what was missing (``why``: step → missing, ranks, files, tiers)."""
+
+    def __init__(self, message: str = "", details: dict | None = None):
+        super().__init__(message)
+        self.details = dict(details or {})
 
 
 class StateUndefinedError(NoRestorableStepError):

@@ -70,6 +70,9 @@ def write_error_file(path: str | None, exc: BaseException) -> None:
             "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
         }
     }
+    restore = getattr(exc, "details", None)  # a failed restore's steps, ranks, files and tiers (NoRestorableStepError)
+    if isinstance(restore, dict):
+        data["message"]["extraInfo"]["restore"] = restore
     try:
         with open(path, "w") as f:
             json.dump(data, f)

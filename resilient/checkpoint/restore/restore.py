@@ -296,6 +296,8 @@ class Restorer(Component):
         self._pre_lost: list[str] = []
         self._pre_opened: list[Source] = []
         unsafe: list[str] = []
+        self._why: dict[int, dict[str, Any]] = {}  # step -> what kept it from being assembled (the same on every rank)
+        self._views = views  # every rank's committed steps per tier: which tiers a step was looked for on
         for step in candidates:
             res = None
             for _ in TIER_ORDER:  # an unsafe copy on one tier: the same step again from the next tier
@@ -321,9 +323,20 @@ class Restorer(Component):
             self._emit(EventKind.CKPT_TIER_FAILED, step=failures[0] if failures else None, tier="all",
                        error=msg, state_undefined=True)
             raise StateUndefinedError(msg)
-        raise NoRestorableStepError(f"committed steps {failures} exist but none could be assembled from verified "
-                                    f"files on any tier; the state is undefined{extra}; see the log for the "
-                                    "corrupt or missing files")
+        details = {"steps": failures, "tiers": [t.name for t in self._tiers()],
+                   "why": {str(s): self._why[s] for s in failures if s in self._why}}
+        if unsafe:
+            details["unsafe"] = sorted(set(unsafe))[:5]
+        said = "; ".join(f"step {s}: {_said(self._why[s])}" for s in failures if s in self._why)
+        msg = (f"committed steps {failures} exist but none could be assembled from verified files on any tier "
+               f"({', '.join(details['tiers']) or 'none'}){': ' + said if said else ''}; the state is "
+               f"undefined{extra}: a persistent tier (--ckpt-persistent) or an older checkpoint directory holding "
+               "those shards would restore it")
+        if self.ctx.rank == 0:
+            logger.error("%s", msg)
+            self._emit(EventKind.CKPT_TIER_FAILED, step=failures[0] if failures else None, tier="all",
+                       error=msg, state_undefined=True, restore=details)
+        raise NoRestorableStepError(msg, details=details)
 
     def _persistent_alone(self, step: int, views: list[dict[str, list[int]]]) -> bool:
         """After ``step`` failed from this node's copies mixed with others: try it once more from the persistent
@@ -423,7 +436,11 @@ class Restorer(Component):
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
         if not self._all(ok_manifests):
-            logger.warning("step %d: manifests of some ranks are on no tier; trying an older step", step)
+            gone = [r for r in range(world_old) if r not in manifests] if world_old is not None else None
+            self._why[step] = {"missing": "manifests", "ranks": gone, "tiers": _tiers_with(step, views)}
+            logger.warning("step %d: manifests of rank(s) %s are on no tier (looked at %s); trying an older step",
+                           step, "?" if gone is None else ", ".join(map(str, gone)) or "?",
+                           ", ".join(self._why[step]["tiers"]) or "none")
             return None
         assert world_old is not None
         # one restore reads one encoding of the step: this node's plain copies and the persistent tier's
@@ -485,6 +502,7 @@ class Restorer(Component):
         need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan.load_sd)}
         missing = sorted(n for n in need if n not in files)
         if not self._all(not missing):
+            self._why[step] = {"missing": "files", "files": missing[:20], "tiers": _tiers_with(step, views)}
             logger.warning("step %d: .metadata names files no manifest lists (%s); trying an older step",
                            step, missing[:5])
             return None
@@ -876,7 +894,13 @@ class Restorer(Component):
         transfers = fetch_plan.transfers
         downloads = list(fetch_plan.downloads.get(self.ctx.rank, []))
         if not fetch_plan.feasible:
-            logger.warning("step %d: some files are on no tier; trying an older step", step)
+            gone = sorted({self._owner.get(n, r) for r, n in fetch_plan.missing})
+            files_gone = sorted({n for _, n in fetch_plan.missing})
+            self._why[step] = {"missing": "files", "ranks": gone, "files": files_gone[:20],
+                               "tiers": _tiers_with(step, self._views)}
+            logger.warning("step %d: files of rank(s) %s are on no tier (%s; looked at %s); trying an older step",
+                           step, ", ".join(map(str, gone)), ", ".join(files_gone[:5]),
+                           ", ".join(self._why[step]["tiers"]) or "none")
             return None
         for n in need:
             if n in have:
@@ -1072,3 +1096,18 @@ class Restorer(Component):
                 v.load_state_dict(plain[k])
             elif isinstance(state, dict) and plain[k] is not v:
                 state[k] = plain[k]
+
+
+def _tiers_with(step: int, views: list[dict[str, list[int]]]) -> list[str]:
+    """The tiers some rank saw ``step`` committed on (the ones a restore of it looked at)."""
+    return sorted({t for v in views for t, steps in v.items() if step in steps})
+
+
+def _said(why: Mapping[str, Any]) -> str:
+    """A step's reason to fail, in words, for the error's message (its first line is all some readers keep)."""
+    ranks = why.get("ranks")
+    who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "some ranks"
+    what = "manifests" if why.get("missing") == "manifests" else "files"
+    files = why.get("files") or []
+    names = f" ({', '.join(files[:3])}{' …' if len(files) > 3 else ''})" if files and ranks else ""
+    return f"{what} of {who}{names} on no tier (looked at {', '.join(why.get('tiers') or []) or 'none'})"
