@@ -8,9 +8,11 @@ pass. Bytes of a file that no target receives (zip headers, pickles, objects) ar
 are. A block whose digest differs from the manifest is read again from the next source into the same place; when no source has a good copy,
 :class:`StateUndefinedError` is raised.
 
-Only plain tensors take this path (one chunk covering the whole tensor, a contiguous CPU target of the
-saved dtype, an uncompressed ``torch.save`` record); everything else is left to DCP's reader over files
-this module has verified.
+Only plain tensors take this path (one chunk covering the whole tensor, a contiguous target of the saved
+dtype, an uncompressed ``torch.save`` record); everything else is left to DCP's reader over files this
+module has verified. A target on a GPU takes the same path through a ring of pinned buffers: bytes are
+read and checksummed there, then copied to the device on a side stream while the next bytes are read
+(:mod:`resilient.checkpoint.restore.device`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from resilient.checkpoint.api import CorruptFileError, FileEntry, StateUndefinedError
 from resilient.checkpoint.format.digests import Crc32cHash, blocks_of, hasher, verify_bytes
 from resilient.checkpoint.format.spans import Span
+from resilient.checkpoint.restore.device import Copiers, is_device
 from resilient.checkpoint.restore.reader import _tensor_record
 
 
@@ -186,7 +189,7 @@ def data_span(src: Source, item_off: int, item_len: int, target: torch.Tensor) -
     """Offset in the file where ``target``'s bytes start inside its ``torch.save`` record, or None when the
     record is not a plain, uncompressed, little-endian, contiguous tensor of the target's dtype and shape
     (the item then takes DCP's own path). Reads only the record's directory and pickle."""
-    if not target.is_contiguous() or target.device.type != "cpu":
+    if not target.is_contiguous() or target.device.type not in ("cpu", "cuda"):
         return None
     got = plain_record(src, item_off, item_len)
     if got is None:
@@ -306,7 +309,7 @@ def plan_spans(src: Source | None, size: int, items: Sequence[Item],
         nbytes = t.nbytes  # one call per tensor: with thousands of tensors every call shows
         if layout:
             got = known.get(it.offset)
-            if got is not None and got[1] == nbytes and t.is_cpu and t.is_contiguous():
+            if got is not None and got[1] == nbytes and (t.is_cpu or t.is_cuda) and t.is_contiguous():
                 start = got[0]
         elif src is not None:
             try:
@@ -366,19 +369,27 @@ def _block_work(spans: Sequence[Span], start: int, end: int,
 
 def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: int,
                verified: bool = False, keep: Any = None, starts: Sequence[int] | None = None,
-               new_hash: Callable[[], Any] = Crc32cHash) -> bool:
+               new_hash: Callable[[], Any] = Crc32cHash, device: "_DeviceSpans | None" = None) -> bool:
     """Read ``[start, end)`` of the file from ``src`` into the targets and check the digest of what
     landed (``new_hash``: the manifest's, see :func:`tiers.hasher`) against ``want``. Returns whether it
     matched. ``keep``: a file-sized buffer that receives the bytes no target takes (headers, objects), for
-    DCP's path over a copy that was never whole."""
+    DCP's path over a copy that was never whole. ``device``: the spans whose targets are on a GPU and the
+    copiers their bytes go through."""
     h = new_hash()
     if isinstance(src, RangeSource):
         # a remote copy: one ranged read per block, copied from there (a few blocks in flight, no full copy)
         src = _RangeView(src.read(start, end - start), start, src.tier)
     if isinstance(src, FileSource) and keep is None and not verified:
-        return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want, h)
+        return _load_block_file(src, _overlapping(spans, start, end, starts), start, end, want, h, device)
     for off, n, dst, doff in _block_work(spans, start, end, starts):
-        if dst is not None:
+        if dst is not None and device is not None and id(dst) in device.ids:
+            cop = device.copiers.get(dst.dst.device)  # type: ignore[union-attr]
+            view, region = cop.take(n)
+            src.readinto(off, view)
+            if not verified:
+                h.update(view)
+            cop.put(dst.dst[doff:doff + n], region)  # type: ignore[index]
+        elif dst is not None:
             view = memoryview(dst.array()[doff:doff + n])
             src.readinto(off, view)
             if not verified:
@@ -392,10 +403,13 @@ def load_block(src: Source, spans: Sequence[Span], start: int, end: int, want: i
     return verified or h.intdigest() == want
 
 
-def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: int, want: int, h: Any) -> bool:
+def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: int, want: int, h: Any,
+                     device: "_DeviceSpans | None" = None) -> bool:
     """:func:`load_block` from a local file: runs of pieces up to PIECE bytes are read with one ``preadv``
-    into their targets (and a scratch buffer for the bytes between them), then checksummed while in cache."""
+    into their targets (and a scratch buffer for the bytes between them), then checksummed while in cache.
+    A piece for a GPU target is read into a pinned ring buffer and copied to the device after the check."""
     run: list[memoryview] = []
+    puts: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (copier, device bytes, ring region)
     run_off = run_n = gap_used = 0
     gaps = _scratch(min(end - start, PIECE))  # a run holds at most PIECE bytes, gaps included
 
@@ -405,6 +419,9 @@ def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: in
             src.readv(run_off, run, run_n)
             for v in run:
                 h.update(v)
+            for cop, dst, region in puts:
+                cop.put(dst, region)
+            puts.clear()
         run, run_n, gap_used = [], 0, 0
 
     for s in spans:
@@ -415,7 +432,12 @@ def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: in
                 flush()
             if not run:
                 run_off = a
-            if s.takes:
+            if s.takes and device is not None and id(s) in device.ids:
+                cop = device.copiers.get(s.dst.device)  # type: ignore[union-attr]
+                view, region = cop.take(k)
+                run.append(view)
+                puts.append((cop, s.dst[a - s.off:a - s.off + k], region))  # type: ignore[index]
+            elif s.takes:
                 run.append(memoryview(s.array()[a - s.off:a - s.off + k]))
             else:
                 run.append(gaps[gap_used:gap_used + k])
@@ -424,6 +446,22 @@ def _load_block_file(src: FileSource, spans: Sequence[Span], start: int, end: in
             a += k
     flush()
     return h.intdigest() == want
+
+
+@dataclass
+class _DeviceSpans:
+    """The spans of a load whose targets are on a GPU (by id), and the per-thread copiers they go through."""
+
+    ids: frozenset[int]
+    copiers: Copiers
+
+
+def _device_spans(files: Sequence[FileLoad]) -> _DeviceSpans | None:
+    if not torch.cuda.is_available():
+        return None  # no target can be on a GPU: the plain path, no view made per span
+    ids = frozenset(id(s) for f in files for s in f.spans if s.takes and is_device(s.dst))  # type: ignore[arg-type]
+    # a run of pieces (at most PIECE) is put before the next buffer of the ring is taken
+    return _DeviceSpans(ids, Copiers(chunk=8 * PIECE)) if ids else None
 
 
 def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, str], None] | None = None,
@@ -440,6 +478,7 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
     starts = {t.name: [s.off for s in t.spans] for t in files}
     hashes = {t.name: hasher(t.entry) for t in files}
     lock = threading.Lock()
+    device = _device_spans(files)
 
     def run(task: tuple[FileLoad, int, tuple[int, int, int]]) -> str | None:
         f, i, (a, b, want) = task
@@ -447,7 +486,8 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
             why = f"{f.entry.digest} differs from the manifest"
             try:
                 if load_block(src, f.spans, a, b, want, verified=(k == 0 and f.name in verified),
-                              keep=f.keep_gaps, starts=starts[f.name], new_hash=hashes[f.name]):
+                              keep=f.keep_gaps, starts=starts[f.name], new_hash=hashes[f.name],
+                              device=device):
                     with lock:
                         order[f.name] = max(order[f.name], k)
                     return None
@@ -457,11 +497,15 @@ def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, 
                 on_bad(f, i, src.tier, why)
         return f"{f.name} block {i} (bytes {a}-{b})"
 
-    if threads > 1 and len(tasks) > 1:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resilient-restore") as pool:
-            results = list(pool.map(run, tasks))
-    else:
-        results = [run(t) for t in tasks]
+    try:
+        if threads > 1 and len(tasks) > 1:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resilient-restore") as pool:
+                results = list(pool.map(run, tasks))
+        else:
+            results = [run(t) for t in tasks]
+    finally:
+        if device is not None:
+            device.copiers.finish()  # every device copy landed before the state is handed back
     for f in files:
         if f.sources and order[f.name] >= 0:
             f.served = f.sources[order[f.name]].tier

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from resilient.checkpoint.api import UnsafeCheckpointError
 from resilient.checkpoint.format.codec import ItemTooLargeError, decode_item, extension_registry, item_limit
 from resilient.checkpoint.format.safe import load_metadata, safe_torch_load
+from resilient.checkpoint.restore.device import ChunkCopier
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,8 @@ class FastReader(FileSystemReader):
         self.slow_items = 0
         self._copier: Any = None
         self._pending: list[Any] = []
+        self._gpu: Any = None  # a ChunkCopier while GPU targets are read
+        self._gpu_pending: list[Any] = []
 
     def set_up_storage_reader(self, metadata: Any, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, *args, **kwargs)
@@ -264,8 +267,9 @@ class FastReader(FileSystemReader):
         if any(o != 0 for o in req.storage_offsets) or tuple(req.lengths) != shape:
             return False
         target = planner.resolve_tensor(req).detach()
-        if target.dtype != dtype or tuple(target.shape) != shape or not target.is_contiguous() \
-                or target.device.type != "cpu":
+        gpu = target.device.type == "cuda"  # any layout: copied through pinned buffers in row-major order
+        if target.dtype != dtype or tuple(target.shape) != shape or not (target.is_contiguous() or gpu) \
+                or target.device.type not in ("cpu", "cuda"):
             return False
         records = [i for i in infos if i.filename.startswith(prefix + "data/") and not i.filename.endswith(".pkl")]
         nbytes = numel * target.element_size()
@@ -290,11 +294,31 @@ class FastReader(FileSystemReader):
             dst = target.reshape(-1).view(torch.uint8)
             self._pending.append((self._copier.submit(dst.copy_, src), req, target))
             return True
+        if gpu:
+            if self._gpu is None or self._gpu.device != target.device:
+                self._finish_gpu(planner)
+                self._gpu = ChunkCopier(target.device)
+
+            def fill(off: int, dst: memoryview) -> None:
+                view.seek(start + off)
+                _read_exact(view, dst)
+
+            self._gpu.copy_into(target, fill)
+            self._gpu_pending.append((req, target))  # committed once its copy landed
+            return True
         view.seek(start)
         if nbytes:
             _read_exact(view, memoryview(target.reshape(-1).view(torch.uint8).numpy()))
         planner.commit_tensor(req, target)
         return True
+
+    def _finish_gpu(self, planner: Any) -> None:
+        if self._gpu is not None:
+            gpu, self._gpu = self._gpu, None
+            gpu.close()
+        pending, self._gpu_pending = self._gpu_pending, []
+        for req, target in pending:
+            planner.commit_tensor(req, target)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         from torch.futures import Future
@@ -304,6 +328,7 @@ class FastReader(FileSystemReader):
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-ckpt-copy")
         try:
             self._read_all(plan, planner)
+            self._finish_gpu(planner)
             for fut_copy, req, target in self._pending:
                 fut_copy.result()
                 planner.commit_tensor(req, target)
@@ -311,6 +336,10 @@ class FastReader(FileSystemReader):
             self._copier.shutdown(wait=True)  # never leave a copy running into a state being returned
             self._copier = None
             self._pending = []
+            if self._gpu is not None:
+                self._gpu.close()
+                self._gpu = None
+            self._gpu_pending = []
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

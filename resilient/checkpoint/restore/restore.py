@@ -39,6 +39,7 @@ from resilient.checkpoint.format.safe import find_unsafe, load_metadata, safe_to
 from resilient.checkpoint.format.spans import Span
 from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
 from resilient.checkpoint.replicate.transfer import Landed, Landing, run_transfers
+from resilient.checkpoint.restore.device import is_device
 from resilient.checkpoint.restore.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, load_files,
                                                plan_spans, undefined, whole_file)
 from resilient.checkpoint.restore.plan import plan_fetch
@@ -522,7 +523,11 @@ class Restorer(Component):
         if direct is None:
             direct = self._direct_plan(md, plan, need, files)
             self._plans.put(layout_key, direct)
-        land = {n: Landing(direct.spans[n], keep=n in direct.slow_files) for n in direct.spans}
+        # a file with a target on a GPU is received whole, then loaded through pinned buffers (gloo receives
+        # into host memory only)
+        gpu = torch.cuda.is_available()  # else no target is on a GPU: no span's view is made to ask
+        land = {n: Landing(direct.spans[n], keep=n in direct.slow_files) for n in direct.spans
+                if not (gpu and any(s.takes and s.dst is not None and is_device(s.dst) for s in direct.spans[n]))}
         self._pre, self._pre_lost, self._pre_opened = {}, [], []
         got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True,
                              land=land, prefetch=lambda: self._prefetch_local(step, direct, files, paths, mem,
@@ -609,7 +614,7 @@ class Restorer(Component):
                 if (info is not None and not info.transform_descriptors and m.properties.dtype == local.dtype
                         and any(tuple(c.offsets) == offsets and tuple(c.sizes) == tuple(local.shape)
                                 for c in m.chunks)
-                        and local.device.type == "cpu" and local.is_contiguous()):
+                        and local.device.type in ("cpu", "cuda") and local.is_contiguous()):
                     per_file.setdefault(info.relative_path, []).append(Item(info.offset, info.length, local))
                     key_of[id(local)] = key
                     continue
