@@ -152,6 +152,7 @@ class AgentConfig:
     upload_grace: float = 60.0  # seconds pending uploads get at exit (workers: RESILIENT_UPLOAD_GRACE)
     ckpt_max_failed_saves: int = 3  # failed saves in a row before the job stops; 0: train on (RESILIENT_CKPT_MAX_FAILED_SAVES)
     heartbeat_timeout: float | None = None
+    health_interval: float = 5.0  # seconds between host and GPU health rounds (the node monitor's thread)
     spare_nodes: int = 0
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"  # loopback: the endpoint tells anyone who can reach it about the run
@@ -169,6 +170,7 @@ class AgentConfig:
                               f"--nproc-per-node ({self.nproc_per_node})")
         for flag, v in (("--monitor-interval", self.monitor_interval), ("--term-timeout", self.term_timeout),
                         ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout),
+                        ("--health-interval", self.health_interval),
                         ("--node-timeout", self.supervisor.node_timeout),
                         ("--policy-timeout", self.supervisor.policy_timeout)):
             check_seconds(flag, v)

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
                    help="seconds without a heartbeat before a rank counts as hung (default: learned)")
+    g.add_argument("--health-interval", "--health_interval", type=float, default=5.0,
+                   help="seconds between the node's health checks: memory, the local tier's disk, the workers' "
+                        "GPUs through NVML (default 5)")
     g.add_argument("--inject", default=None,
                    help="faults for a drill, e.g. kill-worker@30s,hang-worker@60s,kill-node@90s,slow-rank:1@0s,"
                         "raise-worker:0@step12 (seconds after training starts, or a step; each recorded in the "
@@ -237,7 +240,8 @@ def parse(argv: list[str]) -> AgentConfig:
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
             ckpt_compress=args.ckpt_compress,
             upload_grace=args.upload_grace, ckpt_max_failed_saves=_max_failed_saves_of(args.ckpt_max_failed_saves),
-            heartbeat_timeout=args.heartbeat_timeout, spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
+            heartbeat_timeout=args.heartbeat_timeout, health_interval=args.health_interval,
+            spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
             inject=inject, job_secret_file=args.job_secret_file,

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -216,3 +218,72 @@ def test_config_is_checked():
     with pytest.raises(ValueError, match="two GPU temperature thresholds"):
         HealthConfig(gpu_temperature_threshold=80.0, gpu=GpuHealthConfig(temperature_threshold=85.0))
     assert HealthConfig(gpu_temperature_threshold=80.0).gpu.temperature_threshold == 80.0
+
+
+def test_health_interval_flag_reaches_the_config(tmp_path):
+    from resilient.launcher.api import LaunchError
+    from resilient.launcher.args import parse
+    from tests.launcher.conftest import SCRIPTS
+
+    script = str(SCRIPTS / "dump_env.py")
+    assert parse(["--run-dir", str(tmp_path / "r"), "--health-interval", "0.5", script]).health_interval == 0.5
+    assert parse(["--run-dir", str(tmp_path / "r"), script]).health_interval == 5.0
+    with pytest.raises(LaunchError, match=r"\-\-health\-interval"):
+        parse(["--run-dir", str(tmp_path / "q"), "--health-interval", "0", script])
+
+
+# --- through the real agent: a resilient-run job whose node b sees a failing GPU -------------------------------
+
+from tests.cluster.conftest import REPO, cluster_factory, wait_for  # noqa: E402,F401 - the fixture is used by name
+from tests.cluster.test_node_loss import _listening, node_name  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+def test_an_xid_on_a_nodes_gpu_swaps_it_for_the_spare(cluster_factory, tmp_path):
+    """Node b's agent loads the stand-in NVML (a ``PYTHONPATH`` entry) driven by a state file; when b's GPU reports
+    Xid 79 (fallen off the bus) its health thread writes gpu_unhealthy into the run's ledger, the supervisor swaps b
+    for the spare, and the job finishes there from the checkpoint. An application Xid before it is only logged."""
+    state = tmp_path / "nvml-b.json"
+    healthy = {"init": "ok", "devices": [{"uuid": "GPU-node-b-0", "temperature": 40, "xids": []}]}
+    state.write_text(json.dumps(healthy))
+    fake_env = {"PYTHONPATH": f"{FAKE.parent}{os.pathsep}{REPO}", "FAKE_NVML_STATE": str(state)}
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", "4", "--out", str(out), "--gate", str(gate), "--gate-step", "2"]
+    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
+                                    "--heartbeat-timeout", "300", "--health-interval", "0.1"])
+    a = c.start("a", args)
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
+    b = c.start("b", args, env=fake_env)
+    spare = c.start("spare", args)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 120, "both ranks at the gate", a.proc)
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
+             "the spare to join", a.proc)
+    assert not [e for e in c.events() if e.kind == EventKind.GPU_UNHEALTHY], "healthy until the Xid"
+    sick = json.loads(json.dumps(healthy))
+    sick["devices"][0]["xids"] = [13, 79]
+    tmp = tmp_path / "nvml-b.tmp"
+    tmp.write_text(json.dumps(sick))
+    os.replace(tmp, state)
+
+    def swaps() -> list[dict]:
+        return [e.details for e in c.events() if e.kind == EventKind.ACTION and e.details.get("action") == "hot_swap"]
+
+    wait_for(swaps, 60, "the supervisor to swap node b out", a.proc)
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and spare.proc.poll() is not None, 150, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert spare.proc.returncode == 0, spare.output()
+    evs = c.events()
+    (bad,) = [e for e in evs if e.kind == EventKind.GPU_UNHEALTHY]
+    assert bad.node == node_name(b)
+    assert (bad.details["index"], bad.details["uuid"], bad.details["check"], bad.details["value"]) == \
+        (0, "GPU-node-b-0", "xid", [79])
+    logged = [e.details for e in evs if e.kind == EventKind.LOG and e.details.get("check") == "xid"]
+    assert [(d["xid"], d["xid_kind"]) for d in logged] == [(13, "application")]
+    (swap,) = swaps()
+    assert swap["cause"] == "gpu_unhealthy", swap
+    assert (swap["action_args"]["node"], swap["action_args"]["spare"]) == (node_name(b), node_name(spare))
+    restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(spare)]
+    assert restores and restores[-1].details["step"] == 2, restores
+    assert (out / "rank0.pt").exists() and (out / "rank1.pt").exists()
