@@ -218,11 +218,16 @@ class GpuHealth:
                 import pynvml as nv
         nv.nvmlInit()
         count = nv.nvmlDeviceGetCount()
-        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        handles: list[Any] = []
         uuids: list[str | None] = []
-        for h in handles:
+        for i in range(count):
             try:
-                uuids.append(_text(nv.nvmlDeviceGetUUID(h)))
+                handles.append(nv.nvmlDeviceGetHandleByIndex(i))
+            except Exception as e:  # noqa: BLE001 — a lost GPU is watched all the same: its rounds say unreachable
+                logger.warning("GPU health: GPU %d has no NVML handle (%s)", i, e)
+                handles.append(None)
+            try:
+                uuids.append(_text(nv.nvmlDeviceGetUUID(handles[-1])) if handles[-1] is not None else None)
             except Exception:  # noqa: BLE001 — a GPU without a readable UUID can still be picked by index
                 uuids.append(None)
         visible = self.config.visible_devices
@@ -230,7 +235,8 @@ class GpuHealth:
         gpus = []
         for i in chosen:
             g = _Gpu(i, uuids[i], handles[i], caller=BoundedCaller(f"nvml-gpu{i}", max_abandoned=1, serial=True))
-            g.events = self._register_xids(nv, g)
+            if g.handle is not None:
+                g.events = self._register_xids(nv, g)
             gpus.append(g)
         self.nvml, self.gpus = nv, gpus
         logger.info("GPU health: NVML loaded; watching GPU(s) %s of %d%s", [g.index for g in gpus], count,
@@ -278,8 +284,9 @@ class GpuHealth:
             self.state = "ready"
             return []
         except TimeoutError as e:
+            if self.state != "pending":
+                logger.warning("GPU health: NVML did not load within %.1f s: %s", self.config.call_timeout, e)
             self.state = "pending"
-            logger.warning("GPU health: NVML did not load within %.1f s: %s", self.config.call_timeout, e)
             return [GpuReading(None, None, GpuCheck.RESPONSIVE, str(e), True)]
         except ImportError:
             logger.info("pynvml is not installed: GPU health checks skipped")
@@ -316,10 +323,14 @@ class GpuHealth:
     def _read(self, g: _Gpu) -> tuple[list[GpuReading], list[XidNote]]:
         nv = self.nvml
         try:
-            nv.nvmlDeviceGetHandleByIndex(g.index)
+            handle = nv.nvmlDeviceGetHandleByIndex(g.index)
         except Exception as e:  # noqa: BLE001 — a GPU that fell off the bus fails right here
             return [GpuReading(g.index, g.uuid, GpuCheck.REACHABLE, _text(e), True),
                     GpuReading(g.index, g.uuid, GpuCheck.RESPONSIVE, True, False)], []
+        if g.handle is None:  # lost when NVML loaded, back now
+            g.handle = handle
+            if GpuCheck.XID not in g.unsupported:
+                g.events = self._register_xids(nv, g)
         out = [GpuReading(g.index, g.uuid, GpuCheck.REACHABLE, True, False),
                GpuReading(g.index, g.uuid, GpuCheck.RESPONSIVE, True, False)]
         notes: list[XidNote] = []

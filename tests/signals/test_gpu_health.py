@@ -85,6 +85,17 @@ def test_a_check_turns_unhealthy_once_and_is_rearmed(nvml, field, bad, good, che
     assert [d["check"] for d in gpu_events(checks.run())] == [check]
 
 
+def test_a_gpu_lost_before_nvml_loaded_is_unreachable_not_skipped(nvml):
+    nvml.STATE["devices"][1]["lost"] = True
+    checks, _ = make_checks()
+    assert [(d["index"], d["check"]) for d in gpu_events(checks.run())] == [(1, "reachable")]
+    assert [g.index for g in checks.gpu.gpus] == [0, 1]
+    nvml.STATE["devices"][1]["lost"] = False
+    assert gpu_events(checks.run()) == [] and "gpu1:reachable" not in checks._bad
+    nvml.STATE["devices"][1]["xids"] = [95]  # its Xid events are registered once it is back
+    assert [(d["index"], d["check"], d["value"]) for d in gpu_events(checks.run())] == [(1, "xid", [95])]
+
+
 def test_idle_power_cap_and_application_clocks_are_not_hardware_trouble(nvml):
     checks, _ = make_checks()
     nvml.STATE["devices"][0]["clocks"] = 0x1 | 0x2 | 0x4 | 0x20
