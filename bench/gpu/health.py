@@ -1,7 +1,7 @@
 """GPU health on the device: the agent's own health checks (``HostChecks`` on a ``HealthThread``) against the real
 NVML, never nvidia-smi.
 
-    python3 bench/gpu/health.py --out DIR [--dry-run] [--interval 1.0] [--rounds 20]
+    python3 bench/gpu/health.py --out DIR [--dry-run] [--interval 5] [--rounds 20]
 
 Reports: the time from starting the checks to their first complete round (NVML loaded, every GPU read) against
 the check interval (the goal: healthy within one interval), each check's value per GPU (temperature, volatile
@@ -49,7 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--interval", type=float, default=1.0, help="health check interval (seconds)")
+    ap.add_argument("--interval", type=float, default=5.0, help="health check interval (seconds; the agent's default)")
     ap.add_argument("--rounds", type=int, default=20, help="rounds timed for the cost of one")
     args = ap.parse_args()
     out = Path(args.out)

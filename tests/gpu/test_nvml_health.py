@@ -41,7 +41,7 @@ def test_a_healthy_gpu_reports_healthy_within_one_check_interval(tmp_path, monke
     smi.write_text(f"#!/bin/sh\ntouch {tmp_path / 'smi-ran'}\nexit 1\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
-    interval = 1.0
+    interval = HealthConfig().interval  # what resilient-run uses unless --health-interval says otherwise
     made: list = []
     cfg = HealthConfig(interval=interval, memory_threshold=100.0,
                        gpu=GpuHealthConfig(visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES")))
