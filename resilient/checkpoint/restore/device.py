@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -68,10 +68,11 @@ class ChunkCopier:
     Two ways in: :meth:`copy_into` (a whole tensor from a reader), and :meth:`take`/:meth:`put` (a region of
     a ring buffer to read into, then where its bytes go), for callers that read several targets in one
     system call. A region taken must be put before ``(nbuf - 1) × chunk`` more bytes are taken. Not thread
-    safe: one copier per thread. :meth:`finish` returns once every copy has landed.
+    safe: one copier per thread. :meth:`finish` returns once every copy has landed. ``after``: a CUDA event
+    the copies wait for (default: the work queued so far on this thread's current stream).
     """
 
-    def __init__(self, device: torch.device | str, chunk: int = CHUNK, nbuf: int = NBUF):
+    def __init__(self, device: torch.device | str, chunk: int = CHUNK, nbuf: int = NBUF, after: Any = None):
         if chunk <= 0 or nbuf < 2:
             raise ValueError(f"chunk must be > 0 and nbuf >= 2 (got {chunk}, {nbuf})")
         self.device = torch.device(device)
@@ -86,7 +87,10 @@ class ChunkCopier:
         if self.cuda:
             self._stream = torch.cuda.Stream(device=self.device)
             # the targets may still be written by work queued on the training stream (their initialisation)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after is not None:
+                self._stream.wait_event(after)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @property
     def pinned_bytes(self) -> int:
@@ -159,10 +163,17 @@ class ChunkCopier:
 
 class Copiers:
     """One :class:`ChunkCopier` per (thread, device), for a pool of reader threads; :meth:`finish` waits
-    for all of them (call it once the threads are done)."""
+    for all of them (call it once the threads are done). Made on the training thread: every copy waits for
+    the work queued on its current stream until then (reader threads have other current streams)."""
 
-    def __init__(self, chunk: int = CHUNK, nbuf: int = NBUF):
+    def __init__(self, chunk: int = CHUNK, nbuf: int = NBUF, devices: Iterable[torch.device] = ()):
         self.chunk, self.nbuf = chunk, nbuf
+        self._after: dict[torch.device, Any] = {}
+        for d in set(devices):  # only the targets' devices: an event elsewhere would start a context there
+            if d.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(d))
+                self._after[d] = ev
         self._by: dict[tuple[int, torch.device], ChunkCopier] = {}
         self._lock = threading.Lock()
 
@@ -170,7 +181,7 @@ class Copiers:
         key = (threading.get_ident(), device)
         cop = self._by.get(key)
         if cop is None:
-            cop = ChunkCopier(device, self.chunk, self.nbuf)
+            cop = ChunkCopier(device, self.chunk, self.nbuf, after=self._after.get(device))
             with self._lock:
                 self._by[key] = cop
         return cop

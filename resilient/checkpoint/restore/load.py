@@ -459,9 +459,12 @@ class _DeviceSpans:
 def _device_spans(files: Sequence[FileLoad]) -> _DeviceSpans | None:
     if not torch.cuda.is_available():
         return None  # no target can be on a GPU: the plain path, no view made per span
-    ids = frozenset(id(s) for f in files for s in f.spans if s.takes and is_device(s.dst))  # type: ignore[arg-type]
+    on = [s for f in files for s in f.spans if s.takes and is_device(s.dst)]  # type: ignore[arg-type]
+    if not on:
+        return None
     # a run of pieces (at most PIECE) is put before the next buffer of the ring is taken
-    return _DeviceSpans(ids, Copiers(chunk=8 * PIECE)) if ids else None
+    devices = {s.dst.device for s in on}  # type: ignore[union-attr]
+    return _DeviceSpans(frozenset(id(s) for s in on), Copiers(chunk=8 * PIECE, devices=devices))
 
 
 def load_files(files: Sequence[FileLoad], on_bad: Callable[[FileLoad, int, str, str], None] | None = None,

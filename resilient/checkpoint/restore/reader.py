@@ -282,18 +282,6 @@ class FastReader(FileSystemReader):
             return False
         start = records[0].header_offset + 30 + int.from_bytes(header[26:28], "little") \
             + int.from_bytes(header[28:30], "little")
-        if nbytes and isinstance(stream, MemoryStream) and self._copier is not None:
-            # bytes already in memory (a verified file mapping, a received file): copied on a worker
-            # thread (torch's copy releases the GIL) while this one parses the next item's header
-            src_off = item_md.offset + start
-            if src_off + nbytes > len(stream._mv):
-                raise OSError(f"checkpoint item shorter than recorded ({len(stream._mv) - src_off} < {nbytes})")
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*non-writable.*")
-                src = torch.frombuffer(stream._mv, dtype=torch.uint8, count=nbytes, offset=src_off)
-            dst = target.reshape(-1).view(torch.uint8)
-            self._pending.append((self._copier.submit(dst.copy_, src), req, target))
-            return True
         if gpu:
             if self._gpu is None or self._gpu.device != target.device:
                 self._finish_gpu(planner)
@@ -305,6 +293,18 @@ class FastReader(FileSystemReader):
 
             self._gpu.copy_into(target, fill)
             self._gpu_pending.append((req, target))  # committed once its copy landed
+            return True
+        if nbytes and isinstance(stream, MemoryStream) and self._copier is not None:
+            # bytes already in memory (a verified file mapping, a received file): copied on a worker
+            # thread (torch's copy releases the GIL) while this one parses the next item's header
+            src_off = item_md.offset + start
+            if src_off + nbytes > len(stream._mv):
+                raise OSError(f"checkpoint item shorter than recorded ({len(stream._mv) - src_off} < {nbytes})")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*non-writable.*")
+                src = torch.frombuffer(stream._mv, dtype=torch.uint8, count=nbytes, offset=src_off)
+            dst = target.reshape(-1).view(torch.uint8)
+            self._pending.append((self._copier.submit(dst.copy_, src), req, target))
             return True
         view.seek(start)
         if nbytes:

@@ -74,7 +74,7 @@ class _Arena:
             return torch.empty(total, dtype=torch.uint8)
         base = torch.empty(total, dtype=torch.uint8)
         try:
-            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), total, 0)
+            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), total, 1)  # portable, as torch's own
             if int(err) == 0:
                 self._registered = True
                 return base
