@@ -6,6 +6,8 @@
 * spares are never swapped in; they are only used to grow back: a spare joining while the job runs below
   MAX gives ``ScaleUp`` at the next checkpoint boundary (as the default).
 * host / GPU unhealthy: ``Ignore`` (recorded; the node keeps training).
+* a worker failure of class ``hardware``: ``ScaleDown`` without the node (cordoned for good) when MIN allows,
+  else ``Restart``.
 * preemption notice of a member: ``ScaleDown`` without it (after the agreed step is saved) when MIN allows;
   else ``Ignore``: every node saves that step and exits 75.
 * everything else: the default policy.
@@ -14,7 +16,9 @@ Suits jobs whose spares are shared or slow to warm, and models that tolerate a c
 """
 
 from resilient.events.api import EventKind
-from resilient.supervisor.api import HEALTH_KINDS, Action, HotSwap, Ignore, JobView, Restart, ScaleDown, Stop
+from resilient.supervisor.api import (
+    HEALTH_KINDS, Action, FailureClass, HotSwap, Ignore, JobView, Restart, ScaleDown, Stop,
+)
 from resilient.supervisor.default_policy import DefaultPolicy
 
 
@@ -27,7 +31,8 @@ class ScaleDownFirst(DefaultPolicy):
                                                        f"{len(view.members) - 1} node(s)")
             return Stop(reason=f"node {event.node} lost and --nnodes min {view.min_nodes} forbids scaling down")
         if (event.kind in (EventKind.WORKER_EXIT, EventKind.HANG) and view.restarts_left > 0 and node is not None
-                and node.failures >= self.failures_to_swap):
+                and node.failures >= self.failures_to_swap
+                and view.failure_class(event) is not FailureClass.STATE_UNRECOVERABLE):
             why = f"{event.node} failed {node.failures} times within {view.failure_window:g} s"
             if self.can_scale_down(view):
                 return ScaleDown((event.node,), reason=f"{why}: continuing without it")
@@ -42,6 +47,9 @@ class ScaleDownFirst(DefaultPolicy):
         if isinstance(action, HotSwap):  # never spend a spare on a replacement
             if event.kind in HEALTH_KINDS:  # a failing check alone does not shrink the job: it keeps training
                 return Ignore(reason=action.reason.split(":")[0] + ": recorded (spares only grow the job)")
+            if view.failure_class(event) is FailureClass.HARDWARE and self.can_scale_down(view):
+                return ScaleDown((event.node,), reason=action.reason.split(":")[0] + ": continuing without it "
+                                                                                   "(spares only grow the job)")
             return Restart(reason=action.reason + " (spares only grow the job)")
         return action
 

@@ -25,6 +25,24 @@ preemption_notice         A member is going (its agent got SIGTERM, or a notice 
 restart budget spent      ``Stop`` with the reason.
 ========================  ================================================================================
 
+**By failure class** (``JobView.failure_class``, :mod:`resilient.supervisor.classify`), before the rows above:
+
+=======================  =================================================================================
+class                    action
+=======================  =================================================================================
+state_unrecoverable      ``Stop`` at once, budget or not: no checkpoint step can be assembled, so every restart
+                         would fail the same way. The reason names what is missing (steps, ranks, files, tiers)
+                         and what would restore it (a persistent tier, an older checkpoint directory).
+software                 ``Restart``; but the same exception raised at the same frame in two consecutive
+                         attempts is a crash loop: ``Stop`` after the second, naming the exception and frame (a
+                         crash loop burns the budget, not faults).
+hardware                 the node is replaced (``HotSwap`` to a spare, else ``ScaleDown``) and cordoned for good;
+                         neither possible: ``Restart``.
+transient, resource,     as the rows above (in-job ``Restart``; a node singled out by its failures is replaced).
+unknown
+preemption               as ``preemption_notice`` above.
+=======================  =================================================================================
+
 **A bad node** (``node_is_bad``): it has at least ``failures_to_swap`` (3) failures within the view's failure
 window (``JobView.failure_window``), and bad luck alone would put that many of the job's failures on it
 with a chance below ``luck`` (1%). Under bad luck every failure of the job falls on a node in proportion to
@@ -52,7 +70,8 @@ import math
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import (
-    FAILURE_KINDS, HEALTH_KINDS, Action, HotSwap, Ignore, JobView, NodeState, Restart, ScaleDown, ScaleUp, Stop,
+    FAILURE_KINDS, HEALTH_KINDS, Action, FailureClass, HotSwap, Ignore, JobView, NodeState, Restart, ScaleDown,
+    ScaleUp, Stop,
 )
 
 
@@ -128,6 +147,33 @@ class DefaultPolicy:
             n, a = n + 1, a - 1
         return n, how
 
+    @staticmethod
+    def unrecoverable(event: Event) -> str:
+        """Why the job stops when no checkpoint can be restored: what is missing, and what would restore it."""
+        d = event.details if isinstance(event.details, dict) else {}
+        said = str(d.get("message") or d.get("error") or "no committed step could be assembled from any tier")
+        why = f"the state cannot be restored (rank {event.rank} on {event.node}: {said})"
+        if "persistent tier" not in said:
+            why += ("; a persistent tier (--ckpt-persistent) or an older checkpoint directory holding the missing "
+                    "shards would restore it")
+        return why + "; a restart would fail the same way"
+
+    @staticmethod
+    def crash_loop(event: Event, view: JobView) -> str | None:
+        """The reason to stop when ``event``'s exception was raised at the same frame in the attempt before (any
+        rank), else None. Only a known exception at a known frame counts: an exit code or a signal says too little
+        to tell a bug from bad luck."""
+        where = _raised_at(event)
+        if where is None or event.attempt is None:
+            return None
+        before = [e for e in view.recent if e.kind is EventKind.WORKER_EXIT and e.attempt == event.attempt - 1
+                  and _raised_at(e) == where and view.failure_class(e) is FailureClass.SOFTWARE]
+        if not before:
+            return None
+        return (f"the same failure in attempts {event.attempt - 1} and {event.attempt}: {_exception(event)} raised "
+                f"at {where[1]} (rank {event.rank} on {event.node}); a restart would repeat it (a crash loop "
+                "spends the restart budget, not faults): fix it and rerun, the job resumes from its last checkpoint")
+
     def replace(self, node: str, view: JobView, why: str, *, last_resort: Action | None = None,
                 cool_down: float | None = None) -> Action:
         """Take ``node`` out of the job: a spare takes its place, else the job shrinks, else ``last_resort``
@@ -187,10 +233,19 @@ class DefaultPolicy:
             return self.preempted(event, view)
         if kind not in FAILURE_KINDS:
             return Ignore(reason=f"{kind.value} on {event.node} recorded")
+        cls = view.failure_class(event)
+        if cls is FailureClass.STATE_UNRECOVERABLE:
+            return Stop(reason=self.unrecoverable(event))
         if view.restarts_left <= 0:
             return Stop(reason=f"restart budget spent ({kind.value} on {event.node})")
         if kind is EventKind.AGENT_LOST:
             return self.replace(event.node, view, f"node {event.node} lost")
+        if cls is FailureClass.SOFTWARE and (loop := self.crash_loop(event, view)) is not None:
+            return Stop(reason=loop)
+        if cls is FailureClass.HARDWARE:
+            why = f"hardware failure on {event.node} (rank {event.rank}: {_exception(event)})"
+            return self.replace(event.node, view, why,
+                                last_resort=Restart(reason=f"{why}; no spare and at --nnodes min: restarting"))
         bad, why = self.node_is_bad(event.node, view)
         streak, how = self.same_failure_streak(event, view)
         if streak > 1:
@@ -200,6 +255,21 @@ class DefaultPolicy:
             return self.replace(event.node, view, why, cool_down=self.cool_down,
                                 last_resort=Restart(reason=f"{why}; no spare and at --nnodes min: restarting"))
         return Restart(reason=f"{kind.value} on {event.node} (rank {event.rank}): in-job restart; {why}")
+
+
+def _raised_at(ev: Event) -> tuple[str, str] | None:
+    """(exception type, frame) of a worker's failure when its error file named both, else None."""
+    d = ev.details if isinstance(ev.details, dict) else {}
+    exc, frame = d.get("exc_type"), d.get("frame")
+    return (str(exc), str(frame)) if exc and frame else None
+
+
+def _exception(ev: Event) -> str:
+    """``Type: first line`` of a worker's exception, or how it failed when no error file said."""
+    d = ev.details if isinstance(ev.details, dict) else {}
+    if d.get("exc_type"):
+        return f"{d['exc_type']}: {d.get('message') or ''}".rstrip(": ")
+    return _failure_how(ev)
 
 
 def _failure_how(ev: Event) -> str:

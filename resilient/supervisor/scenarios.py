@@ -108,6 +108,21 @@ def crash(node: str, at: float, rank: int = 0, attempt: int | str | None = CURRE
     return On("worker_exit", node, at, rank=rank, attempt=attempt, details={"exit_code": code, "signal": None})
 
 
+def raised(node: str, at: float, exc: str, message: str = "", frame: str | None = "train.py:5 in step",
+           rank: int = 0, **more: Any) -> On:
+    """A worker exit whose error file named ``exc`` raised at ``frame`` (what the agent puts in the event)."""
+    details = {"exit_code": 1, "signal": None, "exc_type": exc, "message": message, **more}
+    if frame is not None:
+        details["frame"] = frame
+    return On("worker_exit", node, at, rank=rank, details=details)
+
+
+NO_STEP = ("committed steps [89, 79] exist but none could be assembled from verified files on any tier (local, "
+           "peer): step 89: files of rank(s) 2, 3 on no tier (looked at local, peer); the state is undefined: a "
+           "persistent tier (--ckpt-persistent) or an older checkpoint directory holding those shards would "
+           "restore it")
+
+
 def restart(*members: str, **kw: Any) -> Expect:
     return Expect("restart", members=members, **kw)
 
@@ -462,6 +477,54 @@ SCENARIOS: tuple[Scenario, ...] = (
         "policy_invalid_no_way_out", "an invalid action where the default can only stop: stop, fallback kept",
         _TWO_AT_MIN, joins("a", "b") + (Seen(("a",), 8), Tick(11)),
         (Expect("stop", fallback=True),), wrap="invalid",
+    ),
+    Scenario(
+        "state_unrecoverable_stops", "a worker's restore found no usable step (NoRestorableStepError): stop at once, "
+                                     "with budget and spares left, naming what is missing",
+        {**_TWO, "max_restarts": 100}, joins("a", "b", "s") + (
+            raised("b", 5, "NoRestorableStepError", NO_STEP, frame="restore.py:330 in _restore", rank=2),),
+        (Expect("stop"),),
+    ),
+    Scenario(
+        "crash_loop_stops", "the same exception at the same frame in two consecutive attempts: a crash loop, stop "
+                            "after the second (whatever the budget)",
+        {**_TWO, "max_restarts": 100}, joins("a", "b", "s") + (
+            raised("b", 5, "ValueError", "bad batch at step 5", rank=2),
+            raised("a", 9, "ValueError", "bad batch at step 5", rank=0)),  # any rank: the same place in the code
+        (restart("a", "b"), Expect("stop")),
+        overrides={"hot_swap_first": (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s")),
+                                      Expect("stop"))},
+    ),
+    Scenario(
+        "software_elsewhere_restarts", "an exception at another frame than the attempt before: not a loop, restart",
+        {**_TWO, "max_restarts": 100}, joins("a", "b") + (
+            raised("b", 5, "ValueError", "x", frame="train.py:5 in step", rank=2),
+            raised("b", 9, "ValueError", "x", frame="train.py:9 in load", rank=2),
+            crash("b", 12, rank=2), crash("b", 14, rank=2)),
+        (restart("a", "b"),) * 4,  # exit codes without an error file never count as a loop
+        overrides={"scale_down_first": (restart("a", "b"), restart("a", "b"),
+                                        Expect("scale_down", {"nodes": ["b"]}, ("a",)))},
+    ),
+    Scenario(
+        "hardware_exit_replaces_node", "a worker's CUDA error names an uncorrectable ECC fault: its node is replaced "
+                                       "by the spare and cordoned for good",
+        {**_TWO, "max_restarts": 10}, joins("a", "b", "s") + (
+            raised("b", 5, "RuntimeError", "CUDA error: uncorrectable ECC error encountered", rank=2),),
+        (Expect("hot_swap", {"node": "b", "spare": "s", "cool_down": None}, ("a", "s")),),
+        overrides={"scale_down_first": (Expect("scale_down", {"nodes": ["b"]}, ("a",)),)},
+    ),
+    Scenario(
+        "peer_consequence_restarts", "a collective failed because a peer died (transient): in-job restart",
+        {**_TWO, "max_restarts": 10}, joins("a", "b", "s") + (
+            raised("a", 5, "RuntimeError", "[gloo] Connection closed by peer [10.0.0.2]:4000", consequence=True),),
+        (restart("a", "b"),),
+        overrides={"hot_swap_first": (Expect("hot_swap", {"node": "a", "spare": "s"}, ("s", "b")),)},
+    ),
+    Scenario(
+        "oom_kill_restarts", "the kernel's OOM killer took a worker (resource): in-job restart",
+        {**_TWO, "max_restarts": 10}, joins("a", "b") + (
+            On("worker_exit", "b", 5, rank=2, details={"exit_code": -9, "signal": "SIGKILL", "oom_kill": True}),),
+        (restart("a", "b"),),
     ),
     Scenario(
         "cordon_active_node", "cordoning an active node swaps in a spare, or scales down without one",
