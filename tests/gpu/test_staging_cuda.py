@@ -134,3 +134,24 @@ def test_dtensor_on_cuda_round_trip(tmp_path: Path) -> None:
             assert torch.equal(fresh["d"].to_local(), full)
     finally:
         dist.destroy_process_group()
+
+
+def test_fresh_optimizer_state_lands_on_the_gpu(tmp_path: Path) -> None:
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)).cuda()
+        return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    model, opt = make()
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    with CheckpointManager(local=tmp_path / "ckpt", interval=1, peer=False) as ck:
+        ck.save(0, {"model": model, "optim": opt}, force=True)
+        assert ck.wait(60)
+        model2, opt2 = make()  # a restarted process: the optimizer's state is empty
+        assert ck.restore({"model": model2, "optim": opt2}) == 1
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, p2)
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = opt2.state[p2][key]
+            assert got.is_cuda and torch.equal(got, opt.state[p][key]), key

@@ -166,22 +166,22 @@ def _items_read(md: Any, load_sd: Mapping[str, Any]) -> list[tuple[Any, Any]]:
 
 
 def _param_like(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Checkpoint key prefix (``optim.state.3``) -> the DTensor parameter of an optimizer in ``state``.
+    """Checkpoint key prefix (``optim.state.3``) -> the DTensor or GPU parameter of an optimizer in ``state``.
 
     A fresh optimizer's state is empty, so restore makes its targets from the checkpoint's metadata; for a
     DTensor parameter (FSDP2, tensor parallelism) they must be DTensors placed like the parameter, or the
-    first step mixes DTensors with plain tensors. The ids follow ``Optimizer.state_dict``: parameters
-    numbered in ``param_groups`` order."""
+    first step mixes DTensors with plain tensors; for a parameter on a GPU they are made there, so the bytes
+    go to the device once, through restore's pinned buffers (``load_state_dict`` would copy a host target to
+    the device again, from pageable memory). The ids follow ``Optimizer.state_dict``: parameters numbered in
+    ``param_groups`` order."""
     dt = _dtensor_type()
     out: dict[str, torch.Tensor] = {}
-    if dt is None:
-        return out
     for k, v in state.items():
         if not isinstance(v, torch.optim.Optimizer):
             continue
         params = [p for g in v.param_groups for p in g["params"]]
         for i, p in enumerate(params):
-            if isinstance(p, dt):
+            if (dt is not None and isinstance(p, dt)) or (isinstance(p, torch.Tensor) and p.is_cuda):
                 out[f"{k}.state.{i}"] = p
     return out
 
