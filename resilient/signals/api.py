@@ -23,13 +23,19 @@ class MonitorConfig:
     ckpt_local: str | None = None  # local tier directory, for the free-space check
     # Everything below has a default, so ``MonitorConfig(socket_path=...)`` stays valid.
     # Learned timeouts (heartbeat_timeout None, or sections without their own): safety factor × the
-    # longest gap observed so far, never below ``min_learned_timeout``; ``initial_timeout`` until
-    # ``learn_after`` gaps have been seen (nvidia-resiliency-ext uses 5×). Learning happens online, so a
-    # rare long step (an unwrapped blocking save) can exceed it: the floor is generous, and each hang
-    # declared on a learned timeout doubles the learned timeouts, so a false alarm cannot repeat forever.
-    learn_factor: float = 5.0
-    min_learned_timeout: float = 10.0
+    # longest step observed so far, never below ``min_learned_timeout``; ``initial_timeout`` until
+    # ``learn_after`` steps (or sections of that name) have been seen. nvidia-resiliency-ext uses 5×; 3× with
+    # a 1 s floor acts on a hang within a few steps, and stays safe because what is long by nature is never
+    # learned from nor held to it: each rank's first ``warmup_steps`` steps of every attempt (compile, lazy
+    # communicator set-up, peers still restoring) run under the initial timeout, a step that holds a section
+    # (a checkpoint's blocking part, a marked evaluation) is not a step sample, and the step after a section
+    # gets that section's timeout on top (peers may still be inside it). A rare long unmarked step can still
+    # exceed it: each hang declared on a learned timeout doubles the learned timeouts, so a false alarm
+    # cannot repeat forever.
+    learn_factor: float = 3.0
+    min_learned_timeout: float = 1.0
     learn_after: int = 3
+    warmup_steps: int = 3
     # Straggler scores (1.0 = as fast as the reference): "peers" compares a rank's median own-work
     # time with the fastest local rank's, "history" with the rank's own best median.
     straggler_threshold: float = 0.75
@@ -64,6 +70,8 @@ class MonitorConfig:
                 raise ValueError(f"MonitorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.learn_after < 1:
             raise ValueError(f"MonitorConfig.learn_after must be >= 1 observed gap, got {self.learn_after}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"MonitorConfig.warmup_steps must be >= 0 steps, got {self.warmup_steps}")
         for name in ("straggler_threshold", "straggler_history_threshold"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"MonitorConfig.{name} is a score in (0, 1], got {getattr(self, name)}")

@@ -9,11 +9,21 @@ Hang rule, per local rank:
 * before its first message: ``attempt start + initial_timeout`` (or ``learn_factor`` × the longest start-up
   seen, if longer) — armed only once the job is known to use the worker client (some rank of this node has said hello in this or an earlier attempt), so a script
   that never imports ``resilient`` is never called hung;
-* inside a ``section``: section start + its timeout (given, else learned for that section name);
+* inside a ``section``: section start + its timeout (given, else learned for that section name once
+  ``learn_after`` of them were seen, else ``initial_timeout``);
+* during the rank's first ``warmup_steps`` steps of the attempt: last message + ``initial_timeout`` (or
+  ``learn_factor`` × the longest warm-up step seen, if longer), unless a heartbeat timeout is given;
 * otherwise: last message + the heartbeat timeout (given, else learned: ``learn_factor`` × the longest
-  out-of-section gap seen, at least ``min_learned_timeout``, ``initial_timeout`` until ``learn_after``
-  gaps were seen; doubled after every hang declared on a learned timeout);
+  step seen, at least ``min_learned_timeout``, ``initial_timeout`` until ``learn_after`` steps were seen;
+  doubled after every hang declared on a learned timeout);
+* the step right after a section: the above plus the timeout the section had (a peer may still be inside
+  it, and this rank waits for it in the next collective);
 * after ``steps()`` finished: not watched (outside sections).
+
+A step sample is the time between two step heartbeats with nothing else between them, after the warm-up:
+warm-up steps, steps holding a section and the steps' start-up are never learned from. What is learned
+(step and section lengths, the back-off) lives as long as the agent, so it carries over restarts: the job's
+steps are the same program after a restart; what differs, the warm-up, is under the initial timeout again.
 
 Who may speak: the kernel's word only. Each connection is bound at accept to the worker whose pid
 ``SO_PEERCRED`` reports (or whose descendant it is: a ``--no-python`` wrapper's python child), and every
@@ -81,6 +91,9 @@ class _Rank:
     last_seen: float | None = None
     step: int = -1
     sections: list[tuple[str, float, float | None]] = field(default_factory=list)  # name, start, timeout
+    steps_seen: int = 0  # STEP messages in this attempt
+    last_type: int | None = None  # of the last message
+    after_section: tuple[str, float] | None = None  # (name, timeout) of the section just left, until the next STEP
 
 
 @dataclass
@@ -146,6 +159,8 @@ class SocketNodeMonitor:
         self._max_gap = 0.0
         self._gaps = 0
         self._section_max: dict[str, float] = {}
+        self._section_seen: dict[str, int] = {}
+        self._max_warmup = 0.0  # longest warm-up step seen: a slow compile must not trip a later attempt's
         self._backoff = 1.0  # ×2 per hang declared on a learned timeout
         self._max_startup = 0.0  # longest spawn → first message seen: a slow restore must not trip later attempts
 
@@ -267,6 +282,13 @@ class SocketNodeMonitor:
 
     def _learned(self, longest: float) -> float:
         return self._backoff * max(self.config.min_learned_timeout, self.config.learn_factor * longest)
+
+    def _section_timeout(self, name: str, given: float | None) -> tuple[float, str]:
+        if given is not None:
+            return given, f"section:{name}"
+        if self._section_seen.get(name, 0) < self.config.learn_after:
+            return self.config.initial_timeout, f"section:{name}:initial"
+        return self._learned(self._section_max[name]), f"section:{name}:learned"
 
     def straggler_scores(self) -> dict[int, tuple[float, float]]:
         """global rank → (peers score, history score) over the current windows."""
@@ -431,15 +453,19 @@ class SocketNodeMonitor:
         if r is None:
             return []
         out: list[Event] = []
+        t = msg.type
         if r.last_seen is None:
             self._max_startup = max(self._max_startup, now - self._attempt_t0)
-        elif not r.sections and not r.done:
-            gap = now - r.last_seen
-            self._gaps += 1
-            if gap > self._max_gap:
-                self._max_gap = gap
+        elif t == P.STEP and r.last_type == P.STEP and not r.sections and not r.done:
+            gap = now - r.last_seen  # the step that ended now, with nothing else inside it
+            if r.steps_seen > self.config.warmup_steps:
+                self._gaps += 1
+                if gap > self._max_gap:
+                    self._max_gap = gap
+            elif gap > self._max_warmup:
+                self._max_warmup = gap
         r.last_seen = now
-        t = msg.type
+        r.last_type = t
         if t == P.HELLO:
             r.hello, r.done, r.step = True, False, msg.step
             if not self._client_seen:
@@ -447,6 +473,8 @@ class SocketNodeMonitor:
         elif t == P.STEP:
             r.step = msg.step
             r.stepped = True
+            r.steps_seen += 1
+            r.after_section = None
             if not math.isnan(msg.compute):
                 for f in self._straggler.add(r.rank, msg.step - 1, msg.compute):
                     lr = self._by_global[f.rank].local_rank
@@ -467,10 +495,14 @@ class SocketNodeMonitor:
         elif t == P.SECTION_END:
             for i in range(len(r.sections) - 1, -1, -1):
                 if r.sections[i][0] == msg.name:
+                    if i == 0:
+                        name, _start, given = r.sections[0]
+                        r.after_section = (name, self._section_timeout(name, given)[0])
                     del r.sections[i:]
                     break
             if msg.seconds == msg.seconds:
                 self._section_max[msg.name] = max(self._section_max.get(msg.name, 0.0), msg.seconds)
+                self._section_seen[msg.name] = self._section_seen.get(msg.name, 0) + 1
         elif t == P.DONE:
             r.done = True
             r.step = max(r.step, msg.step)
@@ -485,17 +517,17 @@ class SocketNodeMonitor:
             t = max(cfg.initial_timeout, cfg.learn_factor * self._max_startup)
             return self._attempt_t0 + t, t, "initial"
         if r.sections:
-            name, start, timeout = r.sections[-1]
-            if timeout is not None:
-                return start + timeout, timeout, f"section:{name}"
-            learned = self._section_max.get(name)
-            if learned is None:
-                return start + cfg.initial_timeout, cfg.initial_timeout, f"section:{name}:initial"
-            t = self._learned(learned)
-            return start + t, t, f"section:{name}:learned"
+            name, start, given = r.sections[-1]
+            t, source = self._section_timeout(name, given)
+            return start + t, t, source
         if r.done:
             return None
         timeout, source = self.heartbeat_timeout()
+        if source != "configured" and r.steps_seen <= cfg.warmup_steps:
+            timeout, source = max(cfg.initial_timeout, cfg.learn_factor * self._max_warmup), "warmup"
+        if r.after_section is not None:
+            timeout += r.after_section[1]
+            source = f"{source}+after:{r.after_section[0]}"
         return r.last_seen + timeout, timeout, source
 
     def _check_hangs(self, now: float) -> list[Event]:
@@ -520,7 +552,7 @@ class SocketNodeMonitor:
         else:
             low = min(x[0].step for x in stalled)
             suspects = {x[0].local_rank for x in stalled if x[0].step == low}
-        if any(x[4].endswith("learned") for x in stalled):
+        if any(_is_learned(x[4]) for x in stalled):
             # maybe a long step rather than a hang: if so, the next attempt must not trip on it again
             self._backoff *= 2
             logger.warning("hang declared on a learned timeout: learned timeouts doubled (×%g) from now on",
@@ -536,11 +568,19 @@ class SocketNodeMonitor:
             }
             if r.sections:
                 details["section"] = r.sections[-1][0]
+            if _is_learned(source):
+                details["longest_step_seconds"] = self._max_gap  # what the learned step timeout came from
             logger.error("hang: rank %d (local %d, pid %s, state %s%s) silent for %.2f s (timeout %.2f s, %s)",
                          r.rank, r.local_rank, r.pid, state, ", suspect" if details["suspect"] else "",
                          now - since, timeout, source)
             out.append(self._event(EventKind.HANG, rank=r.rank, **details))
         return out
+
+
+def _is_learned(source: str) -> bool:
+    """Whether a deadline's source (``learned``, ``section:NAME:learned``, ``…+after:NAME``) was learned."""
+    base = source.split("+after:", 1)[0]
+    return base == "learned" or (base.startswith("section:") and base.endswith(":learned"))
 
 
 def _open_reserve() -> int | None:

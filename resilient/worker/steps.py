@@ -50,6 +50,8 @@ _perf = time.perf_counter
 _RECONNECT_EVERY = 1.0  # seconds between reconnection attempts when the agent is unreachable
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 DRILL_MODULE = "resilient.drill.worker"  # registers the drill's step hook when imported
+CHECKPOINT_SECTION = "checkpoint"  # the section a checkpoint save's blocking part is reported as
+_looping = 0  # steps() loops running in this process
 
 # called with each step number after its heartbeat, inside the step (what they cost is charged to the step)
 _step_hooks: list[Callable[[int], Any]] = []
@@ -258,7 +260,9 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
     ledger = c.ledger
     # local rank 0 of every node records the world, so each node's run dir has it (see scale.py)
     recorded_world = c.local_rank != 0 or c.run_dir is None
+    global _looping
     c.hello(start)
+    _looping += 1
     hooks = _drill_hooks()
     torch_mod = sys.modules.get("torch")
     last = start - 1
@@ -307,6 +311,7 @@ def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Ite
         if pre.stop_step is not None and last >= pre.stop_step:
             preemption.mark_stopped(c.run_dir, c.attempt, c.rank, last)
     finally:
+        _looping -= 1
         c.done(last)
         collectives.uninstall()
         preemption.restore_sigterm(old_term)
@@ -323,11 +328,15 @@ def _record_world(c: _Client, dp: int) -> None:
 
 @contextlib.contextmanager
 def section(name: str, timeout: float | None = None) -> Iterator[None]:
-    """A named phase (``"checkpoint"``, ``"eval"``) with its own hang timeout.
+    """A named phase (``"eval"``, a slow data reload) with its own hang timeout.
 
     While it is open the agent applies ``timeout`` (seconds) instead of the step heartbeat timeout; with
-    None, the timeout is learned from this section's longest observed duration (× the safety factor).
-    Rank 0 records a SECTION event (name, seconds) when it ends.
+    None, the timeout is learned from this section's longest observed durations (× the safety factor; the
+    initial timeout until a few were seen). A step that holds a section is not learned from, and the step
+    after it gets the section's timeout on top. Open it on every rank, also on ranks that only wait for
+    the ones doing the work (``with resilient.section("eval"): evaluate(); dist.barrier()``): a rank waiting
+    outside a section is held to the step timeout. Rank 0 records a SECTION event (name, seconds) when it
+    ends. A checkpoint save's blocking part is already a section (:func:`checkpoint_section`).
     """
     if timeout is not None and timeout <= 0:
         raise ValueError(f"section {name!r}: timeout must be > 0 seconds or None, got {timeout}")
@@ -349,3 +358,22 @@ def section(name: str, timeout: float | None = None) -> Iterator[None]:
         if c.ledger is not None:
             extra = {"failed": True} if failed else {}
             c.ledger.emit(EventKind.SECTION, rank=c.rank, name=name, seconds=secs, **extra)
+
+
+@contextlib.contextmanager
+def checkpoint_section() -> Iterator[None]:
+    """The blocking part of a checkpoint save (waiting for the previous write, staging), reported to the agent
+    as the section :data:`CHECKPOINT_SECTION` with a learned timeout, so a save longer than a few steps is
+    neither a hang nor a step sample. Sent only inside a running ``steps()`` loop: outside it the agent does
+    not watch this rank, and a section message would make it start. No SECTION ledger event: the save's
+    CKPT_SAVE event already has its blocking seconds."""
+    c = _client_obj
+    if _looping <= 0 or c is None or c.pid != os.getpid():
+        yield
+        return
+    c.section_start(CHECKPOINT_SECTION, None)
+    t0 = _perf()
+    try:
+        yield
+    finally:
+        c.section_end(CHECKPOINT_SECTION, _perf() - t0)

@@ -65,6 +65,7 @@ from resilient.checkpoint.upload.uploader import Uploader
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
 from resilient.worker.preemption import preempt_save_due as _preempt_save_due
+from resilient.worker.steps import checkpoint_section as _checkpoint_section
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +355,11 @@ class CheckpointManager:
         self._grace_until = None  # training went on: a later wait() gets a fresh upload grace
         if not (force or self._interval.due(step) or _preempt_save_due(step)):  # a preempted job's last step
             return False
+        # the agent holds the blocking part to the section's own learned timeout, not to the step's
+        with _checkpoint_section():
+            return self._save_due(step, state)
+
+    def _save_due(self, step: int, state: Mapping[str, Any]) -> bool:
         t0 = time.perf_counter()
         prev = self._last_job
         if prev is not None:

@@ -1,0 +1,148 @@
+"""The default hang rule under ``python -m resilient.run``: a hang is acted on within max(1 s, 3 × the longest
+step) learned from the run, and what is long by nature is not a hang: the first steps of an attempt (also
+after a restart, when a learned timeout is in force), a checkpoint save's blocking part (a local tier made
+slow on purpose: its background write sleeps before writing, so the next save waits for it), and an
+evaluation the user marks as a section. Real workers, real SIGSTOP; the decisions are read from the ledger.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# One worker for every case, configured by its arguments: MODE OUT_DIR.
+WORKER = textwrap.dedent('''
+    import os, signal, sys, time
+    import resilient
+
+    mode, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+    if mode == "hang":  # steps of 50 ms; rank 0 stops itself at step 15 of the first attempt
+        for step in resilient.steps(0, 15 if attempt == 0 else 3):
+            time.sleep(0.05)
+            if attempt == 0 and step == 14:
+                with open(os.path.join(out, "stopped"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "first":  # every attempt's first step 5x the others; the first attempt crashes after learning
+        for step in resilient.steps(0, 20 if attempt == 0 else 4):
+            time.sleep(1.5 if step == 0 else 0.3)
+            if attempt == 0 and step == 12:
+                sys.exit(3)
+    elif mode == "eval":  # an evaluation of 20 steps, marked
+        for step in resilient.steps(0, 16):
+            time.sleep(0.1)
+            if step == 10:
+                with resilient.section("eval"):
+                    time.sleep(2.0)
+    elif mode == "ckpt":  # 2 ranks; saves every 2 steps from step 10 to a local tier whose writes take 1.6 s more
+        import torch
+        import torch.distributed as dist
+        from resilient.checkpoint.save.manager import CheckpointManager
+
+        orig = CheckpointManager._do_save
+
+        def slow_write(self, job):
+            time.sleep(1.6)
+            return orig(self, job)
+
+        CheckpointManager._do_save = slow_write
+        dist.init_process_group("gloo")
+        ckpt = resilient.CheckpointManager.from_env()
+        state = {"w": torch.zeros(1000)}
+        start = ckpt.restore(state)
+        t = torch.ones(1)
+        for step in resilient.steps(start, 24):
+            time.sleep(0.05)
+            dist.all_reduce(t)
+            state["w"] += 1
+            if step >= 10:
+                ckpt.save(step, state)
+        ckpt.close()
+        dist.destroy_process_group()
+''')
+
+
+def launch(tmp_path: Path, mode: str, nproc: int = 1, extra: tuple[str, ...] = (), timeout: float = 150):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    run = tmp_path / "run"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(nproc),
+                        "--run-dir", str(run), *extra, str(script), mode, str(out)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    return r, events, out
+
+
+def of(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_is_acted_on_within_the_learned_bound(tmp_path):
+    r, events, out = launch(tmp_path, "hang", extra=("--max-restarts", "1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (hang,) = of(events, "hang")
+    d = hang["details"]
+    # the learned value, and where it came from: 3 × the longest step seen, at least 1 s
+    assert d["timeout_source"] == "learned" and d["process_state"] == "T" and d["suspect"] is True
+    assert d["timeout"] == pytest.approx(max(1.0, 3 * d["longest_step_seconds"]))
+    steps = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 0]
+    assert d["longest_step_seconds"] <= max(steps) + 0.5  # a step of this run, not a start-up or a default
+    # acted on: the frozen rank's attempt was restarted, within the bound (generous margin: a loaded machine)
+    stopped = float((out / "stopped").read_text())
+    assert hang["wall"] - stopped >= d["timeout"] - 0.5
+    assert hang["wall"] - stopped <= d["timeout"] + 10.0
+    (restart,) = of(events, "restart")
+    assert restart["details"]["cause"] == "hung" and restart["wall"] - hang["wall"] < 10.0
+
+
+@pytest.mark.timeout(180)
+def test_no_false_hang_on_the_first_step_also_after_a_restart(tmp_path):
+    r, events, _ = launch(tmp_path, "first", extra=("--max-restarts", "1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not of(events, "hang"), of(events, "hang")
+    (restart,) = of(events, "restart")
+    assert restart["details"]["cause"] == "failed"
+    # the second attempt's first step ran while a learned timeout shorter than it was in force
+    first = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 1 and e["details"]["step"] == 0]
+    later = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 0 and 1 <= e["details"]["step"] < 12]
+    assert first and first[0] > max(1.0, 3 * max(later)), (first, later)
+
+
+@pytest.mark.timeout(180)
+def test_no_false_hang_on_an_evaluation_section(tmp_path):
+    r, events, _ = launch(tmp_path, "eval")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not of(events, "hang"), of(events, "hang")
+    (sec,) = of(events, "section")
+    steps = [e["details"]["seconds"] for e in of(events, "step") if e["details"]["step"] not in (0, 10)]
+    assert sec["details"]["name"] == "eval" and sec["details"]["seconds"] > max(1.0, 3 * max(steps))
+
+
+@pytest.mark.timeout(240)
+def test_no_false_hang_on_a_checkpoint_boundary(tmp_path):
+    r, events, _ = launch(tmp_path, "ckpt", nproc=2,
+                          extra=("--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "2"), timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not of(events, "hang"), of(events, "hang")
+    saves = [e["details"]["blocking_seconds"] for e in of(events, "ckpt_save")]
+    plain = [e["details"]["seconds"] for e in of(events, "step") if 1 <= e["details"]["step"] < 10]
+    assert len(saves) == 7
+    # the test means something only if saves block longer than the step timeout would allow
+    assert sum(s > max(1.0, 3 * max(plain)) for s in saves) >= 4, (saves, plain)
