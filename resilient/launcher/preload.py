@@ -117,10 +117,10 @@ class Preloader:
                     if active:
                         publish(self._next_preload)
                 warm = nxt.poll_ready()
-            except ForkServerError as e:
+            except (ForkServerError, OSError) as e:  # OSError: a copy refused at birth may reset its socket
                 self.next = None
                 nxt.close()
-                if e.bad_module:
+                if isinstance(e, ForkServerError) and e.bad_module:
                     self._denied.add(e.bad_module)
                     self._save_denied()
                     logger.warning("automatic preload: %s; %s is never preloaded again", e, e.bad_module)
@@ -169,7 +169,7 @@ class Preloader:
         try:
             if nxt is None or not nxt.poll_ready():
                 return
-        except ForkServerError:
+        except (ForkServerError, OSError):
             return  # refresh says why and forgets it
         self.next = None
         old = group.starter  # type: ignore[attr-defined]

@@ -27,6 +27,14 @@ is using, and the serving zygote stays pristine whatever a learned module does t
 child of the zygote it came from, which the agent keeps (idle) for as long as the copy serves.
 The zygote dies with the agent (PR_SET_PDEATHSIG), a copy with the zygote it came from, and workers die with the
 zygote that forked them.
+
+CUDA: the fork server never touches it. A CUDA driver that was loaded and initialised before ``fork()`` is broken in
+every child (workers fail with "CUDA error: initialization error"), and so is NVML state. So the server never asks
+``torch.cuda.is_available()`` (that initialises the driver) and reads only torch's own flag and its own
+``/proc/self/maps`` (:func:`cuda_touched`): after each module it preloads (a ``--preload`` module that touches CUDA
+ends it with an error naming the module; a learned one is refused and never preloaded again), and again before
+every fork (should it ever find CUDA, it refuses to fork and the agent starts workers as fresh interpreters). A
+``!lib`` entry in the preload list adds a library to the ones looked for (tests use one that exists without a GPU).
 """
 
 from __future__ import annotations
@@ -44,6 +52,39 @@ import traceback
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+
+# loaded into this process means the CUDA driver or NVML was set up here: never fork workers from it then
+GUARDED_LIBS: tuple[str, ...] = ("libcuda.so", "libnvidia-ml.so")
+
+
+def cuda_touched(libs: tuple[str, ...] | None = None, maps: str = "/proc/self/maps") -> str | None:
+    """Why this process must not fork workers that may use CUDA, or None. Cheap (a flag and one read of
+    ``maps``), and touches nothing itself: ``torch.cuda.is_available()`` would initialise the driver."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    if cuda is not None:
+        try:
+            if cuda.is_initialized():
+                return "initialised CUDA (torch.cuda.is_initialized())"
+        except Exception:  # noqa: BLE001 - a broken torch is the worker's problem, not a reason to stop forking
+            pass
+    try:
+        with open(maps, "rb") as f:
+            mapped = f.read()
+    except OSError:  # no procfs: the flag above is all we can read
+        return None
+    for lib in GUARDED_LIBS if libs is None else libs:
+        if f"/{lib}".encode() in mapped:
+            return f"loaded {lib} (the CUDA driver or NVML)"
+    return None
+
+
+def fork_unsafe() -> str | None:
+    """Why forking this process now would hand workers a broken state, or None."""
+    if thread_count() != 1:
+        return f"{thread_count()} threads in the fork server"
+    why = cuda_touched()
+    return f"the fork server {why}" if why else None
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
@@ -156,6 +197,18 @@ def _send_on(sock: socket.socket, msg: dict[str, Any]) -> None:
         pass
 
 
+def _close_read(sock: socket.socket) -> None:
+    """Close after reading what the agent sent already: closing with unread data resets the connection, and the
+    agent would lose the reason just sent."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    sock.close()
+
+
 class Zygote:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -266,9 +319,10 @@ class Zygote:
                 os.close(fd)
             return None
         sock = socket.socket(fileno=fds[0])
-        if thread_count() != 1:  # cannot happen after the checks at start; never fork a threaded process
-            _send_on(sock, {"ev": "failed", "why": f"{thread_count()} threads in the fork server"})
-            sock.close()
+        why = fork_unsafe()  # cannot happen after the checks at start; never fork a threaded or CUDA process
+        if why:
+            _send_on(sock, {"ev": "failed", "why": why})
+            _close_read(sock)
             return None
         parent = os.getpid()
         pid = os.fork()
@@ -298,10 +352,11 @@ class Zygote:
         return True
 
     def spawn(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
-        if thread_count() != 1:
+        why = fork_unsafe()
+        if why:
             for fd in fds:
                 os.close(fd)
-            self.send({"ev": "refused", "id": msg["id"], "why": f"{thread_count()} threads in the fork server"})
+            self.send({"ev": "refused", "id": msg["id"], "why": why})
             return None
         pid = os.fork()
         if pid == 0:
@@ -351,18 +406,15 @@ def installed(name: str, roots: tuple[str, ...]) -> bool:
 
 
 class UnsafePreload(RuntimeError):
-    def __init__(self, module: str, why: str):
-        super().__init__(f"importing {module} {why}")
+    def __init__(self, module: str, why: str, *, explicit: bool = False):
+        super().__init__(f"--preload {module}: importing it {why}" if explicit else f"importing {module} {why}")
         self.module = module
 
 
 def _unsafe() -> str | None:
     if thread_count() != 1:
         return f"started threads ({thread_count()} now)"
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "initialised CUDA"
-    return None
+    return cuda_touched()
 
 
 def preload_learned(names: list[str]) -> None:
@@ -396,17 +448,29 @@ def preload(modules: list[str]) -> None:
     import torch  # noqa: F401  - the point of this process
     import torch.distributed  # noqa: F401
 
+    global GUARDED_LIBS
+    GUARDED_LIBS += tuple(m[1:] for m in modules if m.startswith("!") and len(m) > 1)
+    why = cuda_touched()
+    if why:  # torch itself: nothing here can be forked safely
+        raise UnsafePreload("torch", why)
     learned = [m[1:] for m in modules if m.startswith("+")]
     for m in modules:
-        if not m or m.startswith("+"):
+        if not m or m[0] in "+!":
             continue
         if m.startswith("?"):  # our own defaults: a speed-up, never a reason to fail
             try:
                 importlib.import_module(m[1:])
             except Exception:  # noqa: BLE001
                 pass
+            why = cuda_touched()
+            if why:
+                raise UnsafePreload(m[1:], why)
         else:
             importlib.import_module(m)
+            why = cuda_touched()
+            if why:
+                raise UnsafePreload(m, f"{why}: a fork server must never touch CUDA (every worker forked from it "
+                                       f"would inherit a broken CUDA state); drop it from --preload", explicit=True)
     if learned:
         preload_learned(learned)
 
@@ -433,10 +497,9 @@ def main() -> None:
     if thread_count() != 1:
         why = f"{thread_count()} threads after imports; forking would be unsafe"
     else:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            why = "CUDA was initialised during imports; forking would be unsafe"
+        touched = cuda_touched()
+        if touched:
+            why = f"imports {touched}; forking would be unsafe"
     if why:
         sock.sendall((json.dumps({"ev": "failed", "why": why}) + "\n").encode())
         sys.exit(3)
