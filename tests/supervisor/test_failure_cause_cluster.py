@@ -1,0 +1,57 @@
+"""Real agents: two partner nodes lost at once, their shards only on each other. The spares take their places,
+every worker's restore finds no usable step, and the job stops within that one attempt naming the missing shards
+(not a round of restarts that can only fail the same way)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import EventKind
+from tests._helpers.procs import kill_sessions
+from tests.cluster.conftest import cluster_factory, wait_for  # noqa: F401 - the fixture
+
+from tests.cluster.test_node_loss import _listening, node_name
+
+
+@pytest.mark.timeout(300)
+def test_two_partner_nodes_lost_stop_naming_the_missing_shards(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    c = cluster_factory("3", flags=["--spare-nodes", "2", "--max-restarts", "100", "--node-timeout", "20",
+                                    "--heartbeat-timeout", "300"])
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", "8", "--out", str(out), "--gate", str(gate), "--gate-step", "3"]
+    a = c.start("a", args)
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
+    others = [c.start(n, args) for n in ("n1", "n2", "n3", "n4")]  # start together: their imports overlap
+    wait_for(lambda: all((gate / f"at-{r}").exists() for r in range(3)), 150, "every rank at the gate")
+    ranks = {e.node: e.details["group_rank"] for e in c.events() if e.kind == EventKind.RENDEZVOUS_DONE}
+    by_rank = {ranks.get(node_name(n)): n for n in [a, *others]}
+    assert by_rank[0] is a, ranks
+    b, cc = by_rank[1], by_rank[2]
+    spares = [n for n in others if n not in (b, cc)]
+    wait_for(lambda: {node_name(s) for s in spares} <= {e.node for e in c.events() if e.kind == EventKind.NODE_JOINED
+                                                         and e.details.get("spare")}, 90, "both spares to be warm")
+    # rank 1's shards are on its node and on its partner, rank 2's node (the peer ring sends node i's to node i+1)
+    kill_sessions([b.proc, cc.proc])  # both nodes at once: agents, fork servers, workers
+    for n in (b, cc):
+        shutil.rmtree(n.local, ignore_errors=True)  # and their local disks
+    wait_for(lambda: a.proc.poll() is not None and all(s.proc.poll() is not None for s in spares), 150,
+             "the job to end")
+    assert a.proc.returncode == 1, a.output()
+    evs = c.events()
+    acts = [e.details for e in evs if e.kind == EventKind.ACTION]
+    kinds = [d["action"] for d in acts]
+    assert kinds[-1] == "stop" and "restart" not in kinds, acts
+    stop = acts[-1]
+    assert stop["failure_class"] == "state_unrecoverable", stop
+    assert "rank(s) 1" in stop["reason"] and "persistent tier" in stop["reason"], stop["reason"]
+    # one attempt after the swaps, not a round of futile restarts
+    failed_attempts = {e.attempt for e in evs if e.kind == EventKind.WORKER_EXIT
+                       and e.details.get("failure_class") == "state_unrecoverable"}
+    assert len(failed_attempts) == 1, failed_attempts
+    assert max(e.attempt for e in evs if e.kind == EventKind.ATTEMPT_START) == failed_attempts.pop()
+    undefined = [e for e in evs if e.kind == EventKind.CKPT_TIER_FAILED and e.details.get("state_undefined")]
+    assert undefined and undefined[0].details["restore"]["why"], [e.details for e in undefined]
