@@ -28,6 +28,7 @@ def _state() -> dict[str, torch.Tensor]:
             "w": torch.randn(33, 7, generator=g, device="cuda"),
             "h": torch.randn(129, 3, generator=g, device="cuda").to(torch.bfloat16),
             "i": torch.randint(0, 1 << 30, (17,), generator=g, device="cuda"),
+            "t": torch.randn(6, 8, generator=g, device="cuda").t(),  # staged from a non-contiguous source
             "z": torch.empty(0, 5, device="cuda"), "s": torch.tensor(3.25, device="cuda")}
 
 
