@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from resilient.checkpoint.storage.collective import Ranks
 from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
@@ -81,3 +83,19 @@ def test_peer_copy_travels_on_our_group_when_the_default_cannot_carry_host_tenso
         assert [x["step"] for x in restored] == [2], recs
         assert restored[0]["digest"] == saved_digest(recs, 2)
     assert [x["tier"] for x in records(tmp_path / "out", 1) if x["event"] == "restore"] == ["peer"]
+
+
+def test_our_collectives_refuse_the_default_group() -> None:
+    """The one helper all of the checkpointer's object collectives go through refuses the job's default group
+    (``None`` means it to torch) and takes a gloo group of our own."""
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for group in (None, dist.group.WORLD):
+            with pytest.raises(ValueError, match="never on the job's default group"):
+                Ranks(group, 0, 1, distributed=True)
+        ours = dist.new_group(backend="gloo")
+        assert dist.get_backend(ours) == "gloo"
+        assert Ranks(ours, 0, 1, distributed=True).gather({"step": 3}) == [{"step": 3}]
+        assert Ranks(None, 0, 1, distributed=False).gather(1) == [1]  # no process group: one process
+    finally:
+        dist.destroy_process_group()

@@ -41,9 +41,18 @@ class RanksFailedError(CheckpointError):
 
 
 class Ranks:
-    """The ranks of one process group (or a single process when ``group`` is None and no group exists)."""
+    """The ranks of one of the checkpointer's own process groups (or a single process when ``group`` is None
+    and no group exists).
+
+    Never the job's default group: its backend may carry no host tensors (NCCL), and our background threads'
+    collectives would interleave with the user's on it. In a distributed job the default group, or ``None``
+    (which torch reads as the default group), is refused.
+    """
 
     def __init__(self, group: Any, rank: int, world_size: int, distributed: bool):
+        if distributed and (group is None or group is dist.GroupMember.WORLD):
+            raise ValueError("the checkpointer's collectives run on its own gloo groups, never on the job's "
+                             "default group: pass one")
         self.group, self.rank, self.world_size, self.distributed = group, rank, world_size, distributed
 
     def gather(self, obj: Any) -> list[Any]:
