@@ -17,24 +17,59 @@ Data parallelism is DDP by default; ``--fsdp`` shards with FSDP2 (``fully_shard`
 the rest (a 2-D ``("dp", "tp")`` mesh, as torchtitan lays it out). Under FSDP2 and TP the state is
 ``DTensor``s, checkpointed and restored like plain tensors. It runs unchanged under ``python`` (one process),
 ``torchrun`` and ``resilient-run``.
+
+``--compile`` runs the model under ``torch.compile`` and keeps its compile caches in the run directory
+(``resilient.compile_cache``), so a restarted worker loads what the first attempt compiled instead of compiling
+it again. ``BENCH_TIMELINE=FILE`` (benchmarks only) appends when each phase of start-up ended, one JSON line each.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
-import sys
 import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
+_TIMELINE = os.environ.get("BENCH_TIMELINE")
 
-import resilient
-from resilient.data import ResumableSampler
+
+def _mark(what: str, sync: object = None) -> None:
+    """Benchmarks only: when a phase of start-up ended (wall clock); nothing at all without BENCH_TIMELINE."""
+    if not _TIMELINE:
+        return
+    if sync is not None:
+        sync()  # queued GPU work belongs to the phase that queued it
+    rec = {"mark": what, "t": time.time(), "pid": os.getpid(),
+           "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    if what == "script":
+        try:  # when this process was created: its age from the kernel's start time (clock ticks since boot)
+            start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+            age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+            rec["created"] = rec["t"] - age
+        except (OSError, ValueError, IndexError):
+            pass
+    fd = os.open(_TIMELINE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(rec) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+_mark("script")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import resilient  # noqa: E402
+from resilient.data import ResumableSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import GPT, CorpusWindows, GPTConfig, load_corpus  # noqa: E402
+
+_mark("imports")
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +85,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
     ap.add_argument("--d-model", type=int, default=GPTConfig.d_model)
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the model; its compile caches survive restarts (resilient.compile_cache)")
+    ap.add_argument("--init-group", action="store_true",
+                    help="set up the process group even at world size 1 (as every rank of a multi-node job does)")
     a = ap.parse_args()
     for name in ("steps", "global_batch", "micro_batch", "log_every", "tp"):
         if getattr(a, name) < 1:
@@ -67,9 +106,10 @@ def accumulation(global_batch: int, micro_batch: int, world: int) -> tuple[int, 
 
 def main() -> int:
     args = parse_args()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.init_group and "RANK" in os.environ)
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        _mark("group")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     if world % args.tp:
@@ -77,6 +117,10 @@ def main() -> int:
         return 2
     dp, dp_rank = world // args.tp, rank // args.tp  # data parallelism outermost, as init_device_mesh lays it out
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.init()  # at once rather than inside the first .to(device): the same work, measured apart
+        _mark("cuda")
 
     torch.manual_seed(0)  # the same initial weights on every rank
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
@@ -98,6 +142,16 @@ def main() -> int:
     else:
         wrapped = model
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gpu_sync = torch.cuda.synchronize if device.type == "cuda" else None
+    cc = None
+    if args.compile:
+        from resilient import compile_cache
+
+        cc = compile_cache.enable()  # before anything compiles; None outside resilient-run
+        forward = torch.compile(wrapped)
+    else:
+        forward = wrapped
+    _mark("model", gpu_sync)
 
     data = CorpusWindows(load_corpus(), cfg.seq_len)
     # the ranks of one tensor-parallel group see the same samples
@@ -121,6 +175,7 @@ def main() -> int:
     ckpt = resilient.CheckpointManager.from_env()
     state = {"model": model, "optim": optim, "sampler": sampler}
     start = ckpt.restore(state)
+    _mark("restored", gpu_sync)
     if rank == 0:
         kind = (f"FSDP2 x TP (dp {dp}, tp {args.tp})" if args.tp > 1 else "FSDP2") if args.fsdp else "DDP"
         print(f"[train] world {world}, {kind if distributed else 'single process'}, "
@@ -147,11 +202,15 @@ def main() -> int:
             sync = i == accum - 1 or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             ctx = wrapped.no_sync() if not sync else _null()
             with ctx:
-                logits = wrapped(x)
+                logits = forward(x)
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
                 loss.backward()
             loss_sum += loss.detach()
         optim.step()
+        if step - start < 4:
+            _mark("step", gpu_sync)
+            if cc is not None:  # what the first steps compiled, before their checkpoints: a restart finds it
+                cc.maybe_save()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         ckpt.save(step, state)
