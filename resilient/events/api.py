@@ -42,6 +42,9 @@ class EventKind(str, enum.Enum):
     PREEMPTION_NOTICE = "preemption_notice"  # details: deadline (wall seconds), source
     AGENT_LOST = "agent_lost"  # node lost (event.node): details: reason ("timeout" | "disconnected"), last_seen_age
     NODE_JOINED = "node_joined"  # an agent joined (event.node); details: nproc, spare (bool)
+    # the supervisor: a spare's agent is gone (event.node); details: cause ("disconnected": its connection closed,
+    # the agent died; "timeout": silent for --node-timeout; "left"), last_seen_age (seconds, where known)
+    SPARE_LOST = "spare_lost"
     FAULT_INJECTED = "fault_injected"  # a drill's fault (--inject); details: fault, target, at
 
     # actions (agent built-in reaction, later the supervisor's policy)

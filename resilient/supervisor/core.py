@@ -193,6 +193,8 @@ class SupervisorCore:
         self._next_id = 1
         # attempt -> (node blamed for the failure that ended it, when that fault happened, when it was counted)
         self._blame: dict[int, tuple[str, float, float]] = {}
+        # records for the ledger that decide nothing (a spare lost): the loop writes them (take_notes)
+        self._notes: collections.deque[Event] = collections.deque(maxlen=256)
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -229,6 +231,12 @@ class SupervisorCore:
     @property
     def restarts_left(self) -> int:
         return max(0, self.cfg.max_restarts - self._restarts_used)
+
+    def take_notes(self) -> list[Event]:
+        """Events the core recorded that no decision carries (``spare_lost``), oldest first; each is returned once."""
+        out = list(self._notes)
+        self._notes.clear()
+        return out
 
     def finish(self, reason: str = "done") -> None:
         """The job ended by itself (training finished): no further decisions."""
@@ -399,6 +407,8 @@ class SupervisorCore:
         member = node.state is NodeState.ACTIVE
         p = self._preempting
         if event.kind is EventKind.AGENT_LOST:
+            if node.state is NodeState.SPARE:
+                self._spare_lost(event, node, now)
             if node.state in (NodeState.ACTIVE, NodeState.SPARE) or node.returns_at is not None:
                 node.state, node.returns_at = NodeState.LOST, None  # a benched node that died comes back by joining
             if not member:
@@ -431,6 +441,16 @@ class SupervisorCore:
         elif event.kind is EventKind.STRAGGLER:
             node.stragglers.append(now)
         return self._decide(event, now)
+
+    def _spare_lost(self, event: Event, node: _Node, now: float) -> None:
+        """A warm spare's agent is gone: the job has one spare fewer, which the ledger says (no decision does)."""
+        d = event.details if isinstance(event.details, dict) else {}
+        cause = str(d.get("reason") or "unknown")
+        if cause == "left" and (self._finished or self._stopped or self._preempted_end):
+            return  # the job ended and its spares go with it
+        logger.warning("spare %s lost (%s)", event.node, cause)
+        self._notes.append(Event(kind=EventKind.SPARE_LOST, node=event.node, attempt=None, mono=now, wall=event.wall,
+                                 details={"cause": cause, "last_seen_age": round(max(0.0, now - node.last_seen), 3)}))
 
     def _reblame(self, event: Event, node: _Node) -> None:
         """A later report of a failure in an attempt already decided, from another node, whose fault happened

@@ -157,6 +157,8 @@ class SupervisorLoop:
             self._publish(a, action={"action": "start"}, decision_id=0)
         for d in out:
             self._carry_out(d)
+        for ev in self.core.take_notes():
+            self._write(ev)
         self._check_finished(now)
         return out
 

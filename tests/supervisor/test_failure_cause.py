@@ -63,3 +63,22 @@ def test_job_view_exposes_the_class() -> None:
                details={"exit_code": 1, "exc_type": "NoRestorableStepError", "message": "none"})
     view = JobView(nodes={}, min_nodes=1, max_nodes=1, nproc_per_node=1, restarts_left=3)
     assert view.failure_class(ev) is FailureClass.STATE_UNRECOVERABLE
+
+
+def test_a_lost_spare_is_recorded() -> None:
+    from resilient.supervisor.config import SupervisorConfig
+    from resilient.supervisor.core import SupervisorCore
+
+    core = SupervisorCore(SupervisorConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=3))
+    for n in ("a", "s"):
+        core.join(n, 1, 0.0)
+    core.form(0.0)
+    core.seen("s", 4.0)
+    ds = core.handle(Event(EventKind.AGENT_LOST, node="s", details={"reason": "disconnected"}), 5.0)
+    assert ds == []  # nothing to decide: the job runs on
+    notes = core.take_notes()
+    assert [(e.kind, e.node, e.details) for e in notes] == [
+        (EventKind.SPARE_LOST, "s", {"cause": "disconnected", "last_seen_age": 1.0})]
+    assert core.take_notes() == []  # each once
+    core.handle(Event(EventKind.AGENT_LOST, node="a", details={"reason": "disconnected"}), 6.0)
+    assert core.take_notes() == []  # a member's loss is the decision's cause, not a note

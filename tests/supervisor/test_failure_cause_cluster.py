@@ -55,3 +55,28 @@ def test_two_partner_nodes_lost_stop_naming_the_missing_shards(cluster_factory, 
     assert max(e.attempt for e in evs if e.kind == EventKind.ATTEMPT_START) == failed_attempts.pop()
     undefined = [e for e in evs if e.kind == EventKind.CKPT_TIER_FAILED and e.details.get("state_undefined")]
     assert undefined and undefined[0].details["restore"]["why"], [e.details for e in undefined]
+
+
+@pytest.mark.timeout(240)
+def test_a_spare_killed_while_waiting_is_in_the_ledger(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
+                                    "--heartbeat-timeout", "300"])
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", "5", "--out", str(out), "--gate", str(gate), "--gate-step", "2"]
+    a = c.start("a", args)
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
+    b, spare = c.start("b", args), c.start("spare", args)  # the later of the two to join is the spare
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 150, "both ranks at the gate")
+    ranks = {e.node: e.details["group_rank"] for e in c.events() if e.kind == EventKind.RENDEZVOUS_DONE}
+    if node_name(spare) in ranks and node_name(b) not in ranks:
+        b, spare = spare, b
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) and e.details.get("spare")
+                         for e in c.events()), 90, "the spare to join")
+    spare.kill()
+    wait_for(lambda: any(e.kind == EventKind.SPARE_LOST for e in c.events()), 60, "the spare's loss in the ledger")
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+    assert a.proc.returncode == 0 and b.proc.returncode == 0, a.output()  # a lost spare decides nothing
+    lost = [e for e in c.events() if e.kind == EventKind.SPARE_LOST]
+    assert [(e.node, e.details["cause"]) for e in lost] == [(node_name(spare), "disconnected")], lost
