@@ -16,6 +16,8 @@ from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.integrations import nemo as rnemo
 
+from tests.recipes.test_nemo_shim import python_without_torch
+
 from .conftest import HERE, REPO, child_env
 
 SHIM = REPO / "recipes" / "nemo" / "torchrun"
@@ -49,7 +51,12 @@ def test_recipe_shim_says_what_to_do_when_nothing_is_found(tmp_path: Path) -> No
     empty = tmp_path / "empty"
     empty.mkdir()
     env = {"PATH": str(empty), "HOME": str(tmp_path)}
-    r = subprocess.run([shutil.which("sh") or "/bin/sh", str(shim), "--nproc-per-node", "2", "x.py"],
+    # the shim tries the Python that started it: here one that cannot run the launcher (no torch)
+    bare = python_without_torch()
+    if bare is None:
+        pytest.skip("every interpreter here imports torch: no parent Python that cannot run the launcher")
+    parent = [bare, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:], timeout=25))"]
+    r = subprocess.run([*parent, shutil.which("sh") or "/bin/sh", str(shim), "--nproc-per-node", "2", "x.py"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 127
     lines = r.stderr.strip().splitlines()
