@@ -4,16 +4,16 @@ under torchrun (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), eager and under ``tor
     python3 bench/gpu/restart.py --out DIR [--dry-run] [--budget 190]
 
 One worker (``--nproc-per-node 1``, the recipe with ``--init-group`` so the process group is set up as on every rank
-of a real job) checkpoints every step to a local directory; once the first checkpoint is committed (its
-``COMMITTED`` marker, watched on disk) this script SIGKILLs the worker, and the launcher (``--max-restarts 1``)
-starts a new one, which restores and trains on. The recipe's ``BENCH_TIMELINE`` marks say when each phase of a
-worker's start-up ended, so each restart splits into: the new process (kill -> process created), interpreter
-start, imports (torch), group set-up, CUDA init, model (build, to the GPU, DDP's first broadcast), restore, and the
-first step; compile = what the first three steps took beyond a steady one (the fourth). The compile ratio is the
-restart's compile time / the first attempt's (goal <= 0.2): under resilient-run the restarted worker loads the
-caches the first attempt saved (``resilient.compile_cache``, in the run directory); under torchrun it finds what
-the first attempt left in the local Inductor/Triton cache directories (the same node). Each run starts with empty
-cache directories.
+of a real job) checkpoints every step to a local directory; once it has made four steps and a checkpoint is
+committed (its ``COMMITTED`` marker, watched on disk), this script SIGKILLs the worker, and the launcher
+(``--max-restarts 1``) starts a new one, which restores and trains on. The recipe's ``BENCH_TIMELINE`` marks say
+when each phase of a worker's start-up ended, so each restart splits into: the new process (kill -> process
+created), interpreter start, imports (torch), group set-up, CUDA init, model (build, to the GPU, DDP's first
+broadcast), restore, and the first step; compile = what the first three steps took beyond a steady one (the fourth).
+The compile ratio is the restart's compile time / the first attempt's (goal <= 0.2): under resilient-run the
+restarted worker loads the caches the first attempt saved (``resilient.compile_cache``, in the run directory); under
+torchrun it finds what the first attempt left in the local Inductor/Triton cache directories (the same node). Each
+run starts with empty cache directories.
 
 The fork server cannot carry a CUDA context across ``fork()`` (it never touches CUDA), so a worker it forks skips
 the imports but still pays CUDA init, as a fresh interpreter does; the split shows both. The script also reads the
@@ -167,9 +167,10 @@ def run_one(launcher: str, compiled: bool, work: Path, model_args: list[str], ti
     d.mkdir(parents=True)
     ckpt, timeline = d / "ckpt", d / "timeline.jsonl"
     env = dict(os.environ)
+    # Triton's cache defaults to a directory inside Inductor's, which is what resilient.compile_cache keeps
+    env.pop("TRITON_CACHE_DIR", None)
     env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT),
-               BENCH_TIMELINE=str(timeline), TORCHINDUCTOR_CACHE_DIR=str(d / "inductor"),
-               TRITON_CACHE_DIR=str(d / "triton"), PYTHONUNBUFFERED="1",
+               BENCH_TIMELINE=str(timeline), TORCHINDUCTOR_CACHE_DIR=str(d / "inductor"), PYTHONUNBUFFERED="1",
                RESILIENT_CKPT_LOCAL=str(ckpt), RESILIENT_CKPT_INTERVAL="1")
     recipe = [str(RECIPE), "--steps", "100000", "--init-group", "--log-every", "1000000", *model_args]
     if compiled:
@@ -188,7 +189,6 @@ def run_one(launcher: str, compiled: bool, work: Path, model_args: list[str], ti
     deadline = time.monotonic() + timeout
     try:
         # the event: attempt 0's first checkpoint committed on disk
-        pid = None
         while True:
             if time.monotonic() > deadline:
                 res["error"] = "no checkpoint committed in time"
@@ -196,10 +196,10 @@ def run_one(launcher: str, compiled: bool, work: Path, model_args: list[str], ti
             if p.poll() is not None:
                 res["error"] = f"launcher exited ({p.returncode}) before the first checkpoint"
                 return res
-            if pid is None:
-                pid = next((r["pid"] for r in _marks(timeline) if r.get("attempt") == 0 and r["mark"] == "script"),
-                           None)
-            if pid is not None and any(ckpt.rglob("COMMITTED")):
+            first = [r for r in _marks(timeline) if r.get("attempt") == 0]
+            pid = next((r["pid"] for r in first if r["mark"] == "script"), None)
+            # four steps (the first attempt's compile is measured over them) and a committed checkpoint
+            if sum(r["mark"] == "step" for r in first) >= 4 and any(ckpt.rglob("COMMITTED")):
                 break
             time.sleep(0.005)
         if launcher != "torchrun":
@@ -217,6 +217,9 @@ def run_one(launcher: str, compiled: bool, work: Path, model_args: list[str], ti
             time.sleep(0.005)
         if launcher != "torchrun":
             res["fork_server_after_restart"] = _fork_servers_clean(p.pid)
+        if launcher != "torchrun":  # whether the fork server started the workers, from the run's ledger
+            res["methods"] = [e.get("details", {}).get("method") for e in _marks(d / "run" / "events.jsonl")
+                              if e.get("kind") == "attempt_start"]
         marks = _marks(timeline)
         res["first_attempt"] = split(marks, 0, t_launch)
         res["restart"] = split(marks, 1, kill_t)
@@ -268,13 +271,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for all runs (default 190; 28 dry)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for all runs (default 190; 25 dry)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     t_start = time.monotonic()
-    budget = a.budget if a.budget is not None else (28.0 if a.dry_run else 190.0)
+    budget = a.budget if a.budget is not None else (25.0 if a.dry_run else 190.0)
     import torch
 
     cuda = torch.cuda.is_available() and not a.dry_run  # this process is no fork server: asking is fine
@@ -284,7 +287,8 @@ def main() -> int:
         note = ("dry run: CPU, gloo, tiny model, eager only; compiling the recipe on a CPU takes minutes "
                 "(C++ kernels), so no compile run; figures not meaningful")
     else:
-        model_args = ["--n-layer", "6", "--d-model", "512", "--micro-batch", "16", "--global-batch", "32"]
+        # about 3 M parameters (40 MB of checkpoint with AdamW's state): a step of tens of ms, saved every step
+        model_args = ["--n-layer", "4", "--d-model", "256", "--micro-batch", "16", "--global-batch", "32"]
         plan = [("resilient-run", False), ("torchrun", False), ("resilient-run", True), ("torchrun", True)]
         note = ""
     runs: list[dict] = []
@@ -301,7 +305,8 @@ def main() -> int:
             r = run_one(launcher, compiled, Path(tmp), model_args, max(need, left - after), py)
             runs.append(r)
             print(f"  {launcher:<14} {'compile' if compiled else 'eager':<8} ok={r['ok']} "
-                  f"kill->first step={r.get('kill_to_first_step_s')} s" + (f"  ({r['error']})" if r.get("error") else ""),
+                  f"kill->first step={r.get('kill_to_first_step_s')} s"
+                  + (f"  ({r['error']})" if r.get("error") else ""),
                   flush=True)
         probe = None
         left = budget - (time.monotonic() - t_start)
@@ -323,13 +328,21 @@ def main() -> int:
         doc[f"{mode}_resilient_kill_to_first_step_s"] = a_s
         doc[f"{mode}_torchrun_kill_to_first_step_s"] = b_s
         doc[f"{mode}_resilient_over_torchrun"] = round(a_s / b_s, 3) if a_s and b_s else None
-    doc["compile_ratio_resilient"] = get("resilient-run", True).get("compile_ratio")
-    doc["compile_ratio_torchrun"] = get("torchrun", True).get("compile_ratio")
+    for launcher, key in (("resilient-run", "resilient"), ("torchrun", "torchrun")):
+        r = get(launcher, True)
+        doc[f"compile_first_attempt_{key}_s"] = r.get("first_attempt", {}).get("compile")
+        doc[f"compile_restart_{key}_s"] = r.get("restart", {}).get("compile")
+        doc[f"compile_ratio_{key}"] = r.get("compile_ratio")
+        for mode, compiled in (("eager", False), ("compile", True)):
+            sp = get(launcher, compiled).get("restart", {})
+            doc[f"{mode}_{key}_restart_imports_s"] = sp.get("imports")
+            doc[f"{mode}_{key}_restart_cuda_init_s"] = sp.get("cuda_init")
     doc["goal"] = f"restart compile / first attempt compile <= {GOAL_COMPILE_RATIO} (resilient-run, compile cache)"
     ratio = doc["compile_ratio_resilient"]
     doc["met"] = bool(not a.dry_run and ratio is not None and ratio <= GOAL_COMPILE_RATIO)
     clean = [r.get(k) for r in runs for k in ("fork_server_before_kill", "fork_server_after_restart") if r.get(k)]
     doc["fork_server_no_cuda_libraries"] = all(c["clean"] for c in clean) if clean else None
+    doc["resilient_worker_start_methods"] = sorted({m for r in runs for m in r.get("methods", []) if m})
     doc["fork_probe"] = probe
     doc["seconds"] = round(time.monotonic() - t_start, 1)
     (out / "restart.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -351,7 +364,8 @@ def main() -> int:
                   f"{tot if tot is not None else float('nan'):>8.2f}{cells}")
     print(f"compile ratio (restart / first attempt; goal <= {GOAL_COMPILE_RATIO}): resilient-run "
           f"{doc['compile_ratio_resilient']}, torchrun {doc['compile_ratio_torchrun']}; met: {doc['met']}")
-    print(f"fork server without CUDA/NVML libraries: {doc['fork_server_no_cuda_libraries']}")
+    print(f"fork server without CUDA/NVML libraries: {doc['fork_server_no_cuda_libraries']}; resilient-run started "
+          f"workers with {doc['resilient_worker_start_methods']}")
     if probe:
         print(f"fork probe: {probe}")
     print(f"wrote {out / 'restart.json'} in {doc['seconds']} s")
