@@ -9,11 +9,11 @@ committed (its ``COMMITTED`` marker, watched on disk), this script SIGKILLs the 
 (``--max-restarts 1``) starts a new one, which restores and trains on. The recipe's ``BENCH_TIMELINE`` marks say
 when each phase of a worker's start-up ended, so each restart splits into: the new process (kill -> process
 created), interpreter start, imports (torch), group set-up, CUDA init, model (build, to the GPU, DDP's first
-broadcast), restore, and the first step; compile = what the first three steps took beyond a steady one (the fourth).
-The compile ratio is the restart's compile time / the first attempt's (goal <= 0.2): under resilient-run the
-restarted worker loads the caches the first attempt saved (``resilient.compile_cache``, in the run directory); under
-torchrun it finds what the first attempt left in the local Inductor/Triton cache directories (the same node). Each
-run starts with empty cache directories.
+broadcast), restore (with the corpus and the checkpointer set up), and the first step; compile = what the first
+three steps took beyond a steady one (the fourth). The compile ratio is the restart's compile time / the first
+attempt's (goal <= 0.2): under resilient-run the restarted worker loads the caches the first attempt saved
+(``resilient.compile_cache``, in the run directory); under torchrun it finds what the first attempt left in the
+local Inductor/Triton cache directories (the same node). Each run starts with empty cache directories.
 
 The fork server cannot carry a CUDA context across ``fork()`` (it never touches CUDA), so a worker it forks skips
 the imports but still pays CUDA init, as a fresh interpreter does; the split shows both. The script also reads the
