@@ -37,7 +37,7 @@ WORKER = textwrap.dedent('''
     elif mode == "first":  # every attempt's first step 5x the others; the first attempt crashes after learning
         for step in resilient.steps(0, 20 if attempt == 0 else 4):
             time.sleep(1.5 if step == 0 else 0.3)
-            if attempt == 0 and step == 12:
+            if attempt == 0 and step == 12 and rank == 0:
                 sys.exit(3)
     elif mode == "eval":  # an evaluation of 20 steps, marked
         for step in resilient.steps(0, 16):
@@ -82,8 +82,9 @@ def launch(tmp_path: Path, mode: str, nproc: int = 1, extra: tuple[str, ...] = (
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"
+    # --node-timeout: a standalone agent starved on a loaded machine must not be taken for a lost node
     r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(nproc),
-                        "--run-dir", str(run), *extra, str(script), mode, str(out)],
+                        "--node-timeout", "60", "--run-dir", str(run), *extra, str(script), mode, str(out)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
     return r, events, out
@@ -114,14 +115,16 @@ def test_a_stopped_rank_is_acted_on_within_the_learned_bound(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_no_false_hang_on_the_first_step_also_after_a_restart(tmp_path):
-    r, events, _ = launch(tmp_path, "first", extra=("--max-restarts", "1"))
+    # three ranks: their start-ups are no step samples, or a learned timeout would be in force at the first step
+    r, events, _ = launch(tmp_path, "first", nproc=3, extra=("--max-restarts", "1"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert not of(events, "hang"), of(events, "hang")
     (restart,) = of(events, "restart")
     assert restart["details"]["cause"] == "failed"
     # the second attempt's first step ran while a learned timeout shorter than it was in force
     first = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 1 and e["details"]["step"] == 0]
-    later = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 0 and 1 <= e["details"]["step"] < 12]
+    later = [e["details"]["seconds"] for e in of(events, "step")
+             if e["attempt"] == 0 and 1 <= e["details"]["step"] < 12]
     assert first and first[0] > max(1.0, 3 * max(later)), (first, later)
 
 
@@ -146,3 +149,40 @@ def test_no_false_hang_on_a_checkpoint_boundary(tmp_path):
     assert len(saves) == 7
     # the test means something only if saves block longer than the step timeout would allow
     assert sum(s > max(1.0, 3 * max(plain)) for s in saves) >= 4, (saves, plain)
+
+
+# Two ranks; at every fourth step both open a section, rank 0's 2 s long, rank 1's short; rank 1 then waits
+# for rank 0 outside its section, as a rank waits in the collective after a save that took a peer longer.
+PEER_WAIT = textwrap.dedent('''
+    import os, time
+    import resilient
+
+    rank, d = int(os.environ["RANK"]), os.environ["T_DIR"]
+    for step in resilient.steps(0, 24):
+        time.sleep(0.05)
+        if step % 4 == 1 and step > 1:
+            with resilient.section("save"):
+                time.sleep(2.0 if rank == 0 else 0.1)
+            mark = os.path.join(d, f"s{step}")
+            if rank == 0:
+                open(mark, "w").close()
+            else:
+                end = time.monotonic() + 60
+                while not os.path.exists(mark) and time.monotonic() < end:
+                    time.sleep(0.005)
+''')
+
+
+@pytest.mark.timeout(120)
+def test_no_false_hang_on_a_rank_waiting_for_a_peer_still_in_its_section(make_agent, tmp_path):
+    a = make_agent(initial_timeout=30.0)  # every other setting as shipped
+    script = tmp_path / "peer_wait.py"
+    script.write_text(PEER_WAIT)
+    a.spawn(2, {"T_DIR": str(tmp_path)}, script=str(script))
+    a.pump(lambda ev: a.all_exited(), 100)
+    assert [p.returncode for p in a.procs] == [0, 0]
+    a.pump_for(0.5)
+    assert not [e for e in a.events if e.kind.value == "hang"], [e.details for e in a.events]
+    # the last sections ran under a learned timeout, and so did the steps around them
+    assert a.monitor._section_timeout("save", None)[1] == "section:save:learned"
+    assert a.monitor.heartbeat_timeout()[1] == "learned"
