@@ -34,6 +34,7 @@ JOB_SECRET = "RESILIENT_JOB_SECRET"  # per-job secret signing agent <-> supervis
 LOG_LEVEL = "RESILIENT_LOG_LEVEL"  # log level of agents, supervisor and workers' resilient loggers
 WORKER_LAUNCH = "RESILIENT_WORKER_LAUNCH"  # default of --worker-launch
 PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
+SPARE_WAIT = "RESILIENT_SPARE_WAIT"  # default of --spare-wait (seconds)
 PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
 COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off
 FAULTS = "RESILIENT_FAULTS"  # a drill's in-worker faults (--inject), carried out by resilient.steps()

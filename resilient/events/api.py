@@ -45,6 +45,8 @@ class EventKind(str, enum.Enum):
     # the supervisor: a spare's agent is gone (event.node); details: cause ("disconnected": its connection closed,
     # the agent died; "timeout": silent for --node-timeout; "left"), last_seen_age (seconds, where known)
     SPARE_LOST = "spare_lost"
+    # the supervisor: an agent connected and is warming up (event.node), a joining spare once the job runs
+    NODE_ARRIVING = "node_arriving"
     FAULT_INJECTED = "fault_injected"  # a drill's fault (--inject); details: fault, target, at
 
     # actions (agent built-in reaction, later the supervisor's policy)

@@ -107,9 +107,9 @@ class Agent:
             self._interruptible = True
             try:
                 # join only once the fork server is warm (torch imported): a node then never goes silent
-                # between joining and its first round, and a spare that joined is ready to take over at once
-                self.group.await_ready()
-                self.control.join()
+                # between joining and its first round, and a spare that joined is ready to take over at once;
+                # while it warms, the supervisor knows it as arriving (a joining spare worth waiting for)
+                self.control.join(warm=self.group.await_ready)
             except _Stopped as e:
                 logger.warning("%s before workers started", e)
                 end = Ending(1, str(e))

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from resilient.events import Event, Ledger
@@ -78,13 +79,16 @@ class ControlClient:
             return "127.0.0.1"
         return socket.getfqdn()
 
-    def join(self) -> None:
+    def join(self, warm: Callable[[], object] | None = None) -> None:
         """Reach the job's store (hosting it, and the supervisor, when the endpoint is this machine's and the
         port is free, as torch's c10d rendezvous decides its host), then announce this node.
 
         Membership is the supervisor's: it answers with assignments (members and their group ranks, spares,
         a fresh store per round). torch's dynamic rendezvous closes at ``--nnodes`` MAX and a late agent
         then kills the job (nvidia-resiliency-ext#348); a spare must be able to arrive at any moment.
+
+        ``warm``: run between connecting and joining (the fork server's warm-up); meanwhile the supervisor knows
+        this node as arriving, so that a lost node may wait for it rather than end the job.
         """
         from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
@@ -131,6 +135,9 @@ class ControlClient:
         if hosting:
             self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
         self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
+        if warm is not None:
+            self.chan.send(T.MessageKind.ARRIVING, nproc=c.nproc_per_node)
+            warm()
         self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
         store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
         self._presence, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,

@@ -150,12 +150,16 @@ class JobView:
     failure_window: float = 3600.0  # seconds over which ``NodeView.failures`` is counted
     now: float = 0.0
     pending_scale_up: tuple[str, ...] = ()  # spares of a ScaleUp decided, waiting for a checkpoint boundary
+    # joining spares: agents that connected and are still warming up (within SupervisorConfig.spare_wait), oldest
+    # first; an Ignore for a lost member while there are some waits for them (bounded by spare_wait)
+    joining: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
         object.__setattr__(self, "ckpt_steps", MappingProxyType(dict(self.ckpt_steps)))
         object.__setattr__(self, "recent", tuple(self.recent))
         object.__setattr__(self, "pending_scale_up", tuple(self.pending_scale_up))
+        object.__setattr__(self, "joining", tuple(self.joining))
 
     def _in(self, state: NodeState) -> tuple[str, ...]:
         return tuple(n for n, v in self.nodes.items() if v.state == state)

@@ -8,6 +8,7 @@ torchrun's own parser (same spellings, ``PET_*`` twins), ``resilient supervisor`
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from resilient import env
@@ -27,6 +28,10 @@ class SupervisorConfig:
     # member done, the preempted node gone) before it is carried out anyway
     preempt_wait: float = 120.0
     recent_events: int = 64
+    # how long a lost member with no spare and no room to shrink waits for a spare whose agent connected but is
+    # still warming up (a joining spare), before the job stops: a cold start here (import torch, the fork server)
+    # took about 20 s on a loaded node, and a stop costs a requeue and a full restart, so a minute is cheap
+    spare_wait: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events"):
@@ -37,7 +42,8 @@ class SupervisorConfig:
             raise ValueError(f"SupervisorConfig.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})")
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise ValueError(f"SupervisorConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait", "preempt_wait"):
+        for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait", "preempt_wait",
+                     "spare_wait"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
@@ -64,6 +70,9 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
     g.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
                    help="seconds without a report from a node's agent before the supervisor counts it lost")
+    g.add_argument("--spare-wait", "--spare_wait", type=float, default=float(os.environ.get(env.SPARE_WAIT, 60.0)),
+                   help="seconds a lost node with no ready spare waits for a spare still warming up (joining) "
+                        f"before the job stops (default 60, or {env.SPARE_WAIT})")
     g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
                    help="seconds a policy's decide() may take before the default policy decides instead")
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,

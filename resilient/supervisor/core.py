@@ -195,6 +195,9 @@ class SupervisorCore:
         self._blame: dict[int, tuple[str, float, float]] = {}
         # records for the ledger that decide nothing (a spare lost): the loop writes them (take_notes)
         self._notes: collections.deque[Event] = collections.deque(maxlen=256)
+        self._joining: dict[str, float] = {}  # node -> when its agent said it is arriving (connected, warming up)
+        # lost members whose decision waits for a joining spare: (the loss, until when), oldest first
+        self._awaiting: list[tuple[Event, float]] = []
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -292,6 +295,18 @@ class SupervisorCore:
             self._stopped = stopped
         return last
 
+    def arriving(self, node: str, now: float) -> None:
+        """``node``'s agent connected and is warming up: a joining spare once the job runs (until it joins, or for
+        ``spare_wait`` seconds)."""
+        n = self._nodes.get(node)
+        if self._assignment is None or (n is not None and n.state is not NodeState.LOST) or node in self._joining:
+            return
+        self._joining[node] = now
+        self._notes.append(Event(kind=EventKind.NODE_ARRIVING, node=node, attempt=None, mono=now, wall=time.time()))
+
+    def _joining_now(self, now: float) -> tuple[str, ...]:
+        return tuple(n for n, t in self._joining.items() if now - t <= self.cfg.spare_wait)
+
     def view(self, now: float) -> JobView:
         gr = {n: i for i, n in enumerate(self._assignment.members)} if self._assignment else {}
         nodes = {}
@@ -306,7 +321,8 @@ class SupervisorCore:
                        nproc_per_node=self.cfg.nproc_per_node, restarts_left=self.restarts_left,
                        attempt=self._assignment.attempt if self._assignment else 0, ckpt_steps=self._ckpt_steps,
                        recent=tuple(self._recent), failure_window=self.cfg.failure_window, now=now,
-                       pending_scale_up=tuple(self._pending.spares) if self._pending else ())
+                       pending_scale_up=tuple(self._pending.spares) if self._pending else (),
+                       joining=self._joining_now(now))
 
     def _prune(self, node: _Node, now: float) -> None:
         horizon = now - self.cfg.failure_window
@@ -319,6 +335,7 @@ class SupervisorCore:
         if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
             raise ValueError(f"join: nproc of {node} must be an integer >= 1, got {nproc!r}")
         n = self._nodes.get(node)
+        self._joining.pop(node, None)
         ev = Event(kind=EventKind.NODE_JOINED, node=node, attempt=None, details={"nproc": nproc},
                    mono=now, wall=time.time())
         if self._assignment is None:
@@ -343,6 +360,11 @@ class SupervisorCore:
         self._recent.append(ev)
         if n.state is not NodeState.SPARE or self._stopped or self._finished or self._preempted_end:
             return []
+        if self._awaiting:
+            # the spare a lost member waited for: that loss is decided now (the spare's own joining waits)
+            lost, _ = self._awaiting.pop(0)
+            logger.info("spare %s is ready: deciding on %s lost", node, lost.node)
+            return self._decide(lost, now)
         return self._decide(ev, now)
 
     def seen(self, node: str, now: float) -> None:
@@ -427,6 +449,11 @@ class SupervisorCore:
             return []
         if event.kind is EventKind.PREEMPTION_NOTICE and p is not None:
             return []  # one node's preemption at a time: the first notice's decision stands
+        if self._awaiting and event.kind in FAILURE_KINDS:
+            # the survivors of a lost member fail in their collectives: the decision waiting for a joining
+            # spare restarts this attempt
+            node.failures.append(now)
+            return []
         if p is not None and event.kind in FAILURE_KINDS:
             # a rank failed while a node is going (its peers left without it, a save failed): what was decided
             # for the preemption is done now, from the newest complete checkpoint
@@ -495,6 +522,16 @@ class SupervisorCore:
                 out += self.handle(ev, now)
                 if self._stopped:
                     return out
+        while self._awaiting and now >= self._awaiting[0][1]:
+            lost, _ = self._awaiting.pop(0)
+            late = [n for n, t in self._joining.items() if now - t >= self.cfg.spare_wait]
+            for n in late:
+                del self._joining[n]
+            logger.warning("no joining spare became ready within %g s (--spare-wait) for %s", self.cfg.spare_wait,
+                           lost.node)
+            out += self._decide(lost, now)
+            if self._stopped:
+                return out
         pp = self._preempting
         if pp is not None and now - pp.decided >= self.cfg.preempt_wait:
             out += self._settle_preemption(now, f"no agreed save within {self.cfg.preempt_wait:g} s", force=True)
@@ -666,6 +703,8 @@ class SupervisorCore:
                 if event.kind in WORKERS_STOPPED_KINDS:
                     raise _Invalid(f"ignore: {event.node}'s agent already stopped its workers for {event.kind.value}; "
                                    "ignoring it would leave the job idle")
+                if event.kind is EventKind.AGENT_LOST and event.node in lost_members and view.joining:
+                    return a  # waits for a joining spare, bounded by spare_wait (see _apply)
                 left_lost(members)
                 return a
             if isinstance(a, Restart):
@@ -791,6 +830,11 @@ class SupervisorCore:
             self._pending = None
             logger.error("job stopped: %s", self._stopped)
             return [Decision(self._id(), a, event, None, fallback)]
+        if (event is not None and event.kind is EventKind.AGENT_LOST and event.node in members
+                and self._nodes[event.node].state is NodeState.LOST):
+            # Ignore of a lost member, allowed only while a spare is joining: decided again when one is ready,
+            # or when spare_wait has passed
+            self._awaiting.append((event, now + self.cfg.spare_wait))
         return [Decision(self._id(), a, event, None, fallback)]  # Ignore
 
     def _apply_scale_up(self, event: Event | None, now: float, why: str) -> list[Decision]:

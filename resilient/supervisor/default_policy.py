@@ -10,7 +10,9 @@ worker_exit / hang        ``Restart`` (in-job restart, same nodes and ranks): a 
                           (see *a bad node* below); then ``HotSwap`` to a spare, benched for ``cool_down``;
                           no spare: ``ScaleDown`` without it if ``--nnodes MIN`` allows; else keep
                           restarting in place.
-agent_lost (node lost)    ``HotSwap`` to a spare; no spare: ``ScaleDown`` if MIN allows; else ``Stop``.
+agent_lost (node lost)    ``HotSwap`` to a spare; no spare: ``ScaleDown`` if MIN allows; else, while a spare
+                          is joining (its agent connected, still warming up), ``Ignore``: the core waits for it
+                          up to ``--spare-wait`` seconds and asks again; else ``Stop``.
 host / GPU unhealthy      ``HotSwap`` to a free spare, benched (it returns only once it reports healthy);
                           no spare: ``Ignore`` (the node still trains; a failing check is not a failure).
 node_joined (a spare)     ``ScaleUp`` when the job runs below MAX (carried out at the next checkpoint
@@ -187,6 +189,8 @@ class DefaultPolicy:
                              cool_down=cool_down)
         if last_resort is not None:
             return last_resort
+        if view.joining:  # the core bounds the wait (--spare-wait), then asks again
+            return Ignore(reason=f"{why}: no ready spare; waiting for joining spare(s) {', '.join(view.joining)}")
         return Stop(reason=f"{why}: no spare, and --nnodes min {view.min_nodes} forbids scaling down")
 
     def preempted(self, event: Event, view: JobView) -> Action:

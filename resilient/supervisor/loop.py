@@ -174,6 +174,12 @@ class SupervisorLoop:
             if msg.get("done") and a is not None and msg.get("round") == a.round:
                 self._done.add(node)  # its workers finished while this supervisor was away
             return out
+        if kind == MessageKind.ARRIVING:
+            logger.info("node %s connected, warming up", node)
+            self.core.arriving(node, now)
+            for ev in self.core.take_notes():
+                self._write(ev)
+            return []
         self.core.seen(node, now)
         if kind == MessageKind.EVENT:
             try:

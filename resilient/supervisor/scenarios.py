@@ -32,6 +32,14 @@ class Join:
 
 
 @dataclass(frozen=True)
+class Arriving:
+    """An agent connected and warming up (``arriving``): a joining spare until it joins."""
+
+    node: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Form:
     at: float = 0.0
 
@@ -69,7 +77,7 @@ class Done:
     at: float
 
 
-Step = Join | Form | On | Seen | Tick | Done
+Step = Join | Arriving | Form | On | Seen | Tick | Done
 
 
 @dataclass(frozen=True)
@@ -527,6 +535,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         (restart("a", "b"),),
     ),
     Scenario(
+        "lost_node_waits_for_joining_spare", "a node lost with no ready spare at --nnodes min, while a spare's agent "
+                                             "is still warming up: wait for it, then swap it in",
+        _TWO_AT_MIN, joins("a", "b") + (
+            Arriving("s", 3), On("agent_lost", "b", 5, attempt=None, details={"reason": "disconnected"}),
+            crash("a", 5.5), Join("s", 9)),
+        (Expect("ignore"), Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s"))),
+        overrides={"scale_down_first": (Expect("stop"),)},
+    ),
+    Scenario(
+        "joining_spare_never_ready", "the joining spare does not become ready within --spare-wait: stop then",
+        _TWO_AT_MIN, joins("a", "b") + (
+            Arriving("s", 3), On("agent_lost", "b", 5, attempt=None, details={"reason": "disconnected"}),
+            Seen(("a",), 60), Tick(66)),
+        (Expect("ignore"), Expect("stop")),
+        overrides={"scale_down_first": (Expect("stop"),)},
+    ),
+    Scenario(
         "cordon_active_node", "cordoning an active node swaps in a spare, or scales down without one",
         {**_TWO, "max_nodes": 3}, joins("a", "b", "c", "s") + (crash("b", 5), crash("c", 6)),
         (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s", "c")),
@@ -569,6 +594,9 @@ def run_scenario(sc: Scenario, policy: Policy | None) -> Outcome:
                 ds = core.join(step.node, step.nproc, step.at)
             elif isinstance(step, Form):
                 core.form(step.at)
+                ds = []
+            elif isinstance(step, Arriving):
+                core.arriving(step.node, step.at)
                 ds = []
             elif isinstance(step, Seen):
                 for n in step.nodes:

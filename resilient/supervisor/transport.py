@@ -96,6 +96,7 @@ class Keys:
 
 class MessageKind:
     JOIN = "join"
+    ARRIVING = "arriving"  # connected, still warming up (importing torch, the fork server): a joining spare
     HB = "hb"
     EVENT = "event"
     ACK = "ack"

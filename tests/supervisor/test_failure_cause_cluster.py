@@ -4,6 +4,7 @@ every worker's restore finds no usable step, and the job stops within that one a
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from tests._helpers.procs import kill_sessions
-from tests.cluster.conftest import cluster_factory, wait_for  # noqa: F401 - the fixture
+from tests.cluster.conftest import REPO, cluster_factory, wait_for  # noqa: F401 - the fixture
 
 from tests.cluster.test_node_loss import _listening, node_name
 
@@ -80,3 +81,51 @@ def test_a_spare_killed_while_waiting_is_in_the_ledger(cluster_factory, tmp_path
     assert a.proc.returncode == 0 and b.proc.returncode == 0, a.output()  # a lost spare decides nothing
     lost = [e for e in c.events() if e.kind == EventKind.SPARE_LOST]
     assert [(e.node, e.details["cause"]) for e in lost] == [(node_name(spare), "disconnected")], lost
+
+
+SLOW_WARM = '''
+import os
+import time
+
+with open(os.environ["WARM_DIR"] + "/warming", "w"):
+    pass
+deadline = time.monotonic() + 120
+while not os.path.exists(os.environ["WARM_DIR"] + "/warm") and time.monotonic() < deadline:
+    time.sleep(0.02)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_waits_for_a_spare_still_warming(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
+                                    "--heartbeat-timeout", "300"])
+    gate, out, warm = tmp_path / "gate", tmp_path / "out", tmp_path / "warm"
+    gate.mkdir()
+    warm.mkdir()
+    (warm / "slowwarm.py").write_text(SLOW_WARM)
+    args = ["--steps", "5", "--out", str(out), "--gate", str(gate), "--gate-step", "2"]
+    a = c.start("a", args)
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
+    b = c.start("b", args)
+    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 150, "both ranks at the gate")
+    # a spare whose fork server is still importing (a preload that waits for WARM_DIR/warm)
+    spare = c.start("spare", args, extra=["--preload", "slowwarm"],
+                    env={"WARM_DIR": str(warm), "PYTHONPATH": os.pathsep.join([str(warm), str(REPO)])})
+    wait_for(lambda: any(e.kind == EventKind.NODE_ARRIVING and e.node == node_name(spare) for e in c.events()), 90,
+             "the spare to connect")
+    b.kill()
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details["action"] == "ignore"
+                         and "joining spare" in e.details["reason"] for e in c.events()), 60,
+             "the supervisor to wait for the joining spare")
+    (warm / "warm").touch()  # the spare finishes warming up and joins
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details["action"] == "hot_swap" for e in c.events()), 90,
+             "the swap")
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and spare.proc.poll() is not None, 150, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert spare.proc.returncode == 0, spare.output()
+    acts = [e.details for e in c.events() if e.kind == EventKind.ACTION and e.details["action"] != "start"]
+    assert [d["action"] for d in acts[:2]] == ["ignore", "hot_swap"], acts
+    assert acts[1]["action_args"] == {"action": "hot_swap", "node": node_name(b), "spare": node_name(spare),
+                                      "cool_down": None, "reason": acts[1]["reason"]}, acts[1]
+    assert "stop" not in [d["action"] for d in acts], acts
