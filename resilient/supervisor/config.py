@@ -70,9 +70,9 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0, help="hot spare nodes kept ready")
     g.add_argument("--node-timeout", "--node_timeout", type=float, default=10.0,
                    help="seconds without a report from a node's agent before the supervisor counts it lost")
-    g.add_argument("--spare-wait", "--spare_wait", type=float, default=float(os.environ.get(env.SPARE_WAIT, 60.0)),
+    g.add_argument("--spare-wait", "--spare_wait", type=float, default=os.environ.get(env.SPARE_WAIT, "60"),
                    help="seconds a lost node with no ready spare waits for a spare still warming up (joining) "
-                        f"before the job stops (default 60, or {env.SPARE_WAIT})")
+                        f"before the job stops (default 60, or {env.SPARE_WAIT}; argparse parses either)")
     g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
                    help="seconds a policy's decide() may take before the default policy decides instead")
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,

@@ -82,3 +82,14 @@ def test_a_lost_spare_is_recorded() -> None:
     assert core.take_notes() == []  # each once
     core.handle(Event(EventKind.AGENT_LOST, node="a", details={"reason": "disconnected"}), 6.0)
     assert core.take_notes() == []  # a member's loss is the decision's cause, not a note
+
+
+def test_spare_wait_flag_and_variable(monkeypatch) -> None:
+    from resilient import env
+    from resilient.launcher.args import parse
+
+    script = "tests/cluster/train.py"
+    assert parse(["--standalone", script]).supervisor.spare_wait == 60.0
+    assert parse(["--standalone", "--spare-wait", "15", script]).supervisor.spare_wait == 15.0
+    monkeypatch.setenv(env.SPARE_WAIT, "7")
+    assert parse(["--standalone", script]).supervisor.spare_wait == 7.0
