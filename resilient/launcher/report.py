@@ -11,7 +11,7 @@ from pathlib import Path
 
 from resilient.events import EventKind, Ledger
 from resilient.launcher.api import PREEMPTED_EXIT_CODE, AgentConfig, Outcome, WorkerExit
-from resilient.launcher.exit import Ending, checkpoint_exit
+from resilient.launcher.exit import Ending, checkpoint_exit, read_error_file
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,20 @@ def why(cause: str, failures: Sequence[WorkerExit], hang_note: str) -> str:
     torchrun does, the hung rank, or (for another node's failure) the supervisor's reason."""
     if cause == Outcome.FAILED.value and failures:
         last = failures[-1].attempt
-        return "; ".join(f.describe() for f in failures if f.attempt == last)
+        return "; ".join(f.describe() + _raised(f) for f in failures if f.attempt == last)
     if cause == Outcome.HUNG.value and hang_note:
         return hang_note
     return {Outcome.PEER_FAILED.value: "the job restarts (another node's workers failed or it was lost)"}.get(
         cause, cause)
+
+
+def _raised(f: WorkerExit) -> str:
+    """": Type: message at file:line in function" from a failed worker's error file, or nothing."""
+    d = read_error_file(f.error_file) if f.exit_code > 0 else {}
+    if not d.get("exc_type"):
+        return ""
+    at = f" at {d['frame']}" if d.get("frame") else ""
+    return f": {d['exc_type']}: {d.get('message') or ''}{at}"
 
 
 def close_checkpoints(end: Ending, ledger: Ledger, run_dir: Path, node: str, persistent: str | None,

@@ -46,7 +46,8 @@ def test_worker_exit_carries_exception_and_frame(tmp_path: Path, start: str) -> 
     script, run_dir = tmp_path / "raises.py", tmp_path / "run"
     script.write_text(RAISES)
     extra = ["--worker-launch", "spawn"] if start == "spawn" else []
-    r = run_launcher(["--standalone", "--nproc-per-node", "1", "--run-dir", str(run_dir), *extra, str(script)],
+    r = run_launcher(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--run-dir", str(run_dir),
+                      *extra, str(script)],
                      tmp_path, timeout=100)
     assert r.returncode == 1, r.stderr[-3000:]
     exits = _worker_exits(run_dir)
@@ -56,6 +57,8 @@ def test_worker_exit_carries_exception_and_frame(tmp_path: Path, start: str) -> 
     assert d["message"] == "bad batch at step 1", d
     assert d["frame"] == f"{script}:8 in check", d
     assert d["failure_class"] == "software", d
+    # the restart line says why
+    assert f"failed (exitcode: 1): ValueError: bad batch at step 1 at {script}:8 in check" in r.stderr, r.stderr[-3000:]
 
 
 def test_error_file_formats(tmp_path: Path) -> None:
