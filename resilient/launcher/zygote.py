@@ -30,11 +30,13 @@ zygote that forked them.
 
 CUDA: the fork server never touches it. A CUDA driver that was loaded and initialised before ``fork()`` is broken in
 every child (workers fail with "CUDA error: initialization error"), and so is NVML state. So the server never asks
-``torch.cuda.is_available()`` (that initialises the driver) and reads only torch's own flag and its own
-``/proc/self/maps`` (:func:`cuda_touched`): after each module it preloads (a ``--preload`` module that touches CUDA
+``torch.cuda.is_available()`` (that initialises the driver) and reads only torch's own flag, its own
+``/proc/self/maps`` and, for a driver or NVML library found there (a CUDA build of torch maps libcuda at import,
+which is harmless), one call that answers "not initialised" without initialising (:func:`cuda_touched`): after each module it preloads (a ``--preload`` module that touches CUDA
 ends it with an error naming the module; a learned one is refused and never preloaded again), and again before
 every fork (should it ever find CUDA, it refuses to fork and the agent starts workers as fresh interpreters). A
-``!lib`` entry in the preload list adds a library to the ones looked for (tests use one that exists without a GPU).
+``!lib`` entry in the preload list names a library whose mere presence counts (tests use one that exists without a
+GPU).
 """
 
 from __future__ import annotations
@@ -53,13 +55,42 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
-# loaded into this process means the CUDA driver or NVML was set up here: never fork workers from it then
-GUARDED_LIBS: tuple[str, ...] = ("libcuda.so", "libnvidia-ml.so")
+# The CUDA driver and NVML, with a call that tells whether this process initialised them without initialising
+# anything: before cuInit / nvmlInit both answer "not initialised" (CUDA_ERROR_NOT_INITIALIZED = 3,
+# NVML_ERROR_UNINITIALIZED = 1). Merely loaded is harmless: a CUDA build of torch maps libcuda at import.
+DRIVER_PROBES: dict[str, tuple[str, int]] = {"libcuda.so": ("cuCtxGetCurrent", 3),
+                                             "libnvidia-ml.so": ("nvmlDeviceGetCount_v2", 1)}
+# libraries whose mere presence in this process counts as touched (the ``!lib`` preload entries: a test's stand-in
+# for a driver, on machines that have none)
+GUARDED_LIBS: tuple[str, ...] = ()
+
+
+def _mapped_path(mapped: bytes, lib: str) -> str | None:
+    key = f"/{lib}".encode()
+    for line in mapped.splitlines():
+        i = line.find(b"/")
+        if i >= 0 and key in line[i:]:
+            return line[i:].decode(errors="replace")
+    return None
+
+
+def _initialised(path: str, probe: str, not_initialised: int) -> str | None:
+    """Why the already-loaded library at ``path`` counts as initialised here, or None (RTLD_NOLOAD: never loads
+    it, and the probe changes nothing)."""
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        fn = getattr(lib, probe)
+    except (OSError, AttributeError):  # unmapped since, or an unknown build: its mere presence decides
+        return f"loaded {os.path.basename(path)} and it cannot be asked whether it was initialised"
+    out = ctypes.c_void_p() if probe == "cuCtxGetCurrent" else ctypes.c_uint()
+    rc = fn(ctypes.byref(out))
+    return None if rc == not_initialised else f"initialised {os.path.basename(path)} ({probe} answered {rc})"
 
 
 def cuda_touched(libs: tuple[str, ...] | None = None, maps: str = "/proc/self/maps") -> str | None:
-    """Why this process must not fork workers that may use CUDA, or None. Cheap (a flag and one read of
-    ``maps``), and touches nothing itself: ``torch.cuda.is_available()`` would initialise the driver."""
+    """Why this process must not fork workers that may use CUDA, or None. Cheap (a flag, one read of ``maps``
+    and, where the driver or NVML is loaded, one call that initialises nothing); never asks
+    ``torch.cuda.is_available()``, which would initialise the driver."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None) if torch is not None else None
     if cuda is not None:
@@ -76,6 +107,12 @@ def cuda_touched(libs: tuple[str, ...] | None = None, maps: str = "/proc/self/ma
     for lib in GUARDED_LIBS if libs is None else libs:
         if f"/{lib}".encode() in mapped:
             return f"loaded {lib} (the CUDA driver or NVML)"
+    for lib, (probe, not_initialised) in DRIVER_PROBES.items():
+        path = _mapped_path(mapped, lib)
+        if path is not None:
+            why = _initialised(path, probe, not_initialised)
+            if why:
+                return why
     return None
 
 
