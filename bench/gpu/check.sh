@@ -88,8 +88,10 @@ DRYFLAG=()
 part health 30 "$PY" bench/gpu/health.py --out "$WORK" "${DRYFLAG[@]}"
 part staging 150 "$PY" bench/gpu/staging.py --out "$WORK" "${DRYFLAG[@]}"
 # tests/gpu, and the fork-server test that can only fail where CUDA libraries exist
-part pytest 150 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 80 --junitxml "$WORK/pytest.xml" tests/gpu \
-  tests/launcher/test_fork_server_no_cuda.py::test_the_fork_server_after_preloading_torch_maps_no_cuda_or_nvml_library
+# (CHECK_PYTEST: other test ids, for a rerun of some)
+read -ra TESTS <<<"${CHECK_PYTEST:-tests/gpu \
+  tests/launcher/test_fork_server_no_cuda.py::test_the_fork_server_after_preloading_torch_maps_no_cuda_or_nvml_library}"
+part pytest 150 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 80 --junitxml "$WORK/pytest.xml" "${TESTS[@]}"
 part restart 200 "$PY" bench/gpu/restart.py --out "$WORK" "${DRYFLAG[@]}"
 
 if ((DRY == 0)) && [[ -n "${TORCHTITAN_ROOT:-}" && " $PARTS " == *" titan "* ]]; then

@@ -105,7 +105,12 @@ def test_torchtitan_small_llama_restarts_from_its_checkpoint_on_gpus(tmp_path: P
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err, text=True)
     try:
         first = dump / "checkpoint" / f"step-{INTERVAL}" / ".metadata"  # DCP's commit marker, written last
-        wait_for(first.exists, 600, f"torchtitan's first checkpoint ({first})", proc)
+        try:
+            wait_for(first.exists, 600, f"torchtitan's first checkpoint ({first})", proc)
+        except AssertionError as e:  # its output went to files: the failure shows their ends
+            out.flush(), err.flush()
+            tails = ((tmp_path / "stdout.txt").read_text()[-3000:], (tmp_path / "stderr.txt").read_text()[-6000:])
+            raise AssertionError(f"{e}\n--- stdout ---\n{tails[0]}\n--- stderr ---\n{tails[1]}") from None
         starts = [e for e in _events(run_dir) if e["kind"] == "attempt_start" and e["attempt"] == 0]
         assert starts, "no attempt_start in the ledger"
         victim = int(starts[0]["details"]["pids"][str(nproc - 1)])
