@@ -61,6 +61,8 @@ part() {
   ((rc != 0 && rc != 124 && rc != 137)) && status=failed
   say "$name: $status (rc $rc, ${dt} s)"
   echo "{\"status\": \"$status\", \"rc\": $rc, \"seconds\": $dt}" >"$WORK/$name.status"
+  # the summary so far, so that a check cut short by its lease still brings back what it measured
+  "$PY" bench/gpu/summary.py --merge "$WORK" --out "$OUT" >/dev/null 2>&1 || true
 }
 
 SITE="$WORK/site"
@@ -101,7 +103,7 @@ if ((DRY == 0)) && [[ -n "${TORCHTITAN_ROOT:-}" && " $PARTS " == *" titan "* ]];
   fi
   # torchtitan's own dependencies first on the path (its datasets pins an older fsspec), ours after
   PYTHONPATH="$TITAN:$PYTHONPATH" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 \
-    part titan 130 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$WORK/titan.xml" tests/recipes/test_torchtitan.py
+    part titan "${CHECK_TITAN_S:-130}" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml "$WORK/titan.xml" tests/recipes/test_torchtitan.py
 else
   say "titan: skipped (dry run, not in CHECK_PARTS, or TORCHTITAN_ROOT unset)"
   echo '{"status": "skipped", "reason": "dry run, not in CHECK_PARTS, or no TORCHTITAN_ROOT (a directory with torchtitan tests/assets)"}' \
