@@ -160,7 +160,7 @@ class SocketNodeMonitor:
         self._gaps = 0
         self._section_max: dict[str, float] = {}
         self._section_seen: dict[str, int] = {}
-        self._max_warmup = 0.0  # longest warm-up step seen: a slow compile must not trip a later attempt's
+        self._max_warmup = 0.0  # longest warm-up step seen: a compile longer than the initial timeout stays safe
         self._backoff = 1.0  # ×2 per hang declared on a learned timeout
         self._max_startup = 0.0  # longest spawn → first message seen: a slow restore must not trip later attempts
 
