@@ -73,7 +73,9 @@ def _cmdline(pid: int) -> str:
 
 
 def _fork_servers_clean(launcher_pid: int) -> dict | None:
-    """CUDA or NVML libraries mapped in the fork servers (and their copies) of a resilient-run: must be none."""
+    """CUDA or NVML libraries mapped in the fork servers (and their copies) of a resilient-run. Mapped is not
+    initialised (a CUDA build of torch maps libcuda at import): whether the servers stayed uninitialised shows in
+    ``resilient_worker_start_methods`` (a server that finds CUDA initialised refuses to fork: Spawn appears)."""
     servers = [p for p in _descendants(launcher_pid) if "resilient.launcher.zygote" in _cmdline(p)]
     if not servers:
         return None
@@ -341,7 +343,7 @@ def main() -> int:
     ratio = doc["compile_ratio_resilient"]
     doc["met"] = bool(not a.dry_run and ratio is not None and ratio <= GOAL_COMPILE_RATIO)
     clean = [r.get(k) for r in runs for k in ("fork_server_before_kill", "fork_server_after_restart") if r.get(k)]
-    doc["fork_server_no_cuda_libraries"] = all(c["clean"] for c in clean) if clean else None
+    doc["fork_server_maps_no_cuda_libraries"] = all(c["clean"] for c in clean) if clean else None
     doc["resilient_worker_start_methods"] = sorted({m for r in runs for m in r.get("methods", []) if m})
     doc["fork_probe"] = probe
     doc["seconds"] = round(time.monotonic() - t_start, 1)
