@@ -366,7 +366,7 @@ def main() -> int:
                   f"{tot if tot is not None else float('nan'):>8.2f}{cells}")
     print(f"compile ratio (restart / first attempt; goal <= {GOAL_COMPILE_RATIO}): resilient-run "
           f"{doc['compile_ratio_resilient']}, torchrun {doc['compile_ratio_torchrun']}; met: {doc['met']}")
-    print(f"fork server without CUDA/NVML libraries: {doc['fork_server_no_cuda_libraries']}; resilient-run started "
+    print(f"fork server maps no CUDA/NVML library: {doc['fork_server_maps_no_cuda_libraries']}; resilient-run started "
           f"workers with {doc['resilient_worker_start_methods']}")
     if probe:
         print(f"fork probe: {probe}")
