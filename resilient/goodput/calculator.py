@@ -585,6 +585,7 @@ class CheckpointSummary:
     first_error: str | None = None  # of the first failed save: "tier: error"
     stopped: str | None = None  # the CKPT_STOP message, when failed saves stopped the job
     restore_missing: list[int] = field(default_factory=list)  # steps a restart found nowhere (CKPT_RESTORE_MISSING)
+    state_undefined: str | None = None  # the first restore that found no usable step: what was missing, what would do
     rank0: bool = False  # the ledger holds rank 0's checkpoint records (another node's own ledger may not)
 
     def newest(self, tier: str | None = None) -> int | None:
@@ -602,7 +603,7 @@ class CheckpointSummary:
         return None if there is not None and there >= newest else (newest, there)
 
     def lines(self) -> list[str]:
-        if not self.attempted and not self.tiers and not self.failed:
+        if not self.attempted and not self.tiers and not self.failed and not self.state_undefined:
             return []
         order = {"local": 0, "peer": 1, "persistent": 2}
         where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
@@ -614,13 +615,33 @@ class CheckpointSummary:
         if self.restore_missing:
             out.append(f"checkpoints: a restart found no checkpoint although steps {_steps_text(self.restore_missing)} "
                        "were saved before; it started from step 0")
+        if self.state_undefined:
+            out.append(f"checkpoints: state undefined: {self.state_undefined}")
         return out
 
     def to_json(self) -> dict[str, object]:
         return {"attempted": len(self.attempted), "newest": self.newest(),
                 "tiers": {t: {"count": v.count, "newest": v.newest} for t, v in self.tiers.items()},
                 "failed": {"count": len(self.failed), "steps": list(self.failed), "first_error": self.first_error},
-                "stopped": self.stopped, "restore_missing": list(self.restore_missing)}
+                "stopped": self.stopped, "restore_missing": list(self.restore_missing),
+                "state_undefined": self.state_undefined}
+
+
+def fleet_lines(events: Iterable[Event]) -> list[str]:
+    """What happened to the fleet beside the attempts: spares lost, failures by class (``resilient goodput``)."""
+    lost: list[str] = []
+    classes: dict[str, int] = defaultdict(int)
+    for ev in sorted(events, key=lambda e: e.wall):
+        if ev.kind is EventKind.SPARE_LOST:
+            lost.append(f"{ev.details.get('node') or ev.node} ({ev.details.get('cause') or 'unknown'})")
+        elif ev.kind is EventKind.WORKER_EXIT and ev.details.get("failure_class"):
+            classes[str(ev.details["failure_class"])] += 1
+    out = []
+    if classes:
+        out.append("failures by class: " + ", ".join(f"{c} {n}" for c, n in sorted(classes.items())))
+    if lost:
+        out.append(f"spares lost: {len(lost)}: " + "; ".join(lost[:8]) + (" …" if len(lost) > 8 else ""))
+    return out
 
 
 def _steps_text(steps: Sequence[int], most: int = 12) -> str:
@@ -646,6 +667,8 @@ def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
     missing: set[int] = set()
     for ev in evs:
         step = _step_of(ev)
+        if ev.kind is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
+            out.state_undefined = out.state_undefined or str(ev.details.get("error") or "no usable step on any tier")
         if ev.kind is EventKind.CKPT_SAVE and step is not None:
             attempted.add(step)
             out.rank0 = out.rank0 or ev.rank in (0, None)

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
-from resilient.goodput.calculator import checkpoint_summary, compute_report
+from resilient.goodput.calculator import checkpoint_summary, compute_report, fleet_lines
 from resilient.events.follow import read_ledger
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dict(rep.to_json(timeline=args.timeline), checkpoints=ckpt.to_json()), indent=2))
     else:
         print_table(rep)
-        for line in ckpt.lines():
+        for line in ckpt.lines() + fleet_lines(events):
             print(line)
         if args.plot:
             print(f"timeline written to {args.plot}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,16 @@ def test_two_partner_nodes_lost_stop_naming_the_missing_shards(cluster_factory, 
     assert max(e.attempt for e in evs if e.kind == EventKind.ATTEMPT_START) == failed_attempts.pop()
     undefined = [e for e in evs if e.kind == EventKind.CKPT_TIER_FAILED and e.details.get("state_undefined")]
     assert undefined and undefined[0].details["restore"]["why"], [e.details for e in undefined]
+    report = _goodput(c.run_dir)  # what the ledger records, the report shows
+    assert "state undefined: committed steps" in report and "persistent tier" in report, report
+    assert "failures by class:" in report and "state_unrecoverable" in report, report
+
+
+def _goodput(run_dir: Path) -> str:
+    r = subprocess.run([sys.executable, "-m", "resilient.cli", "goodput", str(run_dir)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 @pytest.mark.timeout(240)
@@ -81,6 +93,7 @@ def test_a_spare_killed_while_waiting_is_in_the_ledger(cluster_factory, tmp_path
     assert a.proc.returncode == 0 and b.proc.returncode == 0, a.output()  # a lost spare decides nothing
     lost = [e for e in c.events() if e.kind == EventKind.SPARE_LOST]
     assert [(e.node, e.details["cause"]) for e in lost] == [(node_name(spare), "disconnected")], lost
+    assert f"spares lost: 1: {node_name(spare)} (disconnected)" in _goodput(c.run_dir)
 
 
 SLOW_WARM = '''
