@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -74,6 +75,9 @@ class ResilientCallback(TrainerCallback):
         self._steps: Iterator[int] | None = None
         self._start = 0
         self._saved: int | None = None  # the last step saved
+        # the Trainer's evaluation and own saves run between a step's end and the next step's begin: that stretch
+        # is a section (its own learned hang timeout), or a long evaluation would look like a hung step
+        self._between: contextlib.ExitStack | None = None
 
     @property
     def manager(self) -> Any:
@@ -93,7 +97,13 @@ class ResilientCallback(TrainerCallback):
         self._start = state.global_step
         self._steps = iter(resilient.steps(self._start))
 
+    def _close_between(self) -> None:
+        if self._between is not None:
+            between, self._between = self._between, None
+            between.close()
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._close_between()
         if self._steps is None:
             return
         try:
@@ -125,8 +135,21 @@ class ResilientCallback(TrainerCallback):
             control.should_training_stop = True
             for _ in self._steps:
                 pass
+        if self._steps is not None and (control.should_evaluate or control.should_save) and self._between is None:
+            import resilient
+
+            self._between = contextlib.ExitStack()
+            self._between.enter_context(resilient.section("eval" if control.should_evaluate else "save"))
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if not control.should_save:
+            self._close_between()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._close_between()
 
     def _finish(self) -> None:
+        self._close_between()
         if self._steps is not None:
             close = getattr(self._steps, "close", None)
             if close is not None:

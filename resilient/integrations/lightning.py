@@ -199,6 +199,7 @@ class ResilientCheckpoint(Callback):
         self.io: ResilientCheckpointIO | None = None
         self.restored_step: int | None = None
         self._steps: Iterator[int] | None = None
+        self._validation: Any = None  # the open "eval" section of a validation loop inside training
         self._start = 0
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -292,11 +293,28 @@ class ResilientCheckpoint(Callback):
             for _ in self._steps:
                 pass
 
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # a validation loop inside training is a section (its own learned hang timeout): it would otherwise look like
+        # a hung step; the sanity check before training runs under the start-up timeout anyway
+        if self._steps is not None and self._validation is None:
+            import contextlib
+
+            import resilient
+
+            self._validation = contextlib.ExitStack()
+            self._validation.enter_context(resilient.section("eval"))
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._validation is not None:
+            validation, self._validation = self._validation, None
+            validation.close()
+
     @property
     def drives_steps(self) -> bool:
         return self._steps is not None
 
     def _finish(self) -> None:
+        self.on_validation_end(None, None)  # type: ignore[arg-type]  # an exception inside validation
         if self._steps is not None:
             close = getattr(self._steps, "close", None)
             if close is not None:

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from resilient.drill.spec import FaultHow, WorkerFault, plan_env  # noqa: E402
+from resilient.events import EventKind, read_events  # noqa: E402
 
 from .conftest import HERE, assert_same_weights, resilient_run, restores  # noqa: E402
 
@@ -56,3 +57,17 @@ def test_hf_trainer_preempted_then_killed_resumes_exactly_from_our_tiers(tmp_pat
     assert f"done at step 12, restored from {after_kill[0]['step'] + 1}" in runs[1].stdout
     assert not list((hit / "out").glob("checkpoint-*")), "the Trainer wrote its own checkpoint"
     assert_same_weights(ref / "out" / "final.pt", hit / "out" / "final.pt")
+
+
+@pytest.mark.timeout(300)
+def test_an_evaluation_longer_than_the_learned_step_timeout_is_no_hang(tmp_path: Path) -> None:
+    # steps of tens of ms teach the agent a hang timeout of max(1 s, 3 × the longest step); the Trainer's
+    # evaluation at step 8 takes about 2 s on each rank. The integration marks it as a section of its own.
+    flags = ["--preload", "transformers.trainer,transformers.models.gpt2.modeling_gpt2"]
+    r = resilient_run(tmp_path, SCRIPT, ["--out", "out", "--eval-every", "8", "--eval-seconds", "0.5"], flags)
+    evs = list(read_events(tmp_path / "run"))
+    hangs = [e.details for e in evs if e.kind == EventKind.HANG]
+    assert not hangs, hangs
+    assert r.returncode == 0, r.stderr[-4000:]
+    evals = [e.details for e in evs if e.kind == EventKind.SECTION and e.details.get("name") == "eval"]
+    assert evals and evals[0]["seconds"] > 1.0, evals  # it was long enough to be taken for a hang
