@@ -266,6 +266,10 @@ def test_an_xid_on_a_nodes_gpu_swaps_it_for_the_spare(cluster_factory, tmp_path)
     a = c.start("a", args)
     wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
     b = c.start("b", args, env=fake_env)
+    # b must be the member with the failing GPU: the spare starts once b holds its group rank (the first two agents
+    # to join are the members, and a later start can join first)
+    wait_for(lambda: any(e.kind == EventKind.RENDEZVOUS_DONE and e.node == node_name(b) for e in c.events()), 120,
+             "b to join the job", a.proc)
     spare = c.start("spare", args)
     wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 120, "both ranks at the gate", a.proc)
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
