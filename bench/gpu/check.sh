@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check: every GPU figure of the project in one command that fits a short lease of one GPU.
 #
-#   OUT=results-dir bash bench/gpu/check.sh            # on a machine with a CUDA GPU (about 6 minutes)
+#   OUT=results-dir bash bench/gpu/check.sh            # on a machine with a CUDA GPU (about 7 minutes on an H100)
 #   bash bench/gpu/check.sh --dry-run                  # anywhere: the same parts on CPU, tiny sizes
 #
 # Parts, most valuable first, each under its own time limit and the whole under CHECK_BUDGET_S (default 470 s):
