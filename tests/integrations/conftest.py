@@ -43,6 +43,17 @@ def restores(run_dir: Path) -> list[dict]:
             for e in read_events(run_dir) if e.kind == EventKind.CKPT_RESTORE]
 
 
+def assert_long_eval_was_no_hang(r: subprocess.CompletedProcess[str], run_dir: Path) -> None:
+    """The run finished, nothing was declared hung, and its "eval" section lasted long enough (over the 1 s floor
+    of the learned step timeout) that it would have been taken for a hang outside a section."""
+    evs = list(read_events(run_dir))
+    hangs = [e.details for e in evs if e.kind == EventKind.HANG]
+    assert not hangs, hangs
+    assert r.returncode == 0, r.stderr[-4000:]
+    evals = [e.details for e in evs if e.kind == EventKind.SECTION and e.details.get("name") == "eval"]
+    assert evals and evals[0]["seconds"] > 1.0, evals
+
+
 def assert_same_weights(a: Path, b: Path) -> None:
     wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     assert wa.keys() == wb.keys()

@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("lightning")
 
 from resilient.drill.spec import FaultHow, WorkerFault, plan_env  # noqa: E402
-from resilient.events import EventKind, read_events  # noqa: E402
 
-from .conftest import HERE, assert_same_weights, resilient_run, restores  # noqa: E402
+from .conftest import HERE, assert_long_eval_was_no_hang, assert_same_weights, resilient_run, restores  # noqa: E402
 
 SCRIPT = HERE / "lightning_train.py"
 KILL_AT = 8
@@ -74,9 +73,4 @@ def test_a_validation_longer_than_the_learned_step_timeout_is_no_hang(tmp_path: 
     # steps of a few ms teach the agent a hang timeout of max(1 s, 3 × the longest step); the validation at step 8
     # takes about 2 s (4 batches of 0.5 s on each rank). The integration marks it as a section of its own.
     r = resilient_run(tmp_path, SCRIPT, ["--out", "out", "--val-every", "8", "--val-seconds", "0.5"], FLAGS)
-    evs = list(read_events(tmp_path / "run"))
-    hangs = [e.details for e in evs if e.kind == EventKind.HANG]
-    assert not hangs, hangs
-    assert r.returncode == 0, r.stderr[-4000:]
-    evals = [e.details for e in evs if e.kind == EventKind.SECTION and e.details.get("name") == "eval"]
-    assert evals and evals[0]["seconds"] > 1.0, evals  # it was long enough to be taken for a hang
+    assert_long_eval_was_no_hang(r, tmp_path / "run")
