@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -53,14 +54,14 @@ class _Arena:
         self.release()
         offs, total = [], 0
         for _, shape, dtype in layout:
-            n = _numel(shape) * _itemsize(dtype)
+            n = math.prod(shape) * dtype.itemsize
             offs.append(total)
             total += -(-n // _ALIGN) * _ALIGN
         base = self._allocate(max(total, 1))
         mv = memoryview(base.numpy())
         bufs: dict[str, torch.Tensor] = {}
         for (fqn, shape, dtype), off in zip(layout, offs):
-            n = _numel(shape) * _itemsize(dtype)
+            n = math.prod(shape) * dtype.itemsize
             if n == 0:
                 bufs[fqn] = torch.empty(shape, dtype=dtype)
                 continue
@@ -91,17 +92,6 @@ class _Arena:
             except (AttributeError, RuntimeError, TypeError) as e:
                 logger.debug("cudaHostUnregister failed: %s", e)
         self._base, self._layout, self.buffers, self._registered = None, (), {}, False
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def _dtensor_type() -> Any:
