@@ -40,6 +40,8 @@ COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache o
 FAULTS = "RESILIENT_FAULTS"  # a drill's in-worker faults (--inject), carried out by resilient.steps()
 CKPT_MAX_OBJECT_MB = "RESILIENT_CKPT_MAX_OBJECT_MB"  # largest object of a persistent upload, in MB
 CKPT_PRIOR_MTBF = "RESILIENT_CKPT_PRIOR_MTBF"  # the interval tuner's prior mean time between failures
+# default of --nodes-per-replica (nodes per data-parallel replica); also set in a worker's environment when given
+NODES_PER_REPLICA = "RESILIENT_NODES_PER_REPLICA"
 
 # set for a NeMo-Run job's torchrun shim (resilient.integrations.nemo)
 RUN_ARGS = "RESILIENT_RUN_ARGS"  # resilient-run's flags, given by the shim before torchrun's arguments
