@@ -29,6 +29,10 @@ HEARTBEAT_TIMEOUT = "RESILIENT_HEARTBEAT_TIMEOUT"  # seconds
 POLICY = "RESILIENT_POLICY"
 SPARE_NODES = "RESILIENT_SPARE_NODES"
 JOB_SECRET = "RESILIENT_JOB_SECRET"  # per-job secret signing agent <-> supervisor messages (never logged)
+# the data-parallel layout (resilient.topology()): the number of data-parallel replicas and this rank's replica
+DP_SIZE = "RESILIENT_DP_SIZE"
+DP_RANK = "RESILIENT_DP_RANK"
+ROUND_REASON = "RESILIENT_ROUND_REASON"  # the reason of the supervisor's action that started this round (on_scale)
 
 # read by resilient itself (set by users or recipes, not by the launcher)
 LOG_LEVEL = "RESILIENT_LOG_LEVEL"  # log level of agents, supervisor and workers' resilient loggers
@@ -97,6 +101,10 @@ class WorkerEnv:
     policy: str | None = None
     spare_nodes: int | None = None
     faults: str | None = None  # a drill's plan (resilient.drill.spec.plan_env)
+    dp_size: int | None = None  # data-parallel replicas (WORLD_SIZE without --nodes-per-replica)
+    dp_rank: int | None = None  # this rank's replica: RANK // (nodes_per_replica x nproc_per_node)
+    nodes_per_replica: int | None = None  # None: every rank is a replica
+    round_reason: str | None = None
 
     def __post_init__(self) -> None:
         for f in ("run_dir", "run_id", "node"):
@@ -112,6 +120,14 @@ class WorkerEnv:
             v = getattr(self, f)
             if v is not None and not (0 <= v < float("inf")):
                 raise ValueError(f"WorkerEnv.{f} must be finite seconds >= 0, got {v}")
+        for f in ("dp_size", "nodes_per_replica"):
+            v = getattr(self, f)
+            if v is not None and v < 1:
+                raise ValueError(f"WorkerEnv.{f} must be >= 1, got {v}")
+        if (self.dp_size is None) != (self.dp_rank is None):
+            raise ValueError(f"WorkerEnv.dp_size and dp_rank are set together, got {self.dp_size} and {self.dp_rank}")
+        if self.dp_size is not None and not (0 <= self.dp_rank < self.dp_size):  # type: ignore[operator]
+            raise ValueError(f"WorkerEnv.dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
         if self.ckpt_interval is not None and self.ckpt_interval != "auto" and not (
                 self.ckpt_interval.isdigit() and int(self.ckpt_interval) > 0):
             raise ValueError(f"WorkerEnv.ckpt_interval must be a step count > 0 or 'auto', got {self.ckpt_interval!r}")
@@ -150,4 +166,6 @@ _VARS = {
     "upload_grace": (UPLOAD_GRACE, _float), "ckpt_max_failed_saves": (CKPT_MAX_FAILED_SAVES, _int),
     "heartbeat_timeout": (HEARTBEAT_TIMEOUT, _float), "policy": (POLICY, _text),
     "spare_nodes": (SPARE_NODES, _int), "faults": (FAULTS, _text),
+    "dp_size": (DP_SIZE, _int), "dp_rank": (DP_RANK, _int), "nodes_per_replica": (NODES_PER_REPLICA, _int),
+    "round_reason": (ROUND_REASON, _text),
 }
