@@ -224,7 +224,8 @@ def parse(argv: list[str]) -> AgentConfig:
     try:
         supervisor = SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
                                       max_restarts=int(args.max_restarts), node_timeout=args.node_timeout,
-                                      policy_timeout=args.policy_timeout, spare_wait=args.spare_wait)
+                                      policy_timeout=args.policy_timeout, spare_wait=args.spare_wait,
+                                      nodes_per_replica=args.nodes_per_replica)
         cfg = AgentConfig(
             command=command, nproc_per_node=nproc, supervisor=supervisor,
             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_configs=rdzv_configs,

@@ -153,6 +153,9 @@ class JobView:
     # joining spares: agents that connected and are still warming up (within SupervisorConfig.spare_wait), oldest
     # first; an Ignore for a lost member while there are some waits for them (bounded by spare_wait)
     joining: tuple[str, ...] = ()
+    # --nodes-per-replica K: a replica is K nodes of consecutive group ranks, and the job grows and shrinks by whole
+    # replicas (the core refuses a ScaleDown or ScaleUp that would split one); None: every rank is a replica
+    nodes_per_replica: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
@@ -196,9 +199,27 @@ class JobView:
         return sum(self.nodes[n].nproc for n in self.active)
 
     @property
+    def replicas(self) -> tuple[tuple[str, ...], ...]:
+        """The members chunked into replicas, in group-rank order: replica i holds group ranks i*K .. i*K+K-1
+        (``nodes_per_replica`` K). A just-lost member still sits in its replica, so that a decision sees which
+        replica broke. Without K, one node per tuple."""
+        k = self.nodes_per_replica or 1
+        out: dict[int, list[str]] = {}
+        for m in self.members:
+            out.setdefault((self.nodes[m].group_rank or 0) // k, []).append(m)
+        return tuple(tuple(out[i]) for i in sorted(out))
+
+    def replica_of(self, node: str) -> tuple[str, ...]:
+        """The replica ``node`` belongs to (its nodes in group-rank order); ``()`` for a node holding no group rank."""
+        return next((r for r in self.replicas if node in r), ())
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel size: every rank is a replica (the launcher knows no model parallelism)."""
-        return self.world_size
+        """Data-parallel size: with ``nodes_per_replica``, the replicas whose nodes are all active (a replica with a
+        lost node cannot train); without it, the world size (every rank is a replica)."""
+        if not self.nodes_per_replica:
+            return self.world_size
+        return sum(all(self.nodes[m].state is NodeState.ACTIVE for m in r) for r in self.replicas)
 
     @property
     def newest_checkpoint(self) -> int | None:

@@ -32,6 +32,10 @@ class SupervisorConfig:
     # still warming up (a joining spare), before the job stops: a cold start here (import torch, the fork server)
     # took about 20 s on a loaded node, and a stop costs a requeue and a full restart, so a minute is cheap
     spare_wait: float = 60.0
+    # nodes per data-parallel replica (--nodes-per-replica): with it, a replica of this many consecutive nodes is the
+    # unit the job grows and shrinks by, and --nnodes MIN and MAX must be multiples of it; None: every rank is a
+    # replica
+    nodes_per_replica: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events"):
@@ -42,6 +46,16 @@ class SupervisorConfig:
             raise ValueError(f"SupervisorConfig.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})")
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise ValueError(f"SupervisorConfig.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        k = self.nodes_per_replica
+        if k is not None:
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"--nodes-per-replica must be a whole number >= 1, got {k!r}")
+            bad = [f"{what} {n}" for what, n in (("MIN", self.min_nodes), ("MAX", self.max_nodes)) if n % k]
+            if bad:
+                verb = "is" if len(bad) == 1 else "are"
+                raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: {' and '.join(bad)} {verb} not a "
+                                 f"multiple of --nodes-per-replica {k} (a replica is {k} nodes; the job grows and "
+                                 "shrinks by whole replicas)")
         for name in ("node_timeout", "failure_window", "policy_timeout", "scale_up_wait", "preempt_wait",
                      "spare_wait"):
             v = getattr(self, name)
@@ -63,6 +77,19 @@ def parse_nnodes(v: str) -> tuple[int, int]:
     return lo, hi
 
 
+def nodes_per_replica(v: str) -> int:
+    """``--nodes-per-replica`` (or its environment twin): a whole number >= 1."""
+    try:
+        k = int(v)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be a whole number of nodes >= 1, got {v!r} (flag or "
+                                         f"{env.NODES_PER_REPLICA})") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of nodes >= 1, got {k} (flag or "
+                                         f"{env.NODES_PER_REPLICA})")
+    return k
+
+
 def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     """The supervisor's flags both commands take, with one meaning and one default each."""
     g.add_argument("--policy", default=None,
@@ -73,6 +100,12 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--spare-wait", "--spare_wait", type=float, default=os.environ.get(env.SPARE_WAIT, "60"),
                    help="seconds a lost node with no ready spare waits for a spare still warming up (joining) "
                         f"before the job stops (default 60, or {env.SPARE_WAIT}; argparse parses either)")
+    g.add_argument("--nodes-per-replica", "--nodes_per_replica", type=nodes_per_replica,
+                   default=os.environ.get(env.NODES_PER_REPLICA) or None, metavar="K",
+                   help="nodes per data-parallel replica: K consecutive nodes hold one replica (tensor or pipeline "
+                        "parallelism inside it), and the job grows and shrinks by whole replicas; --nnodes MIN:MAX "
+                        f"and --spare-nodes still count nodes, MIN and MAX multiples of K (default: {env.NODES_PER_REPLICA}; "
+                        "unset: every rank is a replica)")
     g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
                    help="seconds a policy's decide() may take before the default policy decides instead")
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,

@@ -60,11 +60,30 @@ class Assignment:
     nproc: Mapping[str, int]  # workers per member
     world_size: int
     previous_world_size: int | None  # world size of the previous assignment (for on_scale), None at start
+    # --nodes-per-replica K: replica i is members[i*K:(i+1)*K] (consecutive group ranks, so consecutive global
+    # ranks: the data-parallel dimension is outermost); None: every rank is a replica
+    nodes_per_replica: int | None = None
+    previous_dp_size: int | None = None  # data-parallel size of the previous assignment, None at start
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "members", tuple(self.members))
         object.__setattr__(self, "spares", tuple(self.spares))
         object.__setattr__(self, "nproc", MappingProxyType(dict(self.nproc)))
+        k = self.nodes_per_replica
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1 or len(self.members) % k):
+            raise ValueError(f"Assignment: nodes_per_replica {k!r} does not divide its {len(self.members)} member(s)")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: the number of replicas with ``nodes_per_replica``, else the world size."""
+        k = self.nodes_per_replica
+        return len(self.members) // k if k else self.world_size
+
+    @property
+    def replicas(self) -> tuple[tuple[str, ...], ...]:
+        """Members chunked into replicas, in group-rank order (one node per tuple without ``nodes_per_replica``)."""
+        k = self.nodes_per_replica or 1
+        return tuple(self.members[i:i + k] for i in range(0, len(self.members), k))
 
     def group_rank(self, node: str) -> int | None:
         try:
@@ -82,13 +101,20 @@ class Assignment:
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "attempt": self.attempt, "members": list(self.members),
                 "spares": list(self.spares), "nproc": dict(self.nproc), "world_size": self.world_size,
-                "previous_world_size": self.previous_world_size}
+                "previous_world_size": self.previous_world_size, "nodes_per_replica": self.nodes_per_replica,
+                "previous_dp_size": self.previous_dp_size}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Assignment":
         return cls(round=int(d["round"]), attempt=int(d.get("attempt", d["round"])), members=tuple(d["members"]),
                    spares=tuple(d.get("spares", ())), nproc={k: int(v) for k, v in d["nproc"].items()},
-                   world_size=int(d["world_size"]), previous_world_size=d.get("previous_world_size"))
+                   world_size=int(d["world_size"]), previous_world_size=d.get("previous_world_size"),
+                   nodes_per_replica=_opt_int(d.get("nodes_per_replica")),
+                   previous_dp_size=_opt_int(d.get("previous_dp_size")))
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
 
 
 @dataclass(frozen=True)
@@ -322,7 +348,7 @@ class SupervisorCore:
                        attempt=self._assignment.attempt if self._assignment else 0, ckpt_steps=self._ckpt_steps,
                        recent=tuple(self._recent), failure_window=self.cfg.failure_window, now=now,
                        pending_scale_up=tuple(self._pending.spares) if self._pending else (),
-                       joining=self._joining_now(now))
+                       joining=self._joining_now(now), nodes_per_replica=self.cfg.nodes_per_replica)
 
     def _prune(self, node: _Node, now: float) -> None:
         horizon = now - self.cfg.failure_window
@@ -386,7 +412,11 @@ class SupervisorCore:
         if len(self._nodes) < self.cfg.min_nodes:
             raise RuntimeError(f"form: {len(self._nodes)} node(s) joined, min_nodes is {self.cfg.min_nodes}")
         order = list(self._nodes)
-        members, spares = order[:self.cfg.max_nodes], order[self.cfg.max_nodes:]
+        size = min(len(order), self.cfg.max_nodes)
+        k = self.cfg.nodes_per_replica
+        if k:
+            size -= size % k  # whole replicas; the rest wait as spares (MIN is a multiple of K: size stays >= MIN)
+        members, spares = order[:size], order[size:]
         for n in members:
             self._nodes[n].state = NodeState.ACTIVE
         for n in spares:
@@ -394,11 +424,14 @@ class SupervisorCore:
         self._assignment = self._make(0, members, None)
         return self._assignment
 
-    def _make(self, rnd: int, members: list[str] | tuple[str, ...], previous: int | None) -> Assignment:
+    def _make(self, rnd: int, members: list[str] | tuple[str, ...], previous: Assignment | None) -> Assignment:
         nproc = {m: self._nodes[m].nproc for m in members}
         spares = tuple(n for n, v in self._nodes.items() if v.state is NodeState.SPARE)
         return Assignment(round=rnd, attempt=rnd, members=tuple(members), spares=spares, nproc=nproc,
-                          world_size=sum(nproc.values()), previous_world_size=previous)
+                          world_size=sum(nproc.values()),
+                          previous_world_size=previous.world_size if previous is not None else None,
+                          nodes_per_replica=self.cfg.nodes_per_replica,
+                          previous_dp_size=previous.dp_size if previous is not None else None)
 
     # ------------------------------------------------------------------------------------------ events
     def handle(self, event: Event, now: float) -> list[Decision]:
@@ -777,7 +810,7 @@ class SupervisorCore:
         self._restarts_used += 1
         for m in members:
             self._nodes[m].state = NodeState.ACTIVE
-        self._assignment = self._make(old.round + 1, members, old.world_size)
+        self._assignment = self._make(old.round + 1, members, old)
         return self._assignment
 
     def _apply(self, a: Action, event: Event | None, now: float, fallback: str | None) -> list[Decision]:

@@ -1,0 +1,124 @@
+"""Replicas as the unit of elasticity (``--nodes-per-replica K``): the flag, the records, the view, and the core's
+actions in replica units, without processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from resilient import env
+from resilient.events.api import Event, EventKind
+from resilient.launcher.api import LaunchError
+from resilient.launcher.args import parse
+from resilient.supervisor.api import HotSwap, Ignore, NodeState, ScaleDown, ScaleUp
+from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.core import Assignment, SupervisorCore
+from tests.launcher.conftest import SCRIPTS
+
+SCRIPT = str(SCRIPTS / "dump_env.py")
+
+
+# ------------------------------------------------------------------------------------------ the flag
+def test_flag_and_environment_default(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(env.NODES_PER_REPLICA, raising=False)
+    cfg = parse(["--nnodes", "2:4", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert cfg.supervisor.nodes_per_replica is None
+    for spelling in ("--nodes-per-replica", "--nodes_per_replica"):
+        cfg = parse(["--nnodes", "2:4", spelling, "2", "--run-dir", str(tmp_path / "r"), SCRIPT])
+        assert cfg.supervisor.nodes_per_replica == 2
+    monkeypatch.setenv(env.NODES_PER_REPLICA, "2")
+    assert parse(["--nnodes", "4", "--run-dir", str(tmp_path / "r"), SCRIPT]).supervisor.nodes_per_replica == 2
+    # the flag wins over the environment
+    assert parse(["--nnodes", "3", "--nodes-per-replica", "3", "--run-dir", str(tmp_path / "r"),
+                  SCRIPT]).supervisor.nodes_per_replica == 3
+
+
+@pytest.mark.parametrize("nnodes,k,words", [
+    ("3:4", "2", "--nnodes 3:4: MIN 3 is not a multiple of --nodes-per-replica 2"),
+    ("2:5", "2", "--nnodes 2:5: MAX 5 is not a multiple of --nodes-per-replica 2"),
+    ("3:5", "2", "--nnodes 3:5: MIN 3 and MAX 5 are not a multiple of --nodes-per-replica 2"),
+    ("1", "2", "--nnodes 1:1: MIN 1 and MAX 1 are not a multiple of --nodes-per-replica 2"),
+    ("2:4", "0", "must be a whole number of nodes >= 1, got 0"),
+    ("2:4", "two", "must be a whole number of nodes >= 1, got 'two'"),
+])
+def test_bad_inputs_name_the_numbers(tmp_path, nnodes, k, words) -> None:
+    with pytest.raises(LaunchError) as e:
+        parse(["--nnodes", nnodes, "--nodes-per-replica", k, "--run-dir", str(tmp_path / "r"), SCRIPT])
+    assert words in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_bad_environment_value_names_the_variable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(env.NODES_PER_REPLICA, "-1")
+    with pytest.raises(LaunchError, match=env.NODES_PER_REPLICA):
+        parse(["--nnodes", "2:4", "--run-dir", str(tmp_path / "r"), SCRIPT])
+
+
+@pytest.mark.timeout(60)
+def test_resilient_run_exits_2_with_one_line(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--nnodes", "3:4", "--nodes-per-replica", "2",
+                        "--run-dir", str(tmp_path / "r"), SCRIPT], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "MIN 3 is not a multiple of --nodes-per-replica 2" in r.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything starts
+
+
+def test_config_validates_k() -> None:
+    with pytest.raises(ValueError, match="nodes-per-replica"):
+        SupervisorConfig(min_nodes=2, max_nodes=4, nproc_per_node=1, nodes_per_replica=0)
+    with pytest.raises(ValueError, match="MAX 3 is not a multiple"):
+        SupervisorConfig(min_nodes=2, max_nodes=3, nproc_per_node=1, nodes_per_replica=2)
+    assert SupervisorConfig(min_nodes=2, max_nodes=4, nproc_per_node=1, nodes_per_replica=2).nodes_per_replica == 2
+
+
+# ------------------------------------------------------------------------------------------ records and view
+def test_assignment_json_round_trip_and_old_plans() -> None:
+    a = Assignment(round=3, attempt=3, members=("a", "b", "c", "d"), spares=("s",), nproc=dict.fromkeys("abcd", 2),
+                   world_size=8, previous_world_size=4, nodes_per_replica=2, previous_dp_size=1)
+    assert a.dp_size == 2 and a.replicas == (("a", "b"), ("c", "d"))
+    d = a.to_json()
+    assert d["nodes_per_replica"] == 2 and d["previous_dp_size"] == 1
+    assert Assignment.from_json(d) == a
+    old = {k: v for k, v in d.items() if k not in ("nodes_per_replica", "previous_dp_size")}
+    b = Assignment.from_json(old)
+    assert b.nodes_per_replica is None and b.previous_dp_size is None and b.dp_size == 8
+    with pytest.raises(ValueError, match="does not divide"):
+        Assignment(round=0, attempt=0, members=("a", "b", "c"), spares=(), nproc=dict.fromkeys("abc", 1),
+                   world_size=3, previous_world_size=None, nodes_per_replica=2)
+
+
+def core_of(n: int, *, k: int | None = 2, lo: int = 2, hi: int = 4, policy=None, nproc: int = 1,
+            **kw) -> SupervisorCore:
+    core = SupervisorCore(SupervisorConfig(min_nodes=lo, max_nodes=hi, nproc_per_node=nproc, max_restarts=10,
+                                           nodes_per_replica=k, **kw), policy)
+    for i in range(n):
+        core.join(f"n{i}", nproc, 0.0)
+    core.form(0.0)
+    return core
+
+
+def lost(node: str) -> Event:
+    return Event(kind=EventKind.AGENT_LOST, node=node, attempt=None, details={"reason": "timeout"}, mono=1.0, wall=1.0)
+
+
+def test_form_takes_whole_replicas_and_the_view_reports_them() -> None:
+    core = core_of(5, nproc=2)
+    a = core.assignment
+    assert a.members == ("n0", "n1", "n2", "n3") and a.spares == ("n4",)
+    assert (a.nodes_per_replica, a.dp_size, a.world_size, a.previous_dp_size) == (2, 2, 8, None)
+    v = core.view(0.0)
+    assert v.nodes_per_replica == 2 and v.replicas == (("n0", "n1"), ("n2", "n3")) and v.dp_size == 2
+    assert v.replica_of("n3") == ("n2", "n3") and v.replica_of("n4") == ()
+    three = core_of(3, hi=4)  # 3 joined: one replica runs, the third node waits as a spare
+    assert three.assignment.members == ("n0", "n1") and three.assignment.spares == ("n2",)
+
+
+def test_without_k_every_rank_is_a_replica() -> None:
+    core = core_of(3, k=None, lo=1, hi=3, nproc=2)
+    v = core.view(0.0)
+    assert v.nodes_per_replica is None and v.dp_size == v.world_size == 6
+    assert v.replicas == (("n0",), ("n1",), ("n2",))
+    assert core.assignment.dp_size == 6 and core.assignment.to_json()["nodes_per_replica"] is None
