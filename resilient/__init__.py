@@ -20,9 +20,14 @@ _LAZY = {
     "Event": "resilient.events.api",
     "EventKind": "resilient.events.api",
     "Ledger": "resilient.events.ledger",
+    "ElasticBatch": "resilient.data",
 }
 
-__all__ = sorted(_LAZY)
+# imported now, not lazily: the submodule's name is also the function's, and a later first import of the
+# submodule would bind the module where the function belongs (the module needs nothing heavy)
+from resilient.topology import Topology, topology  # noqa: E402
+
+__all__ = sorted(_LAZY) + ["Topology", "topology"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,145 @@
+"""resilient.data.ElasticBatch and ResumableSampler.next_global_batch: the same global batch, the same global
+sample order and the same gradients at any data-parallel size, across size changes restored from the
+sampler's state_dict()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resilient.data import ElasticBatch, MicroBatch, ResumableSampler
+
+
+def _step(eb: ElasticBatch, d: int, start: int = 0, samples: int | None = None) -> list[list[MicroBatch]]:
+    return [eb.micro_batches(d, r, start=start, samples=samples) for r in range(d)]
+
+
+@pytest.mark.parametrize("g,mb", [(12, 3), (10, 3), (7, 2), (5, 5), (1, 4)])
+def test_every_size_takes_the_whole_global_batch_once(g: int, mb: int) -> None:
+    eb = ElasticBatch(g, mb)
+    for d in range(1, g + 1):
+        per_rank = _step(eb, d, start=100)
+        accum = eb.accum_steps(d)
+        assert accum == -(-g // (mb * d))
+        assert all(len(mbs) == accum for mbs in per_rank)  # every rank runs every micro-step, empty or not
+        taken = []
+        for m in range(accum):
+            sizes = [len(per_rank[r][m]) for r in range(d)]
+            assert max(sizes) <= mb and max(sizes) - min(sizes) <= 1
+            if m < accum - 1:
+                assert sizes == [mb] * d
+            for r in range(d):
+                taken.extend(per_rank[r][m].positions)
+                assert per_rank[r][m].loss_scale == d / g
+        # the step's positions in order: micro-step by micro-step, rank by rank
+        assert taken == list(range(100, 100 + g))
+
+
+def test_an_empty_micro_batch_is_marked() -> None:
+    eb = ElasticBatch(10, 3)  # d=4: 12 slots per micro-step, so one micro-step of 10: ranks get 3, 3, 2, 2
+    assert [len(m[0]) for m in _step(eb, 4)] == [3, 3, 2, 2]
+    last = [m[-1] for m in _step(ElasticBatch(7, 2), 3)]  # 6 + 1: the last micro-step has one sample
+    assert [mb.empty for mb in last] == [False, True, True]
+
+
+def test_bad_inputs_name_the_numbers() -> None:
+    for g, mb in ((0, 1), (4, 0), (4, -2)):
+        with pytest.raises(ValueError, match="must be a whole number >= 1"):
+            ElasticBatch(g, mb)
+    with pytest.raises(ValueError, match=r"data-parallel size 5 exceeds the global batch 4"):
+        ElasticBatch(4, 1).accum_steps(5)
+    with pytest.raises(ValueError, match=r"global batch 12 is not a multiple of micro_batch 2 x data-parallel "
+                                         r"size 5 = 10"):
+        ElasticBatch(12, 2, even=True).check(5)
+    ElasticBatch(12, 2, even=True).check(3)
+    with pytest.raises(ValueError, match=r"global batch 100 at data-parallel size 1 with micro_batch 1 needs 100 "
+                                         r"accumulation steps, over max_accum_steps=10"):
+        ElasticBatch(100, 1, max_accum_steps=10).micro_batches(1, 0)
+    with pytest.raises(ValueError, match=r"dp_rank 2 is not in \[0, 2\)"):
+        ElasticBatch(4, 1).micro_batches(2, 2)
+
+
+# ------------------------------------------------------------------ a run that changes size mid-epoch
+
+N, DIM, G, MB = 53, 3, 8, 2  # 53 samples: 6 full global steps and a tail of 5
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn(N, DIM, generator=gen, dtype=torch.float64),
+            torch.randn(N, generator=gen, dtype=torch.float64))
+
+
+def _uninterrupted(x: torch.Tensor, y: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """One process, the whole global batch at once, loss = mean over the step's samples."""
+    order = ResumableSampler(N, num_replicas=1, rank=0, seed=3).permutation()
+    w = torch.zeros(DIM, dtype=torch.float64, requires_grad=True)
+    steps, grads = [], []
+    for s in range(0, N, G):
+        idx = order[s:s + G]
+        loss = ((x[idx] @ w - y[idx]) ** 2).mean()
+        (g,) = torch.autograd.grad(loss, w)
+        with torch.no_grad():
+            w -= 0.1 * g
+        steps.append(idx)
+        grads.append(g)
+    return steps, grads
+
+
+def _elastic(x: torch.Tensor, y: torch.Tensor,
+             sizes: list[tuple[int, int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """d ranks per phase, each its own sampler restored from the previous phase's state_dict(); a rank's
+    gradient accumulates its micro-batches' scaled SUM losses, then the ranks' gradients are averaged (as
+    DDP's all-reduce does)."""
+    state = None
+    w = torch.zeros(DIM, dtype=torch.float64)
+    steps, grads = [], []
+    eb = ElasticBatch(G, MB)
+    for d, n_steps in sizes:
+        samplers = [ResumableSampler(N, num_replicas=1, rank=0, seed=3) for _ in range(d)]
+        if state is not None:
+            for s in samplers:
+                s.load_state_dict(state)
+        for _ in range(n_steps):
+            rank_grads, seen = [], []
+            plans = [s.next_global_batch(eb, dp_size=d, dp_rank=r) for r, s in enumerate(samplers)]
+            if not plans[0]:
+                break
+            for plan in plans:
+                wr = w.clone().requires_grad_(True)
+                for mb in plan:
+                    idx = list(mb.indices)
+                    seen.extend(idx)
+                    (((x[idx] @ wr - y[idx]) ** 2).sum() * mb.loss_scale).backward()
+                rank_grads.append(wr.grad if wr.grad is not None else torch.zeros_like(w))
+            g = torch.stack(rank_grads).sum(0) / d
+            w -= 0.1 * g
+            steps.append(seen)
+            grads.append(g)
+        states = {str(s.state_dict()) for s in samplers}
+        assert len(states) == 1  # every rank holds the same position
+        state = samplers[0].state_dict()
+    return steps, grads
+
+
+def test_size_changes_mid_epoch_keep_order_samples_and_gradients() -> None:
+    x, y = _data()
+    want_steps, want_grads = _uninterrupted(x, y)
+    # 4 -> 2 -> 3 -> 4 over one epoch: 2 steps at each size, the rest (and the short tail) at 4
+    got_steps, got_grads = _elastic(x, y, [(4, 2), (2, 2), (3, 2), (4, 10)])
+    assert len(got_steps) == len(want_steps) == 7
+    # same samples in each global step (the global order), every sample of the epoch once
+    assert [sorted(s) for s in got_steps] == [sorted(s) for s in want_steps]
+    flat = [i for s in got_steps for i in s]
+    assert sorted(flat) == list(range(N))
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), (a, b)
+
+
+def test_drop_last_skips_the_short_tail() -> None:
+    s = ResumableSampler(N, num_replicas=1, rank=0, drop_last=True)
+    eb = ElasticBatch(G, MB)
+    n = 0
+    while s.next_global_batch(eb, dp_size=3, dp_rank=0):
+        n += 1
+    assert n == N // G and s.state_dict()["consumed"] == N // G * G
