@@ -1,4 +1,6 @@
-"""Automatic preload: after the first attempt, a fork server that has already imported what the workers imported
+"""Automatic preload, in two parts. Before the first spawn: a static read (``ast``, nothing executed) of the entry
+script's and its local modules' top-level imports names the installed packages it will import, and the first fork
+server imports them once instead of every worker (:func:`entry_imports`). After the first attempt, a fork server that has already imported what the workers imported
 replaces the current one at the next restart (a spare's at once), so heavy scripts restart as fast as with a
 hand-written ``--preload``.
 
@@ -10,13 +12,14 @@ run directory and never preloaded again.
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from resilient.launcher.api import AgentConfig, WorkerLaunchMethod
+from resilient.launcher.api import AgentConfig, WorkerCommand, WorkerLaunchMethod
 from resilient.launcher.starters import ForkServer, ForkServerError, SpawnStarter, WorkerStarter
 
 logger = logging.getLogger(__name__)
@@ -37,11 +40,135 @@ def preload_modules(cfg: AgentConfig) -> tuple[str, ...]:
     return tuple(f"?{m}" for m in soft) + tuple(cfg.preload)
 
 
-def new_fork_server(cfg: AgentConfig, run_dir: Path, learned: tuple[str, ...]) -> ForkServer:
+ENTRY_MAX_FILES = 64  # local files read to find the entry script's imports (a large repository stops here)
+ENTRY_MAX_BYTES = 2 << 20  # a larger "module" is data, not code worth parsing at start-up
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: the module's body and the branches of its ``if``/``try``/
+    ``with`` statements, never a function's or class's body (a ``try``'s handlers are fallbacks: skipped)."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        st = todo.pop(0)
+        if isinstance(st, (ast.Import, ast.ImportFrom)):
+            out.append(st)
+        elif isinstance(st, ast.If):
+            todo[:0] = [*st.body, *st.orelse]
+        elif isinstance(st, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+            todo[:0] = [*st.body, *st.orelse]
+        elif isinstance(st, (ast.With, ast.AsyncWith)):
+            todo[:0] = list(st.body)
+    return out
+
+
+def _local_file(dotted: str, roots: list[str]) -> tuple[str | None, bool]:
+    """The file of module ``dotted`` under one of ``roots`` (its ``__init__.py`` for a package), and whether its
+    top-level package is local at all (a local package without that submodule file is still local)."""
+    parts = dotted.split(".")
+    for root in roots:
+        base = os.path.join(root, *parts)
+        top = os.path.join(root, parts[0])
+        if not (os.path.isdir(top) or os.path.isfile(top + ".py")):
+            continue
+        for f in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(f):
+                return f, True
+        return None, True
+    return None, False
+
+
+def entry_imports(cmd: WorkerCommand, cwd: str, max_files: int = ENTRY_MAX_FILES) -> tuple[str, ...]:
+    """What the worker's program imports from outside its own code, read statically: ``module`` or
+    ``module:name`` (a ``from module import name``: packages such as transformers load their classes lazily,
+    on that attribute) entries, in the order first seen. Local modules (next to the script, or in the working
+    directory) are read in turn, up to ``max_files``; they are never imported themselves. A file that cannot be
+    read or parsed is skipped (logged at debug): this only speeds start-up up."""
+    if cmd.kind == "script":
+        entry = cmd.target if os.path.isabs(cmd.target) else os.path.join(cwd, cmd.target)
+        roots = [os.path.dirname(os.path.abspath(entry)), cwd]
+    elif cmd.kind == "module":
+        roots = [cwd]
+        entry, _ = _local_file(cmd.target, roots)
+        if entry is None:
+            return ()
+    else:
+        return ()
+    roots = list(dict.fromkeys(os.path.realpath(r) for r in roots))
+    seen_files: set[str] = set()
+    todo = [entry]
+    found: dict[str, None] = {}
+    while todo and len(seen_files) < max_files:
+        path = os.path.realpath(todo.pop(0))
+        if path in seen_files:
+            continue
+        seen_files.add(path)
+        try:
+            if os.path.getsize(path) > ENTRY_MAX_BYTES:
+                continue
+            with open(path, "rb") as f:
+                tree = ast.parse(f.read(), filename=path)
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            logger.debug("entry imports: cannot read %s (%s); its imports are learned from the workers", path, e)
+            continue
+        pkg_dir = os.path.dirname(path)
+        for node in _top_level_imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, ()) for a in node.names]
+            elif node.level:  # relative: only ever the user's own package
+                base = pkg_dir
+                for _ in range(node.level - 1):
+                    base = os.path.dirname(base)
+                rel = os.path.join(base, *(node.module or "").split(".")) if node.module else base
+                for f in (rel + ".py", os.path.join(rel, "__init__.py"),
+                          *(os.path.join(rel, f"{a.name}.py") for a in node.names),
+                          *(os.path.join(rel, a.name, "__init__.py") for a in node.names)):
+                    if os.path.isfile(f):
+                        todo.append(f)
+                continue
+            else:
+                targets = [(node.module or "", tuple(a.name for a in node.names if a.name != "*"))]
+            for mod, names in targets:
+                if not mod or mod == "__future__":
+                    continue
+                f, local = _local_file(mod, roots)
+                if local:
+                    if f is not None:
+                        todo.append(f)
+                    for n in names:  # ``from pkg import submodule``
+                        sub, _ = _local_file(f"{mod}.{n}", roots)
+                        if sub is not None:
+                            todo.append(sub)
+                    continue
+                found.setdefault(mod)
+                for n in names:
+                    found.setdefault(f"{mod}:{n}")
+    if todo:
+        logger.debug("entry imports: stopped after %d local files", len(seen_files))
+    return tuple(found)
+
+
+def _static_entries(cfg: AgentConfig, run_dir: Path, denied: set[str]) -> tuple[str, ...]:
+    """``=entry`` items for the first fork server: the entry script's imports, less the denied ones."""
+    try:
+        found = entry_imports(cfg.command, os.getcwd())
+    except Exception as e:  # noqa: BLE001 - a speed-up only: never a reason for the launch to fail
+        logger.debug("entry imports: not read (%s)", e)
+        return ()
+    keep = tuple(e for e in found if e.split(":", 1)[0].split(".", 1)[0] not in denied
+                 and e.split(":", 1)[0] not in denied)
+    if keep:
+        logger.info("preloading %d imports of the entry script in the fork server (%s%s)", len(keep),
+                    ", ".join(keep[:5]), ", ..." if len(keep) > 5 else "")
+    return tuple(f"={e}" for e in keep)
+
+
+def new_fork_server(cfg: AgentConfig, run_dir: Path, learned: tuple[str, ...],
+                    static: tuple[str, ...] = ()) -> ForkServer:
     d = run_dir / "preload"
-    if learned:
+    if learned or static:
         d.mkdir(parents=True, exist_ok=True)
-    return ForkServer(preload_modules(cfg) + tuple(f"+{m}" for m in learned), tag=f"run={run_dir.resolve()}",
+    return ForkServer(preload_modules(cfg) + static + tuple(f"+{m}" for m in learned), tag=f"run={run_dir.resolve()}",
                       preload_file=str(d / f"modules-{os.getpid()}.txt"))
 
 
@@ -50,10 +177,17 @@ def first_starter(cfg: AgentConfig, run_dir: Path) -> WorkerStarter:
     if cfg.command.kind == "exec" or cfg.launch_method == WorkerLaunchMethod.SPAWN:
         return SpawnStarter()
     try:
-        return new_fork_server(cfg, run_dir, ())
+        return new_fork_server(cfg, run_dir, (), _static_entries(cfg, run_dir, _read_denied(run_dir)))
     except OSError as e:
         logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
         return SpawnStarter()
+
+
+def _read_denied(run_dir: Path) -> set[str]:
+    try:
+        return set((run_dir / "preload" / "denied.txt").read_text().split())
+    except OSError:
+        return set()
 
 
 class Preloader:
@@ -90,6 +224,13 @@ class Preloader:
         """Collect the modules workers reported loading (through the fork server)."""
         if starter is not None:
             self._add(starter.take_learned(), time.monotonic())
+            # entry-script imports the first fork server found unsafe (and left out, restarting without them)
+            bad = [m for m in getattr(starter, "static_denied", ()) if m not in self._denied]
+            if bad:
+                self._denied.update(bad)
+                self._save_denied()
+                logger.warning("automatic preload: importing %s in the fork server %s; never preloaded again",
+                               ", ".join(bad), getattr(starter, "static_denied_why", "made forking unsafe"))
 
     def refresh(self, group: object, active: bool, fetch: Callable[[], list[str]],
                 publish: Callable[[tuple[str, ...]], None]) -> None:
@@ -192,10 +333,7 @@ class Preloader:
             logger.debug("cannot remember denied preloads: %s", e)
 
     def _load_denied(self) -> set[str]:
-        try:
-            return set((self.run_dir / "preload" / "denied.txt").read_text().split())
-        except OSError:
-            return set()
+        return _read_denied(self.run_dir)
 
     def close(self) -> None:
         if self.next is not None:

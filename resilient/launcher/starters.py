@@ -145,6 +145,10 @@ class ForkServer:
         self.warm_at: float | None = None  # wall time the last batch was imported
         self._out = b""  # preload requests not yet taken by the server
         self._ready = False
+        # entry-script imports this server left out because importing them made forking unsafe (it restarted
+        # without them before saying it was ready), and why
+        self.static_denied: tuple[str, ...] = ()
+        self.static_denied_why = ""
         if _copy_of is not None:
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock = parent
@@ -220,6 +224,8 @@ class ForkServer:
             raise ForkServerError(msg.get("why", f"unexpected first message {msg}"), msg.get("bad"))
         if isinstance(self.proc, _ForkedProc) and self.proc.pid is None:
             self.proc.attach(int(msg["pid"]))
+        self.static_denied = tuple(str(m) for m in msg.get("denied", ()))
+        self.static_denied_why = str(msg.get("why", ""))
         self.sock.setblocking(False)
         self._ready = True
 

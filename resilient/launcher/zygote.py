@@ -491,8 +491,9 @@ def preload(modules: list[str]) -> None:
     if why:  # torch itself: nothing here can be forked safely
         raise UnsafePreload("torch", why)
     learned = [m[1:] for m in modules if m.startswith("+")]
+    static = [m[1:] for m in modules if m.startswith("=")]
     for m in modules:
-        if not m or m[0] in "+!":
+        if not m or m[0] in "+!=-#":
             continue
         if m.startswith("?"):  # our own defaults: a speed-up, never a reason to fail
             try:
@@ -508,8 +509,50 @@ def preload(modules: list[str]) -> None:
             if why:
                 raise UnsafePreload(m, f"{why}: a fork server must never touch CUDA (every worker forked from it "
                                        f"would inherit a broken CUDA state); drop it from --preload", explicit=True)
+    if static:
+        preload_static(static)
     if learned:
         preload_learned(learned)
+
+
+def preload_static(entries: list[str]) -> None:
+    """Import what the entry script's imports name (``module`` or ``module:attribute``, read statically by the
+    agent), installed ones only, checking after each that forking stays safe (UnsafePreload names the module)."""
+    import importlib
+    import warnings
+
+    roots = _install_roots()
+    for entry in entries:
+        name, _, attr = entry.partition(":")
+        if not attr and name in sys.modules:
+            continue
+        if not installed(name, roots):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(name)
+                # ``from module import attr`` as Python does it: the attribute (a lazy package such as transformers
+                # loads the class's module on it), else a submodule of that name
+                if attr and getattr(mod, attr, None) is None and hasattr(mod, "__path__"):
+                    importlib.import_module(f"{name}.{attr}")
+        except BaseException:  # noqa: BLE001 - a speed-up only: the worker meets the same error itself
+            pass
+        why = _unsafe()
+        if why:
+            raise UnsafePreload(name, why)
+
+
+def _reexec_without(fd: int, spec: list[str], tag: str, bad: str, why: str) -> None:
+    """Start this fork server again (same process, same socket) without the entry-script import ``bad``: a thread
+    it started, or CUDA, cannot be undone in this process. ``-bad`` in the new list says what was left out."""
+    keep = [m for m in spec if not (m.startswith("=") and m[1:].partition(":")[0].split(".")[0] == bad.split(".")[0])]
+    keep.append(f"-{bad}")
+    keep.append(f"#{why}".replace(",", ";").replace("\n", " "))
+    os.set_inheritable(fd, True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "resilient.launcher.zygote", str(fd), ",".join(keep), tag])
 
 
 def main() -> None:
@@ -525,6 +568,9 @@ def main() -> None:
     try:
         preload(preload_modules)
     except UnsafePreload as e:
+        if any(m.startswith("=") and m[1:].partition(":")[0].split(".")[0] == e.module.split(".")[0]
+               for m in preload_modules):
+            _reexec_without(fd, preload_modules, sys.argv[3] if len(sys.argv) > 3 else "", e.module, str(e))
         sock.sendall((json.dumps({"ev": "failed", "why": str(e), "bad": e.module}) + "\n").encode())
         sys.exit(3)
     except BaseException as e:  # noqa: BLE001 - reported, then the agent falls back to spawn
@@ -541,7 +587,9 @@ def main() -> None:
         sock.sendall((json.dumps({"ev": "failed", "why": why}) + "\n").encode())
         sys.exit(3)
     z = Zygote(sock)
-    z.send({"ev": "ready", "pid": os.getpid()})
+    denied = [m[1:] for m in preload_modules if m.startswith("-") and len(m) > 1]
+    why_denied = "; ".join(m[1:] for m in preload_modules if m.startswith("#"))
+    z.send({"ev": "ready", "pid": os.getpid(), **({"denied": denied, "why": why_denied} if denied else {})})
     job = z.serve()
     while isinstance(job, Zygote):  # this process is now a copy serving on a socket of its own
         z = job

@@ -1,0 +1,84 @@
+"""The first fork server imports what the entry script's imports name (read statically, before the first spawn),
+installed packages only, and never a module that makes forking unsafe."""
+import json
+import os
+import sys
+
+import pytest
+
+from resilient.launcher.api import WorkerCommand
+from resilient.launcher.preload import entry_imports
+from tests.launcher.conftest import run_launcher
+
+ENTRY = r'''
+import sys
+found = {m: m in sys.modules for m in ("calmpkg", "calmpkg.heavy", "thready", "helper")}  # before any import
+
+import json, os  # noqa: E402
+import helper  # noqa: E402,F401  (a local module: it imports calmpkg and thready)
+
+out = sys.argv[1]
+if os.environ["RANK"] == "0":  # the agent remembers the left-out module before this run ends
+    import time
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(os.environ["RESILIENT_RUN_DIR"], "preload", "denied.txt")):
+        assert time.monotonic() < deadline, "denied.txt never written"
+        time.sleep(0.05)
+with open(os.path.join(out, "r" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(found, f)
+'''
+
+HELPER = "from calmpkg import heavy\nimport thready\n"
+
+
+def _user_site(tmp_path):
+    # an install location (a user site): the user's own code is never preloaded
+    user_base = tmp_path / "userbase"
+    site_dir = user_base / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (site_dir / "calmpkg").mkdir(parents=True)
+    (site_dir / "calmpkg" / "__init__.py").write_text("")
+    (site_dir / "calmpkg" / "heavy.py").write_text("VALUE = 1\n")
+    (site_dir / "thready.py").write_text("import threading\nthreading.Thread(target=threading.Event().wait, "
+                                         "daemon=True).start()\n")
+    return user_base, site_dir
+
+
+@pytest.mark.timeout(150)
+def test_first_fork_server_imports_the_entry_scripts_imports_but_not_one_that_starts_a_thread(tmp_path):
+    user_base, site_dir = _user_site(tmp_path)
+    job, out, run = tmp_path / "job", tmp_path / "out", tmp_path / "run"
+    job.mkdir()
+    out.mkdir()
+    (job / "train.py").write_text(ENTRY)
+    (job / "helper.py").write_text(HELPER)
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", str(run),
+                      str(job / "train.py"), str(out)], cwd=tmp_path, timeout=140,
+                     env={"PYTHONUSERBASE": str(user_base), "PYTHONPATH": str(site_dir),
+                          "RESILIENT_LOG_LEVEL": "INFO"})
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        # calmpkg.heavy was imported by the fork server before the first spawn; thready (a thread at import) was
+        # left out, and the local helper is the user's own code
+        assert json.loads((out / f"r{rank}.json").read_text()) == {
+            "calmpkg": True, "calmpkg.heavy": True, "thready": False, "helper": False}
+    assert "thready" in (run / "preload" / "denied.txt").read_text().split()
+
+
+def test_entry_imports_follow_local_modules_and_skip_what_cannot_be_read(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("from .models import Net\n")
+    (tmp_path / "pkg" / "models.py").write_text("import accelerate\nfrom transformers import Trainer\n"
+                                                "def f():\n    import scipy\n")
+    (tmp_path / "broken.py").write_text("import x(\n")
+    (tmp_path / "train.py").write_text("import os\nimport pkg\nimport broken\ntry:\n    import lightning\n"
+                                       "except ImportError:\n    import nothing\n")
+    got = entry_imports(WorkerCommand(target=str(tmp_path / "train.py")), str(tmp_path))
+    assert got == ("os", "lightning", "accelerate", "transformers", "transformers:Trainer")
+    # a script that does not parse, or is missing: nothing, and no error
+    assert entry_imports(WorkerCommand(target=str(tmp_path / "broken.py")), str(tmp_path)) == ()
+    assert entry_imports(WorkerCommand(target=str(tmp_path / "missing.py")), str(tmp_path)) == ()
+    assert entry_imports(WorkerCommand(target="pkg.models", kind="module"), str(tmp_path)) == (
+        "accelerate", "transformers", "transformers:Trainer")
+    # a bound on the local files read
+    assert entry_imports(WorkerCommand(target=str(tmp_path / "train.py")), str(tmp_path), max_files=1) == (
+        "os", "lightning")
