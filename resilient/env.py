@@ -46,6 +46,8 @@ CKPT_MAX_OBJECT_MB = "RESILIENT_CKPT_MAX_OBJECT_MB"  # largest object of a persi
 CKPT_PRIOR_MTBF = "RESILIENT_CKPT_PRIOR_MTBF"  # the interval tuner's prior mean time between failures
 # default of --nodes-per-replica (nodes per data-parallel replica); also set in a worker's environment when given
 NODES_PER_REPLICA = "RESILIENT_NODES_PER_REPLICA"
+# a node's failure domain (e.g. its rack): a rank's peer copy is kept on a node of another domain
+FAILURE_DOMAIN = "RESILIENT_FAILURE_DOMAIN"
 
 # set for a NeMo-Run job's torchrun shim (resilient.integrations.nemo)
 RUN_ARGS = "RESILIENT_RUN_ARGS"  # resilient-run's flags, given by the shim before torchrun's arguments
