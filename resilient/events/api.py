@@ -47,6 +47,9 @@ class EventKind(str, enum.Enum):
     SPARE_LOST = "spare_lost"
     # the supervisor: an agent connected and is warming up (event.node), a joining spare once the job runs
     NODE_ARRIVING = "node_arriving"
+    # the supervisor: a healthy node of a replica dropped by a scale-down (--nodes-per-replica) is a warm spare at
+    # once (event.node); details: node, replica (its index in the assignment it left), replica_nodes, reason
+    NODE_BENCHED = "node_benched"
     FAULT_INJECTED = "fault_injected"  # a drill's fault (--inject); details: fault, target, at
 
     # actions (agent built-in reaction, later the supervisor's policy)

@@ -757,6 +757,8 @@ class SupervisorCore:
                 out = [n for n in a.nodes if n not in members]
                 if out:
                     raise _Invalid(f"scale_down: {', '.join(out)} hold no group rank")
+                if view.nodes_per_replica:
+                    a = _whole_replicas(a, event, view)
                 if len(members) - len(a.nodes) < view.min_nodes:
                     raise _Invalid(f"scale_down to {len(members) - len(a.nodes)} node(s) is below --nnodes min "
                                    f"{view.min_nodes}")
@@ -768,6 +770,10 @@ class SupervisorCore:
                     raise _Invalid(f"scale_up needs distinct spares, got {list(a.spares)}")
                 for s in a.spares:
                     spare_ok(s)
+                k = view.nodes_per_replica
+                if k and len(a.spares) % k:
+                    raise _Invalid(f"scale_up adds whole replicas of {k} node(s) (--nodes-per-replica), got "
+                                   f"{len(a.spares)} spare(s): {', '.join(a.spares)}")
                 grown = set(view.pending_scale_up) | set(a.spares)
                 if len(members) + len(grown) > view.max_nodes:
                     raise _Invalid(f"scale_up to {len(members) + len(grown)} node(s) is above --nnodes max "
@@ -786,13 +792,14 @@ class SupervisorCore:
                 spares = [s for s in view.spares if s not in view.pending_scale_up] or list(view.spares)
                 if spares:
                     inner: Action = HotSwap(a.node, spares[0], reason=f"{why}: spare {spares[0]} takes its place")
-                elif len(members) - 1 >= view.min_nodes:
-                    inner = ScaleDown((a.node,), reason=f"{why}: no spare, scaling down")
+                elif len(members) - len(drop := _drop_of(a.node, view)) >= view.min_nodes:
+                    inner = ScaleDown(drop, reason=f"{why}: no spare, scaling down"
+                                      + (f" by its replica ({', '.join(drop)})" if len(drop) > 1 else ""))
                 else:
                     return Stop(reason=f"{why}: no spare, and --nnodes min {view.min_nodes} forbids scaling down")
-                left_lost([m for m in members if m != a.node])
+                left_lost([m for m in members if m not in (a.node, *getattr(inner, "nodes", ()))])
                 budget()
-                return _Cordoning(inner)
+                return _Cordoning(inner, node=a.node)
         except _Budget:
             return Stop(reason=f"restart budget spent (--max-restarts {self.cfg.max_restarts}): {a.kind} "
                                f"for {event.kind.value} on {event.node} not possible")
@@ -817,6 +824,7 @@ class SupervisorCore:
         assert self._assignment is not None
         members = list(self._assignment.members)
         cordon = isinstance(a, _Cordoning)
+        cordoned = a.node if isinstance(a, _Cordoning) else None
         if cordon:
             a = a.inner  # type: ignore[attr-defined]
 
@@ -839,8 +847,20 @@ class SupervisorCore:
                     self._pending = None
             return [Decision(self._id(), a, event, self._new_round(members), fallback)]
         if isinstance(a, ScaleDown):
+            benched = self._benched(a, event, cordoned)
             for n in a.nodes:
-                out_of_job(n)
+                if n not in benched:
+                    out_of_job(n)
+            replica_of = {n: i for i, r in enumerate(self._assignment.replicas) for n in r}
+            for n in benched:
+                # a healthy node of a dropped replica: a warm spare at once (a hot swap or a scale-up may use it)
+                self._nodes[n].state, self._nodes[n].returns_at = NodeState.SPARE, None
+                i = replica_of[n]
+                self._notes.append(Event(
+                    kind=EventKind.NODE_BENCHED, node=n, attempt=self._assignment.attempt, mono=now, wall=time.time(),
+                    details={"node": n, "replica": i, "replica_nodes": list(self._assignment.replicas[i]),
+                             "reason": a.reason}))
+                logger.info("node %s of dropped replica %d is a warm spare", n, i)
             members = [m for m in members if m not in a.nodes]
             return [Decision(self._id(), a, event, self._new_round(members), fallback)]
         if isinstance(a, ScaleUp):
@@ -870,6 +890,21 @@ class SupervisorCore:
             self._awaiting.append((event, now + self.cfg.spare_wait))
         return [Decision(self._id(), a, event, None, fallback)]  # Ignore
 
+    def _benched(self, a: Action, event: Event | None, cordoned: str | None) -> tuple[str, ...]:
+        """With --nodes-per-replica: the nodes of a ScaleDown that become warm spares at once: in each dropped
+        replica that broke (it holds a lost node, the node the event is about, or the node being cordoned), the
+        others, while healthy and active. Without K, or for a replica dropped whole while intact: none."""
+        if not self.cfg.nodes_per_replica or not isinstance(a, ScaleDown) or self._assignment is None:
+            return ()
+        culprits = {n for n in a.nodes if self._nodes[n].state is NodeState.LOST}
+        culprits |= {n for n in (cordoned, event.node if event is not None else None) if n in a.nodes}
+        out: list[str] = []
+        for r in self._assignment.replicas:
+            if set(r) & set(a.nodes) and set(r) & culprits:
+                out += [n for n in r if n not in culprits and self._nodes[n].state is NodeState.ACTIVE
+                        and self._nodes[n].healthy]
+        return tuple(out)
+
     def _apply_scale_up(self, event: Event | None, now: float, why: str) -> list[Decision]:
         p = self._pending
         assert p is not None and self._assignment is not None
@@ -878,6 +913,9 @@ class SupervisorCore:
         room = self.cfg.max_nodes - len(members)
         grow = [s for s in p.spares if (n := self._nodes.get(s)) is not None and n.state is NodeState.SPARE
                 and n.healthy][:max(0, room)]
+        k = self.cfg.nodes_per_replica
+        if k:
+            grow = grow[:len(grow) - len(grow) % k]  # whole replicas only: a partial one waits as spares
         if not grow:
             logger.info("scale-up %d dropped at %s: none of %s is still a healthy spare, or no room",
                         p.decision_id, why, p.spares)
@@ -899,7 +937,38 @@ class _Cordoning(Action):
     """A Cordon of a member, resolved to the swap or scale-down that takes it out."""
 
     inner: Action = field(default_factory=Ignore)
+    node: str | None = None  # the node cordoned (the others of its dropped replica become spares)
     kind = "cordon"
+
+
+def _drop_of(node: str, view: JobView) -> tuple[str, ...]:
+    """What a scale-down without ``node`` removes: its replica with --nodes-per-replica, else the node alone."""
+    return view.replica_of(node) if view.nodes_per_replica else (node,)
+
+
+def _whole_replicas(a: ScaleDown, event: Event, view: JobView) -> ScaleDown:
+    """A ScaleDown in replica units (--nodes-per-replica): one that names only broken nodes of a replica (lost
+    ones, or the node the event is about) drops their whole replica, and says so in its reason; one that would
+    leave part of a replica running is refused."""
+    named = set(a.nodes)
+    broken = {n for n in a.nodes if view.nodes[n].state is NodeState.LOST or n == event.node}
+    nodes: list[str] = []
+    added: list[str] = []
+    for i, r in enumerate(view.replicas):
+        if not named & set(r):
+            continue
+        rest = [n for n in r if n not in named]
+        if rest and not (named & set(r)) <= broken:
+            raise _Invalid(f"scale_down of {', '.join(n for n in r if n in named)} would split replica {i} "
+                           f"({', '.join(r)}): --nodes-per-replica {view.nodes_per_replica} drops whole replicas")
+        nodes += r
+        added += rest
+    if not added:
+        return a
+    import dataclasses
+
+    why = f"dropping the whole replica of {', '.join(a.nodes)} (also {', '.join(added)})"
+    return dataclasses.replace(a, nodes=tuple(nodes), reason=f"{a.reason}; {why}" if a.reason else why)
 
 
 def _fault_wall(ev: Event) -> float | None:

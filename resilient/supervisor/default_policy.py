@@ -111,8 +111,25 @@ class DefaultPolicy:
 
     # -- helpers subclasses use
     @staticmethod
-    def can_scale_down(view: JobView, n: int = 1) -> bool:
-        return len(view.members) - n >= view.min_nodes
+    def can_scale_down(view: JobView, n: int | None = None) -> bool:
+        """Whether dropping ``n`` nodes (default: one replica, a node without --nodes-per-replica) keeps MIN."""
+        return len(view.members) - (n if n is not None else view.nodes_per_replica or 1) >= view.min_nodes
+
+    @staticmethod
+    def scale_down_without(node: str, view: JobView, why: str, *, cool_down: float | None = None) -> ScaleDown:
+        """The scale-down that takes ``node`` out: its whole replica with --nodes-per-replica (the core makes the
+        replica's healthy nodes warm spares), else the node alone."""
+        if not view.nodes_per_replica:
+            return ScaleDown((node,), reason=f"{why}: no spare, continuing on {len(view.members) - 1} node(s)",
+                             cool_down=cool_down)
+        r = view.replica_of(node) or (node,)
+        i = view.replicas.index(r) if r in view.replicas else 0
+        left = len(view.replicas) - 1
+        healthy = [n for n in r if n != node and view.nodes[n].state is NodeState.ACTIVE]
+        return ScaleDown(r, cool_down=cool_down,
+                         reason=f"{why}: no spare, dropping replica {i} ({', '.join(r)}), continuing on {left} "
+                                f"replica(s) ({len(view.members) - len(r)} node(s))"
+                                + (f"; {', '.join(healthy)} benched as warm spare(s)" if healthy else ""))
 
     @staticmethod
     def free_spares(view: JobView) -> tuple[str, ...]:
@@ -185,8 +202,7 @@ class DefaultPolicy:
         if spares:
             return HotSwap(node, spares[0], reason=f"{why}: spare {spares[0]} takes its place", cool_down=cool_down)
         if self.can_scale_down(view):
-            return ScaleDown((node,), reason=f"{why}: no spare, continuing on {len(view.members) - 1} node(s)",
-                             cool_down=cool_down)
+            return self.scale_down_without(node, view, why, cool_down=cool_down)
         if last_resort is not None:
             return last_resort
         if view.joining:  # the core bounds the wait (--spare-wait), then asks again
@@ -206,8 +222,8 @@ class DefaultPolicy:
                 return HotSwap(event.node, spares[0],
                                reason=f"{why}: spare {spares[0]} takes its place after the agreed step is saved")
             if self.can_scale_down(view):
-                return ScaleDown((event.node,), reason=f"{why}: no spare, continuing on {len(view.members) - 1} "
-                                                      "node(s) after the agreed step is saved")
+                a = self.scale_down_without(event.node, view, why)
+                return ScaleDown(a.nodes, reason=f"{a.reason} after the agreed step is saved")
             no = f"no spare, and --nnodes min {view.min_nodes} forbids scaling down"
         else:
             no = "the restart budget is spent"
@@ -218,10 +234,15 @@ class DefaultPolicy:
         if kind is EventKind.NODE_JOINED:
             room = view.max_nodes - len(view.members) - len(view.pending_scale_up)
             spares = self.free_spares(view)
-            if room > 0 and spares and view.restarts_left > 0:
-                grow = spares[:room]
+            k = view.nodes_per_replica or 1
+            grow = spares[:room - room % k] if room > 0 else ()
+            grow = grow[:len(grow) - len(grow) % k]  # whole replicas only
+            if grow and view.restarts_left > 0:
+                what = f" ({len(grow) // k} replica(s) of {k})" if view.nodes_per_replica else ""
                 return ScaleUp(grow, reason=f"{', '.join(grow)} joined while the job runs on "
-                                            f"{len(view.members)} of max {view.max_nodes} node(s)")
+                                            f"{len(view.members)} of max {view.max_nodes} node(s){what}")
+            if k > 1 and room >= k and view.restarts_left > 0:
+                return Ignore(reason=f"{event.node} waits as a spare ({len(spares)} free of the {k} a replica needs)")
             return Ignore(reason=f"{event.node} waits as a spare")
         if kind in HEALTH_KINDS:
             node = view.nodes.get(event.node)

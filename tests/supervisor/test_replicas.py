@@ -122,3 +122,90 @@ def test_without_k_every_rank_is_a_replica() -> None:
     assert v.nodes_per_replica is None and v.dp_size == v.world_size == 6
     assert v.replicas == (("n0",), ("n1",), ("n2",))
     assert core.assignment.dp_size == 6 and core.assignment.to_json()["nodes_per_replica"] is None
+
+
+# ------------------------------------------------------------------------------------------ actions in replica units
+class Scripted:
+    def __init__(self, *actions) -> None:
+        self.actions = list(actions)
+
+    def decide(self, event, view):
+        return self.actions.pop(0) if self.actions else Ignore()
+
+
+def ckpt(step: int, node: str = "n0") -> Event:
+    return Event(kind=EventKind.CKPT_TIER_DONE, node=node, attempt=None, details={"tier": "local", "step": step},
+                 mono=1.0, wall=1.0)
+
+
+def test_loss_with_a_spare_swaps_inside_the_replica() -> None:
+    core = core_of(5)
+    [d] = core.handle(lost("n1"), 1.0)
+    assert isinstance(d.action, HotSwap) and (d.action.node, d.action.spare) == ("n1", "n4")
+    assert d.assignment.members == ("n0", "n4", "n2", "n3") and d.assignment.dp_size == 2
+    assert d.assignment.previous_dp_size == 2
+
+
+def test_loss_without_a_spare_drops_the_replica_and_benches_its_healthy_node_then_grows_back() -> None:
+    core = core_of(4)
+    [d] = core.handle(lost("n1"), 1.0)
+    assert isinstance(d.action, ScaleDown) and set(d.action.nodes) == {"n0", "n1"}
+    a = d.assignment
+    assert (a.members, a.spares, a.dp_size, a.previous_dp_size, a.world_size) == (("n2", "n3"), ("n0",), 1, 2, 2)
+    v = core.view(1.0)
+    assert v.nodes["n0"].state is NodeState.SPARE and v.nodes["n1"].state is NodeState.LOST
+    [note] = [e for e in core.take_notes() if e.kind is EventKind.NODE_BENCHED]
+    assert note.node == "n0" and note.details["node"] == "n0" and note.details["replica"] == 0
+    assert note.details["replica_nodes"] == ["n0", "n1"] and "n1 lost" in note.details["reason"]
+    # the lost node comes back: with the benched one, a replica again, grown at the next checkpoint boundary
+    [d] = core.join("n1", 1, 2.0)
+    assert isinstance(d.action, ScaleUp) and d.pending and set(d.action.spares) == {"n0", "n1"}
+    [d] = core.handle(ckpt(10), 3.0)
+    a = d.assignment
+    assert a.members[:2] == ("n2", "n3") and set(a.members[2:]) == {"n0", "n1"}
+    assert (a.dp_size, a.previous_dp_size, a.world_size) == (2, 1, 4)
+
+
+def test_a_scale_down_naming_the_lost_node_drops_its_replica() -> None:
+    core = core_of(4, policy=Scripted(ScaleDown(("n2",), reason="mine")))
+    [d] = core.handle(lost("n2"), 1.0)
+    assert d.fallback is None and d.action.nodes == ("n2", "n3")
+    assert d.action.reason.startswith("mine; dropping the whole replica of n2 (also n3)")
+    assert d.assignment.members == ("n0", "n1") and core.view(1.0).nodes["n3"].state is NodeState.SPARE
+
+
+def test_a_scale_down_that_would_split_a_replica_is_refused() -> None:
+    core = core_of(4, policy=Scripted(ScaleDown(("n2",), reason="split")))
+    straggler = Event(kind=EventKind.STRAGGLER, node="n0", attempt=0, details={}, mono=1.0, wall=1.0)
+    [d] = core.handle(straggler, 1.0)
+    assert "would split replica 1 (n2, n3)" in d.fallback
+    assert isinstance(d.action, Ignore) and core.assignment.members == ("n0", "n1", "n2", "n3")
+
+
+def test_a_scale_up_of_part_of_a_replica_is_refused() -> None:
+    core = core_of(2, policy=Scripted(ScaleUp(("n2",))))
+    [d] = core.join("n2", 1, 1.0)
+    assert "whole replicas of 2" in d.fallback and isinstance(d.action, Ignore)
+    assert "1 free of the 2 a replica needs" in d.action.reason
+    core = core_of(2)  # the default policy: one spare waits, two make a replica
+    [d] = core.join("n2", 1, 1.0)
+    assert isinstance(d.action, Ignore)
+    [d] = core.join("n3", 1, 2.0)
+    assert isinstance(d.action, ScaleUp) and d.action.spares == ("n2", "n3")
+
+
+def test_at_min_a_lost_node_stops_the_job() -> None:
+    core = core_of(4, lo=4)
+    [d] = core.handle(lost("n3"), 1.0)
+    assert d.action.kind == "stop" and "--nnodes min 4 forbids scaling down" in d.action.reason
+
+
+def test_cordon_of_a_member_drops_its_replica_and_benches_the_other() -> None:
+    from resilient.supervisor.api import Cordon
+
+    core = core_of(4, policy=Scripted(Cordon("n3", reason="bad")))
+    straggler = Event(kind=EventKind.STRAGGLER, node="n3", attempt=0, details={}, mono=1.0, wall=1.0)
+    [d] = core.handle(straggler, 1.0)
+    assert d.assignment.members == ("n0", "n1")
+    v = core.view(1.0)
+    assert v.nodes["n3"].state is NodeState.CORDONED and v.nodes["n2"].state is NodeState.SPARE
