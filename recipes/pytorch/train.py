@@ -9,14 +9,24 @@ What it shows, each a few lines:
 * ``resilient.steps``: heartbeats, step times and goodput records; hang and straggler detection;
 * ``ResumableSampler``: the data position is checkpoint state; after a restart, or a change of world size,
   training continues with exactly the samples not yet seen;
-* ``on_scale``: when the job shrinks (a lost node, no spare) or grows back, gradient accumulation keeps the
-  global batch, and the learning rate follows the global batch if accumulation cannot make it whole.
+* ``ElasticBatch``: every step trains on the same ``--global-batch`` samples, in the same order, whatever the
+  data-parallel size: the size only changes how many micro-batches (gradient accumulation) each replica runs;
+  each micro-batch's summed loss is scaled so the gradient is the uninterrupted run's;
+* ``on_scale``: when the job shrinks (a lost node, no spare) or grows back, the global batch stays and so does
+  the learning rate; ``lr_for`` is the rule for a run restarted with another global batch (linear or sqrt).
 
 Data parallelism is DDP by default; ``--fsdp`` shards with FSDP2 (``fully_shard``) instead, and ``--tp N``
-(with ``--fsdp``) adds tensor parallelism of each block's MLP over groups of N ranks, data parallelism over
+(FSDP2 implied) adds tensor parallelism of each block's MLP over groups of N ranks, data parallelism over
 the rest (a 2-D ``("dp", "tp")`` mesh, as torchtitan lays it out). Under FSDP2 and TP the state is
 ``DTensor``s, checkpointed and restored like plain tensors. It runs unchanged under ``python`` (one process),
 ``torchrun`` and ``resilient-run``.
+
+Replicas that span nodes (``resilient-run --nodes-per-replica K``): the mesh comes from
+``resilient.topology().mesh(device, tp=N)``, with ``N`` the ranks of a replica (K nodes x their workers), so
+tensor parallelism fills a replica and FSDP2 shards across the replicas; losing a node drops its replica and
+the job goes on with fewer replicas, the same global batch and more accumulation steps:
+
+    resilient-run --nnodes 2:4 --nproc-per-node 2 --nodes-per-replica 2 ... recipes/pytorch/train.py --tp 4
 
 ``--compile`` runs the model under ``torch.compile`` and keeps its compile caches in the run directory
 (``resilient.compile_cache``), so a restarted worker loads what the first attempt compiled instead of compiling
@@ -64,7 +74,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import resilient  # noqa: E402
-from resilient.data import ResumableSampler  # noqa: E402
+from resilient.data import ElasticBatch, ResumableSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import GPT, CorpusWindows, GPTConfig, load_corpus  # noqa: E402
@@ -77,10 +87,20 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps in total")
     ap.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, whole job")
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
-    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate at --global-batch")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate at --lr-batch sequences per step")
+    ap.add_argument("--lr-batch", type=int, default=16,
+                    help="the global batch --lr was tuned for; another --global-batch scales it by --lr-scaling")
+    ap.add_argument("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
+                    help="how the learning rate follows the global batch (linear: Goyal et al.; sqrt: for Adam)")
     ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--tp", type=int, default=1,
-                    help="tensor parallelism of the MLPs over this many ranks (with --fsdp; FSDP2 over the rest)")
+                    help="tensor parallelism of the MLPs over this many ranks (FSDP2 over the rest); under "
+                         "--nodes-per-replica, the ranks of a replica")
+    ap.add_argument("--samples", type=int, default=0,
+                    help="train on the first N windows of the corpus only (0: all), so an epoch is a few steps")
+    ap.add_argument("--record", action="store_true",
+                    help="write each step's loss and the samples each replica trained on under RUN_DIR/recipe "
+                         "(for tests and benches)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds a step (stands in for a bigger model)")
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
@@ -90,18 +110,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--init-group", action="store_true",
                     help="set up the process group even at world size 1 (as every rank of a multi-node job does)")
     a = ap.parse_args()
-    for name in ("steps", "global_batch", "micro_batch", "log_every", "tp"):
+    for name in ("steps", "global_batch", "micro_batch", "log_every", "tp", "lr_batch"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.tp > 1 and not a.fsdp:
-        ap.error(f"--tp {a.tp} needs --fsdp: DDP does not take tensor-parallel (DTensor) parameters")
+    if a.samples < 0:
+        ap.error(f"--samples must be >= 0, got {a.samples}")
+    a.fsdp = a.fsdp or a.tp > 1  # DDP does not take tensor-parallel (DTensor) parameters
     return a
 
 
-def accumulation(global_batch: int, micro_batch: int, world: int) -> tuple[int, float]:
-    """Micro-batches per rank per step, and the learning-rate factor when the global batch cannot be kept."""
-    accum = max(1, round(global_batch / (micro_batch * world)))
-    return accum, (accum * micro_batch * world) / global_batch
+def lr_for(args: argparse.Namespace, global_batch: int) -> float:
+    """The learning rate for a global batch. A change of data-parallel size keeps the global batch (more or
+    fewer accumulation steps), so it keeps the learning rate; only a run restarted with another
+    ``--global-batch`` moves it: linearly with the batch (SGD, Goyal et al. 2017) or with its square root
+    (Adam-type optimizers, Malladi et al. 2022)."""
+    ratio = global_batch / args.lr_batch
+    return args.lr * {"linear": ratio, "sqrt": ratio ** 0.5, "none": 1.0}[args.lr_scaling]
 
 
 def main() -> int:
@@ -112,10 +136,26 @@ def main() -> int:
         _mark("group")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    if world % args.tp:
-        print(f"[train] --tp {args.tp} does not divide the world size {world}", file=sys.stderr, flush=True)
+    topo = resilient.topology()
+    if topo.nodes_per_replica is not None:
+        # a replica spans nodes: it holds the model-parallel ranks, and the replicas are the data parallelism
+        try:
+            topo.mesh_shape(tp=args.tp)
+        except ValueError as e:
+            print(f"[train] --tp {args.tp}: {e}", file=sys.stderr, flush=True)
+            return 2
+        dp, dp_rank = topo.dp_size, topo.dp_rank
+    else:
+        if world % args.tp:
+            print(f"[train] --tp {args.tp} does not divide the world size {world}", file=sys.stderr, flush=True)
+            return 2
+        dp, dp_rank = world // args.tp, rank // args.tp  # data parallelism outermost, as init_device_mesh lays it out
+    batch = ElasticBatch(args.global_batch, args.micro_batch)
+    try:
+        batch.check(dp)
+    except ValueError as e:
+        print(f"[train] {e}", file=sys.stderr, flush=True)
         return 2
-    dp, dp_rank = world // args.tp, rank // args.tp  # data parallelism outermost, as init_device_mesh lays it out
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -129,7 +169,10 @@ def main() -> int:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
+        if topo.nodes_per_replica is not None:
+            mesh = topo.mesh(device.type, tp=args.tp)  # ("dp", "tp"): dp = the replicas there are now
+        else:
+            mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
         for block in model.blocks:
             if args.tp > 1:
                 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -154,23 +197,23 @@ def main() -> int:
     _mark("model", gpu_sync)
 
     data = CorpusWindows(load_corpus(), cfg.seq_len)
-    # the ranks of one tensor-parallel group see the same samples
-    sampler = ResumableSampler(data, num_replicas=dp, rank=dp_rank, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.micro_batch, sampler=sampler, num_workers=0)
-    accum, lr_factor = accumulation(args.global_batch, args.micro_batch, dp)
+    n_samples = min(args.samples, len(data)) if args.samples else len(data)
+    # the global order of the epoch; the ranks of one replica (tensor parallelism) take the same samples
+    sampler = ResumableSampler(n_samples, num_replicas=dp, rank=dp_rank, seed=0)
     for g in optim.param_groups:
-        g["lr"] = args.lr * lr_factor
+        g["lr"] = lr_for(args, args.global_batch)
 
     @resilient.on_scale
     def rescale(ev: resilient.ScaleEvent) -> None:
-        # a lost node with no spare (or a node back): keep the global batch through accumulation
-        nonlocal accum
-        accum, factor = accumulation(args.global_batch, args.micro_batch, ev.new_dp_size)
+        # fewer or more replicas: ElasticBatch keeps the global batch (accumulation steps change), so the
+        # learning rate stays what lr_for gives for it; a rule for another global batch would go here
         for g in optim.param_groups:
-            g["lr"] = args.lr * factor
+            g["lr"] = lr_for(args, args.global_batch)
         if rank == 0:
-            print(f"[train] world {ev.old_world_size} -> {ev.new_world_size}: accumulation {accum}, "
-                  f"lr {args.lr * factor:.2e}", flush=True)
+            print(f"[train] data-parallel size {ev.old_dp_size} -> {ev.new_dp_size} "
+                  f"({getattr(ev, 'reason', None) or 'no reason given'}): {batch.accum_steps(ev.new_dp_size)} "
+                  f"accumulation steps, global batch {args.global_batch}, lr {lr_for(args, args.global_batch):.2e}",
+                  flush=True)
 
     ckpt = resilient.CheckpointManager.from_env()
     state = {"model": model, "optim": optim, "sampler": sampler}
@@ -180,33 +223,44 @@ def main() -> int:
         kind = (f"FSDP2 x TP (dp {dp}, tp {args.tp})" if args.tp > 1 else "FSDP2") if args.fsdp else "DDP"
         print(f"[train] world {world}, {kind if distributed else 'single process'}, "
               f"{sum(p.numel() for p in model.parameters())} parameters, starting at step {start} "
-              f"(epoch {sampler.epoch}, sample {sampler.consumed} of {len(data)})", flush=True)
+              f"(epoch {sampler.epoch}, sample {sampler.consumed} of {n_samples}; data-parallel size {dp}, "
+              f"{batch.accum_steps(dp)} accumulation steps of {args.micro_batch})", flush=True)
+    record = Record.open(rank, world, dp, dp_rank) if args.record and distributed else None
 
-    batches = iter(loader)
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal batches
-        try:
-            return next(batches)
-        except StopIteration:
+    def step_batches() -> list:
+        micro = sampler.next_global_batch(batch, dp, dp_rank)
+        if not micro:  # the epoch is over: the next one, in its own order
             sampler.set_epoch(sampler.epoch + 1)
-            batches = iter(loader)
-            return next(batches)
+            micro = sampler.next_global_batch(batch, dp, dp_rank)
+        return micro
 
     loss_sum = torch.zeros((), device=device)
     for step in resilient.steps(start, args.steps, dp_size=dp):
         optim.zero_grad(set_to_none=True)
         loss_sum.zero_()
-        for i in range(accum):
-            x, y = (t.to(device) for t in next_batch())
-            sync = i == accum - 1 or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        micro = step_batches()
+        for i, mb in enumerate(micro):
+            # an empty micro-batch (a size that does not divide the global batch) still runs: the gradient
+            # collective needs every rank; its loss is zero
+            idx = list(mb.indices) or [0]
+            x = torch.stack([data[j][0] for j in idx]).to(device)
+            y = torch.stack([data[j][1] for j in idx]).to(device)
+            sync = i == len(micro) - 1 or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
             ctx = wrapped.no_sync() if not sync else _null()
             with ctx:
                 logits = forward(x)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
+                per_sample = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view(len(idx), -1).mean(1)
+                # the summed loss times dp/global_batch: averaged over the replicas, the global batch's mean
+                loss = per_sample.sum() * (mb.loss_scale if not mb.empty else 0.0)
                 loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += loss.detach() / dp
         optim.step()
+        if distributed:  # the global batch's mean loss, the same at every size (every replica's share summed)
+            dist.all_reduce(loss_sum)
+            loss_sum /= world // dp  # the ranks of one replica hold the same share
+        if record is not None:
+            record.step(step, loss_sum.item(), [j for mb in micro for j in mb.indices])
         if step - start < 4:
             _mark("step", gpu_sync)
             if cc is not None:  # what the first steps compiled, before their checkpoints: a restart finds it
@@ -223,6 +277,40 @@ def main() -> int:
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+class Record:
+    """``--record``: RUN_DIR/recipe/loss.jsonl (rank 0: each step's loss) and samples-dp{R}.jsonl (the first rank
+    of each replica: the samples it trained on), each line tagged with the attempt (rank 0's start time, the
+    same on every rank of an attempt), so a step redone after a restore is read from its last attempt."""
+
+    def __init__(self, rank: int, dp: int, dp_rank: int, attempt: float, loss: Path | None, samples: Path | None):
+        self.rank, self.dp, self.dp_rank, self.attempt = rank, dp, dp_rank, attempt
+        self.loss, self.samples = loss, samples
+
+    @classmethod
+    def open(cls, rank: int, world: int, dp: int, dp_rank: int) -> Record:
+        from resilient import env
+
+        d = Path(os.environ[env.RUN_DIR]) / "recipe"
+        d.mkdir(parents=True, exist_ok=True)
+        t = torch.tensor([time.time()], dtype=torch.float64)
+        dist.broadcast(t, 0)
+        first_of_replica = rank % (world // dp) == 0
+        return cls(rank, dp, dp_rank, float(t.item()), d / "loss.jsonl" if rank == 0 else None,
+                   d / f"samples-dp{dp_rank}.jsonl" if first_of_replica else None)
+
+    def step(self, step: int, loss: float, indices: list[int]) -> None:
+        base = {"step": step, "attempt": self.attempt, "dp_size": self.dp, "t": time.time()}
+        if self.loss is not None:
+            _append(self.loss, {**base, "loss": loss})
+        if self.samples is not None:
+            _append(self.samples, {**base, "dp_rank": self.dp_rank, "samples": indices})
+
+
+def _append(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 class _null:
