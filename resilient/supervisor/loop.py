@@ -54,15 +54,21 @@ class LoopConfig:
     store_timeout: float = 30.0
     #: seconds the loop keeps serving after the job ended, for agents to read the final plan
     linger: float = 10.0
+    #: a gap between two passes longer than this is the loop's own stall (its process stopped, its host frozen,
+    #: a swap storm), not the nodes' silence: every node then gets a fresh ``node_timeout`` before it can count
+    #: as lost. Far above a pass's normal length (``tick`` plus bounded store and policy calls under load)
+    pause_after: float = 2.0
     name: str = field(default_factory=lambda: f"supervisor@{socket.gethostname()}")
 
     def __post_init__(self) -> None:
-        for f in ("tick", "last_call", "store_timeout", "linger"):
+        for f in ("tick", "last_call", "store_timeout", "linger", "pause_after"):
             v = getattr(self, f)
             if not (v == v and 0 <= v < float("inf")):
                 raise ValueError(f"LoopConfig.{f} must be a finite number >= 0, got {v}")
         if self.tick <= 0:
             raise ValueError(f"LoopConfig.tick must be > 0, got {self.tick}")
+        if self.pause_after <= self.tick:
+            raise ValueError(f"LoopConfig.pause_after ({self.pause_after}) must be longer than tick ({self.tick})")
 
 
 class SupervisorLoop:
@@ -88,6 +94,9 @@ class SupervisorLoop:
         self._acks: dict[int, set[str]] = {}
         self._final_round: int | None = None
         self._final_at: float | None = None
+        self._published: int | None = None  # the newest round whose plan agents can read
+        self._last_pass: float | None = None  # monotonic time of the last pass: a long gap is this loop's stall
+        self.pauses: list[float] = []  # the gaps taken for this loop's own stalls, oldest first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.decisions: list[Decision] = []
@@ -132,6 +141,9 @@ class SupervisorLoop:
 
     def _step(self, now: float) -> list[Decision]:
         out: list[Decision] = []
+        if self._last_pass is not None and now - self._last_pass > self.cfg.pause_after:
+            self._woke(now, now - self._last_pass)
+        self._last_pass = max(now, self._last_pass or now)
         hello, gone = self.presence.poll()
         for node in hello:
             self.core.seen(node, now)
@@ -143,6 +155,9 @@ class SupervisorLoop:
             for ev in self._tail.read_new(contains=f'"{EventKind.CKPT_TIER_DONE.value}"'.encode()):
                 if ev.kind == EventKind.CKPT_TIER_DONE:
                     out += self.core.handle(ev, now)
+        # members that reported done in this pass's messages end the job before any timer is looked at: a
+        # finished job is never failed by a loss or a silence noticed after the fact
+        self._check_finished(now)
         for node in gone:
             # its kernel closed the connection: the agent is dead (or left; a LEAVE came first then)
             logger.warning("node %s disconnected", node)
@@ -155,8 +170,10 @@ class SupervisorLoop:
                               details={"action": "start", "reason": f"{len(a.members)} node(s) joined", "id": 0,
                                        "round": a.round, "assignment": a.to_json()}))
             self._publish(a, action={"action": "start"}, decision_id=0)
+        # a stop decided in this pass supersedes every new round decided beside it: agents read one outcome
+        stop_id = next((d.id for d in out if d.action.kind == "stop"), None) if self.core.stopped else None
         for d in out:
-            self._carry_out(d)
+            self._carry_out(d, superseded_by=stop_id if d.action.kind != "stop" else None)
         for ev in self.core.take_notes():
             self._write(ev)
         self._check_finished(now)
@@ -211,16 +228,43 @@ class SupervisorLoop:
                 self._write(Event(EventKind.LOG, node=self.cfg.name,
                                   details={"message": line, "refused_job": r["job"], "refused_node": r["node"]}))
 
-    def _carry_out(self, d: Decision) -> None:
+    def _carry_out(self, d: Decision, superseded_by: int | None = None) -> None:
+        """Record a decision and carry it out. Once the final plan is out (the job ended), or when a stop of the
+        same pass supersedes it (``superseded_by``: that stop's id), a new round is recorded, not published:
+        agents must never read a restart next to the stop, nor a round after the final plan."""
         self.decisions.append(d)
         if d.cause is not None and d.cause.kind in (EventKind.AGENT_LOST, EventKind.NODE_JOINED):
             self._write(d.cause)  # synthesised here: no agent wrote it
-        self._write(d.to_event(self.cfg.name))
+        ev = d.to_event(self.cfg.name)
+        ended = self._final_round is not None
+        if d.assignment is not None and (superseded_by is not None or ended):
+            ev.details["superseded_by"] = "final_plan" if ended and superseded_by is None else superseded_by
+        self._write(ev)
         logger.log(logging.INFO if d.action.kind == "ignore" else logging.WARNING, "supervisor: %s (%s)", d.action.kind, d.action.reason or next(iter((d.fallback or "").strip().splitlines()[-1:]), ""))
         if self.core.stopped is not None and self._final_round is None:
-            self._finish(self.core.stopped, stop=True, decision_id=d.id)
-        elif d.assignment is not None:
+            if superseded_by is None or superseded_by == d.id:
+                self._finish(self.core.stopped, stop=True, decision_id=d.id)
+        elif d.assignment is not None and not ended and superseded_by is None:
             self._publish(d.assignment, action=d.action.to_json(), decision_id=d.id)
+        elif d.assignment is not None:
+            logger.warning("supervisor: round %d of decision %d not published (%s)", d.assignment.round, d.id,
+                           "the job already ended" if ended else f"decision {superseded_by} stops the job")
+
+    def _woke(self, now: float, gap: float) -> None:
+        """This loop did not run for ``gap`` seconds (its process was stopped, its host froze): the nodes' silence
+        meanwhile is its own. Every node in the job gets a fresh ``node_timeout`` to be heard from before it can
+        count as lost; nodes that really died meanwhile are still lost at once, by their closed presence
+        connections, read in this same pass."""
+        self.pauses.append(gap)
+        view = self.core.view(now)
+        fresh = [n for n, v in view.nodes.items() if v.state in (NodeState.ACTIVE, NodeState.SPARE)]
+        for n in fresh:
+            self.core.seen(n, now)
+        msg = (f"the supervisor did not run for {gap:.1f} s (its own stall): {len(fresh)} node(s) get a fresh "
+               f"{self.cfg.core.node_timeout:g} s (--node-timeout) before any counts as silent")
+        logger.warning("%s", msg)
+        self._write(Event(EventKind.LOG, node=self.cfg.name, details={"message": msg,
+                                                                      "supervisor_paused": round(gap, 3)}))
 
     def _write(self, ev: Event) -> None:
         if self.ledger is not None:
@@ -272,12 +316,14 @@ class SupervisorLoop:
         plan = {"round": a.round, "assignment": a.to_json(), "master": f"{addr}:{port}", "action": action,
                 "id": decision_id, "started": self.started, "max_restarts": self.cfg.core.max_restarts}
         self.chan.publish(a.round, plan)
+        self._published = a.round
         logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
                     a.world_size)
 
     def _finish(self, reason: str, *, stop: bool, decision_id: int = 0, preempted: bool = False) -> None:
-        a = self.core.assignment
-        round_ = (a.round if a is not None else -1) + 1
+        # the round after the newest one published, not after the core's assignment: a new round decided beside a
+        # stop in the same pass was never published, and agents look for the plan right after the round they read
+        round_ = (self._published if self._published is not None else -1) + 1
         # "preempted": every agent exits 75 (the scheduler requeues, the rerun resumes), not 0 and not 1
         self.chan.publish(round_, {"round": round_, "final": True, "stop": reason if stop else None,
                                    "preempted": reason if preempted else None, "id": decision_id})

@@ -409,6 +409,11 @@ class PresenceServer:
                     self._close(conn)
                     continue
                 del self._pending[conn]
+                for old, n in list(self._nodes.items()):
+                    if n == node:
+                        # the agent connected again (a newer hello, checked above): the end of its older
+                        # connection is not its death
+                        self._close(old)
                 self._nodes[conn] = node
                 logger.info("presence: %s connected (fd %d)", node, conn.fileno())
                 try:
