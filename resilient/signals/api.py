@@ -95,8 +95,11 @@ class NodeMonitor(Protocol):
 
     def on_readable(self, now: float) -> list[Event]: ...
 
-    def attempt_started(self, attempt: int, ranks: dict[int, int], pids: dict[int, int]) -> None:
-        """``ranks``: local rank → global rank; ``pids``: local rank → worker pid."""
+    def attempt_started(self, attempt: int, ranks: dict[int, int], pids: dict[int, int],
+                        ranks_per_replica: int | None = None) -> None:
+        """``ranks``: local rank → global rank; ``pids``: local rank → worker pid; ``ranks_per_replica``
+        (``--nodes-per-replica`` × workers per node; None: every rank a replica) decides which ranks are
+        data-parallel peers for straggler scores."""
 
     def attempt_stopped(self) -> None: ...
 
@@ -112,9 +115,11 @@ class NodeMonitor(Protocol):
 @dataclass(frozen=True)
 class ScaleEvent:
     """Passed to ``resilient.on_scale`` callbacks when an attempt starts with another world size than the
-    last attempt that trained (see :mod:`resilient.worker.scale`)."""
+    last attempt that trained (see :mod:`resilient.worker.scale`). ``reason``: why the supervisor changed the
+    size (its action's reason), None when it gave none."""
 
     old_world_size: int
     new_world_size: int
     old_dp_size: int
     new_dp_size: int
+    reason: str | None = None

@@ -70,6 +70,10 @@ _PEERCRED = struct.Struct("3i")
 _CONNS_PER_WORKER = 4
 _ACCEPTS_PER_CALL = 256  # then back to the agent loop: a connect flood cannot starve exit and hang watching
 _REFUSED_LOG_INTERVAL = 10.0
+# A gap longer than this between two calls of the agent is the agent's own stall (its process stopped, its host
+# frozen), not its workers' silence: the ranks' clocks move on by the gap. The agent calls at least every
+# --monitor-interval while workers run, and its other calls in a pass are bounded to about a second or two.
+_PAUSE_AFTER = 2.0
 _ANCESTRY_DEPTH = 8  # parent links followed from a sender to a worker (wrapper → python is 1)
 _ANCESTRY_CACHE = 4096
 
@@ -150,6 +154,8 @@ class SocketNodeMonitor:
         self.attempt: int | None = None
         self._active = False
         self._attempt_t0 = 0.0
+        self._last_call: float | None = None  # the agent's last call with a time: a long gap is its own stall
+        self.pauses: list[float] = []  # the agent's stalls while workers ran, oldest first (tests, summary)
         self._ranks: dict[int, _Rank] = {}  # local rank →
         self._by_global: dict[int, _Rank] = {}
         self._by_pid: dict[int, _Rank] = {}
@@ -186,17 +192,20 @@ class SocketNodeMonitor:
     def fileno(self) -> int:
         return self._ep.fileno()
 
-    def attempt_started(self, attempt: int, ranks: dict[int, int], pids: dict[int, int]) -> None:
+    def attempt_started(self, attempt: int, ranks: dict[int, int], pids: dict[int, int],
+                        ranks_per_replica: int | None = None) -> None:
+        """``ranks``: local → global rank; ``ranks_per_replica`` (None: every rank a replica) tells the
+        straggler scores which ranks are data-parallel peers."""
         self.attempt = attempt
         self._active = True
-        self._attempt_t0 = time.monotonic()
+        self._attempt_t0 = self._last_call = time.monotonic()
         self._hung = False
         self._ready_sent = False
         self._ranks = {lr: _Rank(local_rank=lr, rank=gr, pid=pids.get(lr)) for lr, gr in ranks.items()}
         self._by_global = {r.rank: r for r in self._ranks.values()}
         self._by_pid = {r.pid: r for r in self._ranks.values() if r.pid is not None}
         self._ancestry.clear()
-        self._straggler.reset(set(self._by_global))
+        self._straggler.reset(set(self._by_global), ranks_per_replica)
         self._close_conns()  # anything still open belongs to the previous attempt's processes
 
     def attempt_stopped(self) -> None:
@@ -204,7 +213,25 @@ class SocketNodeMonitor:
         self._ranks, self._by_global, self._by_pid = {}, {}, {}
         self._close_conns()
 
+    def _clock(self, now: float) -> None:
+        """Before anything is judged at ``now``: a gap since the agent's last call longer than ``_PAUSE_AFTER`` was
+        the agent's stall, during which no heartbeat could be read. Every watched clock moves on by the gap (never
+        past ``now``), so a rank silent before the stall stays as late as it was, and none is late for it."""
+        last, self._last_call = self._last_call, now if self._last_call is None else max(now, self._last_call)
+        if last is None or not self._active or now - last <= _PAUSE_AFTER:
+            return
+        gap = now - last
+        self.pauses.append(gap)
+        self._attempt_t0 = min(now, self._attempt_t0 + gap)
+        for r in self._ranks.values():
+            if r.last_seen is not None:
+                r.last_seen = min(now, r.last_seen + gap)
+            r.sections = [(name, min(now, start + gap), given) for name, start, given in r.sections]
+        logger.warning("the agent did not run for %.1f s (its own stall): its ranks' heartbeat clocks move on by "
+                       "as much", gap)
+
     def on_readable(self, now: float) -> list[Event]:
+        self._clock(now)
         out: list[Event] = []
         try:
             ready = self._ep.poll(0)
@@ -231,6 +258,7 @@ class SocketNodeMonitor:
         return out
 
     def tick(self, now: float) -> list[Event]:
+        self._clock(now)
         self._refused.flush()
         out = self._drain_threads()
         if self._notice is not None and now >= self._next_notice:

@@ -3,7 +3,12 @@
 Scores follow nvidia-resiliency-ext's ``straggler.reporting``: a score is reference time ÷ current time,
 so 1.0 is "as fast as the reference" and 0.5 "twice as slow".
 
-* ``peers``: the rank's median over the last ``window`` steps against the fastest local rank's median.
+* ``peers``: the rank's median over the last ``window`` steps against the fastest median of its
+  data-parallel peers on this node. Peers do the same work: with replicas of ``ranks_per_replica`` ranks
+  (``--nodes-per-replica`` × workers per node) they are the ranks at the same position in every replica
+  (``r % ranks_per_replica``), so a tensor- or pipeline-parallel rank is never compared with a rank holding
+  another shard; without replicas every rank is a replica and all are peers. A rank with no peer on the node
+  (with replicas of whole nodes: every rank) has no peers score (1.0); comparing nodes is the supervisor's.
 * ``history``: the same median against the best median this rank has shown so far.
 
 A rank is flagged only after ``confirm`` consecutive evaluations (one per step all ranks have reported)
@@ -63,11 +68,17 @@ class StragglerScorer:
         self.config = config
         self._ranks: dict[int, _RankSeries] = {}
         self._members: set[int] = set()
+        self._ranks_per_replica: int | None = None
         self._evaluated = 0  # the number of complete rounds evaluated this attempt
 
-    def reset(self, ranks: set[int]) -> None:
-        """A new attempt with these global ranks; keeps each rank's best median (its own history)."""
+    def reset(self, ranks: set[int], ranks_per_replica: int | None = None) -> None:
+        """A new attempt with these global ranks; keeps each rank's best median (its own history).
+
+        ``ranks_per_replica`` (None: every rank a replica) decides which ranks are data-parallel peers."""
+        if ranks_per_replica is not None and ranks_per_replica < 1:
+            raise ValueError(f"ranks_per_replica must be >= 1, got {ranks_per_replica}")
         self._members = set(ranks)
+        self._ranks_per_replica = ranks_per_replica
         for r in ranks:
             old = self._ranks.get(r)
             self._ranks[r] = _RankSeries(samples=deque(maxlen=self.config.window),
@@ -97,22 +108,33 @@ class StragglerScorer:
     def scores(self) -> dict[int, tuple[float, float]]:
         """rank → (peers score, history score) over the current windows (ranks with a full window)."""
         meds = self.medians()
-        if not meds:
-            return {}
-        fastest = min(meds.values())
+        fastest = self._fastest_peers(meds)
         out = {}
         for r, m in meds.items():
             best = self._ranks[r].best
-            out[r] = (_ratio(fastest, m), _ratio(best if best is not None else m, m))
+            out[r] = (_ratio(fastest[r], m), _ratio(best if best is not None else m, m))
         return out
+
+    def peer_key(self, rank: int) -> int:
+        """Ranks with the same key are data-parallel peers (the same position in every replica)."""
+        return 0 if self._ranks_per_replica is None else rank % self._ranks_per_replica
+
+    def _fastest_peers(self, meds: dict[int, float]) -> dict[int, float]:
+        """rank → the fastest median among its peers in ``meds`` (itself included)."""
+        best: dict[int, float] = {}
+        for r, m in meds.items():
+            k = self.peer_key(r)
+            best[k] = min(best.get(k, m), m)
+        return {r: best[self.peer_key(r)] for r in meds}
 
     def _evaluate(self) -> list[StragglerFinding]:
         cfg = self.config
         meds = {r: statistics.median(self._ranks[r].samples) for r in self._members}
-        fastest = min(meds.values())
+        fastest_of = self._fastest_peers(meds)
         findings = []
         for r, m in meds.items():
             rs = self._ranks[r]
+            fastest = fastest_of[r]
             best = m if rs.best is None else min(rs.best, m)
             peers, hist = _ratio(fastest, m), _ratio(best, m)
             for ref, score, thr, base in (("peers", peers, cfg.threshold, fastest),

@@ -1,10 +1,20 @@
 """Timing hooks: the seconds the training thread spends blocked in collectives, so a heartbeat can carry a
 step's *own-work* time (wall time minus waiting), which tells a straggler apart in synchronous training.
 
-Waiting is measured by wrapping the synchronous ``torch.distributed`` collectives and, for DDP (which keeps
-its own allreduce), by per-parameter gradient hooks and an end-of-backward callback, installed while
-``steps()`` runs (:func:`install` / :func:`uninstall`, counted: nested loops share one set of wrappers).
-Nothing here imports torch: only what the script has already imported is wrapped.
+Waiting is measured, while ``steps()`` runs (:func:`install` / :func:`uninstall`, counted: nested loops share
+one set of wrappers), in four places:
+
+* the ``torch.distributed`` collectives, blocking or issued with ``async_op=True`` (the issue itself);
+* ``Work.wait()``, where an async collective's caller blocks: FSDP2 issues its all-gathers and
+  reduce-scatters async and waits on the work later, and only the blocked part is waiting (compute overlapped
+  between issue and wait is the rank's own work);
+* ``wait_tensor`` of the functional collectives (``torch.distributed._functional_collectives``), where eager
+  DTensor redistributions block: their collectives are issued as ops and waited on first use;
+* for DDP (which keeps its own allreduce), per-parameter gradient hooks and an end-of-backward callback.
+
+Only the training thread is charged, and nested calls (a blocking collective that waits on its work) count
+once. Nothing here imports torch: only what the script has already imported is wrapped (a functional
+collectives module imported after ``steps()`` began is not).
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ _COLLECTIVES = (
     "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather",
     "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
     "_all_gather_base", "_reduce_scatter_base",
+    # FSDP2's names for its flat all-gather and reduce-scatter (torch >= 2.13; absent names are skipped)
+    "all_gather_single", "reduce_scatter_single",
 )
 _patched: list[tuple[object, str, object]] = []
 _patch_lock = threading.Lock()
@@ -101,7 +113,7 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
             work = fn(*args, **kwargs)
             _hold(work)
             return work
-        work = fn(*args, **kwargs, async_op=True)
+        work = fn(*args, **{**kwargs, "async_op": True})  # a caller may pass async_op=False by name
         if work is None or not hasattr(work, "wait"):  # not a member of the group: nothing was issued
             return None
         _hold(work)
@@ -110,22 +122,49 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        c = _clock
-        # async ops return at once (their wait is elsewhere); other threads (a checkpointer's background
-        # collectives) do not block the training loop; nested calls (all_gather_object → all_gather)
-        # count once.
-        if c is None or kwargs.get("async_op") or c.depth or threading.get_ident() != c.thread:
-            return call(args, kwargs)
-        c.depth += 1
-        t0 = _perf()
-        try:
-            return call(args, kwargs)
-        finally:
-            c.wait += _perf() - t0
-            c.depth -= 1
+        return _charged(call, args, kwargs)
 
     timed.__resilient_timed__ = True  # type: ignore[attr-defined]
     return timed
+
+
+def _charged(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``call(args, kwargs)``, its time charged to the clock as waiting."""
+    c = _clock
+    # other threads (a checkpointer's background collectives) do not block the training loop; nested calls
+    # (all_gather_object → all_gather, a blocking collective → its work's wait) count once
+    if c is None or c.depth or threading.get_ident() != c.thread:
+        return call(args, kwargs)
+    c.depth += 1
+    t0 = _perf()
+    try:
+        return call(args, kwargs)
+    finally:
+        c.wait += _perf() - t0
+        c.depth -= 1
+
+
+def _timed_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A wrapper of an unbound method or function whose every call is waiting (``Work.wait``, ``wait_tensor``)."""
+
+    def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return fn(*args, **kwargs)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if _clock is None or _compiling():
+            return fn(*args, **kwargs)
+        return _charged(call, args, kwargs)
+
+    timed.__resilient_timed__ = True  # type: ignore[attr-defined]
+    return timed
+
+
+def _compiling() -> bool:
+    # inside a traced region the clock would be a graph break, and the wait an op of the graph
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 # DDP's gradient waits are timed without a communication hook: a Python comm hook's callback runs, and is
@@ -216,6 +255,19 @@ def install() -> _WaitClock:
                     continue
                 _patched.append((mod, name, fn))
                 setattr(mod, name, _timed(fn))
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        work = getattr(c10d, "Work", None) if c10d is not None else None
+        funcol = sys.modules.get("torch.distributed._functional_collectives")
+        for obj, name in ((work, "wait"), (funcol, "wait_tensor")):
+            fn = getattr(obj, name, None) if obj is not None else None
+            if fn is None or getattr(fn, "__resilient_timed__", False):
+                continue
+            try:
+                setattr(obj, name, _timed_method(fn))
+            except (AttributeError, TypeError) as e:  # a torch whose Work type is closed: waits go untimed
+                logger.info("cannot time %s.%s (%s); straggler scores will miss async waits", obj, name, e)
+                continue
+            _patched.append((obj, name, fn))
         ddp_mod = sys.modules.get("torch.nn.parallel.distributed")
         ddp = getattr(ddp_mod, "DistributedDataParallel", None) if ddp_mod is not None else None
         if ddp is not None and not getattr(ddp.forward, "__resilient_timed__", False):

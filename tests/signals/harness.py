@@ -34,7 +34,8 @@ class Agent:
         self.events: list[Event] = []
         self.attempt = -1
 
-    def spawn(self, nproc: int, env: dict[str, str] | None = None, script: str = WORKER) -> list[subprocess.Popen]:
+    def spawn(self, nproc: int, env: dict[str, str] | None = None, script: str = WORKER,
+              ranks_per_replica: int | None = None) -> list[subprocess.Popen]:
         self.attempt += 1
         port = free_port()
         self.procs = []
@@ -46,7 +47,8 @@ class Agent:
                       "RESILIENT_NODE": "node0", "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
             e.update(env or {})
             self.procs.append(subprocess.Popen([sys.executable, script], env=e))
-        self.monitor.attempt_started(self.attempt, {r: r for r in range(nproc)}, {r: p.pid for r, p in enumerate(self.procs)})
+        self.monitor.attempt_started(self.attempt, {r: r for r in range(nproc)}, {r: p.pid for r, p in enumerate(self.procs)},
+                                     ranks_per_replica)
         return self.procs
 
     def _round(self, end: float) -> list[Event]:
