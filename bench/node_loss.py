@@ -53,8 +53,8 @@ import psutil  # noqa: E402
 from resilient.events.api import EventKind  # noqa: E402
 from resilient.events.ledger import read_events  # noqa: E402
 from tests._helpers.gcs import free_port  # noqa: E402
-from resilient import drill as faults  # noqa: E402
 from tests._helpers.procs import kill_sessions, session_procs  # noqa: E402
+from tests._helpers.wait import wait_for as _wait_for  # noqa: E402
 
 STEPS = 8
 GATE_STEP = 4
@@ -159,7 +159,7 @@ class Timeout(Exception):
 
 def wait_for(pred, timeout: float, what: str, poll: float = 0.02) -> None:
     try:
-        faults.wait_for(pred, timeout, what, interval=poll)
+        _wait_for(pred, timeout, what, interval=poll)
     except AssertionError as e:
         raise Timeout(str(e)) from None
 
