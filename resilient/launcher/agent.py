@@ -166,9 +166,7 @@ class Agent:
                     logger.info("waiting as a spare (round %d)", self.round)
                 plan = None
                 continue
-            self.node_round = NodeRound(round=a.round, role=NodeRole.ACTIVE, group_rank=a.members.index(self.node),
-                                        group_world_size=len(a.members), base_rank=a.base_rank(self.node),
-                                        world_size=a.world_size, max_restarts=plan.get("max_restarts", self.cfg.supervisor.max_restarts))
+            self.node_round = NodeRound.active_in(a, plan, self.node, self.cfg.supervisor.max_restarts)
             self.control.ack(self.round)
             self.restart_count = attempt = a.attempt
             self._begin_attempt(a, plan, last)
@@ -196,7 +194,7 @@ class Agent:
                              **({} if clk is None else {"clock_offset": round(clk.offset, 6), "clock_rtt": round(clk.rtt, 6)}))
         prev = a.previous_world_size  # type: ignore[attr-defined]
         if prev is not None and prev != a.world_size:  # type: ignore[attr-defined]
-            record_previous_world(self.run_dir, prev)
+            record_previous_world(self.run_dir, prev, self.node_round.previous_dp_size)
         if self._ran:
             cause, lag = last or ("peer_failed", 0.0)
             self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=cause, detect_seconds=round(lag, 4),

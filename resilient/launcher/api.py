@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import os
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from resilient.supervisor.config import SupervisorConfig
 
@@ -69,10 +71,36 @@ class NodeRound:
     base_rank: int = 0  # global rank of this node's local rank 0
     world_size: int = 1
     max_restarts: int = 0  # the job's restart budget: the supervisor's, whatever this agent's --max-restarts says
+    nodes_per_replica: int | None = None  # --nodes-per-replica as the plan says; None: every rank is a replica
+    previous_dp_size: int | None = None  # the previous round's data-parallel size (on_scale), None at start
+    reason: str | None = None  # why the supervisor started this round (its action's reason)
 
     @property
     def active(self) -> bool:
         return self.role == NodeRole.ACTIVE
+
+    def dp_layout(self, nproc_per_node: int) -> tuple[int, int]:
+        """(ranks per replica, data-parallel size) of this round with ``nproc_per_node`` workers per node."""
+        rpr = self.nodes_per_replica * nproc_per_node if self.nodes_per_replica else 1
+        if self.world_size % rpr:
+            raise ValueError(f"a world of {self.world_size} ranks is not a whole number of replicas of "
+                             f"{self.nodes_per_replica} node(s) x {nproc_per_node} workers")
+        return rpr, self.world_size // rpr
+
+    @classmethod
+    def active_in(cls, a: Any, plan: Mapping[str, Any], node: str, max_restarts: int) -> NodeRound:
+        """This node's round as a member of the plan's assignment ``a`` (``resilient.supervisor.core.Assignment``;
+        ``max_restarts``: the budget when the plan names none)."""
+        k = getattr(a, "nodes_per_replica", None) or plan["assignment"].get("nodes_per_replica")
+        prev_world = a.previous_world_size
+        prev_dp = getattr(a, "previous_dp_size", None) or plan["assignment"].get("previous_dp_size")
+        if prev_dp is None and prev_world is not None:
+            prev_dp = prev_world // (k * a.nproc[node]) if k else prev_world
+        action = plan.get("action")
+        return cls(round=a.round, role=NodeRole.ACTIVE, group_rank=a.members.index(node),
+                   group_world_size=len(a.members), base_rank=a.base_rank(node), world_size=a.world_size,
+                   max_restarts=plan.get("max_restarts", max_restarts), nodes_per_replica=k, previous_dp_size=prev_dp,
+                   reason=(action.get("reason") or None) if isinstance(action, Mapping) else None)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
     """The environment of one worker: torchrun's variables, then ours (:class:`resilient.env.WorkerEnv`)."""
     c = cfg
     rank = nr.base_rank + local_rank
+    # a replica's nodes hold consecutive group ranks, so its ranks are consecutive: dp is the outermost dimension
+    rpr, dp_size = nr.dp_layout(c.nproc_per_node)
     env = dict(os.environ)
     env.update({
         "LOCAL_RANK": str(local_rank),
@@ -90,7 +92,9 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
         agent_socket=monitor_socket, ckpt_local=c.ckpt_local or ckpt_local, ckpt_persistent=c.ckpt_persistent,
         ckpt_interval=c.ckpt_interval, ckpt_persistent_every=c.ckpt_persistent_every, ckpt_compress=c.ckpt_compress,
         upload_grace=c.upload_grace, ckpt_max_failed_saves=c.ckpt_max_failed_saves,
-        heartbeat_timeout=c.heartbeat_timeout, policy=c.policy, spare_nodes=c.spare_nodes or None).to_env())
+        heartbeat_timeout=c.heartbeat_timeout, policy=c.policy, spare_nodes=c.spare_nodes or None,
+        dp_size=dp_size, dp_rank=rank // rpr, nodes_per_replica=nr.nodes_per_replica,
+        round_reason=nr.reason).to_env())
     env.update(drill_env)
     return env
 
@@ -117,14 +121,14 @@ def start_monitor(cfg: AgentConfig, ledger: object, group_rank: int, default_loc
     return sock, monitor
 
 
-def record_previous_world(run_dir: Path, previous_world_size: int) -> None:
-    """A node that did not train before has no world record: give it the previous world, so its ranks run
-    the ``on_scale`` callbacks like everyone else's."""
+def record_previous_world(run_dir: Path, previous_world_size: int, previous_dp_size: int | None = None) -> None:
+    """A node that did not train before has no world record: give it the previous world (and data-parallel
+    size, default the world size), so its ranks run the ``on_scale`` callbacks like everyone else's."""
     from resilient.worker.scale import read_world, record_world
 
     if read_world(run_dir) is None:
         try:
-            record_world(run_dir, previous_world_size)
+            record_world(run_dir, previous_world_size, previous_dp_size)
         except (OSError, ValueError) as e:
             logger.warning("cannot record the previous world size: %s", e)
 

@@ -10,6 +10,10 @@ each node's run directory (shared or not) the record.
 The launcher needs nothing else for nodes that trained before. A node that did not (a hot spare joining
 the job) has no record: the supervisor/agent calls :func:`record_world` with the *previous* world on that
 node's run directory before spawning its workers, so its ranks call the callbacks like everyone else.
+
+The data-parallel size is ``RESILIENT_DP_SIZE`` as ``resilient-run`` sets it (the number of replicas with
+``--nodes-per-replica``, else the world size); the reason is that of the supervisor's action that started
+the round (``RESILIENT_ROUND_REASON``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from resilient import env
+from resilient.signals.api import ScaleEvent
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +69,22 @@ def record_world(run_dir: str | os.PathLike[str], world_size: int, dp_size: int 
     tmp = path.with_name(f".{WORLD_RECORD}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(asdict(rec)))
     os.replace(tmp, path)
+
+
+def current_dp_size(world_size: int, environ: Mapping[str, str] = os.environ) -> int:
+    """This attempt's data-parallel size: ``RESILIENT_DP_SIZE``, else ``world_size`` (every rank a replica)."""
+    raw = environ.get(env.DP_SIZE, "").strip()
+    try:
+        return int(raw) if raw else world_size
+    except ValueError:
+        raise ValueError(f"{env.DP_SIZE}={raw!r}: expected a whole number") from None
+
+
+def scale_event(run_dir: str | os.PathLike[str], world_size: int, dp_size: int,
+                environ: Mapping[str, str] = os.environ) -> ScaleEvent | None:
+    """The change since the last attempt that trained, or None when there was none (or no record)."""
+    prev = read_world(run_dir)
+    if prev is None or (prev.world_size == world_size and prev.dp_size == dp_size):
+        return None
+    return ScaleEvent(old_world_size=prev.world_size, new_world_size=world_size, old_dp_size=prev.dp_size,
+                      new_dp_size=dp_size, reason=environ.get(env.ROUND_REASON) or None)

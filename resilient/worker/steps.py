@@ -205,7 +205,7 @@ def steps(start: int, stop: int | None = None, *, dp_size: int | None = None) ->
 
     Under ``resilient-run`` each step sends a heartbeat with the previous step's timings, rank 0 records a
     STEP event per completed step, and ``on_scale`` callbacks run before the first step when the world size
-    (or ``dp_size``, default: the world size) differs from the previous attempt's. A step left by ``break``
+    (or ``dp_size``, default: ``resilient.topology().dp_size``) differs from the previous attempt's. A step left by ``break``
     or an exception is not recorded as completed.
     """
     c = _client()
@@ -217,15 +217,14 @@ def steps(start: int, stop: int | None = None, *, dp_size: int | None = None) ->
 def _check_scale(c: _Client, dp_size: int) -> None:
     if c.run_dir is None:
         return
-    prev = _scale.read_world(c.run_dir)
-    if prev is None or (prev.world_size == c.world_size and prev.dp_size == dp_size):
+    ev = _scale.scale_event(c.run_dir, c.world_size, dp_size)
+    if ev is None:
         return
-    ev = ScaleEvent(old_world_size=prev.world_size, new_world_size=c.world_size,
-                    old_dp_size=prev.dp_size, new_dp_size=dp_size)
     logger.info("world changed since the last attempt: %s", ev)
     if c.ledger is not None:
         c.ledger.emit(EventKind.SCALE, rank=c.rank, old_world_size=ev.old_world_size,
-                      new_world_size=ev.new_world_size, old_dp=ev.old_dp_size, new_dp=ev.new_dp_size)
+                      new_world_size=ev.new_world_size, old_dp=ev.old_dp_size, new_dp=ev.new_dp_size,
+                      old_dp_size=ev.old_dp_size, new_dp_size=ev.new_dp_size, reason=ev.reason)
     for fn in list(_scale_callbacks):
         fn(ev)
 
@@ -252,7 +251,7 @@ def _save_compile_cache(cc: Any) -> None:
 
 
 def _steps(c: _Client, start: int, stop: int | None, dp_size: int | None) -> Iterator[int]:
-    dp = c.world_size if dp_size is None else dp_size
+    dp = _scale.current_dp_size(c.world_size) if dp_size is None else dp_size
     _check_scale(c, dp)
     cc = _compile_cache()
     save_cc_at = start + 2  # by then the training step has been compiled, if it is compiled at all

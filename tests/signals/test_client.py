@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import resilient
+from resilient import env as renv
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.worker import steps as client
@@ -105,7 +106,7 @@ def test_on_scale_runs_before_training_when_the_world_changed(make_agent, tmp_pa
     a.pump(lambda ev: a.all_exited(), 30)
     assert read_world(a.run_dir).world_size == 2 and not log.exists()  # nothing to compare with yet
     a.stop()
-    a.spawn(1, env, script=LIGHT)  # one rank lost
+    a.spawn(1, dict(env, **{renv.ROUND_REASON: "node b lost: scaling down"}), script=LIGHT)  # one rank lost
     a.pump(lambda ev: a.all_exited(), 30)
     assert log.read_text().split("\n")[0] == "0 2 1 2 1"
     a.stop()
@@ -113,7 +114,8 @@ def test_on_scale_runs_before_training_when_the_world_changed(make_agent, tmp_pa
     a.pump(lambda ev: a.all_exited(), 30)
     assert log.read_text().count("\n") == 1
     (sc,) = kinds(list(read_events(a.run_dir)), EventKind.SCALE)
-    assert sc.details == {"old_world_size": 2, "new_world_size": 1, "old_dp": 2, "new_dp": 1} and sc.attempt == 1
+    assert sc.details == {"old_world_size": 2, "new_world_size": 1, "old_dp": 2, "new_dp": 1, "old_dp_size": 2,
+                          "new_dp_size": 1, "reason": "node b lost: scaling down"} and sc.attempt == 1
 
 
 def test_record_world_is_atomic_and_validated(tmp_path):
