@@ -49,14 +49,15 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, nnodes: str, *, flags: list[str] | None = None, port: int | None = None):
-        self.tmp, self.nnodes, self.flags = tmp, nnodes, list(flags or [])
+    def __init__(self, tmp: Path, nnodes: str, *, flags: list[str] | None = None, port: int | None = None,
+                 nproc: int = 1):
+        self.tmp, self.nnodes, self.flags, self.nproc = tmp, nnodes, list(flags or []), nproc
         self.port = port or free_port()
         self.run_dir = tmp / "run"
         self.nodes: list[Node] = []
 
     def agent_cmd(self, local: Path, script_args: list[str], extra: list[str]) -> list[str]:
-        return [sys.executable, "-m", "resilient.run", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+        return [sys.executable, "-m", "resilient.run", "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "cluster",
                 "--local-addr", "127.0.0.1", "--run-dir", str(self.run_dir), "--ckpt-local", str(local),
                 *self.flags, *extra, str(TRAIN), *script_args]
