@@ -218,13 +218,23 @@ class Cordons(_Wrapper):
         return Cordon(event.node, reason=f"{event.node} is suspect")
 
 
+class Splits(_Wrapper):
+    """Drops one healthy node of another replica than the failed one's (--nodes-per-replica): a split replica."""
+
+    def broken(self, event: Event, view: Any) -> Any:
+        other = next(r for r in view.replicas if event.node not in r)
+        return ScaleDown((other[0],), reason=f"drop {other[0]} alone")
+
+
 BROKEN: dict[str, type[_Wrapper]] = {"raises": Raises, "hangs": Hangs, "nonsense": Nonsense, "invalid": Invalid,
-                                     "cordons": Cordons}
+                                     "cordons": Cordons, "splits": Splits}
 
 
 # --------------------------------------------------------------------------------------------- the table
 _TWO = {"min_nodes": 1, "max_nodes": 2, "nproc_per_node": 2}
 _TWO_AT_MIN = {"min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2}
+# --nodes-per-replica 2: replicas (a, b) and (c, d)
+_REPLICAS = {"min_nodes": 2, "max_nodes": 4, "nproc_per_node": 2, "nodes_per_replica": 2}
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
@@ -557,6 +567,62 @@ SCENARIOS: tuple[Scenario, ...] = (
         (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s", "c")),
          Expect("scale_down", {"nodes": ["c"]}, ("a", "s"))),
         wrap="cordons",
+    ),
+)
+
+
+SCENARIOS += (
+    Scenario(
+        "replica_node_lost_with_spare", "replicas of 2 nodes: a lost node's place goes to the spare, inside its "
+                                        "replica; nothing else moves",
+        _REPLICAS, joins("a", "b", "c", "d", "s") + (Seen(("a", "b", "c", "s"), 8), Tick(11)),
+        (Expect("hot_swap", {"node": "d", "spare": "s"}, ("a", "b", "c", "s")),),
+        overrides={"scale_down_first": (Expect("scale_down", {"nodes": ["c", "d"]}, ("a", "b")),)},
+    ),
+    Scenario(
+        "replica_node_lost_no_spare", "replicas of 2 nodes, no spare: the broken replica is dropped whole and its "
+                                      "healthy node is a warm spare at once",
+        _REPLICAS, joins("a", "b", "c", "d") + (Seen(("a", "b", "c"), 8), Tick(11)),
+        (Expect("scale_down", {"nodes": ["c", "d"]}, ("a", "b")),),
+    ),
+    Scenario(
+        "replica_returns", "the lost node of a dropped replica comes back: with the benched node, a replica again, "
+                           "grown at the next local checkpoint",
+        _REPLICAS, joins("a", "b", "c", "d") + (
+            Seen(("a", "b", "c"), 8), Tick(11), Join("d", 12),
+            On("ckpt_tier_done", "a", 13, rank=0, details={"step": 10, "tier": "local"})),
+        (Expect("scale_down", {"nodes": ["c", "d"]}, ("a", "b")),
+         Expect("scale_up", {"spares": ["c", "d"]}, pending=True),
+         Expect("scale_up", {"spares": ["c", "d"]}, ("a", "b", "c", "d"))),
+    ),
+    Scenario(
+        "replica_spare_waits_for_its_partner", "one spare is half a replica: it waits warm; a second one makes a "
+                                               "replica, grown at the next local checkpoint",
+        _REPLICAS, joins("a", "b") + (
+            Join("c", 5), Join("d", 6), On("ckpt_tier_done", "a", 7, rank=0, details={"step": 10, "tier": "local"})),
+        (Expect("ignore"), Expect("scale_up", {"spares": ["c", "d"]}, pending=True),
+         Expect("scale_up", {"spares": ["c", "d"]}, ("a", "b", "c", "d"))),
+    ),
+    Scenario(
+        "replica_lost_at_min", "replicas of 2 nodes at --nnodes min, no spare: a lost node stops the job",
+        {**_REPLICAS, "min_nodes": 4}, joins("a", "b", "c", "d") + (Seen(("a", "b", "c"), 8), Tick(11)),
+        (Expect("stop"),),
+    ),
+    Scenario(
+        "replica_preempted_scales_down", "a member's preemption notice, no spare: its replica is dropped once the "
+                                         "agreed step is saved",
+        _REPLICAS, joins("a", "b", "c", "d") + (
+            On("preemption_notice", "d", 5, details={"source": "SIGTERM"}),
+            On("agent_lost", "d", 6, attempt=None, details={"reason": "left"}), Seen(("a", "b", "c"), 7),
+            Done(("a", "b", "c"), 8)),
+        (Expect("scale_down", {"nodes": ["c", "d"]}, pending=True),
+         Expect("scale_down", {"nodes": ["c", "d"]}, ("a", "b"))),
+    ),
+    Scenario(
+        "replica_split_refused", "a scale-down that would leave part of a replica running is refused: the default "
+                                 "decides",
+        _REPLICAS, joins("a", "b", "c", "d") + (Seen(("a", "b", "c"), 8), Tick(11)),
+        (Expect("scale_down", {"nodes": ["c", "d"]}, ("a", "b"), fallback=True),), wrap="splits",
     ),
 )
 
