@@ -102,7 +102,7 @@ class Assignment:
         return {"round": self.round, "attempt": self.attempt, "members": list(self.members),
                 "spares": list(self.spares), "nproc": dict(self.nproc), "world_size": self.world_size,
                 "previous_world_size": self.previous_world_size, "nodes_per_replica": self.nodes_per_replica,
-                "previous_dp_size": self.previous_dp_size}
+                "dp_size": self.dp_size, "previous_dp_size": self.previous_dp_size}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Assignment":
