@@ -88,8 +88,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, whole job")
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
     ap.add_argument("--lr", type=float, default=3e-3, help="learning rate at --lr-batch sequences per step")
-    ap.add_argument("--lr-batch", type=int, default=16,
-                    help="the global batch --lr was tuned for; another --global-batch scales it by --lr-scaling")
+    ap.add_argument("--lr-batch", type=int, default=None,
+                    help="the global batch --lr was tuned for (default: --global-batch); another --global-batch "
+                         "scales it by --lr-scaling")
     ap.add_argument("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
                     help="how the learning rate follows the global batch (linear: Goyal et al.; sqrt: for Adam)")
     ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
@@ -110,6 +111,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--init-group", action="store_true",
                     help="set up the process group even at world size 1 (as every rank of a multi-node job does)")
     a = ap.parse_args()
+    a.lr_batch = a.global_batch if a.lr_batch is None else a.lr_batch
     for name in ("steps", "global_batch", "micro_batch", "log_every", "tp", "lr_batch"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
