@@ -45,6 +45,10 @@ def test_lost_node_drops_its_replica_benches_its_partner_and_the_job_grows_back(
     kept = next(r for r in replicas if r is not broken)
     victim, partner = by_name[broken[1]], by_name[broken[0]]
     victim.kill()
+    wait_for(lambda: any(k == "scale_down" for k, _ in assignments(c.events())) or host.proc.poll() is not None, 60,
+             "the broken replica to be dropped")
+    # the fresh agent warms up (seconds of imports) while the job goes on on one replica
+    repaired = c.start("repaired", args)
     (gate / "go").touch()
 
     wait_for(lambda: at_gate(gate, 2, "-8") or host.proc.poll() is not None, 90, "the job to go on on one replica")
@@ -54,7 +58,6 @@ def test_lost_node_drops_its_replica_benches_its_partner_and_the_job_grows_back(
     assert benched[0]["reason"] and isinstance(benched[0]["replica"], int)
     assert partner.proc.poll() is None  # its agent waits, warm
 
-    repaired = c.start("repaired", args)
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(repaired) for e in c.events())
              or host.proc.poll() is not None, 90, "the fresh agent to join")
     (gate / "go-8").touch()
