@@ -4,10 +4,16 @@ sampler's state_dict()."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import multiprocessing as mp
+from pathlib import Path
+
 import pytest
 import torch
 
 from resilient.data import ElasticBatch, MicroBatch, ResumableSampler
+from tests._helpers.gcs import free_port
 
 
 def _step(eb: ElasticBatch, d: int, start: int = 0, samples: int | None = None) -> list[list[MicroBatch]]:
@@ -143,3 +149,94 @@ def test_drop_last_skips_the_short_tail() -> None:
     while s.next_global_batch(eb, dp_size=3, dp_rank=0):
         n += 1
     assert n == N // G and s.state_dict()["consumed"] == N // G * G
+
+
+# ------------------------------------------------------------------ the same, on a real gloo group with DDP
+
+PHASES = [(4, 2), (2, 2), (3, 2), (4, 10)]  # (data-parallel size, steps): 4 -> 2 -> 3 -> 4 over the epoch
+
+
+def _ddp_rank(rank: int, init: str, out: str) -> None:
+    """One rank of 4. Each phase trains on a group of its first d ranks with DDP (fp64); between phases the
+    state goes through a file as through a checkpoint: rank 0 saves the weights and the sampler's state_dict(),
+    every rank of the next phase restores them."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)  # 4 processes on a few cores
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    groups = {d: dist.new_group(list(range(d))) for d in sorted({d for d, _ in PHASES})}  # every rank makes each
+    x, y = _data()
+    eb = ElasticBatch(G, MB)
+    ckpt = Path(out, "ckpt.pt")
+    log: dict[str, list] = {"grads": [], "indices": []}
+    model = torch.nn.Linear(DIM, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    sampler = ResumableSampler(N, num_replicas=1, rank=0, seed=3)
+    for i, (d, n_steps) in enumerate(PHASES):
+        if i:
+            saved = torch.load(ckpt)
+            model.weight.data.copy_(saved["w"])
+            sampler = ResumableSampler(N, num_replicas=1, rank=0, seed=3)
+            sampler.load_state_dict(saved["sampler"])
+        if rank < d:
+            ddp = DDP(model, process_group=groups[d])
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for _ in range(n_steps):
+                plan = sampler.next_global_batch(eb, dp_size=d, dp_rank=rank)
+                if not plan:
+                    break
+                opt.zero_grad()
+                for m, mb in enumerate(plan):
+                    idx = list(mb.indices)
+                    with ddp.no_sync() if m < len(plan) - 1 else contextlib.nullcontext():
+                        pred = ddp(x[idx]).squeeze(1)  # an empty micro-batch still runs, with a zero loss
+                        (((pred - y[idx]) ** 2).sum() * mb.loss_scale).backward()
+                log["indices"].append(idx_of(plan))
+                log["grads"].append(model.weight.grad.squeeze(0).tolist())
+                opt.step()
+            if rank == 0:  # ranks past d sit this phase out (a dropped replica)
+                torch.save({"w": model.weight.detach().clone(), "sampler": sampler.state_dict()}, ckpt)
+        dist.barrier()  # the checkpoint is written before anyone restores it
+    Path(out, f"{rank}.json").write_text(json.dumps(log))
+    dist.destroy_process_group()
+
+
+def idx_of(plan: list[MicroBatch]) -> list[int]:
+    return [i for mb in plan for i in mb.indices]
+
+
+@pytest.mark.timeout(180)
+def test_ddp_over_size_changes_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    # one fresh interpreter imports torch and this module, then forks each rank: not one import per rank
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", __name__])  # DDP's first use imports torch._dynamo
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_ddp_rank, args=(r, init, str(tmp_path))) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=150)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * 4
+    logs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    x, y = _data()
+    want_steps, want_grads = _uninterrupted(x, y)
+    # rank 0 trains in every phase: its (all-reduced) gradient is the step's
+    assert len(logs[0]["grads"]) == len(want_grads) == 7
+    for got, want in zip(logs[0]["grads"], want_grads):
+        assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-12), (got, want)
+    # each step's samples, over the ranks that trained in it: the uninterrupted step's, every sample once
+    sizes = [d for d, n in PHASES for _ in range(n)][:7]
+    pos = [0] * 4
+    seen = []
+    for step, d in enumerate(sizes):
+        taken = []
+        for r in range(d):
+            taken.extend(logs[r]["indices"][pos[r]])
+            pos[r] += 1
+        assert sorted(taken) == sorted(want_steps[step])
+        seen.extend(taken)
+    assert sorted(seen) == list(range(N)) and pos == [len(lg["indices"]) for lg in logs]

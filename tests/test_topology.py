@@ -88,8 +88,10 @@ def _mesh_rank(rank: int, world: int, init: str, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_mesh_on_a_real_gloo_group(tmp_path: Path) -> None:
     world = 4
-    ctx = mp.get_context("spawn")
-    init = f"file://{tmp_path / 'store'}"
+    # one fresh interpreter imports torch and this module, then forks each rank: not one import per rank
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_mesh_rank, args=(r, world, init, str(tmp_path))) for r in range(world)]
     for p in procs:
         p.start()

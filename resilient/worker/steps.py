@@ -205,8 +205,8 @@ def steps(start: int, stop: int | None = None, *, dp_size: int | None = None) ->
 
     Under ``resilient-run`` each step sends a heartbeat with the previous step's timings, rank 0 records a
     STEP event per completed step, and ``on_scale`` callbacks run before the first step when the world size
-    (or ``dp_size``, default: ``resilient.topology().dp_size``) differs from the previous attempt's. A step left by ``break``
-    or an exception is not recorded as completed.
+    (or ``dp_size``, default: ``resilient.topology().dp_size``) differs from the previous attempt's. A step
+    left by ``break`` or an exception is not recorded as completed.
     """
     c = _client()
     if c is None:
