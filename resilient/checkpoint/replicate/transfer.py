@@ -184,10 +184,14 @@ class Received:
 
 @dataclass(frozen=True)
 class Transfer:
+    """``size``: the bytes that travel; ``blocks``: only these verification blocks of the file travel
+    (a resharded restore reads part of another rank's file), None for the whole file."""
+
     src: int
     dst: int
     name: str
     size: int
+    blocks: tuple[int, ...] | None = None
 
 
 def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
@@ -209,12 +213,12 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
             entry = wire[t.name]
             if t.src == rank:
                 if src_mem and t.name in src_mem:
-                    send_pieces(group, t.dst, entry, data=src_mem[t.name])
+                    send_pieces(group, t.dst, entry, data=src_mem[t.name], blocks=t.blocks)
                 else:
-                    send_pieces(group, t.dst, entry, path=src_path[t.name])
+                    send_pieces(group, t.dst, entry, path=src_path[t.name], blocks=t.blocks)
             elif t.dst == rank:
                 how = (land or {}).get(t.name) or Landing([Span(0, entry.size)], keep=True)
-                received[t.name] = receive_into(group, t.src, entry, how)
+                received[t.name] = receive_into(group, t.src, entry, how, blocks=t.blocks)
             continue
         pieces = _chunks([FileSpec(t.name, t.size)])
         if t.src == rank and t.dst != rank and src_mem and t.name in src_mem:
@@ -268,20 +272,33 @@ def run_transfers(group: Any, rank: int, transfers: Sequence[Transfer], *,
     return received
 
 
-def wire_pieces(entry: FileEntry) -> list[tuple[int, int]]:
+def wire_pieces(entry: FileEntry, blocks: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """(offset, length) pieces a file travels in when it lands in the receiver's tensors: cut at the
     manifest's verification blocks and around the bytes of every tensor of at least ``DIRECT_MIN`` bytes
-    (the manifest's layout), at most ``CHUNK`` long. Both ends compute it from the same manifest entry."""
+    (the manifest's layout), at most ``CHUNK`` long. Both ends compute it from the same manifest entry.
+
+    ``blocks``: only the pieces of these verification blocks (a part of the file), at most ``RANGED_PIECE``
+    long: the receiver stages the bytes no target takes in pieces that small."""
     size = entry.size
-    cuts = {a for a, _, _ in blocks_of(entry)} | {0, size}
+    bounds = [(a, b) for a, b, _ in blocks_of(entry)]
+    cuts = {a for a, _ in bounds} | {0, size}
     for _, start, n in entry.items:
         if n >= DIRECT_MIN and 0 <= start and start + n <= size:
             cuts.update((start, start + n))
     pts = sorted(cuts)
+    longest = CHUNK
+    chosen = set(range(len(bounds))) if blocks is None else {i for i in blocks if 0 <= i < len(bounds)}
+    if blocks is not None:
+        longest = RANGED_PIECE
     out = []
+    bi = 0
     for a, b in zip(pts, pts[1:]):
+        while bi < len(bounds) and bounds[bi][1] <= a:
+            bi += 1
+        if bi not in chosen:
+            continue  # a block not sent (pieces never cross a block: its start is a cut)
         while a < b:
-            k = min(CHUNK, b - a)
+            k = min(longest, b - a)
             out.append((a, k))
             a += k
     return out
@@ -304,6 +321,8 @@ class Landed:
 
     bad: tuple[int, ...]
     keep: Any = None
+    staged: int = 0  # bytes of the staging buffers it allocated beside the targets
+    received: int = 0  # bytes that travelled
 
 
 class _Pieces:
@@ -328,17 +347,24 @@ class _Pieces:
 # (hundreds of pieces for a model's tensors); at most WINDOW_BYTES of them, so the staging buffers stay small
 WINDOW = 16
 WINDOW_BYTES = 64 << 20
+# a part of a file (a resharded restore): small pieces and few bytes in flight, so that what the receiver
+# stages beside its targets stays a small fraction of its new shard
+RANGED_PIECE = 128 << 10
+RANGED_WINDOW_BYTES = 512 << 10
 
 
-def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> Landed:
+def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing,
+                 blocks: Sequence[int] | None = None) -> Landed:
     """Receive a file sent with :func:`send_pieces` straight into ``landing``'s targets; the digest of each
     manifest block (xxh3, or crc32c in older manifests) is computed over what landed, while later pieces
-    are in flight."""
-    pieces = wire_pieces(entry)
-    blocks = blocks_of(entry)
-    starts = [a for a, _, _ in blocks]
+    are in flight. ``blocks``: only these blocks travel (the others are neither received nor checked)."""
+    pieces = wire_pieces(entry, blocks)
+    window_bytes = WINDOW_BYTES if blocks is None else RANGED_WINDOW_BYTES
+    bounds = blocks_of(entry)
+    starts = [a for a, _, _ in bounds]
     new_hash = hasher(entry)
-    hashes = [new_hash() for _ in blocks]
+    hashes = [new_hash() for _ in bounds]
+    staged_bytes = [0]  # staging buffers allocated beside the targets: what this receive holds beyond them
     where = _Pieces(landing.spans)
     keep = receive_buffer(entry.size) if landing.keep and entry.size else None
     keep_t = torch.from_numpy(keep) if keep is not None else None
@@ -356,11 +382,12 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
             if keep_t is not None:
                 buf = keep_t[a:a + n]
             else:
-                slot = next((b for b in spare if b.numel() >= n), None)
-                if slot is None:
-                    slot = torch.empty(max(n, 1 << 20), dtype=torch.uint8)
+                i = next((i for i, b in enumerate(spare) if b.numel() >= n), None)
+                if i is None:
+                    slot = torch.empty(max(n, 1 << 20) if blocks is None else n, dtype=torch.uint8)
+                    staged_bytes[0] += slot.numel()
                 else:
-                    spare.remove(slot)
+                    slot = spare.pop(i)  # by position: list.remove would compare tensors element-wise
                 buf = slot[:n]
             staged = [s for s in over if s.dst is not None]
         return dist.irecv(buf, src=src, group=group), a, n, buf, staged, slot
@@ -380,7 +407,7 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
     inflight: collections.deque[Any] = collections.deque()
     in_bytes = 0
     for k in range(len(pieces)):
-        while inflight and (len(inflight) >= WINDOW or in_bytes + pieces[k][1] > WINDOW_BYTES):
+        while inflight and (len(inflight) >= WINDOW or in_bytes + pieces[k][1] > window_bytes):
             done = inflight.popleft()
             in_bytes -= done[2]
             finish(done)
@@ -388,14 +415,18 @@ def receive_into(group: Any, src: int, entry: FileEntry, landing: Landing) -> La
         in_bytes += pieces[k][1]
     while inflight:
         finish(inflight.popleft())
-    bad = tuple(i for i, (a, b, want) in enumerate(blocks) if b > a and hashes[i].intdigest() != want)
-    return Landed(bad, keep)
+    sent = set(range(len(bounds))) if blocks is None else set(blocks)
+    bad = tuple(i for i, (a, b, want) in enumerate(bounds) if i in sent and b > a and hashes[i].intdigest() != want)
+    return Landed(bad, keep, staged=staged_bytes[0], received=sum(n for _, n in pieces))
 
 
-def send_pieces(group: Any, dst: int, entry: FileEntry, *, path: str | None = None, data: Any = None) -> None:
-    """Send a file (``path`` on disk, or ``data`` in memory) in :func:`wire_pieces`, several pieces in flight.
-    A file on disk is sent from a read-only mapping of it: no buffer, no copy on this side."""
-    pieces = wire_pieces(entry)
+def send_pieces(group: Any, dst: int, entry: FileEntry, *, path: str | None = None, data: Any = None,
+                blocks: Sequence[int] | None = None) -> None:
+    """Send a file (``path`` on disk, or ``data`` in memory) in :func:`wire_pieces`, several pieces in flight
+    (only ``blocks`` of it, when given). A file on disk is sent from a read-only mapping of it: no buffer,
+    no copy on this side."""
+    pieces = wire_pieces(entry, blocks)
+    window_bytes = WINDOW_BYTES if blocks is None else RANGED_WINDOW_BYTES
     if not entry.size:
         return
     mm = None
@@ -413,7 +444,7 @@ def send_pieces(group: Any, dst: int, entry: FileEntry, *, path: str | None = No
         inflight: collections.deque[tuple[Any, int]] = collections.deque()
         in_bytes = 0
         for a, n in pieces:
-            while inflight and (len(inflight) >= WINDOW or in_bytes + n > WINDOW_BYTES):
+            while inflight and (len(inflight) >= WINDOW or in_bytes + n > window_bytes):
                 w, m = inflight.popleft()
                 w.wait()
                 in_bytes -= m

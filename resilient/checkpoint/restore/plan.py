@@ -26,16 +26,20 @@ class FetchPlan:
 
 
 def plan_fetch(needs: Sequence[Sequence[str]], have: Sequence[Sequence[str]], sizes: Mapping[str, int],
-               in_persistent: bool) -> FetchPlan:
+               in_persistent: bool, blocks: Sequence[Mapping[str, Sequence[int]]] | None = None,
+               bounds: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> FetchPlan:
     """Sources, fastest first: the rank's own node (``have[r]``), another rank's copy over the group (the
     least loaded sender, ties to the lowest rank), the persistent tier (when it holds the step).
 
-    ``needs[r]``: the files rank ``r`` loads; ``have[r]``: the files rank ``r`` holds a copy of on its node.
+    ``needs[r]``: the files rank ``r`` loads; ``have[r]``: the files rank ``r`` holds a copy of on its node;
+    ``blocks[r]``: for files rank ``r`` reads only in part (a resharded restore), the verification blocks it
+    reads, whose ``bounds`` (name -> (start, end) of each block) give a transfer's size: only those travel.
     """
     plan = FetchPlan()
     load = [0] * len(needs)
     held = [set(h) for h in have]
     for r, wanted in enumerate(needs):
+        part = blocks[r] if blocks is not None else {}
         for n in sorted(wanted):
             if n in held[r]:
                 continue
@@ -43,7 +47,12 @@ def plan_fetch(needs: Sequence[Sequence[str]], have: Sequence[Sequence[str]], si
             if providers:
                 q = min(providers, key=lambda q: (load[q], q))
                 load[q] += 1
-                plan.transfers.append(Transfer(src=q, dst=r, name=n, size=sizes[n]))
+                if n in part and bounds is not None and n in bounds:
+                    bs = tuple(sorted(part[n]))
+                    size = sum(bounds[n][i][1] - bounds[n][i][0] for i in bs)
+                    plan.transfers.append(Transfer(src=q, dst=r, name=n, size=size, blocks=bs))
+                else:
+                    plan.transfers.append(Transfer(src=q, dst=r, name=n, size=sizes[n]))
             elif in_persistent:
                 plan.downloads.setdefault(r, []).append(n)
             else:

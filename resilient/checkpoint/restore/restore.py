@@ -18,6 +18,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -40,10 +41,11 @@ from resilient.checkpoint.format.spans import Span
 from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
 from resilient.checkpoint.replicate.transfer import Landed, Landing, run_transfers
 from resilient.checkpoint.restore.device import is_device
-from resilient.checkpoint.restore.load import (FileLoad, FileSource, Item, MemSource, RangeSource, Source, load_files,
-                                               plan_spans, undefined, whole_file)
+from resilient.checkpoint.restore.load import (PIECE, THREADS, FileLoad, FileSource, Item, MemSource, RangeSource,
+                                               Source, load_files, plan_spans, undefined, whole_file)
 from resilient.checkpoint.restore.plan import plan_fetch
 from resilient.checkpoint.restore.reader import FastReader, SafeLoadPlanner
+from resilient.checkpoint.restore.reshard import blocks_touched, box_runs, cover, run_spans
 from resilient.checkpoint.storage.context import (Component, FAILURES, one_line as _one_line,
                                                   per_rank_key as _per_rank_key, quiet as _quiet,
                                                   rmdir_quiet as _rmdir_quiet)
@@ -230,6 +232,85 @@ class _Direct:
     slow_files: set[str]  # files DCP (or the object path) reads some bytes of
     spans: dict[str, list[Span]]  # files whose manifest gives the layout: spans planned without a read
     items_in: dict[str, int]  # file -> number of storage items in it
+    # resharded DTensors (another layout than saved): file -> the verification blocks this rank reads of it
+    # (the ones its spans touch); such a file is read, sent and verified by those blocks only
+    blocks: dict[str, frozenset[int]] = field(default_factory=dict)
+    objects: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> bytes of an object in such a file
+    shard_bytes: int = 0  # bytes of the resharded targets (the new local shards)
+
+
+def _reshard_spans(key: str, m: Any, local: torch.Tensor, offsets: tuple[int, ...], chunk_at: Mapping[Any, Any],
+                   files: Mapping[str, FileEntry]) -> dict[str, list[Span]] | None:
+    """File -> spans of the saved chunks of ``key`` that land in ``local`` (a DTensor's local shard at global
+    ``offsets``), or None when some overlapping chunk is not a plain record the manifest locates (DCP's path)."""
+    if not isinstance(m, TensorStorageMetadata) or m.properties.dtype != local.dtype or not local.is_contiguous() \
+            or local.device.type not in ("cpu", "cuda"):
+        return None
+    flat = local.detach().view(-1)
+    itemsize = local.element_size()
+    out: dict[str, list[Span]] = {}
+    covered = 0
+    for c in m.chunks:
+        runs = list(box_runs(tuple(c.offsets), tuple(c.sizes), offsets, tuple(local.shape)))
+        if not runs:
+            continue
+        info = chunk_at.get((key, tuple(int(o) for o in c.offsets)))
+        entry = files.get(info.relative_path) if info is not None else None
+        if info is None or entry is None or info.transform_descriptors:
+            return None
+        at = next(((start, n) for off, start, n in entry.items if off == info.offset), None)
+        if at is None or at[1] != math.prod(c.sizes) * itemsize:
+            return None
+        out.setdefault(info.relative_path, []).extend(run_spans(at[0], itemsize, runs, flat))
+        covered += sum(n for _, _, n in runs)
+    if covered != local.numel():
+        return None
+    return out
+
+
+def _ranged_files(md: Any, plan: "_LoadPlan", need: set[str], files: Mapping[str, FileEntry],
+                  per_file: Mapping[str, list[Item]], resharded: Mapping[str, list[Span]], resharded_keys: set[str],
+                  by_fqn: Mapping[str, list[Any]]
+                  ) -> tuple[dict[str, list[Span]], dict[str, frozenset[int]], dict[str, torch.Tensor]] | None:
+    """For each file holding resharded bytes: its spans (the resharded runs, the plain tensors planned
+    straight into the state, the objects into small buffers of their own), the blocks they touch, and the
+    objects' buffers by key. None when such a file holds an item only DCP's path reads."""
+    spans: dict[str, list[Span]] = {}
+    blocks: dict[str, frozenset[int]] = {}
+    objects: dict[str, torch.Tensor] = {}
+    read = {}
+    for idx, info in _items_read(md, plan.load_sd):
+        read.setdefault(info.relative_path, []).append((idx, info))
+    for name, runs in resharded.items():
+        entry = files.get(name)
+        if entry is None or name not in need:
+            return None
+        taking = list(runs)
+        known = {off: (start, n) for off, start, n in entry.items}
+        planned = set()
+        for it in per_file.get(name, []):
+            got = known.get(it.offset)
+            if got is None or got[1] != it.target.nbytes or not it.target.is_contiguous():
+                return None
+            taking.append(Span(got[0], got[1], target=it.target))
+            planned.add(it.offset)
+        for idx, info in read.get(name, []):
+            if info.offset in planned or idx.fqn in resharded_keys:
+                continue
+            m = md.state_dict_metadata.get(idx.fqn)
+            if isinstance(m, BytesStorageMetadata) and len(by_fqn.get(idx.fqn, [])) == 1 \
+                    and not info.transform_descriptors:
+                buf = torch.empty(info.length, dtype=torch.uint8)
+                objects[idx.fqn] = buf
+                taking.append(Span(info.offset, info.length, target=buf))
+                continue
+            return None  # something DCP reads from the whole file
+        cut = cover(entry.size, taking)
+        if cut is None:
+            return None
+        spans[name] = cut
+        blocks[name] = blocks_touched(entry.bounds(), taking)
+    return spans, blocks, objects
 
 
 class Restorer(Component):
@@ -288,6 +369,7 @@ class Restorer(Component):
         if not candidates:
             return RestoreResult(step=None, tier=None, seconds=time.perf_counter() - t0, bytes=0)
         failures = []
+        self.resharded: dict[str, int] | None = None  # what a resharded restore read (see _ranged_stats)
         self._excluded: set[tuple[int, str]] = set()  # (step, tier) whose copy was refused as unsafe
         self._lazy: set[str] = set()  # this rank's files taken from this node unverified (verified as they land)
         self._dirty = False  # bytes of a step that then failed landed in the state
@@ -311,8 +393,9 @@ class Restorer(Component):
                 res = got
                 break
             if res is not None:
+                extra = {"resharded": self.resharded} if self.resharded else {}
                 self._emit(EventKind.CKPT_RESTORE, step=step, tier=res.tier, seconds=res.seconds, bytes=res.bytes,
-                           sources=sorted(set(res.sources.values())))
+                           sources=sorted(set(res.sources.values())), **extra)
                 logger.info("rank %d restored step %d from %s in %.2f s", self.ctx.rank, step, res.tier, res.seconds)
                 return res
             failures.append(step)
@@ -529,9 +612,11 @@ class Restorer(Component):
         land = {n: Landing(direct.spans[n], keep=n in direct.slow_files) for n in direct.spans
                 if not (gpu and any(s.takes and s.dst is not None and is_device(s.dst) for s in direct.spans[n]))}
         self._pre, self._pre_lost, self._pre_opened = {}, [], []
+        self._ranged_in = [0, 0]  # bytes received from peers into targets, the largest staging of one file
         got = self._assemble(step, need, files, in_persistent, have_already=(paths, mem, sources), lazy=True,
                              land=land, prefetch=lambda: self._prefetch_local(step, direct, files, paths, mem,
-                                                                               sources, in_persistent))
+                                                                               sources, in_persistent),
+                             blocks=direct.blocks)
         if got is None:
             for src in self._pre_opened:
                 src.close()
@@ -547,6 +632,7 @@ class Restorer(Component):
             mem.clear()
             return None
         phases["direct"] = time.perf_counter() - t_phase
+        self.resharded = _ranged_stats(direct, need, files, self._ranged_in) if direct.blocks else None
         refused = None
         if slow_keys:
             slow_sd = {k: plan.load_sd[k] for k in slow_keys}
@@ -600,6 +686,9 @@ class Restorer(Component):
         per_file: dict[str, list[Item]] = {}
         key_of: dict[int, str] = {}
         slow: set[str] = set()
+        resharded: dict[str, list[Span]] = {}  # file -> spans of resharded DTensors' runs
+        resharded_keys: set[str] = set()
+        shard_bytes = 0
         sdm = md.state_dict_metadata
         for key, v in plan.load_sd.items():
             m = sdm.get(key)
@@ -618,6 +707,13 @@ class Restorer(Component):
                     per_file.setdefault(info.relative_path, []).append(Item(info.offset, info.length, local))
                     key_of[id(local)] = key
                     continue
+                runs = _reshard_spans(key, m, local, offsets, chunk_at, files)
+                if runs is not None:
+                    for name, sp in runs.items():
+                        resharded.setdefault(name, []).extend(sp)
+                    resharded_keys.add(key)
+                    shard_bytes += local.nbytes
+                    continue
                 slow.add(key)
                 continue
             # the layout is trusted only for targets that match DCP's metadata
@@ -629,11 +725,20 @@ class Restorer(Component):
                 key_of[id(v)] = key
             else:
                 slow.add(key)
+        ranged = _ranged_files(md, plan, need, files, per_file, resharded, resharded_keys, by_fqn)
+        if ranged is None:
+            # a file with resharded bytes also holds something only DCP's path reads (it needs the file
+            # whole): every resharded DTensor takes DCP's path, as before
+            slow |= resharded_keys
+            resharded, shard_bytes = {}, 0
+            ranged = ({}, {}, {})
+        ranged_spans, blocks, objects = ranged
+        slow -= set(objects)
         slow_files: set[str] = set()
-        spans: dict[str, list[Span]] = {}
+        spans: dict[str, list[Span]] = dict(ranged_spans)
         for name in sorted(need - {DCP_METADATA}):
             entry = files[name]
-            if not entry.items:
+            if not entry.items or name in ranged_spans:
                 continue  # no layout in the manifest: planned from the file itself when it is read
             items = per_file.get(name, [])
             spans[name], left = plan_spans(None, entry.size, items, entry.items)
@@ -642,7 +747,7 @@ class Restorer(Component):
             if left or len(items) < items_in.get(name, 0):
                 slow_files.add(name)
         return _Direct(by_fqn=by_fqn, per_file=per_file, key_of=key_of, slow=slow, slow_files=slow_files,
-                       spans=spans, items_in=items_in)
+                       spans=spans, items_in=items_in, blocks=blocks, objects=objects, shard_bytes=shard_bytes)
 
     def _on_bad(self, step: int) -> Any:
         def on_bad(f: FileLoad, block: int, tier: str, why: str) -> None:
@@ -664,7 +769,8 @@ class Restorer(Component):
                     continue  # planned from the file itself: left to _load_direct
                 srcs = self._sources(step, name, files[name], paths, mem, sources, in_persistent, opened)
                 if srcs:
-                    loads.append(FileLoad(name, files[name], srcs, direct.spans[name]))
+                    loads.append(FileLoad(name, files[name], srcs, direct.spans[name],
+                                          blocks=direct.blocks.get(name)))
             self._pre_lost = load_files(loads, on_bad=self._on_bad(step))
             self._pre = {f.name: f for f in loads}
             self._pre_opened = opened
@@ -717,7 +823,7 @@ class Restorer(Component):
                         slow.add(key_of_target[id(it.target)])
                     if left or len(items) < direct.items_in.get(name, 0):
                         slow_files.add(name)
-                loads.append(FileLoad(name, files[name], srcs, spans))
+                loads.append(FileLoad(name, files[name], srcs, spans, blocks=direct.blocks.get(name)))
                 if name in slow_files and name in self._remote:
                     # DCP reads the objects from the bytes kept as they passed (pages of tensor bytes
                     # are never touched: not resident)
@@ -733,6 +839,8 @@ class Restorer(Component):
                     # a block of the first copy was bad: DCP reads the rest from a whole verified copy
                     mem[f.name] = self._whole(f)
             if not lost:
+                for key, buf in direct.objects.items():  # objects of files read by ranges, landed verified
+                    plan.load_sd[key] = safe_torch_load(io.BytesIO(buf.numpy().tobytes()), what=f"item {key!r}")
                 # whole objects (a step count, a data position) from the verified bytes, as DCP's load_bytes
                 # through the restricted unpickler would, without a DCP pass for them
                 for key in sorted(slow):
@@ -850,7 +958,8 @@ class Restorer(Component):
     def _assemble(self, step: int, need: set[str], files: dict[str, FileEntry], in_persistent: bool,
                   have_already: tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None = None,
                   lazy: bool = False, exclude: frozenset[str] = frozenset(),
-                  land: dict[str, Landing] | None = None, prefetch: Callable[[], None] | None = None
+                  land: dict[str, Landing] | None = None, prefetch: Callable[[], None] | None = None,
+                  blocks: Mapping[str, frozenset[int]] | None = None
                   ) -> tuple[dict[str, Path], dict[str, Any], dict[str, str]] | None:
         """Collective: make every file in ``need`` (this rank's; others pass theirs) available here, verified.
 
@@ -865,10 +974,14 @@ class Restorer(Component):
         a data file whose manifest gives its layout travels cut at its tensors and lands there, each block
         verified as it arrives (``self._landed``); its bad blocks are read again in ``_load_direct``.
         ``prefetch``: run on a thread of its own while this rank takes part in transfers (it loads the
-        rank's own files from this node meanwhile).
+        rank's own files from this node meanwhile). ``blocks``: files this rank reads only in part (a
+        resharded restore, with ``lazy``): only those verification blocks travel from a peer.
         """
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
-        needs = self._gather(sorted(need), self.ctx.pg)
+        part = {n: tuple(sorted(b)) for n, b in (blocks or {}).items() if n in need} if lazy else {}
+        asked = self._gather((sorted(need), part), self.ctx.pg)
+        needs = [a[0] for a in asked]
+        parts = [a[1] for a in asked]
         wanted = set().union(*(set(n) for n in needs))
         # copies on this node of anything some rank needs: verified when this rank loads them; a copy
         # only sent to others is verified by its receiver (one read instead of two)
@@ -895,7 +1008,8 @@ class Restorer(Component):
             have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
         everyone = self._gather(sorted(set(have) | set(mem)), self.ctx.pg)
 
-        fetch_plan = plan_fetch(needs, everyone, {n: files[n].size for n in wanted}, in_persistent)
+        fetch_plan = plan_fetch(needs, everyone, {n: files[n].size for n in wanted}, in_persistent, blocks=parts,
+                                bounds={n: files[n].bounds() for p in parts for n in p})
         transfers = fetch_plan.transfers
         downloads = list(fetch_plan.downloads.get(self.ctx.rank, []))
         if not fetch_plan.feasible:
@@ -940,6 +1054,8 @@ class Restorer(Component):
                 for n, got in received.items():
                     if isinstance(got, Landed):
                         self._landed[n] = got
+                        self._ranged_in[0] += got.received
+                        self._ranged_in[1] = max(self._ranged_in[1], got.staged)
                         self._dirty = True
                         sources[n] = TierName.PEER.value
                         for b in got.bad:
@@ -1101,6 +1217,31 @@ class Restorer(Component):
                 v.load_state_dict(plain[k])
             elif isinstance(state, dict) and plain[k] is not v:
                 state[k] = plain[k]
+
+
+def _ranged_stats(direct: _Direct, need: set[str], files: Mapping[str, FileEntry],
+                  received: list[int]) -> dict[str, int]:
+    """What this rank read of the step's data files, against the bytes of its state (its new shard):
+    ``shard`` (bytes landing in the state), ``read`` (bytes of the verification blocks read, from any copy),
+    ``beyond`` (read - shard: headers and the rest of each block, checked and dropped), ``peer`` (bytes
+    received from peers), and ``held``: the most bytes held beside the state at once (a scratch piece per
+    loading thread, a received file's staging buffers), all on the first try (a bad block read again adds
+    its block)."""
+    shard = read = 0
+    for name in sorted(need - {DCP_METADATA}):
+        spans = direct.spans.get(name)
+        if spans is None:
+            read += files[name].size  # no layout: read whole (DCP's path)
+            continue
+        shard += sum(s.n for s in spans if s.takes)
+        bounds = files[name].bounds()
+        chosen = direct.blocks.get(name)
+        read += sum(b - a for i, (a, b) in enumerate(bounds) if chosen is None or i in chosen)
+    names = sorted(need - {DCP_METADATA})
+    threads = min(THREADS, max(1, sum(len(direct.blocks.get(n) or files[n].bounds()) for n in names)))
+    scratch = max((min(PIECE, max(b - a for a, b in files[n].bounds())) for n in names), default=0)
+    return {"shard": shard, "read": read, "beyond": read - shard, "peer": received[0],
+            "held": threads * scratch + received[1]}
 
 
 def _tiers_with(step: int, views: list[dict[str, list[int]]]) -> list[str]:
