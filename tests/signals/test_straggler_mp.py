@@ -15,7 +15,7 @@ MP_WORKER = str(Path(__file__).with_name("mp_worker.py"))
 FAST = {"straggler_window": 6, "straggler_confirm": 3, "heartbeat_timeout": 60.0}
 
 
-def run(a, nproc, env, ranks_per_replica=None, timeout=150):
+def run(a, nproc, env, ranks_per_replica=None, timeout=240):  # four ranks importing torch: slow under load
     a.spawn(nproc, env, script=MP_WORKER, ranks_per_replica=ranks_per_replica)
     a.pump(lambda ev: a.all_exited(), timeout)
     a.pump_for(0.3)
@@ -23,30 +23,25 @@ def run(a, nproc, env, ranks_per_replica=None, timeout=150):
     return kinds(a.events, EventKind.STRAGGLER)
 
 
-@pytest.mark.timeout(180)
-def test_tp_ranks_doing_different_work_are_not_stragglers(make_agent):
-    # tp position 1 works 3x as long as position 0 in both replicas; nobody is slow against its dp peer
+@pytest.mark.timeout(300)
+def test_tp_ranks_doing_different_work_are_not_stragglers_a_slow_replica_rank_is(make_agent):
+    # tp position 1 works 3x as long as position 0 in both replicas: never a straggler. From step 10 rank 3
+    # (replica 1, tp position 1) sleeps 60 ms more per step: flagged against its dp peer, rank 1, which waits
+    # for it in DTensor's (functional) and FSDP2's collectives.
     a = make_agent(**FAST)
-    found = run(a, 4, {"T_MODE": "tp2d", "T_STEPS": "24", "T_WORK": "0.02", "T_TP_SKEW": "2"}, ranks_per_replica=2)
-    assert not found, [(e.rank, e.details) for e in found]
-    # the own-work times do differ by tp position: the comparison, not the measurement, keeps them apart
-    med = {r: v["median_compute"] for r, v in a.monitor.summary(0.0)["ranks"].items()}
-    assert min(med[1], med[3]) > 2 * max(med[0], med[2]), med
-
-
-@pytest.mark.timeout(180)
-def test_slow_rank_of_one_replica_flagged_against_its_dp_peer(make_agent):
-    # rank 3 (replica 1, tp position 1) sleeps 60 ms more per step from step 4; its peer is rank 1, which waits
-    # for it in DTensor's and FSDP2's collectives
-    a = make_agent(**FAST)
-    found = run(a, 4, {"T_MODE": "tp2d", "T_STEPS": "26", "T_WORK": "0.02", "T_TP_SKEW": "1",
-                       "T_SLOW_RANK": "3", "T_SLOW_EXTRA": "0.06", "T_SLOW_FROM": "4"}, ranks_per_replica=2)
+    found = run(a, 4, {"T_MODE": "tp2d", "T_STEPS": "24", "T_WORK": "0.02", "T_TP_SKEW": "2",
+                       "T_SLOW_RANK": "3", "T_SLOW_EXTRA": "0.06", "T_SLOW_FROM": "10"}, ranks_per_replica=2)
     peers = [e for e in found if e.details["reference"] == "peers"]
     assert {e.rank for e in peers} == {3}, [(e.rank, e.details) for e in found]
-    assert peers[0].details["reference_seconds"] < peers[0].details["median_seconds"] - 0.03
+    first = min(peers, key=lambda e: e.details["step"])
+    assert first.details["reference"] == "peers" and first.details["step"] >= 10, first.details
+    assert first.details["reference_seconds"] < first.details["median_seconds"] - 0.03, first.details
+    # the own-work times do differ by tp position: the comparison, not the measurement, keeps them apart
+    med = {r: v["median_compute"] for r, v in a.monitor.summary(0.0)["ranks"].items()}
+    assert med[1] - max(med[0], med[2]) > 0.025, med  # 40 ms more sleep per step (the rest is load noise)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_fsdp2_async_all_gather_waits_are_timed(make_agent):
     # rank 1 sleeps 60 ms more per step; rank 0 spends that time blocked on FSDP2's async all-gather work
     a = make_agent(**FAST)
