@@ -220,8 +220,10 @@ class Agent:
             drill_env=self.injector.env() if self.injector is not None else {}))
         workers = self.group.workers
         if self.monitor is not None:
+            k = self.node_round.nodes_per_replica  # straggler scores compare data-parallel peers only
             self.monitor.attempt_started(attempt, {w.local_rank: w.rank for w in workers},
-                                         {w.local_rank: w.pid for w in workers if w.pid})
+                                         {w.local_rank: w.pid for w in workers if w.pid},
+                                         ranks_per_replica=k * self.cfg.nproc_per_node if k else None)
         self.ledger.emit(EventKind.ATTEMPT_START, attempt=attempt, world_size=self.node_round.world_size,
                          local_world_size=self.cfg.nproc_per_node, group_rank=self.group_rank,
                          method=type(self.group.starter).__name__, spawn_seconds=round(time.time() - t_spawn, 4),
