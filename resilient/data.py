@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from resilient import env
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -143,11 +145,21 @@ class ElasticBatch:
 class ResumableSampler(torch.utils.data.Sampler[int]):
     def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False) -> None:
-        """``dataset``: a sized data set or its length. ``num_replicas``/``rank`` default to the process
-        group's (or ``WORLD_SIZE``/``RANK``), as ``DistributedSampler``'s do."""
+        """``dataset``: a sized data set or its length. ``num_replicas``/``rank`` default to the data-parallel
+        size and rank under ``resilient-run`` (:func:`resilient.topology`: the world size and rank unless
+        ``--nodes-per-replica``), else to the process group's (or ``WORLD_SIZE``/``RANK``), as
+        ``DistributedSampler``'s do."""
         n = dataset if isinstance(dataset, int) else len(dataset)
         if n < 0:
             raise ValueError(f"ResumableSampler: the data set length must be >= 0, got {n}")
+        if (num_replicas is None or rank is None) and os.environ.get(env.DP_SIZE):
+            # under resilient-run the replicas, not the ranks, split the data: the ranks of one replica
+            # (tensor/pipeline parallel) take the same samples
+            from resilient.topology import topology
+
+            t = topology()
+            num_replicas = t.dp_size if num_replicas is None else num_replicas
+            rank = t.dp_rank if rank is None else rank
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 

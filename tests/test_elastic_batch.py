@@ -151,6 +151,43 @@ def test_drop_last_skips_the_short_tail() -> None:
     assert n == N // G and s.state_dict()["consumed"] == N // G * G
 
 
+def test_the_sampler_iterator_stays_exact_across_size_changes() -> None:
+    """The DistributedSampler-like path: each phase's d ranks iterate a few rounds, the state goes through
+    state_dict(); the samples taken, in lockstep order, are the epoch's permutation, each once."""
+    order = ResumableSampler(N, num_replicas=1, rank=0, seed=5).permutation()
+    state, taken = None, []
+    for d, rounds in [(4, 3), (2, 4), (3, 2), (4, 100)]:
+        samplers = [ResumableSampler(N, num_replicas=d, rank=r, seed=5) for r in range(d)]
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+        its = [iter(s) for s in samplers]
+        for _ in range(rounds):
+            got = [next(it, None) for it in its]
+            taken.extend(i for i in got if i is not None)
+            if all(i is None for i in got):
+                break
+        state = samplers[0].state_dict()
+        if state["consumed"] < N:  # mid-epoch every rank holds the same position (at the tail, rank 0 the end)
+            assert all(s.state_dict() == state for s in samplers)
+    assert taken == order and state["consumed"] == N
+
+
+def test_the_sampler_defaults_to_the_launchers_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient import env
+
+    # 8 ranks in replicas of 4 (--nodes-per-replica 2, 2 workers each): rank 6 is in replica 1 of 2
+    layout = {"RANK": "6", "WORLD_SIZE": "8", env.DP_SIZE: "2", env.DP_RANK: "1", env.NODES_PER_REPLICA: "2"}
+    for k, v in layout.items():
+        monkeypatch.setenv(k, v)
+    s = ResumableSampler(10)
+    assert (s.num_replicas, s.rank) == (2, 1)
+    monkeypatch.delenv(env.DP_SIZE)
+    monkeypatch.delenv(env.DP_RANK)
+    s = ResumableSampler(10)
+    assert (s.num_replicas, s.rank) == (8, 6)  # outside resilient-run: the ranks, as DistributedSampler
+
+
 # ------------------------------------------------------------------ the same, on a real gloo group with DDP
 
 PHASES = [(4, 2), (2, 2), (3, 2), (4, 10)]  # (data-parallel size, steps): 4 -> 2 -> 3 -> 4 over the epoch
