@@ -125,6 +125,8 @@ class ClusterConfig:
     days: float = 30.0
     max_restarts: int = 1_000_000  # --max-restarts of each launch
     failure_window: float = 3600.0
+    # --nodes-per-replica: the job grows and shrinks by replicas of this many nodes (None: every rank a replica)
+    nodes_per_replica: int | None = None
 
     def __post_init__(self) -> None:
         o = "ClusterConfig"
@@ -140,6 +142,14 @@ class ClusterConfig:
             object.__setattr__(self, "min_nodes", self.nodes)
         if isinstance(self.min_nodes, bool) or not isinstance(self.min_nodes, int) or not 1 <= self.min_nodes <= self.nodes:
             raise PlanInputError(f"min_nodes must be an integer in [1, nodes={self.nodes}], got {self.min_nodes!r}")
+        k = self.nodes_per_replica
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise PlanInputError(f"--nodes-per-replica must be an integer >= 1, got {k!r}")
+            bad = [f"{what} {n}" for what, n in (("--min-nodes", self.min_nodes), ("--nodes", self.nodes)) if n % k]
+            if bad:
+                raise PlanInputError(f"{' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of "
+                                     f"--nodes-per-replica {k} (the job grows and shrinks by whole replicas)")
         r = self.failures_per_node_day
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
             raise PlanInputError(f"failure rate must be a finite number of failures per node-day >= 0, got {r!r}")
@@ -221,6 +231,8 @@ class PlanResult:
     trials: int
     seed: int
     finished: float = 1.0  # share of trials that finished ``steps``
+    # data-parallel size (replicas with --nodes-per-replica, else ranks) → wall seconds per trial the job trained at it
+    dp_size_seconds: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = set(CATEGORIES) - set(self.badput_seconds)

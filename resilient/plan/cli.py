@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--hang-share", type=float, help="share of the other failures that hang rather than crash (0.1)")
     g.add_argument("--spares", type=int, help="warm spare nodes (default: the run's, else 0)")
     g.add_argument("--min-nodes", type=int, help="--nnodes MIN: the job may shrink to this (default: --nodes)")
+    g.add_argument("--nodes-per-replica", type=int,
+                   help="the job grows and shrinks by replicas of this many nodes (default: the run's, else every "
+                        "rank a replica); --nodes and --min-nodes multiples of it")
     g.add_argument("--repair-hours", type=float, help="a node taken out is back (repaired or replaced) after this (1)")
     g.add_argument("--policy", help=f"policy file (default: the run's, else policies/default.py)")
     g.add_argument("--ckpt-interval", type=_interval, default=argparse.SUPPRESS,
@@ -132,8 +135,10 @@ def build(args: argparse.Namespace) -> tuple[ClusterConfig, Figures, str, Measur
     if measured is not None and args.steps is None and args.days is None and args.nodes is None \
             and measured.report is not None and measured.report.last_step is not None:
         kw["steps"] = measured.report.last_step + 1
+    if m.nodes_per_replica is not None:
+        kw["nodes_per_replica"] = m.nodes_per_replica
     for name in ("node_loss_share", "hang_share", "min_nodes", "repair_hours", "persistent_every",
-                 "cost_per_node_hour", "steps", "days", "max_restarts"):
+                 "cost_per_node_hour", "steps", "days", "max_restarts", "nodes_per_replica"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
@@ -200,6 +205,11 @@ def print_table(res: PlanResult, cluster: ClusterConfig, figures: Figures, measu
         con.print(escape(simulated))
     if measured is not None and measured.goodput is not None:
         con.print(f"the run itself measured {measured.goodput:.1%}")
+    if cluster.nodes_per_replica and res.dp_size_seconds:
+        total = sum(res.dp_size_seconds.values()) or 1.0
+        sizes = " · ".join(f"{dp} replica(s) {t / total:.1%}" for dp, t in res.dp_size_seconds.items())
+        con.print(f"replicas of {cluster.nodes_per_replica} node(s); data-parallel size over the training time: "
+                  f"{sizes} (a dropped replica's idle nodes count as waiting_for_spares)")
     con.print(badput_table("where the time would go", res.wall_seconds, res.productive_seconds, res.badput_seconds))
     ft = Table(title="figures used")
     ft.add_column("figure")

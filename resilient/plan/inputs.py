@@ -42,6 +42,7 @@ class Measured:
     ckpt_interval: int | None = None
     policy: str | None = None
     max_restarts: int | None = None
+    nodes_per_replica: int | None = None  # the run's --nodes-per-replica (its assignments say)
     faults: dict[str, int] = field(default_factory=dict)  # fault kind → disruptions
     schedule: list[PlannedFault] = field(default_factory=list)  # the run's own faults, to replay
     tiers: tuple[str, ...] | None = None  # checkpoint tiers the run saved to or restored from (None: unknown)
@@ -111,6 +112,8 @@ def measure_events(events: list[Event]) -> Measured:
         if isinstance(members, list) and members:
             m.nodes = len(members)
             m.spares = len(a.get("spares") or [])
+            k = a.get("nodes_per_replica")
+            m.nodes_per_replica = k if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else None
             if isinstance(nproc, dict) and nproc:
                 vals = [v for v in nproc.values() if isinstance(v, int) and v > 0]
                 m.gpus_per_node = max(vals) if vals else None

@@ -17,6 +17,11 @@ costs comes from :class:`~resilient.plan.api.Figures`:
 * stop: the job waits (``waiting_for_spares``) until ``min_nodes`` nodes are available again, then is
   launched again (``launch_s``) with a fresh restart budget.
 
+With ``nodes_per_replica`` (``--nodes-per-replica``) the core drops and adds whole replicas: a replica dropped for a
+lost node leaves its healthy nodes idle as spares until a repaired node makes a replica with them again. While the
+job trains on fewer nodes than planned, the idle share of each step's time is lost capacity, counted as
+``waiting_for_spares`` (not productive); ``PlanResult.dp_size_seconds`` says how long it trained at each size.
+
 Assumptions, said once: failures arrive only while the job runs (a fault during recovery merges with the
 disruption in progress), each active node at the same rate; spares do not fail while idle; a step at a
 smaller world does ``world/nodes`` of a full step's work; uploads to the persistent tier finish before the
@@ -175,6 +180,7 @@ class _FastCore(SupervisorCore):
                      attempt=a.attempt if a else 0, ckpt_steps=self._ckpt_steps, recent=tuple(self._recent),
                      failure_window=self.cfg.failure_window, now=now,
                      pending_scale_up=tuple(self._pending.spares) if self._pending else (),
+                     nodes_per_replica=self.cfg.nodes_per_replica,
                      ranked=tuple(m for m in members if cache[m].state in ranked and cache[m].group_rank is not None))
 
 
@@ -230,6 +236,8 @@ class _Trial:
         self._members_before: list[str] = []
         self.node_decisions = 0.0  # what this trial has cost so far, in the unit of MAX_NODE_DECISIONS
         self.budget = math.inf  # set by the caller: past it the trial stops with a PlanInputError
+        self.dp_time: dict[int, float] = defaultdict(float)  # data-parallel size → seconds trained at it
+        self.cap = 1.0  # with replicas: the share of the planned nodes the last run trained on
 
     # ------------------------------------------------------------------------------------------ helpers
     def _name(self, prefix: str) -> str:
@@ -240,7 +248,8 @@ class _Trial:
         c = self.c
         cfg = SupervisorConfig(min_nodes=c.min_nodes, max_nodes=c.nodes, nproc_per_node=c.gpus_per_node,
                                max_restarts=c.max_restarts, node_timeout=1e15, failure_window=c.failure_window,
-                               policy_timeout=60.0)  # never abandon a policy because the machine is busy
+                               policy_timeout=60.0,  # never abandon a policy because the machine is busy
+                               nodes_per_replica=c.nodes_per_replica)
         self.core = core = _FastCore(cfg, self.make_policy())
         for n in names:
             core.join(n, c.gpus_per_node, self.t)
@@ -269,7 +278,8 @@ class _Trial:
         redo = self.step - back_step
         if redo > 0:  # those steps were counted productive when they ran; they are redone now
             per = self.f.step_s + self.extra
-            self.acc[_P] -= redo * self.f.step_s
+            self.acc[_P] -= redo * self.f.step_s * self.cap
+            self.acc[_WAIT] -= redo * self.f.step_s * (1.0 - self.cap)
             for cat, x in self.f.step_extra_s.items():
                 self.acc[cat] -= redo * x
             self.acc[_WASTED] += redo * per
@@ -296,7 +306,13 @@ class _Trial:
         else:
             n = int(e // u)
             partial, in_stall, saves = e - n * u, False, 0
-        self.acc[_P] += n * f.step_s
+        # with replicas, the planned nodes a dropped replica left idle are lost capacity, not productive time
+        self.cap = fct if self.c.nodes_per_replica else 1.0
+        self.acc[_P] += n * f.step_s * self.cap
+        self.acc[_WAIT] += n * f.step_s * (1.0 - self.cap)
+        a = self.core.assignment if self.core is not None else None
+        if a is not None and e > 0:
+            self.dp_time[a.dp_size] += e
         self.acc[_OTHER] += n * f.step_gap_s
         for cat, x in f.step_extra_s.items():
             self.acc[cat] += n * x
@@ -449,6 +465,9 @@ class _Trial:
                     cut = (at, ds)  # a policy that restarts on a join: carried out at once
                     break
                 self._carry_out(ds, None)
+                if self.pending_at is not None and any(d.pending for d in ds):
+                    # the scale-up was decided when the node joined, not when the job's last run began
+                    self.pending_at = max(self.pending_at, at)
             if cut is not None:
                 self._run(cut[0] - start, fct)
                 if self._carry_out(cut[1], None) == "stopped" and not self._stopped(None, horizon):
@@ -664,6 +683,7 @@ def _simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | Non
     actions: dict[str, float] = defaultdict(float)
     failures = stops = wall = useful = 0.0
     finish_times: list[float] = []
+    dp_time: dict[int, float] = defaultdict(float)
     for i in range(trials):
         tr = _Trial(cluster, figures, make_policy, random.Random(f"resilient-plan:{seed}:{i}"), faults)
         tr.budget = 2.0 * MAX_NODE_DECISIONS / trials  # the estimate is checked before; this catches what it missed
@@ -674,6 +694,8 @@ def _simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | Non
             actions[k] += v
         failures += tr.failures
         stops += tr.stops
+        for k, v in tr.dp_time.items():
+            dp_time[k] += v
         wall += tr.t
         useful += tr.work
         if tr.finished_at is not None:
@@ -691,7 +713,8 @@ def _simulate(cluster: ClusterConfig, figures: Figures, policy: str | Path | Non
         time_to_finish_s=(sum(finish_times) / len(finish_times)) if cluster.steps is not None and finish_times else None,
         cost_per_useful_step=cluster.cost_per_node_hour * hours / u if u > 0 else math.inf,
         failures=failures / n, actions={k: v / n for k, v in sorted(actions.items())}, stops=stops / n,
-        trials=trials, seed=seed, finished=len(finish_times) / n if cluster.steps is not None else 1.0)
+        trials=trials, seed=seed, finished=len(finish_times) / n if cluster.steps is not None else 1.0,
+        dp_size_seconds={k: v / n for k, v in sorted(dp_time.items(), reverse=True)})
 
 
 def young_daly_steps(cluster: ClusterConfig, figures: Figures) -> float | None:
