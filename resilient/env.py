@@ -41,6 +41,9 @@ PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
 SPARE_WAIT = "RESILIENT_SPARE_WAIT"  # default of --spare-wait (seconds)
 PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
 COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off
+# "0": processes of resilient-run (its workers started by the fork server, and the launcher itself) end through the
+# interpreter's full finalisation instead of os._exit once their exit hooks ran and their threads are joined
+FAST_EXIT = "RESILIENT_FAST_EXIT"
 FAULTS = "RESILIENT_FAULTS"  # a drill's in-worker faults (--inject), carried out by resilient.steps()
 CKPT_MAX_OBJECT_MB = "RESILIENT_CKPT_MAX_OBJECT_MB"  # largest object of a persistent upload, in MB
 CKPT_PRIOR_MTBF = "RESILIENT_CKPT_PRIOR_MTBF"  # the interval tuner's prior mean time between failures

@@ -39,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    code = main()
+    from resilient.worker import exit_safety
+
+    if exit_safety.fast_exit_enabled():
+        # the run is over and its ledger closed: the interpreter's finalisation (seconds with torch imported)
+        # would only delay the scheduler's view of the exit
+        exit_safety.finish(code, flush_files=False)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -395,6 +395,7 @@ class Zygote:
                 os.close(fd)
             self.send({"ev": "refused", "id": msg["id"], "why": why})
             return None
+        _freeze_for_fork()
         pid = os.fork()
         if pid == 0:
             _child_setup(msg, fds, self.sock, self.mods)
@@ -404,6 +405,18 @@ class Zygote:
         self.children[pid] = msg["id"]
         self.send({"ev": "spawned", "id": msg["id"], "pid": pid, "t": time.time()})
         return None
+
+
+def _freeze_for_fork() -> None:
+    """Move everything imported so far out of the collector's reach (``gc.freeze``): a worker's collections, and
+    the walk over its objects at exit (exit_safety.finish), then never touch these objects, so neither pays for
+    them nor copies the pages they share with this process."""
+    import gc
+
+    from resilient.worker import exit_safety
+
+    if exit_safety.fast_exit_enabled():
+        gc.freeze()
 
 
 def _install_roots() -> tuple[str, ...]:
@@ -606,6 +619,10 @@ def main() -> None:
     code = run_worker(job)
     sys.stdout.flush()
     sys.stderr.flush()
+    from resilient.worker import exit_safety
+
+    if exit_safety.fast_exit_enabled():
+        exit_safety.finish(code)  # never returns
     sys.exit(code)
 
 

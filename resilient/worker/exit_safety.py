@@ -5,15 +5,26 @@ unwind through C++ ``noexcept`` frames aborts a worker that had succeeded).
 Two things are kept here for that: the last works of blocking host collectives (:func:`hold`, pinned for good
 at exit) and the Python context of every backward pass that a communication thread may still hold
 (:func:`remember_context`, waited for at exit by :func:`drain_backward_state`).
+
+And the exit itself (:func:`finish`): a process that imported torch spends seconds in the interpreter's
+finalisation (its garbage collections over every object, in a forked worker also copying each page they touch),
+after everything it wrote is done. Workers started by resilient-run's fork server, and the launcher, end instead
+with ``os._exit`` once their non-daemon threads are joined, every exit hook ran (the checkpointer's final flush,
+the ledger's close) and every open file is flushed; no finalisation follows, so no gloo thread can meet one.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from resilient import env as renv
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +96,9 @@ def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
     Run at interpreter exit (before finalisation) so that gloo's threads release it while they still may
     take the GIL. Our list holds one reference per context, ``sys.getrefcount`` one more: anything beyond is
     a C++ copy not yet released. Polled (nothing signals the release), with the GIL released meanwhile."""
+    if _finishing:  # ended by finish(): no finalisation follows, and the threads die with the process
+        _backward_contexts.clear()
+        return True
     t0 = time.monotonic()
     deadline = t0 + timeout
     while True:
@@ -103,3 +117,77 @@ def drain_backward_state(timeout: float = _EXIT_DRAIN_TIMEOUT) -> bool:
             return False
         time.sleep(0.002)
 
+
+_finishing = False  # set by finish(): the process ends with os._exit after the exit hooks
+
+
+def fast_exit_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(renv.FAST_EXIT, "1").strip() != "0"
+
+
+def _join_non_daemon_threads() -> None:
+    """As the interpreter does before its exit hooks: wait for every non-daemon thread (they may start more)."""
+    me = threading.current_thread()
+    while True:
+        left = [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+        if not left:
+            return
+        for t in left:
+            t.join()  # the program's own semantics: Python's exit waits for them without a bound too
+
+
+def _flush_open_files() -> None:
+    """Flush what finalisation would have flushed when it freed them: every open file object that still holds
+    buffered writes (text layers first: they write into the buffered layer below them)."""
+    import gc
+    import io
+
+    # by type: isinstance would read each object's ``__class__``, which some proxies answer with a warning
+    files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
+    for f in sorted(files, key=lambda o: not isinstance(o, io.TextIOBase)):
+        try:
+            if not f.closed and f.writable():
+                f.flush()
+        except Exception:  # noqa: BLE001 - a broken file object cannot stop the exit
+            pass
+
+
+def _skip_torch_library_teardown() -> None:
+    """torch deregisters each operator library at exit (a ``weakref.finalize`` per library): a second of
+    dispatcher updates in a forked worker, for a process about to end."""
+    import weakref
+
+    del_library = getattr(sys.modules.get("torch.library"), "_del_library", None)
+    registry = getattr(weakref.finalize, "_registry", None)
+    if del_library is None or not isinstance(registry, dict):
+        return
+    for f, info in list(registry.items()):
+        if getattr(info, "func", None) is del_library:
+            f.atexit = False
+
+
+def finish(code: int, *, flush_files: bool = True) -> NoReturn:
+    """End this process with ``code`` as the interpreter would, less its finalisation: join the non-daemon
+    threads, run the exit hooks (before threading's own exit callbacks, so an executor still takes the final
+    upload), run those callbacks (they join executors' threads and threads the hooks started), flush open files
+    (``flush_files``: a process that runs only our code knows it closed its own), then ``os._exit``."""
+    global _finishing
+    import atexit
+
+    _finishing = True
+    _join_non_daemon_threads()
+    _skip_torch_library_teardown()
+    atexit._run_exitfuncs()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    _join_non_daemon_threads()
+    if flush_files:
+        _flush_open_files()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -1,7 +1,6 @@
 """The first fork server imports what the entry script's imports name (read statically, before the first spawn),
 installed packages only, and never a module that makes forking unsafe."""
 import json
-import os
 import sys
 
 import pytest
