@@ -89,3 +89,19 @@ def test_below_min_gap_is_noise():
     sc = StragglerScorer(StragglerConfig(window=4, confirm=1, min_gap=0.01, warmup=0))
     sc.reset({0, 1})
     assert _feed(sc, [[0.001, 0.004]] * 20) == []  # 4x slower, but by 3 ms only
+
+
+def test_peers_are_the_same_position_in_every_replica():
+    # replicas of two ranks {0, 1} and {2, 3}: position 1 does 3x the work of position 0 (another shard)
+    sc = StragglerScorer(StragglerConfig(window=4, confirm=2, min_gap=0.001, warmup=0))
+    sc.reset({0, 1, 2, 3}, ranks_per_replica=2)
+    assert _feed(sc, [[0.1, 0.3, 0.1, 0.3]] * 12) == []
+    assert {r: round(p, 3) for r, (p, _h) in sc.scores().items()} == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    found = _feed(sc, [[0.1, 0.3, 0.1, 0.6]] * 8)  # rank 3 slows down: its peer is rank 1
+    peers = [f for f in found if f.reference == "peers"]
+    assert [(f.rank, f.reference_seconds) for f in peers] == [(3, 0.3)]
+    # the same series with every rank a replica: position 1 is a straggler from the start
+    sc.reset({0, 1, 2, 3})
+    assert {f.rank for f in _feed(sc, [[0.1, 0.3, 0.1, 0.3]] * 12) if f.reference == "peers"} == {1, 3}
+    with pytest.raises(ValueError, match="ranks_per_replica"):
+        sc.reset({0}, ranks_per_replica=0)

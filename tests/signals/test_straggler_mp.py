@@ -48,3 +48,37 @@ def test_fsdp2_async_all_gather_waits_are_timed(make_agent):
     found = run(a, 2, {"T_MODE": "fsdp2_async", "T_STEPS": "22", "T_WORK": "0.02",
                        "T_SLOW_RANK": "1", "T_SLOW_EXTRA": "0.06", "T_SLOW_FROM": "4"})
     assert {e.rank for e in found if e.details["reference"] == "peers"} == {1}, [(e.rank, e.details) for e in found]
+
+
+_WRAPPING = r'''
+import sys, torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from resilient.worker import collectives as col
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+Work = dist.distributed_c10d.Work
+orig_wait, orig_wait_tensor = Work.wait, funcol.wait_tensor
+col.install()
+assert getattr(Work.wait, "__resilient_timed__", False) and getattr(funcol.wait_tensor, "__resilient_timed__", False)
+out = torch.zeros(2)
+# FSDP2 passes async_op by name: the blocking form stays blocking and returns None
+assert dist.all_gather_into_tensor(out, torch.ones(2), async_op=False) is None and torch.equal(out, torch.ones(2))
+t = torch.ones(3)
+dist.all_reduce(t, async_op=True).wait()
+assert torch.equal(funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD).wait(), torch.ones(3))
+col.uninstall()
+assert Work.wait is orig_wait and funcol.wait_tensor is orig_wait_tensor
+dist.destroy_process_group()
+print("ok")
+'''
+
+
+@pytest.mark.timeout(120)
+def test_async_waits_are_wrapped_while_steps_run_and_restored_after(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.signals.harness import REPO
+
+    r = subprocess.run([sys.executable, "-c", _WRAPPING, str(tmp_path / "store")], capture_output=True, text=True,
+                       timeout=100, cwd=REPO, env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
