@@ -26,9 +26,8 @@ class ScaleDownFirst(DefaultPolicy):
     def decide(self, event, view: JobView) -> Action:
         node = view.nodes.get(event.node)
         if event.kind is EventKind.AGENT_LOST and view.restarts_left > 0 and event.node in view.members:
-            if self.can_scale_down(view):
-                return ScaleDown((event.node,), reason=f"node {event.node} lost: continuing on "
-                                                       f"{len(view.members) - 1} node(s)")
+            if self.can_scale_down(view):  # with --nodes-per-replica: its whole replica
+                return self.scale_down_without(event.node, view, f"node {event.node} lost")
             return Stop(reason=f"node {event.node} lost and --nnodes min {view.min_nodes} forbids scaling down")
         if (event.kind in (EventKind.WORKER_EXIT, EventKind.HANG) and view.restarts_left > 0 and node is not None
                 and node.failures >= self.failures_to_swap

@@ -27,6 +27,11 @@ preemption_notice         A member is going (its agent got SIGTERM, or a notice 
 restart budget spent      ``Stop`` with the reason.
 ========================  ================================================================================
 
+**Replicas** (``--nodes-per-replica K``, ``JobView.nodes_per_replica``): a swap still replaces one node inside its
+replica; without a free spare the scale-down drops the broken node's whole replica (``scale_down_without``) when
+MIN allows, and the core makes the replica's healthy nodes warm spares at once; a spare joining grows the job only
+by whole replicas (K free spares, e.g. a returning node and the benched one), otherwise it waits warm.
+
 **By failure class** (``JobView.failure_class``, :mod:`resilient.supervisor.classify`), before the rows above:
 
 =======================  =================================================================================
