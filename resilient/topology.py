@@ -87,8 +87,13 @@ class Topology:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"Topology.mesh: dimension {name}={size!r} must be a whole number >= 1")
         prod = math.prod(inner.values())
+        if not inner and self.ranks_per_replica > 1:
+            raise ValueError(f"Topology.mesh: a replica has {self.ranks_per_replica} ranks "
+                             f"({self.nodes_per_replica or 1} node(s) x "
+                             f"{self.ranks_per_replica // (self.nodes_per_replica or 1)} workers): name its inner "
+                             f"dimensions, e.g. mesh(device_type, tp={self.ranks_per_replica})")
         if prod != self.ranks_per_replica:
-            dims = " x ".join(f"{k}={v}" for k, v in inner.items()) or "none"
+            dims = " x ".join(f"{k}={v}" for k, v in inner.items())
             raise ValueError(f"Topology.mesh: inner dimensions {dims} make {prod} ranks but a replica has "
                              f"{self.ranks_per_replica} ({self.nodes_per_replica or 1} node(s) x "
                              f"{self.ranks_per_replica // (self.nodes_per_replica or 1)} workers); give inner "

@@ -54,7 +54,8 @@ def test_bad_inputs_name_the_numbers() -> None:
     t = topology(_env(0, 8, **{env.DP_SIZE: 2, env.DP_RANK: 0, env.NODES_PER_REPLICA: 2}))
     with pytest.raises(ValueError, match=r"tp=3 make 3 ranks but a replica has 4 .*product is 4"):
         t.mesh_shape(tp=3)
-    with pytest.raises(ValueError, match=r"none make 1 ranks but a replica has 4"):
+    with pytest.raises(ValueError, match=r"a replica has 4 ranks \(2 node\(s\) x 2 workers\): name its inner "
+                                         r"dimensions, e.g. mesh\(device_type, tp=4\)"):
         t.mesh_shape()
     with pytest.raises(ValueError, match="'dp' is the outer dimension"):
         t.mesh_shape(dp=4)
