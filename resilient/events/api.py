@@ -56,7 +56,7 @@ class EventKind(str, enum.Enum):
     # details: action ("restart", "stop", "hot_swap", ...), cause (event kind), reason, failure_class (the cause's)
     ACTION = "action"
     RESTART = "restart"  # details: attempt (new), cause, detect_seconds
-    SCALE = "scale"  # details: old_world_size, new_world_size, old_dp, new_dp
+    SCALE = "scale"  # details: old_world_size, new_world_size, old_dp, new_dp, old_dp_size, new_dp_size, reason
 
     # worker progress (written by global rank 0 only unless stated)
     STEP = "step"  # details: step, seconds (wall time of the step), compute_seconds (optional)
