@@ -141,6 +141,14 @@ def _bounds(events: list[Event], nnodes: str | None) -> tuple[int, int] | None:
     return int(lo), int(hi or lo)
 
 
+def _nodes_per_replica(events: list[Event]) -> int | None:
+    """The run's --nodes-per-replica, as its first assignment recorded it (None: every rank a replica)."""
+    a = next((e.details["assignment"] for e in events if e.kind is EventKind.ACTION
+              and isinstance(e.details.get("assignment"), dict)), None)
+    k = a.get("nodes_per_replica") if a is not None else None
+    return k if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else None
+
+
 def _initial_nodes(events: list[Event]) -> list[tuple[str, int]]:
     """The nodes of the first assignment: those that joined (node_joined) or formed a rendezvous or ran
     an attempt before anything else happened, in group-rank order when the ledger tells it."""
@@ -177,7 +185,8 @@ def replay(policy: Policy, events: Iterable[Event], *, nnodes: str | None = None
     nproc = nproc_per_node or initial[0][1]
     cfg = SupervisorConfig(min_nodes=bounds[0], max_nodes=max(bounds[1], 1), nproc_per_node=nproc,
                            max_restarts=max_restarts, policy_timeout=policy_timeout,
-                           node_timeout=1e12)  # liveness is not in the ledger: only its agent_lost events count
+                           node_timeout=1e12,  # liveness is not in the ledger: only its agent_lost events count
+                           nodes_per_replica=_nodes_per_replica(evs))
     core = SupervisorCore(cfg, policy)
     t0 = evs[0].wall
     for n, k in initial:

@@ -209,3 +209,20 @@ def test_cordon_of_a_member_drops_its_replica_and_benches_the_other() -> None:
     assert d.assignment.members == ("n0", "n1")
     v = core.view(1.0)
     assert v.nodes["n3"].state is NodeState.CORDONED and v.nodes["n2"].state is NodeState.SPARE
+
+
+def test_a_ledger_replay_keeps_the_runs_replicas() -> None:
+    from resilient.supervisor.cli import replay
+    from resilient.supervisor.default_policy import DefaultPolicy
+
+    names = ("n0", "n1", "n2", "n3")
+    start = Assignment(round=0, attempt=0, members=names, spares=(), nproc=dict.fromkeys(names, 1), world_size=4,
+                       previous_world_size=None, nodes_per_replica=2)
+    evs = [Event(kind=EventKind.RUN_START, node="n0", details={"nnodes": "2:4"}, wall=0.0, mono=0.0),
+           *(Event(kind=EventKind.NODE_JOINED, node=n, details={"nproc": 1}, wall=0.1 + i, mono=0.0)
+             for i, n in enumerate(names)),
+           Event(kind=EventKind.ACTION, node="sv", attempt=0, wall=5.0, mono=0.0,
+                 details={"action": "start", "id": 0, "round": 0, "assignment": start.to_json()}),
+           Event(kind=EventKind.AGENT_LOST, node="n1", details={"reason": "disconnected"}, wall=9.0, mono=0.0)]
+    [row] = replay(DefaultPolicy(), evs)
+    assert row["action"] == "scale_down" and "dropping replica 0 (n0, n1)" in row["reason"], row
