@@ -226,3 +226,70 @@ def test_a_ledger_replay_keeps_the_runs_replicas() -> None:
            Event(kind=EventKind.AGENT_LOST, node="n1", details={"reason": "disconnected"}, wall=9.0, mono=0.0)]
     [row] = replay(DefaultPolicy(), evs)
     assert row["action"] == "scale_down" and "dropping replica 0 (n0, n1)" in row["reason"], row
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - the property test's own imports
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.supervisor.test_core import NODES, Random, action_st, ev, op_st  # noqa: E402
+
+
+def moved_only_whole_replicas(old: Assignment, new: Assignment, kind: str) -> None:
+    if kind == "hot_swap":  # one node replaced in place: every other group rank stays
+        assert len(old.members) == len(new.members)
+        assert sum(a != b for a, b in zip(old.members, new.members)) == 1, (old.members, new.members)
+    elif kind in ("scale_down", "cordon"):  # whole replicas removed, the rest in their order
+        it = iter(old.replicas)
+        assert all(r in it for r in new.replicas), (old.replicas, new.replicas)
+    elif kind == "scale_up":  # whole replicas appended
+        assert new.replicas[:len(old.replicas)] == old.replicas, (old.replicas, new.replicas)
+    else:
+        assert new.members == old.members, (kind, old.members, new.members)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_initial=st.integers(2, 7), ops=st.lists(op_st, max_size=50), answers=st.lists(action_st, max_size=50),
+       use_default=st.booleans(), max_restarts=st.integers(0, 6))
+def test_random_sequences_keep_whole_replicas(n_initial, ops, answers, use_default, max_restarts) -> None:
+    c = SupervisorConfig(min_nodes=2, max_nodes=6, nproc_per_node=2, max_restarts=max_restarts, node_timeout=10.0,
+                         scale_up_wait=15.0, failure_window=20.0, nodes_per_replica=2)
+    core = SupervisorCore(c, None if use_default else Random(answers))
+    for n in NODES[:n_initial]:
+        core.join(n, 2, 0.0)
+    a = core.form(0.0)
+    assert len(a.members) == min(6, n_initial - n_initial % 2) and a.dp_size == len(a.members) // 2
+    now = 0.0
+    for op in ops:
+        now += 1.0
+        if op[0] == "join":
+            ds = core.join(op[1], op[2], now)
+        elif op[0] == "seen":
+            for n in op[1]:
+                core.seen(n, now)
+            ds = []
+        elif op[0] == "tick":
+            now += op[1]
+            ds = core.tick(now)
+        elif op[0] == "event":
+            _, kind, i, att = op
+            v = core.view(now)
+            pool = list(v.members) + list(v.spares) + NODES
+            node = pool[i % len(pool)]
+            details = {"exit_code": 1} if kind == "worker_exit" else {"nproc": 2} if kind == "node_joined" else {}
+            ds = core.handle(ev(kind, node, attempt=att, core=core, **details), now)
+        else:
+            ds = core.handle(ev("ckpt_tier_done", NODES[0], attempt=None, tier=op[1], step=op[2]), now)
+        for d in ds:
+            if d.assignment is None:
+                continue
+            new = d.assignment
+            assert len(new.members) % 2 == 0 and 2 <= len(new.members) <= 6, new
+            assert new.nodes_per_replica == 2 and new.dp_size == len(new.members) // 2
+            assert (new.previous_dp_size, new.previous_world_size) == (a.dp_size, a.world_size)
+            moved_only_whole_replicas(a, new, d.action.kind)
+            a = new
+        if core.stopped is None and core.preempted_end is None:
+            v = core.view(now)
+            assert v.replicas == core.assignment.replicas
+            if all(v.nodes[m].state is NodeState.ACTIVE for m in v.members):  # a lost member's replica is broken
+                assert v.dp_size == core.assignment.dp_size
