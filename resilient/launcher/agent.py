@@ -23,8 +23,8 @@ from pathlib import Path
 from resilient.drill.agent import Injector
 from resilient.events import Event, EventKind, Ledger
 from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE, AgentConfig, NodeRole, NodeRound, Outcome, WorkerExit
-from resilient.launcher.control import ControlClient, JobRefused, StoreLost
-from resilient.launcher.exit import Ending, exit_code, failure_summary, preempted_cleanly
+from resilient.launcher.control import ControlClient, JobRefused, StoreLost, SupervisorUnreachable
+from resilient.launcher.exit import Ending, exit_code, failure_summary, preempted_cleanly, supervisor_unreachable
 from resilient.launcher.preload import Preloader, first_starter
 from resilient.launcher.report import close_checkpoints, describe, say_ledger_lost, start_metrics, why
 from resilient.launcher.starters import WorkerProc
@@ -129,6 +129,9 @@ class Agent:
         except StoreLost as e:
             logger.error("%s; giving up (exit %d: requeue the job)", e, INFRASTRUCTURE_EXIT_CODE)
             end = Ending(INFRASTRUCTURE_EXIT_CODE, str(e))
+        except SupervisorUnreachable as e:
+            end = supervisor_unreachable(e.need, e.waited, c.supervisor_bound, c.rdzv_endpoint)
+            logger.error("%s", end.reason)
         finally:
             self._shutdown()
             end = close_checkpoints(end, self.ledger, self.run_dir, self.node, self.cfg.ckpt_persistent,
@@ -148,7 +151,7 @@ class Agent:
         last: tuple[str, float] | None = None  # (cause, detect seconds) of this node's last disruption
         plan: dict | None = None  # a plan seen while workers ran
         while True:
-            plan = plan or self._await_plan()
+            plan = plan or self._await_plan(self._need(last))
             if plan is None:
                 return self._leave(exit_code(Outcome.STOPPED, None, signum=self._signal or signal.SIGTERM))
             was_active = self.node_round.active
@@ -228,7 +231,11 @@ class Agent:
                          local_world_size=self.cfg.nproc_per_node, group_rank=self.group_rank,
                          method=type(self.group.starter).__name__, spawn_seconds=round(time.time() - t_spawn, 4),
                          pids={str(w.rank): w.pid for w in workers})
-        outcome, plan = self._watch(attempt)
+        self.control.training = True
+        try:
+            outcome, plan = self._watch(attempt)
+        finally:
+            self.control.training = False
         if outcome in (Outcome.SUCCEEDED, Outcome.STOPPED):
             if outcome == Outcome.SUCCEEDED:
                 self.ledger.emit(EventKind.ATTEMPT_END, attempt=attempt, reason=outcome.value)
@@ -263,6 +270,8 @@ class Agent:
             if self.monitor is not None:
                 hung = False
                 for ev in self.monitor.tick(time.monotonic()):
+                    if ev.kind == EventKind.HANG:
+                        self.control.training = False  # a hung rank: this attempt's workers are done for
                     self._observe(ev)  # every event of the tick: the suspect comes first, the rest matter too
                     if ev.kind == EventKind.HANG:
                         logger.error("rank %s hung: %s", ev.rank, ev.details)
@@ -274,17 +283,40 @@ class Agent:
             if plan is not None:
                 return Outcome.PEER_FAILED, plan
 
-    def _await_plan(self) -> dict | None:
-        """Wait for a plan newer than the current round; None when a signal came first. Raises StoreLost when
-        the job's store stayed unreachable for ``--rendezvous-timeout`` while this node had nothing running."""
+    def _need(self, last: tuple[str, float] | None) -> str:
+        """Why this node waits for a plan now, for the line that says it gave up waiting."""
+        if last is not None:
+            return f"this node's workers {'hung' if last[0] == Outcome.HUNG.value else 'failed'} and it needed a decision"
+        if self._done_round is not None and self._done_round == self.round:
+            return "this node's workers had finished and it waited for the job's end"
+        if self.node_round.role == NodeRole.SPARE:
+            return "this node waited as a spare"
+        return "this node waited for its first plan" if self.node_round.role == NodeRole.JOINING else \
+            "this node waited for its next plan"
+
+    def _await_plan(self, need: str) -> dict | None:
+        """Wait for a plan newer than the current round; None when a signal came first. Raises
+        SupervisorUnreachable once no supervisor could be reached for --supervisor-timeout seconds of this wait
+        (``need``: why this node waits), StoreLost when the job's store stayed unreachable for
+        ``--rendezvous-timeout`` (a longer bound set lower than --supervisor-timeout)."""
+        since = time.monotonic()
+        bound = self.cfg.supervisor_bound
         while True:
             if self._signal is not None:
                 return None
             plan = self._control_pass()
             if plan is not None:
                 return plan
-            if self.control.lost_for() > self.cfg.rendezvous_timeout:
+            lost = self.control.lost_for()
+            if lost > 0:
+                self.control.say_waiting()
+            if lost > self.cfg.rendezvous_timeout:
                 raise StoreLost(f"the job's store stayed unreachable for {self.cfg.rendezvous_timeout:.0f}s")
+            # counted from the later of the loss and the need: a supervisor away while healthy workers trained
+            # (fail static) still gets the whole bound to come back once a decision is needed
+            waited = min(lost, time.monotonic() - since)
+            if lost > 0 and waited >= bound:
+                raise SupervisorUnreachable(need, waited)
             self._serve(self.cfg.monitor_interval)
 
     def _watch_timeout(self) -> float:
@@ -337,6 +369,7 @@ class Agent:
                                   detect_seconds=round(max(0.0, time.time() - ex.wall), 4), **self.group.cause(ex))
         logger.warning("worker %s", ex.describe())
         if report:
+            self.control.training = False  # a failed worker: the node's workers of this attempt are done for
             self.control.report(ev)
 
     def _observe(self, ev: Event) -> None:

@@ -189,6 +189,9 @@ class AgentConfig:
     # drills: faults the agent carries out (time-based) or hands to the workers (step-based, via resilient.steps)
     inject: tuple = ()  # resilient.drill.spec.FaultSpec values, parsed from --inject
     job_secret_file: str | None = None  # file holding the per-job secret (else RESILIENT_JOB_SECRET, else generated)
+    # --supervisor-timeout: how long an agent that needs a decision waits for an unreachable supervisor before it
+    # exits for a requeue; None: the default of :attr:`supervisor_bound`
+    supervisor_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -200,7 +203,8 @@ class AgentConfig:
                         ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout),
                         ("--health-interval", self.health_interval),
                         ("--node-timeout", self.supervisor.node_timeout),
-                        ("--policy-timeout", self.supervisor.policy_timeout)):
+                        ("--policy-timeout", self.supervisor.policy_timeout),
+                        ("--supervisor-timeout", self.supervisor_timeout)):
             check_seconds(flag, v)
         if self.spare_nodes < 0:
             raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
@@ -220,6 +224,18 @@ class AgentConfig:
         if not self.metrics_addr or any(ch.isspace() or ch in "/[]" for ch in self.metrics_addr):
             raise LaunchError(f"--metrics-addr must be an IP address or host name (0.0.0.0 for every interface), "
                               f"got {self.metrics_addr!r}")
+
+    @property
+    def supervisor_bound(self) -> float:
+        """Seconds an agent that needs a decision waits for an unreachable supervisor (--supervisor-timeout).
+
+        Default: 3 × --node-timeout, at least 30 s, at most --rendezvous-timeout. Noticing that the supervisor is
+        away costs up to one node timeout (a store call gives up after that long), a supervisor restarted or
+        woken gives every node one node timeout before it judges, and one more covers agents reconnecting to it
+        under load; past that, waiting only keeps a requeue from starting."""
+        if self.supervisor_timeout is not None:
+            return float(self.supervisor_timeout)
+        return min(self.rendezvous_timeout, max(30.0, 3 * self.supervisor.node_timeout))
 
     @property
     def single_node(self) -> bool:

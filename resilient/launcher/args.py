@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0: every interface)")
     g.add_argument("--term-timeout", "--term_timeout", type=float, default=30.0,
                    help="seconds between forwarding SIGTERM/SIGINT to workers and SIGKILL")
+    g.add_argument("--supervisor-timeout", "--supervisor_timeout", type=float,
+                   default=os.environ.get(renv.SUPERVISOR_TIMEOUT) or None,
+                   help="seconds an agent that needs a decision (its workers failed or hung, it waits as a spare "
+                        "or for the job's end) waits for an unreachable (dead or hung) supervisor before it exits "
+                        "76 for a requeue; healthy workers train on meanwhile. Default: 3 x --node-timeout, at "
+                        "least 30, at most the rendezvous timeout: one node timeout to notice the supervisor is "
+                        "away, one for a restarted or woken supervisor's grace, one for reconnecting under load "
+                        f"(or {renv.SUPERVISOR_TIMEOUT})")
     g.add_argument("--worker-launch", "--worker_launch", choices=[m.value for m in WorkerLaunchMethod],
                    default=os.environ.get(renv.WORKER_LAUNCH, WorkerLaunchMethod.FORK_SERVER.value),
                    help="fork-server: fork workers from a process that already imported torch (fast "
@@ -219,7 +227,8 @@ def parse(argv: list[str]) -> AgentConfig:
                 raise LaunchError(f"--inject: {f.describe()}: {f.kind.value} happens inside the worker at a step "
                                   f"(@stepN, or @0s for the start); the script must use resilient.steps()")
 
-    for flag, v in (("--node-timeout", args.node_timeout), ("--policy-timeout", args.policy_timeout)):
+    for flag, v in (("--node-timeout", args.node_timeout), ("--policy-timeout", args.policy_timeout),
+                    ("--supervisor-timeout", args.supervisor_timeout)):
         check_seconds(flag, v)
     try:
         supervisor = SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
@@ -246,6 +255,7 @@ def parse(argv: list[str]) -> AgentConfig:
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
             inject=inject, job_secret_file=args.job_secret_file,
+            supervisor_timeout=args.supervisor_timeout,
         )
     except (ValueError, TypeError) as e:
         raise LaunchError(str(e)) from None

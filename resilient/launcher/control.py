@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from resilient.bounded import BoundedCaller
 from resilient.events import Event, Ledger
 from resilient.launcher.api import AgentConfig, LaunchError, NodeRound
 from resilient.logs import RateLimitedLog
@@ -24,6 +25,15 @@ _RECONNECT_REFUSED = RateLimitedLog(logger, 30.0)  # an endpoint taken by anothe
 
 class StoreLost(Exception):
     """The job's store (and with it the supervisor) stayed unreachable while this node had nothing to run."""
+
+
+class SupervisorUnreachable(Exception):
+    """This node needed a decision and no supervisor answered within --supervisor-timeout: (why it needed one,
+    seconds it waited)."""
+
+    def __init__(self, need: str, waited: float):
+        super().__init__(f"no supervisor reachable for {waited:.0f} s while {need}")
+        self.need, self.waited = need, waited
 
 
 class JobRefused(Exception):
@@ -66,10 +76,21 @@ class ControlClient:
         self._unsent: list[Event] = []  # reports that found no supervisor
         self._sup_gone = False  # the supervisor closed its end: join it again (its new term) when it is back
         self._lost_at: float | None = None  # written by _reached only
+        self._last_ok = time.monotonic()  # the last store call that succeeded; written by _reached only
+        self._said_waiting = False  # say_waiting's line is out for this loss of the store
+        # this node's workers are running (fail static: they train on without a supervisor); written by the agent
+        self.training = False
         self._last_hb = 0.0
         self._hb_interval = min(1.0, cfg.supervisor.node_timeout / 4)
         self._last_reconnect = 0.0
         self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
+        # torch's TCPStore client honours its timeout against a dead server, not against a hung one (SIGSTOP: the
+        # kernel still accepts and buffers, the reply never comes, the call blocks until the server runs again),
+        # so every call past the join is bounded here; a client whose call overran is never used again (see
+        # _away), and a fresh one per reconnect probe gets its own caller
+        self._call_timeout = min(cfg.rendezvous_timeout, max(5.0, cfg.supervisor.node_timeout))
+        self._calls = BoundedCaller("store", max_abandoned=4)
+        self._probes = BoundedCaller("store-probe", max_abandoned=2)
 
     # ---------------------------------------------------------------- joining
     def _advertised_addr(self) -> str:
@@ -152,12 +173,29 @@ class ControlClient:
 
     # ---------------------------------------------------------------- reachability
     def _reached(self, e: Exception | None) -> None:
-        """The one writer of ``_lost_at``: None once a store call succeeded, the first failure's time after."""
+        """The one writer of ``_lost_at``: None once a store call succeeded; after a failure, the time of the last
+        call that succeeded (a failing call took up to its timeout: the store was already away then)."""
         if e is None:
             self._lost_at = None
+            self._last_ok = time.monotonic()
+            self._said_waiting = False
         elif self._lost_at is None:
-            self._lost_at = time.monotonic()
-            logger.error("the job's store is unreachable (%s); workers keep training", str(e).splitlines()[0])
+            self._lost_at = self._last_ok
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if self.training:
+                logger.error("the job's store is unreachable (%s); workers keep training", first)
+            else:
+                logger.error("the job's store is unreachable (%s)", first)
+                self.say_waiting()
+
+    def say_waiting(self) -> None:
+        """The line an agent that needs a decision prints once per loss of the store (the agent calls it when it
+        starts waiting for a plan: its workers may have died after the loss was first noticed)."""
+        if self._lost_at is None or self._said_waiting:
+            return
+        self._said_waiting = True
+        logger.error("no supervisor reachable and this node's workers are not running: waiting up to %g s "
+                     "(--supervisor-timeout) for a supervisor's decision", self.cfg.supervisor_bound)
 
     @property
     def reachable(self) -> bool:
@@ -179,9 +217,13 @@ class ControlClient:
 
         if self.chan is None:
             return  # not joined yet (or torn down): the node's ledger has it
+        if self._away():
+            self._unsent.append(ev)
+            return
+        chan = self.chan
         try:
-            self.chan.send(MessageKind.EVENT, event=ev.to_json())
-        except Exception as e:  # noqa: BLE001 - DistStoreError and friends
+            self._bounded(lambda: chan.send(MessageKind.EVENT, event=ev.to_json()), "a report")
+        except Exception as e:  # noqa: BLE001 - DistStoreError and friends, TimeoutError
             self._reached(e)
             self._unsent.append(ev)  # told again once the supervisor is back: it must not be lost
             return
@@ -193,9 +235,22 @@ class ControlClient:
         for ev in unsent:
             self.report(ev)
 
+    def _away(self) -> bool:
+        """The store is known to be away and hosted elsewhere: a call would only wait out its timeout (a hung
+        supervisor's kernel still accepts connections); the reconnect probe, bounded to seconds, is the one caller
+        until it answers again."""
+        return self._lost_at is not None and self.sup_loop is None
+
+    def _bounded(self, fn: Callable[[], object], what: str) -> object:
+        """``fn()`` (calls on the job's store), given up after the store's timeout: raises TimeoutError then."""
+        return self._calls.call(fn, self._call_timeout, what)
+
     def _send(self, kind: str, **body: object) -> None:
+        if self._away():
+            return  # a rejoin tells the supervisor this node's round and whether its workers are done
+        chan = self.chan
         try:
-            self.chan.send(kind, **body)
+            self._bounded(lambda: chan.send(kind, **body), kind)
         except Exception as e:  # noqa: BLE001
             self._reached(e)
         self.kick()
@@ -217,8 +272,11 @@ class ControlClient:
             # the supervisor goes down with this agent: nothing is left for it to decide
             self.sup_loop.core.finish(reason)
             return
+        if self._away():
+            return  # its presence connection closes as this agent exits: the supervisor hears of it that way
+        chan = self.chan
         try:
-            self.chan.send(MessageKind.LEAVE, reason=reason)
+            self._bounded(lambda: chan.send(MessageKind.LEAVE, reason=reason), "a goodbye")
         except Exception as e:  # noqa: BLE001
             logger.debug("could not say goodbye: %s", e)
 
@@ -254,12 +312,16 @@ class ControlClient:
             self._reached(ConnectionError("the supervisor closed its connection"))
         if self._unsent and self._lost_at is None:
             self._flush_unsent()  # the store answers again (torch's client may reconnect by itself)
+        if self._away():
+            return
         now = time.monotonic()
         if now - self._last_hb < self._hb_interval:
             return
         self._last_hb = now
+        chan = self.chan
         try:
-            self.chan.send(MessageKind.HB, round=node_round.round, active=node_round.active)
+            self._bounded(lambda: chan.send(MessageKind.HB, round=node_round.round, active=node_round.active),
+                          "a heartbeat")
         except Exception as e:  # noqa: BLE001
             self._reached(e)
 
@@ -276,33 +338,48 @@ class ControlClient:
         self._last_reconnect = now
         c = self.cfg
         keys = T.Keys(c.rdzv_id)
-        try:
+        where = "{}:{}".format(*self._endpoint)
+
+        def probe() -> tuple[object, object, str]:
             store = T.connect_store(self._endpoint[0], self._endpoint[1], 2.0)
             served = T.claim_job(store, c.rdzv_id, hosting=False, timeout=2.0)
             if served != c.rdzv_id:  # another job's supervisor took the endpoint: not ours, keep waiting for ours
-                raise JobRefused(T.refused_line(served, c.rdzv_id, self.node, "{}:{}".format(*self._endpoint)))
+                T.knock(store, c.rdzv_id, self.node)
+                raise JobRefused(T.refused_line(served, c.rdzv_id, self.node, where))
             secret = T.load_secret(c.job_secret_file)
             if secret is None:
                 store.wait([keys.secret], timedelta(seconds=2))
                 secret = store.get(keys.secret)
             store.wait([keys.presence, keys.term], timedelta(seconds=2))
             presence = store.get(keys.presence).decode()
-            store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.supervisor.node_timeout))))
-            signer = T.Signer(secret, c.rdzv_id)
-            chan = T.AgentChannel(store, signer, self.node)
+            store.set_timeout(timedelta(seconds=self._call_timeout))
+            chan = T.AgentChannel(store, T.Signer(secret, c.rdzv_id), self.node)
             chan.sync_term()
+            # a rejoin is idempotent for the supervisor: a probe abandoned here that sends it later does no harm
             chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
                       rejoin=True, round=node_round.round, active=node_round.active,
                       done=done_round == node_round.round)
-            conn = T.presence_connect(presence, signer, self.node, timeout=2.0, term=chan.term)
+            return store, chan, presence
+
+        try:
+            # a hung server holds even a new client's handshake: the probe is bounded as a whole
+            # (a live one answers in milliseconds; the agent's loop waits on this, so a few seconds at most)
+            store, chan, presence = self._probes.call(probe, 3.0, "reconnecting to the supervisor")
+            signer = chan.signer  # type: ignore[attr-defined]
+            same = (not self._sup_gone and self._presence is not None and self.chan is not None
+                    and chan.term == self.chan.term)  # type: ignore[attr-defined]
+            # the same supervisor, back from a stall: its end of our presence connection never closed, and closing
+            # ours would tell it this node died
+            conn = self._presence if same else T.presence_connect(presence, signer, self.node, timeout=2.0,
+                                                                  term=chan.term)  # type: ignore[attr-defined]
         except JobRefused as e:
-            T.knock(store, c.rdzv_id, self.node)
             _RECONNECT_REFUSED.warning("%s", e)
             return
         except Exception as e:  # noqa: BLE001 - not back yet
-            logger.debug("supervisor not reachable yet: %s", str(e).splitlines()[0])
+            logger.debug("supervisor not reachable yet: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
             return
-        if self._presence is not None:
+        self._calls = BoundedCaller("store", max_abandoned=4)  # calls stuck on the old client stay with the old one
+        if self._presence is not None and self._presence is not conn:
             self._presence.close()
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
         lost_for = self.lost_for()
@@ -314,15 +391,21 @@ class ControlClient:
 
     def _new_plan(self, round_: int) -> dict | None:
         """The newest plan if one newer than ``round_`` exists (bounded store calls)."""
-        try:
+        if self._away():
+            return None
+        chan, resync = self.chan, self._resync
+
+        def read() -> dict | None:
             # a restarted supervisor's store holds its newest round only: an agent more than one round behind (a
             # spare still warming up while the job restarted) finds no round + 1 there and must take the latest
-            if not self.chan.has_round(round_ + 1) and not (self._resync and self.chan.latest_round() > round_):
-                self._reached(None)
+            if not chan.has_round(round_ + 1) and not (resync and chan.latest_round() > round_):
                 return None
-            latest = self.chan.latest_round()
+            latest = chan.latest_round()
             # the newest round, or the next one if ``latest`` lags: either way its signature is checked
-            plan = self.chan.plan(latest if latest > round_ else round_ + 1)
+            return chan.plan(latest if latest > round_ else round_ + 1)
+
+        try:
+            plan = self._bounded(read, "reading the plan")
         except Exception as e:  # noqa: BLE001
             self._reached(e)
             return None
@@ -334,10 +417,11 @@ class ControlClient:
 
     # ---------------------------------------------------------------- learned modules (automatic preload)
     def publish_learned(self, names: tuple[str, ...]) -> None:
-        if self.store is None:
+        if self.store is None or self._away():
             return
+        store, key, body = self.store, self.chan.keys.preload, self.signer.seal({"modules": list(names), "node": self.node})
         try:
-            self.store.set(self.chan.keys.preload, self.signer.seal({"modules": list(names), "node": self.node}))
+            self._bounded(lambda: store.set(key, body), "publishing the learned modules")
         except Exception as e:  # noqa: BLE001 - a speed-up for spares only
             logger.debug("cannot publish learned modules: %s", e)
 
@@ -345,10 +429,15 @@ class ControlClient:
         """What the active nodes' workers import, for a spare (nothing when the store is away or the key forged)."""
         if self.store is None or self._lost_at is not None:
             return []
+        store, key, signer = self.store, self.chan.keys.preload, self.signer
+
+        def read() -> dict | None:
+            return signer.open(store.get(key)) if store.check([key]) else None
+
         try:
-            if not self.store.check([self.chan.keys.preload]):
+            body = self._bounded(read, "reading the learned modules")
+            if body is None:
                 return []
-            body = self.signer.open(self.store.get(self.chan.keys.preload))
         except Exception as e:  # noqa: BLE001 - forged, or the store is away: nothing learned
             logger.debug("cannot read learned modules: %s", e)
             return []

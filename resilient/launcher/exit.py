@@ -19,6 +19,15 @@ from resilient.launcher.api import (
 )
 
 
+# Exit code of an agent that needed a decision (its workers failed or hung, it waits as a spare, its workers
+# finished and it waits for the job's end) while no supervisor could be reached for --supervisor-timeout seconds,
+# the supervisor dead or hung: sysexits' EX_PROTOCOL, "the remote side did not answer as the protocol wants".
+# Distinct from 69 (the store stayed away for the whole --rendezvous-timeout) and 75 (preempted after a save), so
+# that an operator tells them apart; requeued like both: nothing is wrong with the training, and the rerun
+# resumes from the newest complete checkpoint. Neither Slurm nor Kubernetes gives 76 a meaning of its own.
+SUPERVISOR_UNREACHABLE_EXIT_CODE = 76
+
+
 @dataclass(frozen=True)
 class Ending:
     code: int
@@ -52,6 +61,15 @@ def exit_code(outcome: Outcome, plan: Mapping | None, *, signum: int | None = No
         # preempted, so the scheduler requeues
         return Ending(PREEMPTED_EXIT_CODE, "preempted")
     return Ending(0, "succeeded")
+
+
+def supervisor_unreachable(need: str, waited: float, bound: float, endpoint: str) -> Ending:
+    """The ending of an agent that needed a decision (``need``: why) and heard from no supervisor for ``waited``
+    seconds, past the ``bound`` (--supervisor-timeout); its reason is the one line the agent prints."""
+    return Ending(SUPERVISOR_UNREACHABLE_EXIT_CODE,
+                  f"no supervisor reachable at {endpoint} for {waited:.0f} s (--supervisor-timeout {bound:g}) while "
+                  f"{need}; exit {SUPERVISOR_UNREACHABLE_EXIT_CODE}: requeue the job, it resumes from its newest "
+                  f"checkpoint")
 
 
 def checkpoint_exit(ending: Ending, *, ckpt_stop: str | None, not_durable: tuple[int, int | None] | None,
