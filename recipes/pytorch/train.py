@@ -93,6 +93,9 @@ def parse_args() -> argparse.Namespace:
                          "scales it by --lr-scaling")
     ap.add_argument("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
                     help="how the learning rate follows the global batch (linear: Goyal et al.; sqrt: for Adam)")
+    ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw",
+                    help="sgd: momentum 0.9; rounding differences stay rounding differences (AdamW's normalised "
+                         "update turns a sign flip in a near-zero gradient into a full step)")
     ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism of the MLPs over this many ranks (FSDP2 over the rest); under "
@@ -186,7 +189,10 @@ def main() -> int:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     else:
         wrapped = model
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.optim == "sgd":
+        optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gpu_sync = torch.cuda.synchronize if device.type == "cuda" else None
     cc = None
     if args.compile:
