@@ -120,9 +120,10 @@ def test_kubernetes_manifests_validate_against_the_shipped_schemas():
     vols = {v["name"]: v for v in workers["template"]["spec"]["volumes"]}
     assert "hostPath" in vols["localssd"] and vols["job-secret"]["secret"]["secretName"] == "resilient-train-secret"
     from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE, PREEMPTED_EXIT_CODE
+    from resilient.launcher.exit import SUPERVISOR_UNREACHABLE_EXIT_CODE
 
     codes = workers["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"]
-    assert sorted(codes) == sorted([PREEMPTED_EXIT_CODE, INFRASTRUCTURE_EXIT_CODE])
+    assert sorted(codes) == sorted([PREEMPTED_EXIT_CODE, INFRASTRUCTURE_EXIT_CODE, SUPERVISOR_UNREACHABLE_EXIT_CODE])
     # the schema rejects what a typo would produce
     bad = json.loads(json.dumps(js))
     bad["spec"]["replicatedJobs"][1]["template"]["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
@@ -136,7 +137,8 @@ def _fake_bin(d: Path, name: str, body: str) -> None:
     p.chmod(p.stat().st_mode | stat.S_IEXEC)
 
 
-@pytest.mark.parametrize("code,requeued,exit_code", [(0, False, 0), (75, True, 0), (69, True, 0), (1, False, 1)])
+@pytest.mark.parametrize("code,requeued,exit_code", [(0, False, 0), (75, True, 0), (69, True, 0), (76, True, 0),
+                                                     (1, False, 1)])
 def test_slurm_script_parses_renders_and_requeues_on_preemption_or_infrastructure(tmp_path, code, requeued, exit_code):
     assert subprocess.run(["bash", "-n", str(SLURM)], capture_output=True, timeout=30).returncode == 0
     bin_ = tmp_path / "bin"
