@@ -370,6 +370,7 @@ class Restorer(Component):
             return RestoreResult(step=None, tier=None, seconds=time.perf_counter() - t0, bytes=0)
         failures = []
         self.resharded: dict[str, int] | None = None  # what a resharded restore read (see _ranged_stats)
+        self.ranges_read: dict[str, list[tuple[int, int]]] = {}
         self._excluded: set[tuple[int, str]] = set()  # (step, tier) whose copy was refused as unsafe
         self._lazy: set[str] = set()  # this rank's files taken from this node unverified (verified as they land)
         self._dirty = False  # bytes of a step that then failed landed in the state
@@ -633,6 +634,10 @@ class Restorer(Component):
             return None
         phases["direct"] = time.perf_counter() - t_phase
         self.resharded = _ranged_stats(direct, need, files, self._ranged_in) if direct.blocks else None
+        # the byte ranges this rank read of each data file (a benchmark reads the same bytes raw)
+        self.ranges_read = {n: [b for i, b in enumerate(files[n].bounds())
+                                if direct.blocks.get(n) is None or i in direct.blocks[n]]
+                            for n in sorted(need - {DCP_METADATA})}
         refused = None
         if slow_keys:
             slow_sd = {k: plan.load_sd[k] for k in slow_keys}
