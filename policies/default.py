@@ -13,6 +13,9 @@ Restarts in place for what a restart fixes; takes a node out only on node-level 
   its agent still reports and is healthy, it is a warm spare again.
 * a spare joins while the job runs below MAX: ``ScaleUp`` at the next checkpoint boundary.
 * straggler, preemption notice: ``Ignore`` (recorded; the agents save on a notice).
+* with ``--nodes-per-replica K``: a swap replaces one node inside its replica; without a spare the broken node's
+  whole replica is dropped (its healthy nodes are warm spares at once), and the job grows back by whole replicas
+  (K free spares: e.g. a returning node and the benched one).
 * restart budget (``--max-restarts``) spent: ``Stop``.
 
 The logic lives in ``resilient.supervisor.default_policy`` so that it ships with the package; this file is
