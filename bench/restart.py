@@ -22,7 +22,16 @@ started before it learned anything, the second workers forked from the warmed fo
 from resilient-run's ledger into when the agent saw the exit, when the attempt's other workers were gone and when
 the new ones were spawned (seconds after the kill).
 
-Prints a table and writes bench/results/restart.json (restart-preload-MODULE.json with ``--heavy``).
+``--job hf|lightning``: the heavy imports of an HF Trainer job (``from transformers import Trainer,
+TrainingArguments``, ``import accelerate``) or a Lightning job, written in a local module the script imports, so
+the fork server reads them before the first spawn (resilient-run, no flag), against the same imports made by name
+at run time, which no static read sees (``imports hidden``: the behaviour before the static read) and against
+that with the hand-written ``--preload``. Reports the first attempt's start (launch to the first collective) too.
+
+    python bench/restart.py --job hf --train-seconds 2.3 --reps 3
+
+Prints a table and writes bench/results/restart.json (restart-preload-MODULE.json with ``--heavy``,
+restart-static-JOB.json with ``--job``).
 """
 
 from __future__ import annotations
@@ -41,18 +50,23 @@ SCRIPT = r'''
 import json, os, signal, sys, time
 import torch, torch.distributed as dist
 HEAVY = os.environ.get("BENCH_HEAVY")
-if HEAVY:
+if HEAVY:  # imported by name at run time: a static read of the script cannot see them
     import importlib
     for m in HEAVY.split(","):
-        importlib.import_module(m)
+        mod, _, attr = m.partition(":")
+        if attr:
+            getattr(importlib.import_module(mod), attr)
+        else:
+            importlib.import_module(mod)
 out = sys.argv[1]
+T_IMPORTED = time.time()
 dist.init_process_group("gloo")
 rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 t = torch.ones(1)
 dist.all_reduce(t)
 done = time.time()
 with open(os.path.join(out, f"a{attempt}_r{rank}.json"), "w") as f:
-    json.dump({"sum": t.item(), "t": done}, f)
+    json.dump({"sum": t.item(), "t": done, "imported": T_IMPORTED}, f)
 kills = int(os.environ.get("BENCH_KILLS", "1"))
 train_s = float(os.environ.get("BENCH_TRAIN_S" if attempt == 0 else "BENCH_TRAIN2_S", "0"))
 if attempt < kills and train_s > 0:
@@ -69,6 +83,14 @@ if rank == 1 and attempt < kills:
 dist.barrier()
 dist.destroy_process_group()
 '''
+
+# --job: the same script, its heavy imports written out in a local module it imports (what a static read sees)
+JOBS = {
+    "hf": ("from transformers import Trainer, TrainingArguments\nimport accelerate\n",
+           "transformers:Trainer,transformers:TrainingArguments,accelerate", "transformers,accelerate"),
+    "lightning": ("import lightning\nfrom lightning import Trainer, LightningModule\n",
+                  "lightning,lightning:Trainer,lightning:LightningModule", "lightning"),
+}
 
 BIN = Path(sys.executable).parent
 LAUNCHERS = {
@@ -100,7 +122,7 @@ def reap(p: subprocess.Popen) -> None:
 def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dict | None = None,
         kills: int = 1) -> dict:
     out = Path(tempfile.mkdtemp(prefix="out-", dir=workdir))
-    script = workdir / "crash.py"
+    script = workdir / ("crash_static.py" if (extra_env or {}).get("BENCH_STATIC") else "crash.py")
     args = [*cmd, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(kills)]
     if name.startswith("resilient"):
         args += ["--run-dir", str(out / "run")]
@@ -132,6 +154,9 @@ def one(name: str, cmd: list[str], workdir: Path, timeout: float, extra_env: dic
             kill_walls.append(None)
             restarts.append(None)
     r = {"launcher": name, "ok": ok, "exit": code, "restart_s": restarts[0], "wall_s": wall}
+    first = [out / f"a0_r{r}.json" for r in (0, 1)]
+    if all(f.exists() for f in first):  # launch -> the first collective of the first attempt (latest rank)
+        r["start_s"] = max(json.loads(f.read_text())["t"] for f in first) - t0
     if kills > 1:
         r["restart2_s"] = restarts[1]
     r.update(_preload_log(out / "run" / "logs" / "agent.jsonl", kill_walls[0]))
@@ -208,6 +233,10 @@ def main() -> None:
     ap.add_argument("--launchers", default=",".join(LAUNCHERS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--heavy", default=None, help="modules the script imports first (e.g. transformers)")
+    ap.add_argument("--job", choices=sorted(JOBS), default=None,
+                    help="hf or lightning: no flag with the imports written in a local module the script imports "
+                         "(the fork server reads them before the first spawn), against the same imports made by name "
+                         "at run time (no static read: as before) and with a hand-written --preload")
     ap.add_argument("--train-seconds", type=float, default=15.0, help="with --heavy: training before the kill")
     ap.add_argument("--with-spawn", action="store_true", help="with --heavy: also fresh interpreters (no fork server)")
     ap.add_argument("--kills", type=int, default=None,
@@ -215,11 +244,24 @@ def main() -> None:
     ap.add_argument("--train2-seconds", type=float, default=3.0,
                     help="with --kills 2 or more: training in each later attempt before its kill")
     a = ap.parse_args()
-    kills = a.kills if a.kills is not None else (2 if a.heavy else 1)
+    kills = a.kills if a.kills is not None else (2 if a.heavy or a.job else 1)
     if kills < 1:
         ap.error(f"--kills must be >= 1, got {kills}")
     extra: dict = {"BENCH_TRAIN2_S": str(a.train2_seconds)}
-    if a.heavy:
+    per_launcher: dict[str, dict] = {}
+    if a.job:
+        source, dynamic, hand = JOBS[a.job]
+        a.heavy = dynamic
+        LAUNCHERS.clear()
+        LAUNCHERS["resilient-run"] = [sys.executable, "-m", "resilient.run"]
+        LAUNCHERS["resilient-run (imports hidden)"] = [sys.executable, "-m", "resilient.run"]
+        LAUNCHERS["resilient-run --preload"] = [sys.executable, "-m", "resilient.run", "--preload", hand]
+        a.launchers = ",".join(LAUNCHERS)
+        extra.update(BENCH_TRAIN_S=str(a.train_seconds), RESILIENT_LOG_LEVEL="INFO")
+        per_launcher = {"resilient-run": {"BENCH_STATIC": "1"},
+                        "resilient-run (imports hidden)": {"BENCH_HEAVY": dynamic},
+                        "resilient-run --preload": {"BENCH_HEAVY": dynamic}}
+    elif a.heavy:
         LAUNCHERS.clear()
         LAUNCHERS["resilient-run"] = [sys.executable, "-m", "resilient.run"]
         LAUNCHERS["resilient-run --preload"] = [sys.executable, "-m", "resilient.run", "--preload", a.heavy]
@@ -228,27 +270,34 @@ def main() -> None:
         a.launchers = ",".join(LAUNCHERS)
         # INFO: the agent's log then says when automatic preload was warm (both launchers log alike)
         extra.update(BENCH_HEAVY=a.heavy, BENCH_TRAIN_S=str(a.train_seconds), RESILIENT_LOG_LEVEL="INFO")
-    a.out = a.out or str(Path(__file__).parent / "results" / ("restart.json" if not a.heavy else
-                                                             f"restart-preload-{a.heavy.replace(',', '+')}.json"))
+    a.out = a.out or str(Path(__file__).parent / "results" / (
+        f"restart-static-{a.job}.json" if a.job else "restart.json" if not a.heavy else
+        f"restart-preload-{a.heavy.replace(',', '+')}.json"))
     names = [n for n in a.launchers.split(",") if n]
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
         wd = Path(d)
         (wd / "crash.py").write_text(SCRIPT)
+        if a.job:
+            (wd / "jobimports.py").write_text(JOBS[a.job][0])
+            (wd / "crash_static.py").write_text("import jobimports  # noqa: F401\n" + SCRIPT)
         for rep in range(a.reps):
             for n in (names if rep % 2 == 0 else names[::-1]):  # alternate the order: no launcher always goes first
-                r = one(n, LAUNCHERS[n], wd, a.timeout, extra, kills)
+                r = one(n, LAUNCHERS[n], wd, a.timeout, {**extra, **per_launcher.get(n, {})}, kills)
                 r["rep"] = rep
                 runs.append(r)
                 rnd = lambda v: v if v is None else round(v, 3)  # noqa: E731
-                print(f"  rep {rep} {n:<22} ok={r['ok']!s:<5} restart={rnd(r['restart_s'])}"
+                print(f"  rep {rep} {n:<22} ok={r['ok']!s:<5} start={rnd(r.get('start_s'))} restart={rnd(r['restart_s'])}"
                       + (f" second={rnd(r.get('restart2_s'))}" if kills > 1 else "")
                       + (f" phases={r['phases']}" if r.get("phases") else ""), file=sys.stderr, flush=True)
     summary = {}
     for n in names:
         rs = [r for r in runs if r["launcher"] == n]
         times = [r["restart_s"] for r in rs if r["restart_s"] is not None]
+        starts = [r["start_s"] for r in rs if r.get("start_s") is not None]
         summary[n] = {"successes": sum(r["ok"] for r in rs), "reps": len(rs),
+                      "median_start_s": statistics.median(starts) if starts else None,
+                      "min_start_s": min(starts) if starts else None, "max_start_s": max(starts) if starts else None,
                       "median_restart_s": statistics.median(times) if times else None,
                       "min_restart_s": min(times) if times else None, "max_restart_s": max(times) if times else None}
         if kills > 1:
@@ -259,14 +308,15 @@ def main() -> None:
                     v = [r["phases"][i][ph] for r in rs if len(r.get("phases", [])) > i and r["phases"][i].get(ph) is not None]
                     summary[n][f"median_{key}_{ph}_s"] = statistics.median(v) if v else None
     base = summary.get("resilient-run", {}).get("median_restart_s")
-    print(f"\n{'launcher':<24}{'restarts ok':>12}{'median s':>10}{'min s':>9}{'max s':>9}{'÷ resilient-run':>17}"
-          + (f"{'2nd restart s':>15}" if kills > 1 else ""))
+    print(f"\n{'launcher':<32}{'restarts ok':>12}{'median s':>10}{'min s':>9}{'max s':>9}{'÷ resilient-run':>17}"
+          + (f"{'2nd restart s':>15}" if kills > 1 else "") + f"{'start s (min-max)':>22}")
     for n, s in summary.items():
         med = s["median_restart_s"]
         ratio = f"{med / base:.1f}x" if med and base else "-"
         fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        print(f"{n:<24}{s['successes']:>5}/{s['reps']:<6}{fmt(med):>10}{fmt(s['min_restart_s']):>9}{fmt(s['max_restart_s']):>9}{ratio:>17}"
-              + (f"{fmt(s.get('median_restart2_s')):>15}" if kills > 1 else ""))
+        print(f"{n:<32}{s['successes']:>5}/{s['reps']:<6}{fmt(med):>10}{fmt(s['min_restart_s']):>9}{fmt(s['max_restart_s']):>9}{ratio:>17}"
+              + (f"{fmt(s.get('median_restart2_s')):>15}" if kills > 1 else "")
+              + f"{fmt(s.get('median_start_s')):>10} ({fmt(s.get('min_start_s'))}-{fmt(s.get('max_start_s'))})")
         s["ratio_to_resilient_run"] = (med / base) if med and base else None
     doc: dict = {"summary": summary, "runs": runs, "reps": a.reps, "kills": kills,
                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
