@@ -10,7 +10,9 @@ SIGCONT while a healthy job trains: the job finishes, exit 0 everywhere, with no
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import socket
 import time
 from pathlib import Path
@@ -135,3 +137,101 @@ def test_a_restart_and_a_stop_decided_in_one_pass_reach_the_agents_as_the_stop_a
         assert not j.chans["a"].has_round(2)
     finally:
         j.close()
+
+
+# ---------------------------------------------------------------------------------------------- real processes
+def _cluster(tmp_path: Path, flags: list[str]):
+    from tests.cluster.conftest import Cluster
+
+    c = Cluster(tmp_path / "c", "2", flags=flags)
+    c.tmp.mkdir(parents=True)
+    return c
+
+
+def _let_go(c) -> None:
+    for n in c.nodes:  # a stopped process must be let go before it can be killed and reaped
+        try:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    c.close()
+
+
+def _train_args(tmp_path: Path, steps: int) -> tuple[list[str], Path]:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "go").touch()  # the gate only says where training is: at-<rank> once step 2 is saved
+    return ["--steps", str(steps), "--out", str(tmp_path / "out"), "--gate", str(gate), "--gate-step", "2",
+            "--step-sleep", "0.3"], gate
+
+
+def _no_loss_no_hang(c) -> list:
+    evs = c.events()
+    assert not [e for e in evs if e.kind in (EventKind.AGENT_LOST, EventKind.HANG)], \
+        [e for e in evs if e.kind in (EventKind.AGENT_LOST, EventKind.HANG)]
+    # one round from start to end (an ignore only records, such as a straggler under this machine's load)
+    assert [e.details["action"] for e in evs if e.kind == EventKind.ACTION
+            and e.details["action"] != "ignore"] == ["start"]
+    return evs
+
+
+@pytest.mark.timeout(240)
+def test_standalone_supervisor_stopped_past_the_node_timeout_and_let_go_fails_nobody(tmp_path: Path) -> None:
+    from tests.cluster.test_node_loss import _listening
+
+    secret = {"RESILIENT_JOB_SECRET": "s3cret-for-tests-0123456789abcdef"}
+    # agents: store calls give up after 5 s; the supervisor counts a node lost after 4 s of silence
+    c = _cluster(tmp_path, ["--heartbeat-timeout", "600", "--node-timeout", "5", "--supervisor-timeout", "120"])
+    try:
+        sup = c.start_supervisor(["--max-restarts", "3", "--node-timeout", "4", "--last-call-timeout", "0"],
+                                 env=secret)
+        wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+        args, gate = _train_args(tmp_path, 40)
+        a, b = c.start("a", args, env=secret), c.start("b", args, env=secret)
+        wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 120, "training under way")
+        os.kill(sup.proc.pid, signal.SIGSTOP)
+        # stopped until both agents found it away (their calls gave up after 5 s): every node is silent to it for
+        # longer than its node timeout when it runs again
+        wait_for(lambda: "store is unreachable" in a.text() and "store is unreachable" in b.text(), 60,
+                 "both agents to find the supervisor away")
+        os.kill(sup.proc.pid, signal.SIGCONT)
+        t_wake = time.monotonic()
+        wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+        took = time.monotonic() - t_wake
+        assert a.proc.returncode == 0, a.output()
+        assert b.proc.returncode == 0, b.output()
+        wait_for(lambda: sup.proc.poll() is not None, 30, "the supervisor to exit with the job")
+        assert sup.proc.returncode == 0, sup.output()
+        evs = _no_loss_no_hang(c)
+        assert [e for e in evs if e.kind == EventKind.LOG and "supervisor_paused" in e.details], sup.output()
+        print(f"standalone supervisor woken: job ended (exit 0 everywhere) {took:.1f} s after SIGCONT")
+    finally:
+        _let_go(c)
+
+
+@pytest.mark.timeout(240)
+def test_agent_hosting_the_supervisor_stopped_past_the_timeouts_and_let_go_fails_nobody(tmp_path: Path) -> None:
+    # the hang watch would act after 3 s of silence: longer than that is the hosting agent's own stall
+    c = _cluster(tmp_path, ["--heartbeat-timeout", "3", "--node-timeout", "4", "--supervisor-timeout", "120",
+                            "--rdzv-conf", "last_call_timeout=0"])
+    try:
+        args, gate = _train_args(tmp_path, 40)
+        from tests.cluster.test_node_loss import _listening
+
+        a = c.start("a", args)
+        wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "node a to host the store")
+        b = c.start("b", args)
+        wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 120, "training under way")
+        host, other = a, b  # a bound the endpoint first: its agent hosts the store and the supervisor
+        os.kill(host.proc.pid, signal.SIGSTOP)  # the agent only: its workers train on
+        wait_for(lambda: "store is unreachable" in other.text(), 60, "the other agent to find the supervisor away")
+        os.kill(host.proc.pid, signal.SIGCONT)
+        t_wake = time.monotonic()
+        wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+        took = time.monotonic() - t_wake
+        assert a.proc.returncode == 0, a.output()
+        assert b.proc.returncode == 0, b.output()
+        _no_loss_no_hang(c)
+        print(f"hosting agent woken: job ended (exit 0 everywhere) {took:.1f} s after SIGCONT")
+    finally:
+        _let_go(c)
