@@ -54,7 +54,9 @@ def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
         if isinstance(st, (ast.Import, ast.ImportFrom)):
             out.append(st)
         elif isinstance(st, ast.If):
-            todo[:0] = [*st.body, *st.orelse]
+            test = st.test.attr if isinstance(st.test, ast.Attribute) else getattr(st.test, "id", None)
+            # ``if TYPE_CHECKING:`` imports never run
+            todo[:0] = [*st.body, *st.orelse] if test != "TYPE_CHECKING" else list(st.orelse)
         elif isinstance(st, (ast.Try, getattr(ast, "TryStar", ast.Try))):
             todo[:0] = [*st.body, *st.orelse]
         elif isinstance(st, (ast.With, ast.AsyncWith)):

@@ -70,9 +70,10 @@ def test_entry_imports_follow_local_modules_and_skip_what_cannot_be_read(tmp_pat
                                                 "def f():\n    import scipy\n")
     (tmp_path / "broken.py").write_text("import x(\n")
     (tmp_path / "train.py").write_text("import os\nimport pkg\nimport broken\ntry:\n    import lightning\n"
-                                       "except ImportError:\n    import nothing\n")
+                                       "except ImportError:\n    import nothing\nimport typing\n"
+                                       "if typing.TYPE_CHECKING:\n    import typed_only\n")
     got = entry_imports(WorkerCommand(target=str(tmp_path / "train.py")), str(tmp_path))
-    assert got == ("os", "lightning", "accelerate", "transformers", "transformers:Trainer")
+    assert got == ("os", "lightning", "typing", "accelerate", "transformers", "transformers:Trainer")
     # a script that does not parse, or is missing: nothing, and no error
     assert entry_imports(WorkerCommand(target=str(tmp_path / "broken.py")), str(tmp_path)) == ()
     assert entry_imports(WorkerCommand(target=str(tmp_path / "missing.py")), str(tmp_path)) == ()
@@ -80,4 +81,4 @@ def test_entry_imports_follow_local_modules_and_skip_what_cannot_be_read(tmp_pat
         "accelerate", "transformers", "transformers:Trainer")
     # a bound on the local files read
     assert entry_imports(WorkerCommand(target=str(tmp_path / "train.py")), str(tmp_path), max_files=1) == (
-        "os", "lightning")
+        "os", "lightning", "typing")
