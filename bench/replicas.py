@@ -204,10 +204,10 @@ def raw_read(local_dirs: list[Path], step: int | None, nbytes: int | None) -> di
     """Read ``nbytes`` of the files of ``step`` on the surviving local tiers with plain ``open().read()``."""
     if step is None or not nbytes:
         return None
-    files = [p for d in local_dirs if d.exists() for p in sorted(d.rglob("*"))
-             if p.is_file() and f"{step}" in str(p.relative_to(d)).split(os.sep)[0]]
-    if not files:
-        files = [p for d in local_dirs if d.exists() for p in sorted(d.rglob("*")) if p.is_file()]
+    # the step's data files on the tiers (its own directory, or a peer copy of it); read right after the
+    # restore, before later saves replace the step
+    files = [p for d in local_dirs if d.exists() for p in sorted(d.rglob("*.distcp"))
+             if f"step_{step:08d}" in p.parts]
     t0 = time.perf_counter()
     got = 0
     for p in files:
@@ -305,6 +305,9 @@ def run_replicas(sc: Scenario, d: Path) -> dict[str, Any]:
         res["loss_to_first_step_s"] = t_small - t_kill
         res["phases_s"] = phases(evs, victim.ident, small, t_kill)
         res["restore"] = restore_at(evs, small, t_kill)
+        if res["restore"]:
+            res["raw_read"] = raw_read([n.local for n in nodes if n is not victim and n.local is not None],
+                                       res["restore"].get("step"), res["restore"].get("bytes"))
         phase = "the job's end"
         wait_for(lambda: done([n for n in nodes if n is not victim] + [back]), left(), "the job to end", poll=0.1)
         survivors = [n for n in nodes if n is not victim] + [back]
@@ -320,9 +323,6 @@ def run_replicas(sc: Scenario, d: Path) -> dict[str, Any]:
         res["scale_events"] = [e.details for e in evs if e.kind == EventKind.SCALE and e.rank == 0]
         res["losses"] = losses(run_dir)
         res["samples"] = samples_seen(run_dir, sc.samples)
-        if res.get("restore"):
-            res["raw_read"] = raw_read([n.local for n in survivors if n.local is not None],
-                                       res["restore"].get("step"), res["restore"].get("bytes"))
         res["ok"] = all(c == 0 for c in res["exit_codes"].values())
         if not res["ok"]:
             res["log_tail"] = {n.name: n.tail() for n in survivors}
