@@ -1,11 +1,13 @@
-"""``make demo``: the recipe's GPT on 2 nodes and a warm spare, losing a worker, a hang and a node.
+"""``make demo``: the recipe's GPT on 2 nodes and a warm spare, losing a worker, a hang and a node; then a second
+node with no spare left (its replica dropped) and the node coming back (the replica added again).
 
 What happens:
   1. ``resilient supervisor`` starts on its own (a CPU host in real life): it hosts the job's store, so no
      training node is special. Three ``resilient-run`` agents start on this machine at once, each a node: a
      session of its own (killing the session is losing the node) with its own local checkpoint tier,
-     ``--nnodes 2 --nproc-per-node 1 --spare-nodes 1``. The supervisor gives the job's two places to the first
-     two that join; the third waits as the warm spare (its fork server imports torch while the others train).
+     ``--nnodes 1:2 --nproc-per-node 1 --spare-nodes 1 --nodes-per-replica 1``: each node is a data-parallel
+     replica, and the job may shrink to one. The supervisor gives the job's two places to the first two that
+     join; the third waits as the warm spare (its fork server imports torch while the others train).
      They train ``recipes/pytorch/train.py`` (a byte-level GPT on the corpus shipped in the repository) with
      three checkpoint tiers: local (each node's own directory), peer (each node's shards replicated to the other
      node) and persistent (a ``file://`` directory; ``gs://`` on a GCS API server started on loopback with
@@ -17,6 +19,11 @@ What happens:
        * ``kill-node``    a node SIGKILLed whole (agent, fork server, worker; the demo deletes its local tier, a
                           lost disk) → its closed connection is seen at once, the spare is hot-swapped in and
                           restores the lost rank from the peer tier;
+       * ``kill-node``    again, with no spare left → its replica is dropped (scale down): the job goes on with
+                          one replica, the same global batch (twice the gradient accumulation), restored from
+                          the peer tier;
+     and once the replica is dropped the demo starts a fresh node for the lost one (``node back``): it joins
+     as a spare and the supervisor adds it as a replica again at the next checkpoint (scale up);
      a line is printed for each fault, detection, action and restore as the ledger shows them, and a progress
      line every tenth of the run;
   3. at the end: a table of the faults (detection, action, what was restored from where, fault to first step
@@ -55,8 +62,8 @@ BUCKET = "demo-bucket"
 # Faults fall due in seconds after training started; the gaps leave each recovery time to finish on two busy
 # cores before the next fault. The steps are enough that training outlasts the last fault even on an idle
 # machine (a step is at least its --step-sleep), and few enough for the time box on a loaded one.
-FULL = {"steps": 450, "inject": "kill-worker@10s,hang-worker@25s,kill-node@40s"}
-QUICK = {"steps": 200, "inject": "kill-worker@5s,hang-worker@13s,kill-node@21s"}
+FULL = {"steps": 700, "inject": "kill-worker@10s,hang-worker@25s,kill-node@40s,kill-node@55s"}
+QUICK = {"steps": 420, "inject": "kill-worker@5s,hang-worker@13s,kill-node@21s,kill-node@29s"}
 STEP_SLEEP = 0.1  # seconds a step: stands in for a bigger model, and keeps the run's length predictable
 HEARTBEAT_TIMEOUT = 3.0
 
@@ -183,9 +190,18 @@ class Progress:
         self.warm_wall: float | None = None  # when the spare was first seen warm
         self._log_pos = 0
         self._trained = False
+        self.want_node_back = False  # a replica was dropped: the demo brings a node back
 
     def name(self, ident: str | None) -> str:
         return next((n.name for n in self.nodes if n.ident == ident), ident or "?")
+
+    def node_back(self, node: Node, wall: float) -> None:
+        """The demo started a fresh agent for the lost node: a row of the fault table of its own."""
+        row = {"fault": "node back", "kind": "node-back", "target": None, "node": node.name, "wall": wall,
+               "attempt": self.attempt}
+        self.faults.append(row)
+        self.open_fault = row
+        self.say(wall, f"NODE     {node.name} started for the lost node (a repaired machine): it joins as a spare")
 
     def say(self, wall: float, text: str) -> None:
         print(f"  +{wall - (self.t0 or wall):6.1f} s  {text}", flush=True)
@@ -250,18 +266,29 @@ class Progress:
             if f and "detected" not in f:
                 f.update(detected=kind, detect_s=wall - f["wall"])
             self.say(wall, f"detected node {self.name(e['node'])} lost ({d.get('reason')})")
+        elif kind == "node_joined" and f and f["kind"] == "node-back" and "detected" not in f:
+            f.update(detected=kind, detect_s=wall - f["wall"])
+            self.say(wall, f"node {self.name(e['node'])} joined as a spare")
         elif kind == "action" and d.get("action") not in ("start", "ignore"):
             if f and "action" not in f:
                 f["action"] = d.get("action")
+                f["into"] = [(d.get("action_args") or {}).get("spare")] if d.get("action") == "hot_swap" else None
             if d.get("action") == "hot_swap" and self.rank0 is not None and self.spare is not None and \
                     (d.get("action_args") or {}).get("node") == self.rank0.ident:
                 self.rank0, self._log_pos = self.spare, 0  # the spare took group rank 0: the loss is in its log
+            members = (d.get("assignment") or {}).get("members") or []
+            first = next((n for n in self.nodes if members and n.ident == members[0]), None)
+            if first is not None and first is not self.rank0:
+                self.rank0, self._log_pos = first, 0  # group rank 0 moved (a replica dropped or added)
+            if d.get("action") == "scale_down":
+                self.want_node_back = True
             self.say(wall, f"ACTION   supervisor: {d.get('action')} ({d.get('reason')})")
         elif kind == "ckpt_restore":
             src = "+".join(d.get("sources") or [d.get("tier") or "?"])
             # the restore that matters is the hit rank's; for a node loss, the lost rank's on the spare
-            mine = (self.spare is not None and e["node"] == self.spare.ident) if f and f["kind"] == "kill-node" \
-                else (f is not None and e.get("rank") == f["target"])
+            # a scale-down or scale-up restores every rank: the first one seen stands for them
+            mine = f is not None and (e["node"] in f["into"] if f.get("into") else True if f["kind"] in (
+                "kill-node", "node-back") else e.get("rank") == f["target"])
             if f and "restored_from" not in f and wall > f["wall"] and mine:
                 f.update(restored_from=src, restored_tier=d.get("tier"), restored_step=d.get("step"),
                          restored_rank=e.get("rank"), restored_node=self.name(e["node"]))
@@ -292,11 +319,12 @@ class Progress:
 
 
 def agent_cmd(args: argparse.Namespace, run_dir: Path, port: int, local: Path, persistent: str) -> list[str]:
-    return [sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+    return [sys.executable, "-m", "resilient.run", "--nnodes", "1:2", "--nproc-per-node", "1", "--spare-nodes", "1",
+            "--nodes-per-replica", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "demo",
             # the supervisor hosts the store: an agent started before it listens must wait for it, not host one
             "--rdzv-conf", "is_host=false", "--job-secret-file", str(run_dir / SECRET_FILE),
-            "--local-addr", "127.0.0.1", "--max-restarts", "5", "--run-dir", str(run_dir),
+            "--local-addr", "127.0.0.1", "--max-restarts", "8", "--run-dir", str(run_dir),
             # a killed node's closed connection is seen at once whatever this says; it only bounds how long an
             # agent may stay silent, and one whose fork server imports torch on two busy cores can be for 10 s
             "--node-timeout", "30", "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT:g}",
@@ -308,8 +336,11 @@ def agent_cmd(args: argparse.Namespace, run_dir: Path, port: int, local: Path, p
 
 def supervisor_cmd(run_dir: Path, port: int) -> list[str]:
     return [sys.executable, "-m", "resilient.cli", "supervisor", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "--max-restarts", "5",
-            "--node-timeout", "30", "--last-call-timeout", "0", "--advertise-addr", "127.0.0.1",
+            "--nnodes", "1:2", "--nproc-per-node", "1", "--spare-nodes", "1", "--nodes-per-replica", "1",
+            "--max-restarts", "8", "--node-timeout", "30",
+            # the job forms as soon as MAX (2) have joined; with MIN 1 a last call of 0 would start it on the
+            # first node to join
+            "--last-call-timeout", "60", "--advertise-addr", "127.0.0.1",
             "--job-secret-file", str(run_dir / SECRET_FILE), "--run-dir", str(run_dir)]
 
 
@@ -382,6 +413,14 @@ def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persis
         pos, evs = tail_events(ledger, pos)
         for e in evs:
             progress.feed(e)
+        if progress.want_node_back and not any(n.name == "d" for n in agents):
+            # the repaired machine: a fresh agent (empty local tier) for the node whose replica was dropped
+            local = run_dir / "ckpt-local-d"
+            node = start("d", agent_cmd(args, run_dir, port, local, persistent), local)
+            agents.append(node)
+            print(f"  node d started (agent pid {node.proc.pid}, a session of its own, local tier {local.name}, "
+                  f"log {node.log.name})", flush=True)
+            progress.node_back(node, time.time())
         if time.monotonic() > deadline:
             raise RuntimeError(f"the run did not finish within {args.timeout:.0f}s (--timeout); stopping it")
         time.sleep(0.05)  # polling files the agents append to; they never wait on us
@@ -403,13 +442,17 @@ def _secs(x: float | None) -> str:
 def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progress: Progress) -> int:
     """The faults as the ledger tells them, the goodput report and its timeline. 0 when every fault was handled
     as expected: each one injected, detected and followed by training again; the node loss by a hot swap and a
-    restore of the lost rank on the spare; the supervisor and every node but the lost one ended with 0."""
+    restore of the lost rank on the spare; a second one by a scale-down and the node back by a scale-up; the
+    supervisor and every node but the lost ones ended with 0."""
     codes = {n.name: n.proc.returncode for n in nodes}
     print("\nexited: " + ", ".join(f"{'' if k == 'supervisor' else 'node '}{k} "
                                    f"{'SIGKILL' if c == -signal.SIGKILL else 'still running' if c is None else c}"
                                    for k, c in codes.items()), flush=True)
     _, evs = tail_events(run_dir / "events.jsonl", 0)
     swap = next((e for e in evs if e["kind"] == "action" and e["details"].get("action") == "hot_swap"), None)
+    scaled = {a: [e for e in evs if e["kind"] == "action" and e["details"].get("action") == a]
+              for a in ("scale_down", "scale_up")}
+    benched = [e["details"] for e in evs if e["kind"] == "node_benched"]
     print("\nthe faults, from the ledger (times from each fault):")
     rows = [("fault", "node", "detected by", "after", "action", "restored", "training again")]
     for f in progress.faults:
@@ -427,6 +470,12 @@ def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progre
                                     else "still importing torch at the node loss (a cold swap)"))
         if "first_step_s" in node_loss:
             print(f"  node kill → first step after the swap: {node_loss['first_step_s']:.2f} s")
+    drop = next((f for f in progress.faults if f.get("action") == "scale_down"), None)
+    if drop is not None and "first_step_s" in drop:
+        print(f"  node kill with no spare → first step with one replica fewer: {drop['first_step_s']:.2f} s")
+    back = next((f for f in progress.faults if f["kind"] == "node-back"), None)
+    if back is not None and "first_step_s" in back:
+        print(f"  node back → first step with the replica added again: {back['first_step_s']:.2f} s")
     expected = {f.kind.value for f in args.faults}
     kinds = {f["kind"] for f in progress.faults}
     lost = {n.name for n in nodes if n.proc.returncode == -signal.SIGKILL}
@@ -439,6 +488,11 @@ def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progre
             problems.append(f"{f['fault']}: no training step after it")
     if "kill-node" in expected and swap is None:
         problems.append("no hot swap to the spare")
+    if sum(f.kind.value == "kill-node" for f in args.faults) >= 2:
+        if not scaled["scale_down"]:
+            problems.append("no replica dropped (scale down) after the node loss with no spare left")
+        if not scaled["scale_up"]:
+            problems.append("the node that came back was not added as a replica (no scale up); give more --steps")
     if node_loss is not None and node_loss.get("restored_tier") not in ("local", "peer", "persistent"):
         problems.append("the lost rank was not restored on the spare")
     bad = {k: c for k, c in codes.items() if k not in lost and c != 0}
@@ -450,6 +504,9 @@ def summarize(run_dir: Path, args: argparse.Namespace, nodes: list[Node], progre
                    for f in progress.faults],
         "hot_swap": {"lost": progress.name(swap["details"]["action_args"].get("node")),
                      "spare": progress.name(swap["details"]["action_args"].get("spare"))} if swap else None,
+        "scale_down": [d["details"].get("reason") for d in scaled["scale_down"]],
+        "scale_up": [d["details"].get("reason") for d in scaled["scale_up"]],
+        "benched": [progress.name(b.get("node")) for b in benched],
         "problems": problems}, indent=2) + "\n")
     print(flush=True)
     cli = [sys.executable, "-m", "resilient.cli", "goodput", str(run_dir)]
@@ -535,7 +592,8 @@ def main() -> int:
             persistent = f"gs://{BUCKET}/run"
         else:
             persistent = (run_dir / "persistent").as_uri()
-        print(f"the recipe's GPT on 2 nodes x 1 worker and a warm spare; tiers: local, peer, persistent ({persistent}); "
+        print(f"the recipe's GPT on 2 nodes x 1 worker (each a data-parallel replica) and a warm spare; tiers: local, "
+              f"peer, persistent ({persistent}); "
               f"faults: {', '.join(f.describe() for f in args.faults)} (targets drawn with seed {args.seed})",
               flush=True)
         progress, _ = run_job(run_dir, env, args, persistent, nodes)
