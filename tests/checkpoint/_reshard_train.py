@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--local", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--expect", default=None, help="the full state the restore must give (a saved.pt)")
+    ap.add_argument("--persistent", default=None, help="a persistent tier, every save uploaded")
     ap.add_argument("--domains", default=None, help="comma-separated failure domain of each node (node = rank // "
                                                      "LOCAL_WORLD_SIZE): this rank's, set as its node's label")
     ap.add_argument("--block-kib", type=int, default=None,
@@ -141,7 +142,8 @@ def main() -> int:
 
     model, optim, dp_rank, dp = build(args.dim, args.blocks, args.tp, seed=0)
     state = {"model": model, "optim": optim}
-    ck = resilient.CheckpointManager.from_env(local=args.local, interval="1")
+    tiers = {"persistent": args.persistent, "persistent_every": "1"} if args.persistent else {}
+    ck = resilient.CheckpointManager.from_env(local=args.local, interval="1", **tiers)
     start = ck.restore(state)
     info: dict[str, Any] = {"start": start, "world": dist.get_world_size(), "dp": dp}
     if ck.last_restore is not None and ck.last_restore.step is not None:
@@ -161,7 +163,7 @@ def main() -> int:
     for step in range(start, args.steps):
         train_step(model, optim, step, args.dim, dp_rank, dp)
         ck.save(step, state)
-    if not ck.wait(timeout=120):
+    if not ck.wait(timeout=120, upload_timeout=120):
         raise SystemExit("checkpoint saves did not finish within 120 s")
     saved = full_state(model, optim)
     if rank == 0:

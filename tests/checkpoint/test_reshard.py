@@ -7,7 +7,6 @@ its own local tier, a lost node's local tier deleted.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -161,6 +160,23 @@ def test_fsdp2_2_ranks_to_1_and_back_to_2_bit_exact_by_ranges(tmp_path: Path, wo
     assert i1["start"] == 4 and i1["sources"]["__0_0.distcp"] == "peer", i1
     _check_ranged(i1, _data_bytes(tmp_path / "ckpt" / "node0" / "step_00000003"))
     assert 0 < i1["resharded"]["peer"] < _data_bytes(tmp_path / "ckpt" / "node0" / "step_00000003")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_1_rank_to_2_from_the_persistent_tier_alone_by_ranged_reads(tmp_path: Path, workers: Workers) -> None:
+    """Saved by one rank, uploaded uncompressed; every local tier lost; two ranks restore, each reading the
+    blocks of its half of the one rank's file from the persistent tier by ranged reads."""
+    model = ["--dim", "1024", "--blocks", "1", "--block-kib", "256", "--persistent", f"file://{tmp_path}/bucket"]
+    env = {"RESILIENT_CKPT_COMPRESS": "none"}
+    _run(workers, tmp_path, "a", 1, 1, 2, model, env=env)
+    whole = _data_bytes(tmp_path / "bucket" / "step_00000001")
+    assert whole > 0
+    shutil.rmtree(tmp_path / "ckpt")
+    b = _run(workers, tmp_path, "b", 2, 1, 3, model, expect="a", env=env)
+    for r in (0, 1):
+        i = _info(b, r)
+        assert i["start"] == 2 and i["sources"]["__0_0.distcp"] == "persistent", i
+        assert i["resharded"]["read"] < whole, (i, whole)
 
 
 @pytest.mark.timeout(480)

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from resilient.checkpoint.api import FileEntry
 from resilient.checkpoint.format.spans import Span
 
 
@@ -94,3 +97,32 @@ def blocks_touched(bounds: Sequence[tuple[int, int]], taking: Sequence[Span]) ->
                 out.add(i)
             i += 1
     return frozenset(out)
+
+
+def chunk_spans(key: str, m: Any, local: torch.Tensor, offsets: tuple[int, ...], chunk_at: Mapping[Any, Any],
+                files: Mapping[str, FileEntry]) -> dict[str, list[Span]] | None:
+    """File -> spans of the saved chunks of ``key`` that land in ``local`` (a DTensor's local shard at global
+    ``offsets``), or None when some overlapping chunk is not a plain record the manifest locates (DCP's path)."""
+    if not isinstance(m, TensorStorageMetadata) or m.properties.dtype != local.dtype or not local.is_contiguous() \
+            or local.device.type not in ("cpu", "cuda"):
+        return None
+    flat = local.detach().view(-1)
+    itemsize = local.element_size()
+    out: dict[str, list[Span]] = {}
+    covered = 0
+    for c in m.chunks:
+        runs = list(box_runs(tuple(c.offsets), tuple(c.sizes), offsets, tuple(local.shape)))
+        if not runs:
+            continue
+        info = chunk_at.get((key, tuple(int(o) for o in c.offsets)))
+        entry = files.get(info.relative_path) if info is not None else None
+        if info is None or entry is None or info.transform_descriptors:
+            return None
+        at = next(((start, n) for off, start, n in entry.items if off == info.offset), None)
+        if at is None or at[1] != math.prod(c.sizes) * itemsize:
+            return None
+        out.setdefault(info.relative_path, []).extend(run_spans(at[0], itemsize, runs, flat))
+        covered += sum(n for _, _, n in runs)
+    if covered != local.numel():
+        return None
+    return out

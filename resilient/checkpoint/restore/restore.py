@@ -3,7 +3,10 @@
 Each rank reads from the fastest tier holding a verified copy of each file (this node's local and partner
 copies, another rank's copy over gloo, the persistent tier), falling back file by file and tier by tier.
 Plain tensors land straight in the target tensors, each block verified right after it lands (``load.py``);
-the rest of the state goes through DCP's reader over verified files.
+so do DTensors saved at another layout (another data-parallel size): the runs of each saved chunk their new
+local shard needs (``reshard.py``) land in it, and their files are read, sent by peers and fetched from the
+persistent tier only in the verification blocks those runs touch. The rest of the state goes through DCP's
+reader over verified files.
 
 Over 700 lines: the choice of a step, the agreement on it across ranks and the fetch with its fallbacks are
 one collective sequence; which file comes from where is already apart (``plan.py``), as are the block loads
@@ -18,7 +21,6 @@ import gc
 import io
 import json
 import logging
-import math
 import os
 import shutil
 import threading
@@ -45,7 +47,7 @@ from resilient.checkpoint.restore.load import (PIECE, THREADS, FileLoad, FileSou
                                                Source, load_files, plan_spans, undefined, whole_file)
 from resilient.checkpoint.restore.plan import plan_fetch
 from resilient.checkpoint.restore.reader import FastReader, SafeLoadPlanner
-from resilient.checkpoint.restore.reshard import blocks_touched, box_runs, cover, run_spans
+from resilient.checkpoint.restore.reshard import blocks_touched, chunk_spans, cover
 from resilient.checkpoint.storage.context import (Component, FAILURES, one_line as _one_line,
                                                   per_rank_key as _per_rank_key, quiet as _quiet,
                                                   rmdir_quiet as _rmdir_quiet)
@@ -237,35 +239,6 @@ class _Direct:
     blocks: dict[str, frozenset[int]] = field(default_factory=dict)
     objects: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> bytes of an object in such a file
     shard_bytes: int = 0  # bytes of the resharded targets (the new local shards)
-
-
-def _reshard_spans(key: str, m: Any, local: torch.Tensor, offsets: tuple[int, ...], chunk_at: Mapping[Any, Any],
-                   files: Mapping[str, FileEntry]) -> dict[str, list[Span]] | None:
-    """File -> spans of the saved chunks of ``key`` that land in ``local`` (a DTensor's local shard at global
-    ``offsets``), or None when some overlapping chunk is not a plain record the manifest locates (DCP's path)."""
-    if not isinstance(m, TensorStorageMetadata) or m.properties.dtype != local.dtype or not local.is_contiguous() \
-            or local.device.type not in ("cpu", "cuda"):
-        return None
-    flat = local.detach().view(-1)
-    itemsize = local.element_size()
-    out: dict[str, list[Span]] = {}
-    covered = 0
-    for c in m.chunks:
-        runs = list(box_runs(tuple(c.offsets), tuple(c.sizes), offsets, tuple(local.shape)))
-        if not runs:
-            continue
-        info = chunk_at.get((key, tuple(int(o) for o in c.offsets)))
-        entry = files.get(info.relative_path) if info is not None else None
-        if info is None or entry is None or info.transform_descriptors:
-            return None
-        at = next(((start, n) for off, start, n in entry.items if off == info.offset), None)
-        if at is None or at[1] != math.prod(c.sizes) * itemsize:
-            return None
-        out.setdefault(info.relative_path, []).extend(run_spans(at[0], itemsize, runs, flat))
-        covered += sum(n for _, _, n in runs)
-    if covered != local.numel():
-        return None
-    return out
 
 
 def _ranged_files(md: Any, plan: "_LoadPlan", need: set[str], files: Mapping[str, FileEntry],
@@ -712,7 +685,7 @@ class Restorer(Component):
                     per_file.setdefault(info.relative_path, []).append(Item(info.offset, info.length, local))
                     key_of[id(local)] = key
                     continue
-                runs = _reshard_spans(key, m, local, offsets, chunk_at, files)
+                runs = chunk_spans(key, m, local, offsets, chunk_at, files)
                 if runs is not None:
                     for name, sp in runs.items():
                         resharded.setdefault(name, []).extend(sp)
