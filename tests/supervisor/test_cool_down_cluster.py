@@ -11,7 +11,7 @@ import pytest
 
 from resilient.events.api import EventKind
 from tests.cluster.conftest import cluster_factory, wait_for  # noqa: F401 - the fixture is used by name
-from tests.cluster.test_node_loss import _listening, node_name
+from tests.cluster.test_node_loss import NPROC, WORLD, _listening, node_name
 
 # blames a node at its first failure (bad luck 50% < 99%): the swap this test needs, at once
 POLICY = ("from resilient.supervisor.default_policy import DefaultPolicy\n\n"
@@ -26,9 +26,12 @@ def actions(evs: list, kind: str) -> list[dict]:
 def test_benched_node_returns_as_a_spare_and_takes_a_place_again(cluster_factory, tmp_path: Path) -> None:
     (tmp_path / "policy.py").write_text(POLICY)
     out = tmp_path / "out"
-    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "5", "--node-timeout", "20",
-                                    "--policy", str(tmp_path / "policy.py"), "--inject", "kill-worker:1@3s"])
-    args = ["--steps", "240", "--step-sleep", "0.12", "--out", str(out)]  # 240 x 8 samples: within one epoch
+    # the killed worker is the last rank: on group rank 1's node, which b and the spare race for
+    c = cluster_factory("2", nproc=NPROC,
+                        flags=["--spare-nodes", "1", "--max-restarts", "5", "--node-timeout", "20",
+                               "--policy", str(tmp_path / "policy.py"), "--inject", f"kill-worker:{WORLD - 1}@3s"])
+    # 240 steps x 8 samples per rank, 4 ranks: within one epoch of 8192
+    args = ["--steps", "240", "--step-sleep", "0.12", "--samples", "8192", "--out", str(out)]
     a = c.start("a", args)
     wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "the first agent to host the store")
     nodes = {node_name(n): n for n in (a, c.start("b", args), c.start("spare", args))}
@@ -54,5 +57,5 @@ def test_benched_node_returns_as_a_spare_and_takes_a_place_again(cluster_factory
     swaps = [d["action_args"] for d in actions(c.events(), "hot_swap")]
     assert [(x["node"], x["spare"]) for x in swaps] == [(benched, taker), (taker, benched)], swaps
     assert swaps[1]["cool_down"] is None  # a lost node needs no bench: it comes back by joining
-    assert (out / "rank0.pt").exists() and (out / "rank1.pt").exists()
+    assert all((out / f"rank{r}.pt").exists() for r in range(WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
