@@ -12,7 +12,7 @@ from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 
 from .conftest import REPO, TRAIN, child_env, wait_for
-from .test_node_loss import _listening, node_name
+from .test_node_loss import NPROC, WORLD, _listening, node_name
 
 
 @pytest.mark.timeout(60)
@@ -52,9 +52,9 @@ def test_inject_kill_and_hang_worker_then_slow_rank(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_inject_kill_node_is_handled_by_a_spare(cluster_factory, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
-                                    "--inject", "kill-node:1@4s"])
-    args = ["--steps", "200", "--step-sleep", "0.04", "--out", str(out)]
+    c = cluster_factory("2", nproc=NPROC, flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout",
+                                                 "20", "--inject", "kill-node:1@4s"])
+    args = ["--steps", "200", "--step-sleep", "0.04", "--samples", "8192", "--out", str(out)]  # one epoch at 4 ranks
     first = c.start("a", args)
     wait_for(lambda: _listening(c.port) or first.proc.poll() is not None, 60, "the first agent to host the store")
     nodes = [first, c.start("b", args), c.start("spare", args)]
@@ -67,5 +67,5 @@ def test_inject_kill_node_is_handled_by_a_spare(cluster_factory, tmp_path: Path)
     assert all(n.proc.returncode == 0 for n in nodes if n is not victim), [n.output() for n in nodes]
     swaps = [e.details["action_args"] for e in evs if e.kind == EventKind.ACTION and e.details["action"] == "hot_swap"]
     assert len(swaps) == 1 and swaps[0]["node"] == node_name(victim)
-    assert (out / "rank0.pt").exists() and (out / "rank1.pt").exists()
+    assert all((out / f"rank{r}.pt").exists() for r in range(WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")

@@ -48,16 +48,38 @@ def assert_same(a: object, b: object, where: str = "") -> None:
         assert a == b, f"{a!r} != {b!r} at {where}"
 
 
+NPROC = 2  # workers per node in the cluster tests (8 on a real node)
+WORLD = 2 * NPROC  # the two-node jobs' world
+
+
+def _reference(tmp_path_factory: pytest.TempPathFactory, world: int) -> list[dict]:
+    base = tmp_path_factory.mktemp(f"ref{world}")
+    # not a test of hang detection: a save stretched past the learned 1 s by a loaded machine must not stop it
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(world),
+                        "--heartbeat-timeout", "300",
+                        "--run-dir", str(base / "run"), "--ckpt-local", str(base / "ckpt"), str(TRAIN),
+                        "--steps", str(STEPS), "--out", str(base / "out")],
+                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return final(base / "out", world)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """The same job, two ranks, never interrupted."""
-    base = tmp_path_factory.mktemp("ref")
-    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
-                        "--run-dir", str(base / "run"), "--ckpt-local", str(base / "ckpt"), str(TRAIN),
-                        "--steps", str(STEPS), "--out", str(base / "out")],
-                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return final(base / "out", 2)
+    return _reference(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def reference_world(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same job, ``WORLD`` ranks (two nodes of ``NPROC`` workers), never interrupted: one run for every
+    module that imports it, bounded on its own (the tests that use it time their calls only)."""
+    return _reference(tmp_path_factory, WORLD)
+
+
+def at_gate(gate: Path, world: int, tag: str = "") -> bool:
+    """Every rank waits at the gate (``tag``: ``-S`` for a later gate step S)."""
+    return all((gate / f"at{tag}-{r}").exists() for r in range(world))
 
 
 def _start_job(c, args: list[str], names=("a", "b")):
@@ -73,18 +95,18 @@ def node_name(n) -> str:
     return f"{socket.gethostname()}:{n.proc.pid}"
 
 
-@pytest.mark.timeout(240)
-def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path: Path, reference) -> None:
+@pytest.mark.timeout(240, func_only=True)
+def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path: Path, reference_world) -> None:
     # the gate is a pause, not a hang: with the learned hang timeout (10 s) the wait for the spare's start-up
     # under load was taken for a hang, and a restart came before the swap
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
-                                    "--heartbeat-timeout", "300"])
+                                    "--heartbeat-timeout", "300"], nproc=NPROC)
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
     a, b = _start_job(c, args)
     spare = c.start("spare", args)  # joins mid-run: must not disturb the job
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
              "the spare to join")
     b.kill()  # the whole node: agent, fork server, workers, local disk
@@ -108,10 +130,10 @@ def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path
     # the spare's workers got the lost node's ranks and restored its shards from a surviving tier
     spare_starts = [e for e in evs if e.kind == EventKind.ATTEMPT_START and e.node == node_name(spare)]
     b_ranks = {r for e in evs if e.kind == EventKind.ATTEMPT_START and e.node == node_name(b) for r in e.details["pids"]}
-    assert spare_starts and set(spare_starts[0].details["pids"]) == b_ranks
+    assert len(b_ranks) == NPROC and spare_starts and set(spare_starts[0].details["pids"]) == b_ranks
     restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(spare)]
     assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     # every node measured its clock against the supervisor's host when it joined (one host here: ~0)
     joined = [e for e in evs if e.kind == EventKind.RENDEZVOUS_DONE]
     assert {e.node for e in joined} == {node_name(a), node_name(b), node_name(spare)}
@@ -135,8 +157,8 @@ def consumed_rows(out: Path) -> list[int]:
 
 @pytest.mark.timeout(420)
 def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory, tmp_path: Path) -> None:
-    """2 nodes → a node lost, no spare: continue on 1 (on_scale 2→1) → a repaired node joins: grow back to 2 at
-    the next checkpoint (on_scale 1→2); the sampler consumes every sample once, none skipped, none repeated."""
+    """2 nodes of 2 workers → a node lost, no spare: continue on 1 (on_scale 4→2) → a repaired node joins: grow
+    back to 2 nodes at the next checkpoint (on_scale 2→4); the sampler consumes every sample once, none skipped, none repeated."""
     import json
 
     from resilient.data import ResumableSampler
@@ -149,17 +171,17 @@ def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory
     # And the job starts on both nodes: under load the second agent's start-up outlasted the default last call
     # (30 s) and the job formed on one node (attempt worlds [1, 2, ...]); at MAX joined it forms at once anyway.
     c = cluster_factory("1:2", flags=["--max-restarts", "4", "--node-timeout", "20", "--heartbeat-timeout", "300",
-                                      "--rdzv-conf", "last_call_timeout=300"])
+                                      "--rdzv-conf", "last_call_timeout=300"], nproc=NPROC)
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     steps = 16
     args = ["--steps", str(steps), "--out", str(out), "--gate", str(gate), "--gate-step", "4", "8", "12",
             "--gate-on-resume", "--step-sleep", "0.05"]
     a, b = _start_job(c, args)
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     b.kill()
     (gate / "go").touch()
-    wait_for(lambda: (gate / "at-8-0").exists() or a.proc.poll() is not None, 90, "the job to go on alone")
+    wait_for(lambda: at_gate(gate, NPROC, "-8") or a.proc.poll() is not None, 90, "the job to go on alone")
     evs = c.events()
     acts = [e.details["action"] for e in evs if e.kind == EventKind.ACTION]
     assert "scale_down" in acts, acts
@@ -179,10 +201,10 @@ def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory
     kinds = [d["action"] for d in acts]
     assert kinds.count("scale_down") == 1 and "scale_up" in kinds, kinds
     worlds = [e.details["world_size"] for e in evs if e.kind == EventKind.ATTEMPT_START]
-    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+    assert worlds[0] == WORLD and NPROC in worlds and worlds[-1] == WORLD, worlds
     scale = [json.loads(x) for x in (out / "scale.jsonl").read_text().splitlines()]
-    assert {(d["old"], d["new"]) for d in scale} == {(2, 1), (1, 2)}, scale
-    assert {d["rank"] for d in scale if (d["old"], d["new"]) == (1, 2)} == {0, 1}
+    assert {(d["old"], d["new"]) for d in scale} == {(WORLD, NPROC), (NPROC, WORLD)}, scale
+    assert {d["rank"] for d in scale if (d["old"], d["new"]) == (NPROC, WORLD)} == set(range(WORLD))
     rows = consumed_rows(out)
     assert len(rows) == len(set(rows)), "a sample was trained on twice"
     perm = ResumableSampler(4096, 1, 0, shuffle=True, seed=3).permutation()
