@@ -775,6 +775,7 @@ class Restorer(Component):
         loads: list[FileLoad] = []
         opened: list[Source] = list(self._pre_opened)
         lost: list[str] = list(self._pre_lost)
+        unsafe: str | None = None  # an object of a file read by ranges refused by the restricted unpickler
         try:
             for name in sorted(need - {DCP_METADATA}):
                 pre = self._pre.get(name)
@@ -818,7 +819,10 @@ class Restorer(Component):
                     mem[f.name] = self._whole(f)
             if not lost:
                 for key, buf in direct.objects.items():  # objects of files read by ranges, landed verified
-                    plan.load_sd[key] = safe_torch_load(io.BytesIO(buf.numpy().tobytes()), what=f"item {key!r}")
+                    try:
+                        plan.load_sd[key] = safe_torch_load(io.BytesIO(buf.numpy().tobytes()), what=f"item {key!r}")
+                    except UnsafeCheckpointError as e:
+                        unsafe = unsafe or str(e)  # raised on every rank below, none left in a collective
                 # whole objects (a step count, a data position) from the verified bytes, as DCP's load_bytes
                 # through the restricted unpickler would, without a DCP pass for them
                 for key in sorted(slow):
@@ -840,8 +844,12 @@ class Restorer(Component):
             for src in opened:
                 src.close()
         lost_files = sorted({x.split(" ")[0] for x in lost})
+        told = self._gather((lost_files, unsafe), self.ctx.pg)
+        refused = next((u for _, u in told if u), None)
+        if refused:
+            raise UnsafeCheckpointError(f"step {step}", None, refused)
         # last resort, collective: files with lost blocks from another rank's copy over gloo
-        if any(self._gather(lost_files, self.ctx.pg)):
+        if any(lost for lost, _ in told):
             got = self._assemble(step, set(lost_files), files, in_persistent, have_already=({}, {}, {}),
                                  exclude=frozenset(lost_files))
             again: list[str] = []
