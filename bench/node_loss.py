@@ -1,7 +1,7 @@
 """Node-loss benchmark: how fast a job resumes after a whole node is lost, resilient-run against torchrun.
 
 Several node agents run on this machine over one loopback rendezvous, each in its own session (so a node
-is killed as a whole) with its own local checkpoint tier, one worker per node, a deterministic
+is killed as a whole) with its own local checkpoint tier, one worker per node (``--nproc 2``: two), a deterministic
 data-parallel job that checkpoints every step. Once the step-4 checkpoint is complete everywhere, the
 workers pause at a gate; the bench SIGKILLs every process of node "b" (agent, fork server, workers),
 deletes its local tier and opens the gate. Measured: from the kill to the end of the first training step
@@ -23,7 +23,7 @@ Variants run interleaved over the repetitions, so machine noise hits all of them
 "resumed within --node-timeout + 2 s"; a SIGKILLed node is seen at once (its agent's connection to the
 supervisor closes), so the node timeout is only an upper bound on detection.
 
-    python bench/node_loss.py [--reps 3] [--node-timeout 10]
+    python bench/node_loss.py [--reps 3] [--node-timeout 10] [--nproc 1]
 
 Prints a table and writes bench/results/node_loss.json.
 """
@@ -332,8 +332,8 @@ def write_cfg(d: Path, mode: str, shared: Path | None = None) -> Path:
 
 # ------------------------------------------------------------------------------------------ variants
 def resilient_cmd(port: int, d: Path, local: Path, nnodes: str, extra: list[str], script: Path, cfg: Path,
-                  node_timeout: float) -> list[str]:
-    return [sys.executable, "-m", "resilient.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+                  node_timeout: float, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "resilient.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--local-addr", "127.0.0.1", "--run-dir", str(d / "run"), "--ckpt-local", str(local),
             "--max-restarts", "3", "--node-timeout", str(node_timeout), *extra, str(script), str(cfg)]
@@ -356,7 +356,8 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
 
     def agent(name: str) -> Node:
         local = d / f"local-{name}"
-        return job.start(name, resilient_cmd(port, d, local, nnodes, extra, script, cfg, a.node_timeout), local)
+        return job.start(name, resilient_cmd(port, d, local, nnodes, extra, script, cfg, a.node_timeout,
+                                                 a.nproc), local)
 
     try:
         na = agent("a")
@@ -372,7 +373,7 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
             if variant == "hot-swap":
                 res["spare_warm_wait_s"] = fork_server_idle(spare.proc.pid)
             survivors.append(spare)
-        wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+        wait_for(lambda: all((gate / f"at-{r}").exists() for r in range(2 * a.nproc)), 90, "every rank at the gate")
         t_kill = nb.kill()
         (gate / "go").touch()
         wait_for(lambda: all(n.proc.poll() is not None for n in survivors), a.timeout, "the job to end", poll=0.1)
@@ -390,7 +391,7 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
         restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.wall > t_kill]
         res["restore_tiers"] = sorted({e.details.get("tier") for e in restores})
         if hot and reference is not None:
-            got = final_state(out, 2)
+            got = final_state(out, 2 * a.nproc)
             res["bit_exact"] = got is not None and all(
                 same(r["model"], g["model"]) and same(r["optim"], g["optim"]) for r, g in zip(reference, got))
         want = "hot_swap" if hot else "scale_down"
@@ -405,8 +406,8 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
     return res
 
 
-def torchrun_cmd(port: int, script: Path, cfg: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+def torchrun_cmd(port: int, script: Path, cfg: Path, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--local-addr", "127.0.0.1", str(script), str(cfg)]
 
@@ -417,14 +418,14 @@ def run_torchrun(d: Path, script: Path, a: argparse.Namespace, reference: list[d
     cfg = write_cfg(d, "dcp", shared)
     out, gate = d / "out", d / "gate"
     port = free_port()
-    cmd = torchrun_cmd(port, script, cfg)
+    cmd = torchrun_cmd(port, script, cfg, a.nproc)
     job = Job(d)
     res: dict[str, Any] = {"variant": "torchrun", "ok": False, "survivor_hung": False}
     try:
         na = job.start("a", cmd, None)
         wait_for(lambda: listening(port) or na.proc.poll() is not None, 60, "the first agent to host the store")
         nb = job.start("b", cmd, None)
-        wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+        wait_for(lambda: all((gate / f"at-{r}").exists() for r in range(2 * a.nproc)), 90, "every rank at the gate")
         t_kill = nb.kill()
         (gate / "go").touch()
         try:
@@ -443,7 +444,7 @@ def run_torchrun(d: Path, script: Path, a: argparse.Namespace, reference: list[d
         res["exit"] = [ra.proc.returncode, rb.proc.returncode]
         res.update(resumed(out, t_kill))
         if reference is not None:
-            got = final_state(out, 2)
+            got = final_state(out, 2 * a.nproc)
             res["bit_exact"] = got is not None and all(
                 same(r["model"], g["model"]) and same(r["optim"], g["optim"]) for r, g in zip(reference, got))
         res["ok"] = all(c == 0 for c in res["exit"]) and res["resume_s"] is not None
@@ -457,22 +458,22 @@ def run_torchrun(d: Path, script: Path, a: argparse.Namespace, reference: list[d
     return res
 
 
-def run_reference(wd: Path, script: Path, timeout: float) -> list[dict] | None:
-    """The same job on 2 ranks, never interrupted: what a node loss must not change."""
+def run_reference(wd: Path, script: Path, timeout: float, nproc: int = 1) -> list[dict] | None:
+    """The same job on 2 nodes' ranks, never interrupted: what a node loss must not change."""
     d = wd / "reference"
     d.mkdir()
     cfg = write_cfg(d, "resilient")
     (d / "gate" / "go").touch()
     job = Job(d)
     try:
-        n = job.start("ref", [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
+        n = job.start("ref", [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(2 * nproc),
                               "--run-dir", str(d / "run"), "--ckpt-local", str(d / "local"), str(script), str(cfg)],
                       None)
         wait_for(lambda: n.proc.poll() is not None, timeout, "the reference run", poll=0.1)
         if n.proc.returncode != 0:
             print(f"reference run failed ({n.proc.returncode}):\n{n.tail()}", file=sys.stderr)
             return None
-        return final_state(d / "out", 2)
+        return final_state(d / "out", 2 * nproc)
     except Timeout as e:
         print(f"reference run: {e}", file=sys.stderr)
         return None
@@ -512,9 +513,9 @@ def summarize(runs: list[dict], names: list[str], budget: float) -> dict:
     return summary
 
 
-def print_table(summary: dict, budget: float, node_timeout: float) -> None:
+def print_table(summary: dict, budget: float, node_timeout: float, nproc: int = 1) -> None:
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-    print(f"\nnode lost (SIGKILL of agent + workers, local tier deleted) → end of the first step after resuming; "
+    print(f"\n2 nodes x {nproc} worker(s); node lost (SIGKILL of agent + workers, local tier deleted) → end of the first step after resuming; "
           f"goal ≤ --node-timeout {node_timeout:g} + 2 = {budget:g} s")
     print(f"{'variant':<14}{'ok':>6}{'median s':>10}{'min–max s':>14}{'÷ torchrun':>12}{'≤ goal':>8}{'bit-exact':>11}"
           f"{'detect s':>10}{'workers s':>11}{'restored s':>12}")
@@ -535,6 +536,8 @@ def print_table(summary: dict, budget: float, node_timeout: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="workers per node (the job shape: 1, or 2 standing in for nodes of 8 GPUs)")
     ap.add_argument("--node-timeout", type=float, default=10.0, help="resilient-run --node-timeout (seconds)")
     ap.add_argument("--give-up", type=float, default=60.0,
                     help="seconds the surviving torchrun agent gets to exit after the kill before it counts as hung")
@@ -547,9 +550,9 @@ def main() -> None:
     names = [n for n in a.variants.split(",") if n]
     bad = [n for n in names if n not in VARIANTS + OPT_IN]
     secs = (a.node_timeout, a.give_up, a.timeout)
-    if bad or a.reps < 1 or not all(math.isfinite(v) and v > 0 for v in secs):
+    if bad or a.reps < 1 or a.nproc < 1 or not all(math.isfinite(v) and v > 0 for v in secs):
         what = f"unknown variant(s) {bad}: choose from {','.join(VARIANTS + OPT_IN)}" if bad else \
-            "--reps must be ≥ 1 and --node-timeout, --give-up, --timeout finite positive seconds"
+            "--reps and --nproc must be ≥ 1 and --node-timeout, --give-up, --timeout finite positive seconds"
         print(f"node_loss.py: {what}", file=sys.stderr)
         sys.exit(2)
     budget = a.node_timeout + 2.0
@@ -561,7 +564,7 @@ def main() -> None:
             print(f"work directory: {wd}", file=sys.stderr)
         script = wd / "train.py"
         script.write_text(SCRIPT)
-        reference = run_reference(wd, script, a.timeout)
+        reference = run_reference(wd, script, a.timeout, a.nproc)
         for rep in range(a.reps):
             for n in names:
                 d = wd / f"{n}-{rep}"
@@ -576,14 +579,14 @@ def main() -> None:
                       f"exact={r.get('bit_exact', '-')} left={r.get('left_behind')} load={load:.1f}"
                       + (f" error={r['error']}" if r.get("error") else ""), file=sys.stderr, flush=True)
     summary = summarize(runs, names, budget)
-    print_table(summary, budget, a.node_timeout)
+    print_table(summary, budget, a.node_timeout, a.nproc)
     for r in runs:  # keep the JSON readable: logs only for failures, cut short
         if r.get("ok"):
             r.pop("log_tail", None)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
         "summary": summary, "runs": runs, "reps": a.reps, "node_timeout_s": a.node_timeout, "goal_s": budget,
-        "give_up_s": a.give_up, "steps": STEPS, "killed_after_step": GATE_STEP,
+        "give_up_s": a.give_up, "steps": STEPS, "killed_after_step": GATE_STEP, "nproc_per_node": a.nproc,
         "reference_ok": reference is not None,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
         "command": "python bench/node_loss.py " + " ".join(sys.argv[1:]),
