@@ -59,8 +59,8 @@ def test_crash_restart_gloo_always_works(tmp_path, scripts, rep):
     r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"),
                       str(scripts / "crash_once.py"), str(out)], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    for rank in range(4):
-        assert json.loads((out / f"a1_r{rank}.json").read_text())["sum"] == 4.0
+    for rank in (0, 1):
+        assert json.loads((out / f"a1_r{rank}.json").read_text())["sum"] == 2.0
     kinds = [e.kind for e in read_events(tmp_path / "run")]
     assert kinds.count(EventKind.ATTEMPT_START) == 2
     exits = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.WORKER_EXIT]
