@@ -633,7 +633,7 @@ def test_spare_rounds_behind_follows_a_restarted_supervisor(tmp_path: Path) -> N
     its agent frozen with SIGSTOP for a moment) when the supervisor was killed and restarted. The restarted
     supervisor's store holds its newest round only; the spare looked for its round + 1 only, never saw a
     plan, never read the final one, and outlived the job (its agent then waits out --rendezvous-timeout)."""
-    c = Cluster(tmp_path, "2")
+    c = Cluster(tmp_path, "2")  # one worker per node: the point is the spare's reading of rounds
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", "10", "--out", str(out), "--gate", str(gate), "--gate-step", "3", "7", "--gate-on-resume"]

@@ -87,6 +87,7 @@ def test_policy_that_stops_ends_the_job_with_its_reason(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_more_agents_than_max_wait_as_spares_and_never_disturb_the_job(cluster_factory, tmp_path: Path) -> None:
+    # one worker per node: the point is agents beyond --nnodes MAX waiting as spares, not the worker count
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "1", "--node-timeout", "20"])
     out = tmp_path / "out"
     out.mkdir()

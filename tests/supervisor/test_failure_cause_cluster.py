@@ -21,6 +21,8 @@ from tests.cluster.test_node_loss import _listening, node_name
 
 @pytest.mark.timeout(300)
 def test_two_partner_nodes_lost_stop_naming_the_missing_shards(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    # one worker per node: the point is the restore's failure class and its stop, not the worker count (five
+    # agents of two workers each would cost a loaded machine more than the case is worth)
     c = cluster_factory("3", flags=["--spare-nodes", "2", "--max-restarts", "100", "--node-timeout", "20",
                                     "--heartbeat-timeout", "300"])
     gate, out = tmp_path / "gate", tmp_path / "out"
@@ -72,6 +74,7 @@ def _goodput(run_dir: Path) -> str:
 
 @pytest.mark.timeout(240)
 def test_a_spare_killed_while_waiting_is_in_the_ledger(cluster_factory, tmp_path: Path) -> None:  # noqa: F811
+    # one worker per node: the point is the ledger's record of a lost spare (which runs no workers)
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
                                     "--heartbeat-timeout", "300"])
     gate, out = tmp_path / "gate", tmp_path / "out"
