@@ -15,7 +15,8 @@ from resilient.events.api import EventKind
 from resilient.launcher.api import PREEMPTED_EXIT_CODE
 
 from .conftest import wait_for
-from .test_node_loss import GATE_STEP, STEPS, _start_job, assert_same, final, node_name, reference  # noqa: F401
+from .test_node_loss import (GATE_STEP, STEPS, _start_job, assert_same, final, node_name,  # noqa: F401
+                             reference_world, NPROC, WORLD, at_gate)
 
 AGREED = GATE_STEP + 2  # released from the gate after step 4, b's ranks propose "the step after the next" (6)
 # the gates are pauses, not hangs (a fixed --heartbeat-timeout beyond any of them); at --nnodes 1:2 the job must
@@ -35,9 +36,9 @@ def _actions(c) -> list[dict]:
 
 
 def _preempt_b_at_the_gate(c, gate: Path, b, decided: str) -> None:
-    """Both ranks wait at the gate (step 4 saved); b's agent gets SIGTERM; once the supervisor has decided on
+    """Every rank waits at the gate (step 4 saved); b's agent gets SIGTERM; once the supervisor has decided on
     its notice, the ranks go on: b's propose the last step, a's read it from the attempt's store."""
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     b.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: any(d.get("cause") == "preemption_notice" and d.get("action") == decided for d in _actions(c))
              or b.proc.poll() is not None, 60, f"the supervisor's {decided} on b's preemption notice")
@@ -53,15 +54,15 @@ def _no_loss_or_failure(c, b) -> None:
     assert not [e for e in evs if e.kind == EventKind.WORKER_EXIT and e.details.get("exit_code")], "a rank failed"
     # every rank of the job stopped after the agreed step, saved (it marks that it did)
     marks = sorted(p.name for p in (c.run_dir / "preempted").iterdir())
-    assert marks == ["attempt0.rank0", "attempt0.rank1"], marks
+    assert marks == [f"attempt0.rank{r}" for r in range(WORLD)], marks
     assert all((c.run_dir / "preempted" / m).read_text() == str(AGREED) for m in marks)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_preempted_node_is_swapped_for_a_spare_after_the_agreed_save(cluster_factory, tmp_path: Path,
-                                                                     reference) -> None:
-    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
-                                    "--heartbeat-timeout", "300"])
+                                                                     reference_world) -> None:
+    c = cluster_factory("2", nproc=NPROC, flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout",
+                                                 "20", "--heartbeat-timeout", "300"])
     gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     spare = c.start("spare", args)
@@ -80,7 +81,7 @@ def test_preempted_node_is_swapped_for_a_spare_after_the_agreed_save(cluster_fac
     evs = c.events()
     restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(spare)]
     assert restores and restores[-1].details["step"] == AGREED, restores  # nothing lost: the agreed step
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     # what a user reads: a spare joining is routine (INFO), and no dict repr in the restart line
     assert "WARNING resilient.supervisor.loop: supervisor: ignore" not in a.text()
     assert "hot_swap {" not in a.text() and f"hot_swap node={node_name(b)} spare={node_name(spare)}" in a.text()
@@ -89,8 +90,9 @@ def test_preempted_node_is_swapped_for_a_spare_after_the_agreed_save(cluster_fac
 
 @pytest.mark.timeout(300)
 def test_preempted_node_without_a_spare_scales_down(cluster_factory, tmp_path: Path) -> None:
-    c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
-                                      "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
+    c = cluster_factory("1:2", nproc=NPROC,
+                        flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
+                               "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
     gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     _preempt_b_at_the_gate(c, gate, b, "scale_down")
@@ -102,16 +104,17 @@ def test_preempted_node_without_a_spare_scales_down(cluster_factory, tmp_path: P
     assert [d.get("pending", False) for d in downs] == [True, False], downs
     evs = c.events()
     worlds = [e.details["world_size"] for e in evs if e.kind == EventKind.ATTEMPT_START]
-    assert worlds == [2, 2, 1], worlds
+    assert worlds == [WORLD, WORLD, NPROC], worlds
     restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(a)]
     assert restores and restores[-1].details["step"] == AGREED, restores
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(360, func_only=True)
 def test_preempted_node_with_no_way_out_every_node_exits_75_and_the_rerun_resumes(cluster_factory, tmp_path: Path,
-                                                                                  reference) -> None:
-    c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300"])
+                                                                                  reference_world) -> None:
+    c = cluster_factory("2", nproc=NPROC,
+                        flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300"])
     gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     _preempt_b_at_the_gate(c, gate, b, "ignore")
@@ -128,7 +131,7 @@ def test_preempted_node_with_no_way_out_every_node_exits_75_and_the_rerun_resume
     assert b2.proc.returncode == 0, b2.output()
     restores = [e for e in c.events()[before:] if e.kind == EventKind.CKPT_RESTORE]
     assert restores and {e.details["step"] for e in restores} == {AGREED}, restores
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
@@ -136,8 +139,9 @@ def test_preempted_node_with_no_way_out_every_node_exits_75_and_the_rerun_resume
 def test_preempted_supervisor_host_every_node_exits_75(cluster_factory, tmp_path: Path) -> None:
     """The preempted node hosts the supervisor (node 0's agent, the default): nothing can take its place once it
     goes, so the job ends as preempted: both exit 75 after the agreed step, saved on every rank."""
-    c = cluster_factory("1:2", flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
-                                      "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
+    c = cluster_factory("1:2", nproc=NPROC,
+                        flags=["--max-restarts", "3", "--node-timeout", "20", "--heartbeat-timeout", "300",
+                               "--rdzv-conf", f"last_call_timeout={LAST_CALL}"])
     gate, out, args = _gated(tmp_path)
     a, b = _start_job(c, args)
     _preempt_b_at_the_gate(c, gate, a, "scale_down")  # decided, but the supervisor leaves with a
@@ -145,6 +149,6 @@ def test_preempted_supervisor_host_every_node_exits_75(cluster_factory, tmp_path
     assert a.proc.returncode == PREEMPTED_EXIT_CODE, a.output()
     assert b.proc.returncode == PREEMPTED_EXIT_CODE, b.output()  # not "the job's store stayed unreachable" (69)
     marks = sorted(p.name for p in (c.run_dir / "preempted").iterdir())
-    assert marks == ["attempt0.rank0", "attempt0.rank1"], marks
+    assert marks == [f"attempt0.rank{r}" for r in range(WORLD)], marks
     assert all((c.run_dir / "preempted" / m).read_text() == str(AGREED) for m in marks)
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
