@@ -24,6 +24,7 @@ NODE_TIMEOUT = 5.0  # the agents' store calls give up after max(5, --node-timeou
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    # one worker per node: the point is the agents' bounded wait for a decision, not the worker count
     c = Cluster(tmp_path / "c", "2", flags=["--heartbeat-timeout", "600", "--node-timeout", str(NODE_TIMEOUT),
                                              "--supervisor-timeout", str(BOUND)])
     c.tmp.mkdir(parents=True)

@@ -143,6 +143,7 @@ def test_a_restart_and_a_stop_decided_in_one_pass_reach_the_agents_as_the_stop_a
 def _cluster(tmp_path: Path, flags: list[str]):
     from tests.cluster.conftest import Cluster
 
+    # one worker per node: the point is the supervisor's and the agents' clocks across a stall, not the worker count
     c = Cluster(tmp_path / "c", "2", flags=flags)
     c.tmp.mkdir(parents=True)
     return c
