@@ -91,6 +91,7 @@ def one(work: Path, fast: bool, steps: int, interval: int, timeout: float) -> di
         lost.append(f"step lines missing: {sorted(set(range(steps)) - seen_steps)[:5]}")
     if not any(e["kind"] == "run_end" for e in ev):
         lost.append("no run_end")
+    lost = [m.replace(str(d), "<run>") for m in lost]  # no path of this machine in the results
     commit = max((e["wall"] for e in done), default=None)
     attempt_end = max((e["wall"] for e in ev if e["kind"] == "attempt_end"), default=None)
     run_end = max((e["wall"] for e in ev if e["kind"] == "run_end"), default=None)
