@@ -124,8 +124,13 @@ def parse(argv: list[str]) -> StandaloneConfig:
     _check_flags(a.spare_nodes, a.max_restarts, a.nproc_per_node, a.node_timeout, a.policy_timeout,
                  a.last_call_timeout)
     # nproc_per_node: only until the agents report their own
-    sup = SupervisorConfig(min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
-                           node_timeout=a.node_timeout, policy_timeout=a.policy_timeout, spare_wait=a.spare_wait)
+    try:
+        sup = SupervisorConfig(min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
+                               max_restarts=a.max_restarts, node_timeout=a.node_timeout,
+                               policy_timeout=a.policy_timeout, spare_wait=a.spare_wait,
+                               nodes_per_replica=a.nodes_per_replica)
+    except ValueError as e:  # --nnodes MIN/MAX against --nodes-per-replica: its message names the flags
+        raise _BadInput(str(e)) from None
     return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, supervisor=sup, run_dir=a.run_dir,
                             spare_nodes=a.spare_nodes, policy=a.policy, last_call=a.last_call_timeout,
                             job_secret_file=a.job_secret_file, advertise_addr=a.advertise_addr, rdzv_id=a.rdzv_id)

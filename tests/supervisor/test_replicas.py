@@ -66,6 +66,18 @@ def test_resilient_run_exits_2_with_one_line(tmp_path) -> None:
     assert not (tmp_path / "r").exists()  # refused before anything starts
 
 
+def test_standalone_supervisor_takes_the_flag(tmp_path) -> None:
+    from resilient.supervisor.standalone import parse as parse_standalone
+
+    base = ["--rdzv-endpoint", "127.0.0.1:1", "--run-dir", str(tmp_path / "s")]
+    assert parse_standalone([*base, "--nnodes", "2:4", "--nodes-per-replica", "2"]).supervisor.nodes_per_replica == 2
+    r = subprocess.run([sys.executable, "-m", "resilient.supervisor.standalone", *base, "--nnodes", "3:4",
+                        "--nodes-per-replica", "2"], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "MIN 3 is not a multiple of --nodes-per-replica 2" in r.stderr
+
+
 def test_config_validates_k() -> None:
     with pytest.raises(ValueError, match="nodes-per-replica"):
         SupervisorConfig(min_nodes=2, max_nodes=4, nproc_per_node=1, nodes_per_replica=0)
