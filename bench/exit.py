@@ -125,7 +125,8 @@ def main() -> int:
                 r.pop("dir")
                 r["load_avg_1m"] = round(os.getloadavg()[0], 1)
                 rows.append(r)
-                print(f"rep {i} {r['mode']:9s} commit->exit {r['exit_s'] if r['exit_s'] is None else round(r['exit_s'], 3)}"
+                took = r["exit_s"] if r["exit_s"] is None else round(r["exit_s"], 3)
+                print(f"rep {i} {r['mode']:9s} commit->exit {took}"
                       f"  lost: {r['lost'] or 'nothing'}  (load {r['load_avg_1m']})", flush=True)
                 _write(a, rows, _summary(rows, quiet=True))  # a bench cut short keeps what it measured
     _write(a, rows, _summary(rows, quiet=False))
@@ -152,7 +153,8 @@ def _summary(rows: list[dict], quiet: bool) -> dict:
             s = _stats([r[key] for r in mine if r[key] is not None])
             summary[mode][key] = s
             if s and not quiet:
-                print(f"{mode:10s} {what:22s} {s['n']:3d} {s['p50']:7.3f} {s['p90']:7.3f} {s['min']:7.3f} {s['max']:7.3f}")
+                print(f"{mode:10s} {what:22s} {s['n']:3d} {s['p50']:7.3f} {s['p90']:7.3f} {s['min']:7.3f} "
+                      f"{s['max']:7.3f}")
         if not quiet:
             print(f"{mode:10s} runs that lost something: {summary[mode]['lost_runs']}")
     return summary

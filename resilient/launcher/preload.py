@@ -1,8 +1,10 @@
 """Automatic preload, in two parts. Before the first spawn: a static read (``ast``, nothing executed) of the entry
 script's and its local modules' top-level imports names the installed packages it will import, and the first fork
-server imports them once instead of every worker (:func:`entry_imports`). After the first attempt, a fork server that has already imported what the workers imported
-replaces the current one at the next restart (a spare's at once), so heavy scripts restart as fast as with a
-hand-written ``--preload``.
+server imports them once instead of every worker (:func:`entry_imports`); one that makes forking unsafe is left out
+(the server starts again without it) and denied from then on. After the first attempt, a fork server that has
+already imported what the workers imported replaces the current one at the next restart (a spare's at once), so
+heavy scripts restart as fast as with a hand-written ``--preload``; this learns what the static read misses
+(imports made by name, inside functions, or beyond the bound on files read).
 
 The warmed fork server is a copy of the running one (forked: torch and the rest come for free) that then imports
 only the learned modules, and more as the workers report them; it takes over only once it has imported all it was
