@@ -13,7 +13,8 @@ import pytest
 from resilient.events.api import EventKind
 
 from .conftest import REPO, child_env, wait_for
-from .test_node_loss import GATE_STEP, STEPS, _listening, assert_same, final, node_name, reference  # noqa: F401
+from .test_node_loss import (GATE_STEP, STEPS, _listening, assert_same, final, node_name,  # noqa: F401
+                             reference_world, NPROC, WORLD, at_gate)
 
 SECRET = {"RESILIENT_JOB_SECRET": "s3cret-for-tests-0123456789abcdef"}
 
@@ -25,11 +26,11 @@ def _agents(c, args, names, env=None):
     return nodes
 
 
-@pytest.mark.timeout(240)
-def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Path, reference) -> None:
+@pytest.mark.timeout(240, func_only=True)
+def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Path, reference_world) -> None:
     # the ranks wait at the gate until the spare has joined (its agent imports torch first: over 10 s under
     # load), without steps and so without heartbeats: no hang must be declared meanwhile
-    c = cluster_factory("2", flags=["--heartbeat-timeout", "600"])
+    c = cluster_factory("2", nproc=NPROC, flags=["--heartbeat-timeout", "600"])
     sup = c.start_supervisor(["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
                               "--last-call-timeout", "0"], env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
@@ -39,7 +40,7 @@ def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Pa
     a = c.start("a", args, env=SECRET)
     wait_for(lambda: any(e.kind == EventKind.RUN_START for e in c.events()), 60, "node a to start")
     b = c.start("b", args, env=SECRET)
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     spare = c.start("spare", args, env=SECRET)
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
              "the spare to join")
@@ -58,7 +59,7 @@ def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Pa
     # a lost node is cordoned for good (no cool-down): it cannot come back as a spare
     assert swaps == [{"action": "hot_swap", "reason": swaps[0]["reason"], "node": node_name(node0),
                       "spare": node_name(spare), "cool_down": None}]
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
@@ -78,11 +79,11 @@ print("forged", latest + 1)
 '''
 
 
-@pytest.mark.timeout(300)
-def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_path: Path, reference) -> None:
+@pytest.mark.timeout(300, func_only=True)
+def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_path: Path, reference_world) -> None:
     # the ranks wait at the gate while the forger starts (it imports torch: seconds under load), without steps
     # and so without heartbeats: no hang must be declared meanwhile
-    c = cluster_factory("2", flags=["--heartbeat-timeout", "600"])
+    c = cluster_factory("2", nproc=NPROC, flags=["--heartbeat-timeout", "600"])
     flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
@@ -90,7 +91,7 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP), "8"]
     a, b = _agents(c, args, ["a", "b"], env=SECRET)
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     # messages and plans without the job's secret: refused, logged, and nothing happens
     r = subprocess.run([sys.executable, "-c", FORGE, str(c.port), node_name(a)], cwd=REPO, env=child_env(),
                        capture_output=True, text=True, timeout=60)
@@ -98,7 +99,7 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     sup.kill()  # the supervisor's host dies, and with it the job's store
     (gate / "go").touch()
     # fail static: training goes on to the next gate without any supervisor
-    wait_for(lambda: (gate / "at-8-0").exists() and (gate / "at-8-1").exists(), 90, "training to go on alone")
+    wait_for(lambda: at_gate(gate, WORLD, "-8"), 90, "training to go on alone")
     assert a.proc.poll() is None and b.proc.poll() is None
     sup2 = c.start_supervisor(flags, env={**SECRET, "RESILIENT_LOG_LEVEL": "INFO"}, name="supervisor2")
     wait_for(lambda: "reconnected to the supervisor" in a.text() and "reconnected to the supervisor" in b.text(),
@@ -114,17 +115,17 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     assert [e.details["action"] for e in evs if e.kind == EventKind.ACTION] == ["start"]
     assert {e.attempt for e in evs if e.kind == EventKind.ATTEMPT_START} == {0}
     assert "refused" in sup.text() and "refused the plan" in a.text() + b.text()
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(cluster_factory, tmp_path: Path,
-                                                                                reference) -> None:
+                                                                                reference_world) -> None:
     import os
     import signal
 
-    c = cluster_factory("2")
+    c = cluster_factory("2", nproc=NPROC)
     flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
@@ -132,7 +133,7 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
     a, b = _agents(c, args, ["a", "b"], env=SECRET)
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     sup.kill()
     victim = int((gate / "at-1").read_text())  # rank 1's worker pid
     os.kill(victim, signal.SIGKILL)  # fails while no supervisor can hear of it
@@ -148,19 +149,20 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     assert a.proc.returncode == 0, a.output()
     assert b.proc.returncode == 0, b.output()
     wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluster_factory, tmp_path: Path,
-                                                                          reference) -> None:
+                                                                          reference_world) -> None:
     """Round 1 is published but node a has not carried it out yet (its agent is stopped) when the spare joins:
     the restart completes as decided, the spare only waits, nothing else changes."""
     import os
     import signal
 
-    c = cluster_factory("2", flags=["--heartbeat-timeout", "600"])  # the gate outlasts a learned hang timeout
+    c = cluster_factory("2", nproc=NPROC,
+                        flags=["--heartbeat-timeout", "600"])  # the gate outlasts a learned hang timeout
     flags = ["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "120", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
@@ -168,7 +170,7 @@ def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluste
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
     a, b = _agents(c, args, ["a", "b"], env=SECRET)
-    wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 90, "both ranks at the gate")
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
     starts = [e for e in c.events() if e.kind == EventKind.ATTEMPT_START]
     rank_of = {e.node: int(next(iter(e.details["pids"]))) for e in starts}
     os.kill(a.proc.pid, signal.SIGSTOP)  # node a will not carry out the next round until it is let go
@@ -189,5 +191,5 @@ def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluste
     acts = [e.details["action"] for e in c.events() if e.kind == EventKind.ACTION]
     assert [x for x in acts if x != "ignore"] == ["start", "restart"], acts
     assert not any(e.kind == EventKind.ATTEMPT_START and e.node == node_name(spare) for e in c.events())
-    assert_same(reference, final(out, 2))
+    assert_same(reference_world, final(out, WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
