@@ -413,8 +413,9 @@ def run_job(run_dir: Path, env: dict[str, str], args: argparse.Namespace, persis
         pos, evs = tail_events(ledger, pos)
         for e in evs:
             progress.feed(e)
-        if progress.want_node_back and not any(n.name == "d" for n in agents):
-            # the repaired machine: a fresh agent (empty local tier) for the node whose replica was dropped
+        if progress.want_node_back and progress.open_fault is None and not any(n.name == "d" for n in agents):
+            # the repaired machine: a fresh agent (empty local tier) for the node whose replica was dropped, once
+            # the job trains with one replica fewer (that row of the table is complete)
             local = run_dir / "ckpt-local-d"
             node = start("d", agent_cmd(args, run_dir, port, local, persistent), local)
             agents.append(node)
