@@ -156,8 +156,10 @@ class SupervisorLoop:
                 if ev.kind == EventKind.CKPT_TIER_DONE:
                     out += self.core.handle(ev, now)
         # members that reported done in this pass's messages end the job before any timer is looked at: a
-        # finished job is never failed by a loss or a silence noticed after the fact
-        self._check_finished(now)
+        # finished job is never failed by a loss or a silence noticed after the fact. Not when their done decided a
+        # new round (a preempted node's agreed save carried out as a swap or scale-down): the job goes on in it
+        if not any(d.assignment is not None for d in out):
+            self._check_finished(now)
         for node in gone:
             # its kernel closed the connection: the agent is dead (or left; a LEAVE came first then)
             logger.warning("node %s disconnected", node)
