@@ -165,7 +165,7 @@ class SocketNodeMonitor:
         self._max_gap = 0.0
         self._gaps = 0
         self._section_max: dict[str, float] = {}
-        self._section_seen: dict[str, int] = {}
+        self._section_seen: dict[tuple[str, int], int] = {}  # (section, global rank) → times ended
         self._max_warmup = 0.0  # longest warm-up step seen: a compile longer than the initial timeout stays safe
         self._backoff = 1.0  # ×2 per hang declared on a learned timeout
         self._max_startup = 0.0  # longest spawn → first message seen: a slow restore must not trip later attempts
@@ -311,12 +311,23 @@ class SocketNodeMonitor:
     def _learned(self, longest: float) -> float:
         return self._backoff * max(self.config.min_learned_timeout, self.config.learn_factor * longest)
 
-    def _section_timeout(self, name: str, given: float | None) -> tuple[float, str]:
+    def _section_timeout(self, name: str, given: float | None, rank: int | None = None) -> tuple[float, str]:
+        """The timeout of section ``name`` for global rank ``rank`` (None: any rank of the node). Learned once
+        that rank has ended it ``learn_after`` times: counted per rank, since a node of N workers sees each save N
+        times. A configured ``--heartbeat-timeout`` is a floor: a section is never watched more tightly than a
+        step."""
         if given is not None:
             return given, f"section:{name}"
-        if self._section_seen.get(name, 0) < self.config.learn_after:
-            return self.config.initial_timeout, f"section:{name}:initial"
-        return self._learned(self._section_max[name]), f"section:{name}:learned"
+        seen = (max((n for (s, _), n in self._section_seen.items() if s == name), default=0) if rank is None
+                else self._section_seen.get((name, rank), 0))
+        if seen < self.config.learn_after:
+            t, source = self.config.initial_timeout, f"section:{name}:initial"
+        else:
+            t, source = self._learned(self._section_max[name]), f"section:{name}:learned"
+        floor = self.config.heartbeat_timeout
+        if floor is not None and floor > t:
+            return floor, f"section:{name}:configured"
+        return t, source
 
     def straggler_scores(self) -> dict[int, tuple[float, float]]:
         """global rank → (peers score, history score) over the current windows."""
@@ -525,12 +536,13 @@ class SocketNodeMonitor:
                 if r.sections[i][0] == msg.name:
                     if i == 0:
                         name, _start, given = r.sections[0]
-                        r.after_section = (name, self._section_timeout(name, given)[0])
+                        r.after_section = (name, self._section_timeout(name, given, r.rank)[0])
                     del r.sections[i:]
                     break
             if msg.seconds == msg.seconds:
                 self._section_max[msg.name] = max(self._section_max.get(msg.name, 0.0), msg.seconds)
-                self._section_seen[msg.name] = self._section_seen.get(msg.name, 0) + 1
+                key = (msg.name, r.rank)
+                self._section_seen[key] = self._section_seen.get(key, 0) + 1
         elif t == P.DONE:
             r.done = True
             r.step = max(r.step, msg.step)
@@ -546,7 +558,7 @@ class SocketNodeMonitor:
             return self._attempt_t0 + t, t, "initial"
         if r.sections:
             name, start, given = r.sections[-1]
-            t, source = self._section_timeout(name, given)
+            t, source = self._section_timeout(name, given, r.rank)
             return start + t, t, source
         if r.done:
             return None

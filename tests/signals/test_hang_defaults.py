@@ -186,3 +186,35 @@ def test_no_false_hang_on_a_rank_waiting_for_a_peer_still_in_its_section(make_ag
     # the last sections ran under a learned timeout, and so did the steps around them
     assert a.monitor._section_timeout("save", None)[1] == "section:save:learned"
     assert a.monitor.heartbeat_timeout()[1] == "learned"
+
+
+# Two ranks; QUICK short "save" sections each, then one of 2.5 s: longer than a timeout learned from the quick ones.
+SECTIONS_PER_RANK = textwrap.dedent('''
+    import os, time
+    import resilient
+
+    quick = int(os.environ["T_QUICK"])
+    for step in resilient.steps(0, quick + 4):
+        time.sleep(0.05)
+        if 1 <= step <= quick or step == quick + 2:
+            with resilient.section("save"):
+                time.sleep(0.02 if step <= quick else 2.5)
+''')
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("configured,quick", [(None, 2), (10.0, 3)], ids=["learned-per-rank", "configured-floor"])
+def test_a_section_is_learned_per_rank_and_never_below_a_configured_timeout(make_agent, tmp_path, configured, quick):
+    # learned-per-rank: 2 ranks x 2 quick saves is 4 sections on the node, but each rank saw only 2 (< learn_after
+    # 3), so the long save still runs under the initial timeout. configured-floor: each rank learned 1 s from 3
+    # quick saves, and --heartbeat-timeout 10 is the floor.
+    a = make_agent(initial_timeout=30.0, heartbeat_timeout=configured)
+    script = tmp_path / "sections.py"
+    script.write_text(SECTIONS_PER_RANK)
+    a.spawn(2, {"T_QUICK": str(quick)}, script=str(script))
+    a.pump(lambda ev: a.all_exited(), 100)
+    assert [p.returncode for p in a.procs] == [0, 0]
+    a.pump_for(0.5)
+    assert not [e for e in a.events if e.kind.value == "hang"], [e.details for e in a.events]
+    if configured is not None:  # learned at the end: 3 x 2.5 s, still under the floor
+        assert a.monitor._section_timeout("save", None, 0) == (10.0, "section:save:configured")
