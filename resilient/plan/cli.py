@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the job grows and shrinks by replicas of this many nodes (default: the run's, else every "
                         "rank a replica); --nodes and --min-nodes multiples of it")
     g.add_argument("--repair-hours", type=float, help="a node taken out is back (repaired or replaced) after this (1)")
-    g.add_argument("--policy", help=f"policy file (default: the run's, else policies/default.py)")
+    g.add_argument("--policy", help="policy file (default: the run's, else policies/default.py)")
     g.add_argument("--ckpt-interval", type=_interval, default=argparse.SUPPRESS,
                    help="steps between local saves, or 'none' (default: the run's, else 100)")
     g.add_argument("--tiers", help=f"checkpoint tiers, comma-separated among {','.join(TIERS)} (default: the run's, else all)")
