@@ -75,6 +75,7 @@ import torch.distributed as dist  # noqa: E402
 
 import resilient  # noqa: E402
 from resilient.data import ElasticBatch, ResumableSampler  # noqa: E402
+from resilient.env import WorkerEnv  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import GPT, CorpusWindows, GPTConfig, load_corpus  # noqa: E402
@@ -133,6 +134,20 @@ def lr_for(args: argparse.Namespace, global_batch: int) -> float:
     return args.lr * {"linear": ratio, "sqrt": ratio ** 0.5, "none": 1.0}[args.lr_scaling]
 
 
+class RecipeInputError(ValueError):
+    """A setting the job cannot run with (a mesh that does not fit, a global batch the data-parallel size cannot
+    make). Under resilient-run it is raised, so the worker's error file names it and the supervisor stops the job
+    at its second identical failure instead of restarting it until the budget is spent (the size that caused it
+    may be one a scale-down chose); elsewhere it is one line and exit 2."""
+
+
+def _bad_input(message: str) -> int:
+    if WorkerEnv.from_env() is not None:
+        raise RecipeInputError(message)
+    print(f"[train] {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main() -> int:
     args = parse_args()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.init_group and "RANK" in os.environ)
@@ -147,20 +162,17 @@ def main() -> int:
         try:
             topo.mesh_shape(tp=args.tp)
         except ValueError as e:
-            print(f"[train] --tp {args.tp}: {e}", file=sys.stderr, flush=True)
-            return 2
+            return _bad_input(f"--tp {args.tp}: {e}")
         dp, dp_rank = topo.dp_size, topo.dp_rank
     else:
         if world % args.tp:
-            print(f"[train] --tp {args.tp} does not divide the world size {world}", file=sys.stderr, flush=True)
-            return 2
+            return _bad_input(f"--tp {args.tp} does not divide the world size {world}")
         dp, dp_rank = world // args.tp, rank // args.tp  # data parallelism outermost, as init_device_mesh lays it out
     batch = ElasticBatch(args.global_batch, args.micro_batch)
     try:
         batch.check(dp)
     except ValueError as e:
-        print(f"[train] {e}", file=sys.stderr, flush=True)
-        return 2
+        return _bad_input(str(e))
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

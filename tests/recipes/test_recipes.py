@@ -178,3 +178,24 @@ def test_gpt_recipe_resumes_after_a_killed_worker(tmp_path):
     step, sample = map(int, starts[1])
     assert 0 < step <= 9 and sample == step * 16  # the sampler resumed where the restored step left it
     assert "[train] done at step 16" in r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_gpt_recipe_with_a_mesh_that_does_not_fit_stops_the_job_naming_it_not_a_restart_loop(tmp_path):
+    # under resilient-run the bad setting is raised, so the supervisor sees the same failure at the same frame in two
+    # attempts and stops, naming it, with most of the budget left; plain python: one line, exit 2
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "10", "--run-dir", str(tmp_path / "run"),
+                        str(ROOT / "recipes" / "pytorch" / "train.py"), "--steps", "4", "--tp", "3"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    assert r.returncode != 0
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    stops = [e for e in events if e["kind"] == "action" and e["details"].get("action") == "stop"]
+    assert len(stops) == 1, [e["details"] for e in events if e["kind"] == "action"]
+    assert "RecipeInputError" in stops[0]["details"]["reason"] and "--tp 3" in stops[0]["details"]["reason"]
+    assert max(e.get("attempt") or 0 for e in events) <= 1  # two attempts, not eleven
+    plain = subprocess.run([sys.executable, str(ROOT / "recipes" / "pytorch" / "train.py"), "--steps", "4",
+                            "--tp", "3"], cwd=tmp_path, env={**env, "WORLD_SIZE": "1"}, capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 2 and "--tp 3 does not divide the world size 1" in plain.stderr, plain.stderr[-2000:]
