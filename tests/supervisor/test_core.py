@@ -292,6 +292,27 @@ def check_assignment(core: SupervisorCore, a: Assignment, c: SupervisorConfig) -
     assert a.attempt == a.round
 
 
+def apply_op(core: SupervisorCore, op: tuple, now: float) -> tuple[float, list[Decision]]:
+    """Feed one of ``op_st``'s operations to ``core`` at ``now``: the time after it and the decisions it gave."""
+    if op[0] == "join":
+        return now, core.join(op[1], op[2], now)
+    if op[0] == "seen":
+        for n in op[1]:
+            core.seen(n, now)
+        return now, []
+    if op[0] == "tick":
+        now += op[1]
+        return now, core.tick(now)
+    if op[0] == "event":
+        _, kind, i, att = op
+        v = core.view(now)  # events mostly about members and spares, sometimes about anyone
+        pool = list(v.members) + list(v.spares) + NODES
+        node = pool[i % len(pool)]
+        details = {"exit_code": 1} if kind == "worker_exit" else {"nproc": 2} if kind == "node_joined" else {}
+        return now, core.handle(ev(kind, node, attempt=att, core=core, **details), now)
+    return now, core.handle(ev("ckpt_tier_done", NODES[0], attempt=None, tier=op[1], step=op[2]), now)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_initial=st.integers(1, 4), min_nodes=st.integers(1, 3), extra=st.integers(0, 2),
        ops=st.lists(op_st, max_size=60), answers=st.lists(action_st, max_size=60),
@@ -308,25 +329,7 @@ def test_random_sequences_keep_the_job_sound(n_initial, min_nodes, extra, ops, a
     check_assignment(core, first, c)
     now, last_id, changes = 0.0, 0, 0
     for op in ops:
-        now += 1.0
-        if op[0] == "join":
-            ds = core.join(op[1], op[2], now)
-        elif op[0] == "seen":
-            for n in op[1]:
-                core.seen(n, now)
-            ds = []
-        elif op[0] == "tick":
-            now += op[1]
-            ds = core.tick(now)
-        elif op[0] == "event":
-            _, kind, i, att = op
-            v = core.view(now)  # events mostly about members and spares, sometimes about anyone
-            pool = list(v.members) + list(v.spares) + NODES
-            node = pool[i % len(pool)]
-            details = {"exit_code": 1} if kind == "worker_exit" else {"nproc": 2} if kind == "node_joined" else {}
-            ds = core.handle(ev(kind, node, attempt=att, core=core, **details), now)
-        else:
-            ds = core.handle(ev("ckpt_tier_done", NODES[0], attempt=None, tier=op[1], step=op[2]), now)
+        now, ds = apply_op(core, op, now + 1.0)
         for d in ds:
             assert isinstance(d, Decision) and d.id > last_id
             # the agent stopped that node's workers already: ignoring the failure would idle the job for good

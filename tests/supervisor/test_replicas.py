@@ -243,7 +243,7 @@ def test_a_ledger_replay_keeps_the_runs_replicas() -> None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402 - the property test's own imports
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.supervisor.test_core import NODES, Random, action_st, ev, op_st  # noqa: E402
+from tests.supervisor.test_core import NODES, Random, action_st, apply_op, op_st  # noqa: E402
 
 
 def moved_only_whole_replicas(old: Assignment, new: Assignment, kind: str) -> None:
@@ -272,25 +272,7 @@ def test_random_sequences_keep_whole_replicas(n_initial, ops, answers, use_defau
     assert len(a.members) == min(6, n_initial - n_initial % 2) and a.dp_size == len(a.members) // 2
     now = 0.0
     for op in ops:
-        now += 1.0
-        if op[0] == "join":
-            ds = core.join(op[1], op[2], now)
-        elif op[0] == "seen":
-            for n in op[1]:
-                core.seen(n, now)
-            ds = []
-        elif op[0] == "tick":
-            now += op[1]
-            ds = core.tick(now)
-        elif op[0] == "event":
-            _, kind, i, att = op
-            v = core.view(now)
-            pool = list(v.members) + list(v.spares) + NODES
-            node = pool[i % len(pool)]
-            details = {"exit_code": 1} if kind == "worker_exit" else {"nproc": 2} if kind == "node_joined" else {}
-            ds = core.handle(ev(kind, node, attempt=att, core=core, **details), now)
-        else:
-            ds = core.handle(ev("ckpt_tier_done", NODES[0], attempt=None, tier=op[1], step=op[2]), now)
+        now, ds = apply_op(core, op, now + 1.0)
         for d in ds:
             if d.assignment is None:
                 continue
