@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -q -y pynvml
 	@touch $(STAMP)
 
+# two workers, whole files each: the tests are real jobs (subprocesses, waits on them), so the two cores overlap
+# them; a file's tests stay together (they share fixtures such as a file's reference run)
 test: venv
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # make demo DEMO_FLAGS=--gcs: the persistent tier on the bundled GCS server; --quick, --seed N, --steps N
 DEMO_FLAGS ?=
