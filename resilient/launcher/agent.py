@@ -23,7 +23,7 @@ from pathlib import Path
 from resilient.drill.agent import Injector
 from resilient.events import Event, EventKind, Ledger
 from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE, AgentConfig, NodeRole, NodeRound, Outcome, WorkerExit
-from resilient.launcher.control import ControlClient, JobRefused, StoreLost, SupervisorUnreachable
+from resilient.launcher.control import ControlClient, JobEnded, JobRefused, StoreLost, SupervisorUnreachable
 from resilient.launcher.exit import Ending, exit_code, failure_summary, preempted_cleanly, supervisor_unreachable
 from resilient.launcher.preload import Preloader, first_starter
 from resilient.launcher.report import close_checkpoints, describe, say_ledger_lost, start_metrics, why
@@ -122,6 +122,12 @@ class Agent:
             self.monitor_socket, self.monitor = start_monitor(c, self.ledger, self.group_rank, self._default_ckpt_local(), self.sel)
             self.metrics = start_metrics(c, self.run_dir, hosts_supervisor=self.control.sup_loop is not None)
             end = self._follow()
+        except JobEnded as e:
+            # a spare that arrived as the job ended: it ends the way the job did, like the spares that had joined
+            plan = {"final": True, "stop": e.outcome if e.outcome == "stopped" else None,
+                    "preempted": e.outcome if e.outcome == "preempted" else None}
+            end = exit_code(Outcome.SUCCEEDED, plan)
+            print(f"resilient-run: {e}; nothing left to join", file=sys.stderr)
         except JobRefused as e:
             # not this job's endpoint: a wrong --rdzv-id or --rdzv-endpoint, which no retry mends
             logger.error("%s", e)

@@ -239,7 +239,9 @@ class AgentConfig:
 
     @property
     def single_node(self) -> bool:
-        return self.supervisor.max_nodes == 1
+        """One node and no spare: no other agent can ever join (a spare with ``--nnodes 1`` is a second agent,
+        which needs a name of its own)."""
+        return self.supervisor.max_nodes == 1 and not self.spare_nodes
 
     @property
     def script_name(self) -> str:

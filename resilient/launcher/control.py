@@ -40,6 +40,15 @@ class JobRefused(Exception):
     """The rendezvous endpoint serves another job (another --rdzv-id): this agent must not join it."""
 
 
+class JobEnded(Exception):
+    """The job ended while this node was still joining (a spare warming up as the job ended): there is no round
+    left to take a place in. ``outcome``: one of ``transport.DOOR_OUTCOMES``."""
+
+    def __init__(self, outcome: str):
+        super().__init__(f"the job had ended ({outcome}) before this node joined")
+        self.outcome = outcome
+
+
 def _conf_bool(v: object) -> bool | None:
     if v is None:
         return None
@@ -96,7 +105,7 @@ class ControlClient:
     def _advertised_addr(self) -> str:
         if self.cfg.local_addr:
             return self.cfg.local_addr
-        if self.cfg.single_node and not self.cfg.spare_nodes:
+        if self.cfg.single_node:
             return "127.0.0.1"
         return socket.getfqdn()
 
@@ -155,21 +164,69 @@ class ControlClient:
         self.chan = T.AgentChannel(store, self.signer, self.node)
         if hosting:
             self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
-        self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
-        if warm is not None:
-            self.chan.send(T.MessageKind.ARRIVING, nproc=c.nproc_per_node)
-            warm()
-        self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
-        store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
-        self._presence, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,
-                                                                self.node, timeout=min(30.0, c.rendezvous_timeout),
-                                                                term=self.chan.term)
+        try:
+            self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
+            # each message is followed by a look at the door: open, the supervisor reads the message before the
+            # job can end and waits for this node; closed, the job ended and its store may already be closing
+            if warm is not None:
+                self.chan.send(T.MessageKind.ARRIVING, nproc=c.nproc_per_node)
+                self._warm_watching_the_door(warm)
+            self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
+            self._check_door()
+            store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
+            self._presence, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,
+                                                                    self.node,
+                                                                    timeout=min(30.0, c.rendezvous_timeout),
+                                                                    term=self.chan.term)
+        except (RuntimeError, OSError) as e:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
+            # it answered a moment ago, and the door was open: the node hosting the store was lost
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise StoreLost(f"the job's store at {host}:{port} went away while this node was joining ({first}): "
+                            "the node hosting it was lost") from None
         self._last_hb = time.monotonic()
         # past the join, a store call must fail within a node timeout, not a rendezvous timeout: a dead or
         # hung supervisor must not freeze this loop (the workers go on either way)
         store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.supervisor.node_timeout))))
         self._endpoint = (host, port)
         logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
+
+    def _warm_watching_the_door(self, warm: Callable[[], object]) -> None:
+        """``warm()`` (seconds: importing torch in the fork server) while watching the door: a job that ends while
+        this spare warms up waits (``linger``) for its acknowledgement, and this node must not keep it waiting."""
+        import threading
+
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                warm()
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                failed.append(e)
+
+        t = threading.Thread(target=run, name="resilient-warm", daemon=True)
+        t.start()
+        while t.is_alive():
+            self._check_door()
+            t.join(0.25)
+        if failed:
+            raise failed[0]
+        self._check_door()
+
+    def _check_door(self) -> None:
+        """Raise JobEnded once the job's supervisor closed its door (acknowledging its final plan, best effort:
+        its store may be going away)."""
+        from resilient.supervisor.transport import MessageKind
+
+        outcome = self.chan.door()
+        if outcome is None:
+            return
+        try:
+            final = self.chan.latest_round()
+            if final >= 0:
+                self.chan.send(MessageKind.ACK, round=final)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("could not acknowledge the final plan: %s", e)
+        raise JobEnded(outcome)
 
     # ---------------------------------------------------------------- reachability
     def _reached(self, e: Exception | None) -> None:

@@ -94,6 +94,10 @@ class SupervisorLoop:
         self._acks: dict[int, set[str]] = {}
         self._final_round: int | None = None
         self._final_at: float | None = None
+        self._arrived: set[str] = set()  # agents that said they are arriving and have not joined (or left) yet
+        self._passes = 0  # passes begun: the door closes in one, the job settles in a later one (a drain between)
+        self._door_pass: int | None = None  # the pass that closed the door (see SupervisorChannel.close_door)
+        self._preempted_end = False  # the final plan says preempted
         self._published: int | None = None  # the newest round whose plan agents can read
         self._last_pass: float | None = None  # monotonic time of the last pass: a long gap is this loop's stall
         self.pauses: list[float] = []  # the gaps taken for this loop's own stalls, oldest first
@@ -144,6 +148,7 @@ class SupervisorLoop:
         if self._last_pass is not None and now - self._last_pass > self.cfg.pause_after:
             self._woke(now, now - self._last_pass)
         self._last_pass = max(now, self._last_pass or now)
+        self._passes += 1
         hello, gone = self.presence.poll()
         for node in hello:
             self.core.seen(node, now)
@@ -185,6 +190,8 @@ class SupervisorLoop:
         kind, node = msg.get("type"), msg.get("node")
         if not isinstance(node, str):
             return []
+        if kind in (MessageKind.JOIN, MessageKind.LEAVE):
+            self._arrived.discard(node)
         if kind == MessageKind.JOIN:
             nproc = int(msg.get("nproc", 1))
             logger.info("node %s %s (%d workers)", node, "joined again" if msg.get("rejoin") else "joined", nproc)
@@ -195,6 +202,7 @@ class SupervisorLoop:
             return out
         if kind == MessageKind.ARRIVING:
             logger.info("node %s connected, warming up", node)
+            self._arrived.add(node)
             self.core.arriving(node, now)
             for ev in self.core.take_notes():
                 self._write(ev)
@@ -329,6 +337,7 @@ class SupervisorLoop:
         # "preempted": every agent exits 75 (the scheduler requeues, the rerun resumes), not 0 and not 1
         self.chan.publish(round_, {"round": round_, "final": True, "stop": reason if stop else None,
                                    "preempted": reason if preempted else None, "id": decision_id})
+        self._preempted_end = preempted
         if not stop:
             self.core.finish(reason)  # agents leaving now are not failures
         self._final_round, self._final_at = round_, time.monotonic()
@@ -356,6 +365,14 @@ class SupervisorLoop:
             self.step(time.monotonic())
             self.settled.wait(self.cfg.tick)
 
+    def _close_door(self) -> None:
+        outcome = "preempted" if self._preempted_end else ("stopped" if self.core.stopped is not None else "succeeded")
+        try:
+            self.chan.close_door(outcome)
+        except Exception as e:  # noqa: BLE001 - the store is ours; a failure here only costs a joiner its wait
+            logger.debug("could not close the door: %s", e)
+        self._door_pass = self._passes
+
     def _check_finished(self, now: float) -> None:
         a = self.core.assignment
         if self._final_round is None and self.core.stopped is None and self.core.preempted_end is not None:
@@ -365,5 +382,12 @@ class SupervisorLoop:
         if self._final_round is not None and not self.settled.is_set():
             view = self.core.view(now)
             live = {n for n, v in view.nodes.items() if v.state in (NodeState.ACTIVE, NodeState.SPARE)}
-            if self._acks.get(self._final_round, set()) >= live:
+            acks = self._acks.get(self._final_round, set())
+            if self._door_pass is None:
+                if acks >= live:
+                    # from now on a joining agent learns the end from the door, not from this store; what one sent
+                    # before it read the door open is drained in a later pass, and that agent is waited for
+                    self._close_door()
+            elif self._passes > self._door_pass and acks >= live | self._arrived:
+                # spares still warming up watch the door and acknowledge once they see it closed
                 self.settled.set()

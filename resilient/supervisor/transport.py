@@ -93,6 +93,17 @@ class Keys:
     def plan(self, round_: int) -> str:
         return f"{self.prefix}/plan/{round_}"
 
+    def door(self, term: int) -> str:
+        """A counter a supervisor of ``term`` closes (adds :data:`DOOR_CLOSED` × outcome) once every agent read its
+        final plan, right before its store may go away; see :meth:`AgentChannel.door`."""
+        return f"{self.prefix}/door/{term}"
+
+
+# The door's value once closed: DOOR_CLOSED × (1 + the outcome's index). Agents only ever add 0 (a read that
+# creates the key): one atomic operation tells a joining agent whether the job's end already went past it.
+DOOR_CLOSED = 1 << 40
+DOOR_OUTCOMES = ("succeeded", "stopped", "preempted")
+
 
 class MessageKind:
     JOIN = "join"
@@ -260,6 +271,18 @@ class AgentChannel:
             self.sync_term()
         return {"node": self.node, "term": self.term}
 
+    def door(self) -> str | None:
+        """None while the job goes on; once its supervisor closed the door, how the job ended (one of
+        :data:`DOOR_OUTCOMES`). Read after sending a message: when still open, the supervisor reads that message
+        before it closes (it drains once more after closing) and waits for this agent's acknowledgement; when
+        closed, the job ended and its store may go away at any moment, so this agent must not wait on it."""
+        if self.term is None:
+            self.sync_term()
+        v = int(self.store.add(self.keys.door(self.term), 0))
+        if v < DOOR_CLOSED:
+            return None
+        return DOOR_OUTCOMES[min(v // DOOR_CLOSED - 1, len(DOOR_OUTCOMES) - 1)]
+
     def latest_round(self) -> int:
         if not self.store.check([self.keys.latest]):
             return -1
@@ -345,6 +368,11 @@ class SupervisorChannel:
     def publish(self, round_: int, plan: dict[str, Any]) -> None:
         self.store.set(self.keys.plan(round_), self.signer.seal({**plan, "round": round_, "term": self.term}))
         self.store.set(self.keys.latest, str(round_))
+
+    def close_door(self, outcome: str) -> None:
+        """The job ended as ``outcome`` and every agent known to this supervisor read its final plan: agents
+        joining from now on learn it from :meth:`AgentChannel.door` instead of waiting on this store."""
+        self.store.add(self.keys.door(self.term), DOOR_CLOSED * (1 + DOOR_OUTCOMES.index(outcome)))
 
 
 class PresenceServer:
