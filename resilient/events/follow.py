@@ -1,26 +1,48 @@
-"""The one reader and tailer of a run's ledger (``RUN_DIR/events.jsonl``).
+"""The one reader and tailer of a run's ledger: every ``events*.jsonl`` file of a run directory, merged.
 
-The ledger is append-only JSON lines written by several processes, and anyone who can write the run
-directory can append to it. Every line is checked for shape before it becomes an :class:`Event`: a line that
-is not JSON, not an object, of an unknown kind, or whose fields have the wrong type (``"wall": "x"``,
-``"details": null``, ``"attempt": [1]``) is skipped and counted, never passed on, so one bad line cannot take
-down ``resilient goodput``, the metrics endpoint, the supervisor or the interval tuner. An unfinished last
-line (a writer at work, or one killed mid-line) is not malformed: a whole read stops before it, a tail waits
-for its newline.
+**One file per writer.** Every process that records events (each node's agent, with the supervisor it may host;
+each worker; a standalone supervisor) appends to a file of its own under the run directory, so no two processes
+ever append to one file: ``O_APPEND`` is atomic on a local filesystem but not across the clients of a shared
+volume (NFS, a Kubernetes ``ReadWriteMany`` claim), where two nodes appending to one file can overwrite each
+other's lines. The names (see :mod:`resilient.events.ledger`, the writer):
+
+* ``RUN_DIR/events.jsonl`` — the file of the run's first writer (on a single node: the agent, which also
+  holds the supervisor's decisions; with a standalone supervisor started first: that supervisor). It keeps
+  the name users and older tools know, and an old run directory, where every writer shared it, is just a run
+  with one file.
+* ``RUN_DIR/events.<writer>.jsonl`` — every other writer, ``<writer>`` being the host name and process id
+  (``[A-Za-z0-9_-]``; a name already taken gets a ``-<n>`` suffix, the file being created exclusively).
+* ``<ledger file>.incomplete`` — beside a writer's file: that writer lost events (see :func:`ledger_incomplete`).
+
+A run is read as one time line: each file in its own order, the files merged on ``wall`` (a file's own order is
+kept even where its clock stepped back). ``events.jsonl`` alone is therefore not the run: read a run through
+:func:`read_events` (``resilient goodput``, ``resilient plan``, ``/metrics`` and the supervisor all do); a path
+to ``events.jsonl`` given to it means the whole run in that directory, a path to any other file that file alone.
+
+Every line is checked for shape before it becomes an :class:`Event`: a line that is not JSON, not an object, of an
+unknown kind, or whose fields have the wrong type (``"wall": "x"``, ``"details": null``, ``"attempt": [1]``) is
+skipped and counted, never passed on, so one bad line cannot take down ``resilient goodput``, the metrics
+endpoint, the supervisor or the interval tuner. An unfinished last line (a writer at work, or one killed
+mid-line) is not malformed: a whole read stops before it (in that file only: the other writers' files are read
+whole), a tail waits for its newline.
 
 * :func:`read_events`: every well-formed event, as an iterator (also importable as
   ``resilient.events.read_events`` and ``resilient.events.ledger.read_events``).
 * :func:`read_ledger`: the same as a :class:`LedgerRead`, with the count of malformed lines and whether a
-  writer lost events (the marker beside the ledger, see :func:`ledger_incomplete`).
-* :class:`LedgerTail`: follows a growing ledger; each call returns only what was appended since the last.
+  writer lost events (the markers beside the ledger files, see :func:`ledger_incomplete`).
+* :func:`ledger_files`: the ledger files of a run directory.
+* :class:`LedgerTail`: follows a growing run (new writers' files included); each call returns only what was
+  appended since the last.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +54,11 @@ from resilient.events.api import Event, EventKind
 logger = logging.getLogger(__name__)
 
 LEDGER_NAME = "events.jsonl"
-INCOMPLETE_NAME = LEDGER_NAME + ".incomplete"  # beside the ledger: some writer lost events
+INCOMPLETE_SUFFIX = ".incomplete"
+INCOMPLETE_NAME = LEDGER_NAME + INCOMPLETE_SUFFIX  # beside the ledger: some writer lost events
+# events.jsonl, or events.<writer>.jsonl: the files of one run's writers
+_LEDGER_RE = re.compile(r"^events(?:\.[A-Za-z0-9_-]+)?\.jsonl$")
+_WRITER_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 _KINDS = {k.value: k for k in EventKind}
 # Unix seconds: 0 to year ~5000; a wall outside would stretch the run's time line to nonsense
@@ -40,39 +66,95 @@ _WALL_MAX = 1e11
 
 
 def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
+    """``RUN_DIR/events.jsonl``: the run's first writer's file, and the name that stands for the whole run."""
     return Path(run_dir) / LEDGER_NAME
 
 
-def _resolve(path_or_dir: str | os.PathLike[str]) -> Path:
+def writer_path(run_dir: str | os.PathLike[str], writer: str) -> Path:
+    """``RUN_DIR/events.<writer>.jsonl``: the ledger file of one writer."""
+    if not _WRITER_RE.match(writer):
+        raise ValueError(f"a ledger writer's name is letters, digits, '_' and '-': {writer!r}")
+    return Path(run_dir) / f"events.{writer}.jsonl"
+
+
+def is_ledger_name(name: str) -> bool:
+    return _LEDGER_RE.match(name) is not None
+
+
+def ledger_files(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """The ledger files of a run directory: ``events.jsonl`` first, then the other writers' by name. Empty when
+    there are none; ``OSError`` (such as ``FileNotFoundError``) when the directory cannot be listed."""
+    d = Path(run_dir)
+    names = sorted(n for n in os.listdir(d) if is_ledger_name(n))
+    if LEDGER_NAME in names:
+        names.remove(LEDGER_NAME)
+        names.insert(0, LEDGER_NAME)
+    return [d / n for n in names]
+
+
+def _run_of(path_or_dir: str | os.PathLike[str]) -> tuple[Path, list[Path]]:
+    """What a path names: (the path readers report, the files to read). A directory, or a path to its
+    ``events.jsonl``, is the whole run; any other file is itself. ``FileNotFoundError`` when nothing is there."""
     p = Path(path_or_dir)
-    return ledger_path(p) if p.is_dir() else p
+    if p.is_dir() and p.name != LEDGER_NAME:
+        files = ledger_files(p)
+        if not files:
+            raise FileNotFoundError(2, "no ledger in the run directory", str(ledger_path(p)))
+        return ledger_path(p), files
+    if p.name == LEDGER_NAME and p.parent.is_dir():
+        files = ledger_files(p.parent)
+        if p.is_dir() and p not in files:
+            files.insert(0, p)  # not a file: opening it says so, as it always did
+        if not files:
+            raise FileNotFoundError(2, "no ledger", str(p))
+        return p, files
+    return p, [p]
 
 
 def incomplete_path(path_or_dir: str | os.PathLike[str]) -> Path:
-    """The marker of lost events for a run directory, or for the ledger file given directly."""
+    """The marker of lost events beside a ledger file (``<file>.incomplete``), or for a run directory
+    ``events.jsonl.incomplete`` (the marker of a run whose writers shared one file)."""
     p = Path(path_or_dir)
-    return p.with_name(INCOMPLETE_NAME) if p.name == LEDGER_NAME else p / INCOMPLETE_NAME
+    return p.with_name(p.name + INCOMPLETE_SUFFIX) if is_ledger_name(p.name) else p / INCOMPLETE_NAME
+
+
+def _markers(path_or_dir: str | os.PathLike[str]) -> list[Path]:
+    p = Path(path_or_dir)
+    if is_ledger_name(p.name) and p.name != LEDGER_NAME:
+        return [incomplete_path(p)]
+    d = p.parent if p.name == LEDGER_NAME else p
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return [d / INCOMPLETE_NAME]
+    return [d / n for n in sorted(names)
+            if n.endswith(INCOMPLETE_SUFFIX) and is_ledger_name(n[:-len(INCOMPLETE_SUFFIX)])]
 
 
 def ledger_incomplete(path_or_dir: str | os.PathLike[str]) -> str | None:
     """One line saying that (and from when, and why) the run's ledger lost events; None when it lost none.
 
-    The marker may be empty (the disk had no room even for its line): it still means events were lost."""
-    marker = incomplete_path(path_or_dir)
-    try:
-        raw = marker.read_bytes()[:1 << 16]
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"the ledger may be incomplete ({marker} exists but cannot be read: {e.strerror or e})"
-    notes = []
-    for line in raw.splitlines():
+    Every writer's marker counts (a run directory, or a path to its ``events.jsonl``, means all of them). A
+    marker may be empty (the disk had no room even for its line): it still means events were lost."""
+    notes: list[dict[str, Any]] = []
+    found = False
+    for marker in _markers(path_or_dir):
         try:
-            d = json.loads(line)
-        except ValueError:
+            raw = marker.read_bytes()[:1 << 16]
+        except FileNotFoundError:
             continue
-        if isinstance(d, dict):
-            notes.append(d)
+        except OSError as e:
+            return f"the ledger may be incomplete ({marker} exists but cannot be read: {e.strerror or e})"
+        found = True
+        for line in raw.splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(d, dict):
+                notes.append(d)
+    if not found:
+        return None
     if not notes:
         return "the ledger is incomplete: some events could not be written (the disk had no room to say which)"
     first = min(notes, key=lambda d: d.get("wall") if isinstance(d.get("wall"), (int, float)) else float("inf"))
@@ -141,7 +223,8 @@ class LedgerRead:
     lines: int = 0
     # why the ledger lost events (a writer could not write: full disk, quota), None when it lost none
     incomplete: str | None = None
-    cut_last_line: bool = False  # the file ends inside a line (a writer at work, or one cut short)
+    cut_last_line: bool = False  # a file ends inside a line (a writer at work, or one cut short)
+    files: list[Path] = field(default_factory=list)  # the ledger files read (one per writer)
 
 
 def _scan(f: BinaryIO, out: LedgerRead) -> Iterator[Event]:
@@ -160,44 +243,71 @@ def _scan(f: BinaryIO, out: LedgerRead) -> Iterator[Event]:
             yield ev
 
 
+def _wall(ev: Event) -> float:
+    return ev.wall
+
+
+def _read_files(files: list[Path], out: LedgerRead) -> list[Event]:
+    """Every file whole (one open at a time: a run may have thousands), merged on wall time."""
+    per_file: list[list[Event]] = []
+    for p in files:
+        one = LedgerRead(p)
+        with open(p, "rb") as f:
+            per_file.append(list(_scan(f, one)))
+        out.lines += one.lines
+        out.skipped += one.skipped
+        out.cut_last_line = out.cut_last_line or one.cut_last_line
+    if len(per_file) == 1:
+        return per_file[0]
+    return list(heapq.merge(*per_file, key=_wall))
+
+
 def read_events(path_or_dir: str | os.PathLike[str]) -> Iterator[Event]:
-    """Yield every well-formed event of ``RUN_DIR/events.jsonl`` (or of that file given directly)."""
-    p = _resolve(path_or_dir)
-    out = LedgerRead(p)
-    with open(p, "rb") as f:
-        yield from _scan(f, out)
+    """Yield every well-formed event of a run (its directory, or its ``events.jsonl``), every writer's file
+    merged on wall time; or of one other ledger file given directly."""
+    p, files = _run_of(path_or_dir)
+    out = LedgerRead(p, files=files)
+    yield from _read_files(files, out)
     if out.skipped:
         logger.debug("%s: %d malformed line(s) skipped", p, out.skipped)
 
 
 def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
-    """Every well-formed event of ``RUN_DIR/events.jsonl`` (or of that file given directly), with the number of
-    malformed lines skipped and ``incomplete`` set when a writer lost events. Raises ``OSError`` (such as
-    ``FileNotFoundError``) when the file cannot be read."""
-    p = _resolve(path_or_dir)
-    out = LedgerRead(p)
-    with open(p, "rb") as f:
-        out.events.extend(_scan(f, out))
+    """Every well-formed event of a run (or of one ledger file given directly), every writer's file merged on
+    wall time, with the number of malformed lines skipped and ``incomplete`` set when a writer lost events.
+    Raises ``OSError`` (such as ``FileNotFoundError``) when there is no ledger or a file cannot be read."""
+    p, files = _run_of(path_or_dir)
+    out = LedgerRead(p, files=files)
+    out.events.extend(_read_files(files, out))
     if out.skipped:
         logger.debug("%s: %d malformed line(s) skipped", p, out.skipped)  # callers report the count
     out.incomplete = ledger_incomplete(p)
     return out
 
 
+@dataclass
+class _Followed:
+    """One writer's file as a tail has read it so far."""
+    offset: int = 0
+    partial: bytes = b""
+    ino: int | None = None
+
+
 class LedgerTail:
-    """Follows ``RUN_DIR/events.jsonl``; a line still being written stays buffered until its newline."""
+    """Follows a run: every writer's file under ``run_dir``, those created later included; a line still being
+    written stays buffered until its newline. Each call's events are merged on wall time; an event written
+    late by a slow writer comes in a later call, so a follower must not take one call's order as final."""
 
     def __init__(self, run_dir: str | os.PathLike[str], *, chunk: int = 1 << 20):
+        self.run_dir = Path(run_dir)
         self.path: Path = ledger_path(run_dir)
-        self._offset = 0
-        self._partial = b""
+        self._files: dict[str, _Followed] = {}
         self._chunk = chunk
-        self._ino: int | None = None
         self.skipped = 0  # malformed lines seen (each once)
 
     def incomplete(self) -> str | None:
-        """Why the ledger being followed lost events, or None (see :func:`ledger_incomplete`)."""
-        return ledger_incomplete(self.path)
+        """Why the run being followed lost events, or None (see :func:`ledger_incomplete`)."""
+        return ledger_incomplete(self.run_dir)
 
     def read_new(self, max_bytes: int | None = 64 << 20, *, contains: bytes | None = None,
                  kinds: Collection[EventKind] | None = None) -> list[Event]:
@@ -205,32 +315,57 @@ class LedgerTail:
         ``contains``, only lines holding those bytes are decoded (a follower that wants one kind skips the cost
         of decoding every other line); with ``kinds``, only events of those kinds are returned."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            names = [n for n in os.listdir(self.run_dir) if is_ledger_name(n)]
         except FileNotFoundError:
             return []
         except OSError as e:
-            logger.debug("cannot open %s: %s", self.path, e)
+            logger.debug("cannot list %s: %s", self.run_dir, e)
             return []
-        out: list[Event] = []
+        names.sort(key=lambda n: (n != LEDGER_NAME, n))
+        batches: list[list[Event]] = []
+        budget = max_bytes
+        for name in names:
+            if budget is not None and budget <= 0:
+                break
+            st = self._files.setdefault(name, _Followed())
+            got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds)
+            if budget is not None:
+                budget -= used
+            if got:
+                batches.append(got)
+        if len(batches) == 1:
+            return batches[0]
+        return list(heapq.merge(*batches, key=_wall))
+
+    def _read_file(self, path: Path, st: _Followed, budget: int | None, contains: bytes | None,
+                   kinds: Collection[EventKind] | None) -> tuple[list[Event], int]:
         try:
-            st = os.fstat(fd)
-            if self._ino is not None and (st.st_ino != self._ino or st.st_size < self._offset):
-                logger.warning("%s was replaced or truncated; reading it again from the start", self.path)
-                self._offset, self._partial, self.skipped = 0, b"", 0
-            self._ino = st.st_ino
-            read = 0
-            while max_bytes is None or read < max_bytes:
-                buf = os.pread(fd, self._chunk, self._offset)
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return [], 0
+        except OSError as e:
+            logger.debug("cannot open %s: %s", path, e)
+            return [], 0
+        out: list[Event] = []
+        read = 0
+        try:
+            fst = os.fstat(fd)
+            if st.ino is not None and (fst.st_ino != st.ino or fst.st_size < st.offset):
+                logger.warning("%s was replaced or truncated; reading it again from the start", path)
+                st.offset, st.partial = 0, b""
+            st.ino = fst.st_ino
+            while budget is None or read < budget:
+                buf = os.pread(fd, self._chunk, st.offset)
                 if not buf:
                     break
-                self._offset += len(buf)
+                st.offset += len(buf)
                 read += len(buf)
-                lines = (self._partial + buf).split(b"\n")
-                self._partial = lines.pop()  # b"" after a complete line, else the unfinished one
+                lines = (st.partial + buf).split(b"\n")
+                st.partial = lines.pop()  # b"" after a complete line, else the unfinished one
                 out.extend(self._parse(lines, contains, kinds))
         finally:
             os.close(fd)
-        return out
+        return out, read
 
     def _parse(self, lines: Iterable[bytes], contains: bytes | None,
                kinds: Collection[EventKind] | None) -> Iterator[Event]:
