@@ -6,7 +6,6 @@ evaluation the user marks as a section. Real workers, real SIGSTOP; the decision
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from resilient.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,7 +87,7 @@ def launch(tmp_path: Path, mode: str, nproc: int = 1, extra: tuple[str, ...] = (
     r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(nproc),
                         "--node-timeout", "60", "--run-dir", str(run), *extra, str(script), mode, str(out)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    events = [e.to_json() for e in read_events(run)]  # every writer's file: the steps are rank 0's
     return r, events, out
 
 
