@@ -31,7 +31,7 @@ class MonitorConfig:
     # (a checkpoint's blocking part, a marked evaluation) is not a step sample, and the step after a section
     # gets that section's timeout on top (peers may still be inside it). A rare long unmarked step can still
     # exceed it: each hang declared on a learned timeout doubles the learned timeouts, so a false alarm
-    # cannot repeat forever.
+    # cannot repeat forever; not one where a rank's process was stopped (no long step looks like that).
     learn_factor: float = 3.0
     min_learned_timeout: float = 1.0
     learn_after: int = 3

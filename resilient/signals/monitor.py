@@ -15,7 +15,8 @@ Hang rule, per local rank:
   ``learn_factor`` × the longest warm-up step seen, if longer), unless a heartbeat timeout is given;
 * otherwise: last message + the heartbeat timeout (given, else learned: ``learn_factor`` × the longest
   step seen, at least ``min_learned_timeout``, ``initial_timeout`` until ``learn_after`` steps were seen;
-  doubled after every hang declared on a learned timeout);
+  doubled after every hang declared on a learned timeout unless a stalled rank's process was stopped, which
+  is a hang for certain, not a long step);
 * the step right after a section: the above plus the timeout the section had (a peer may still be inside
   it, and this rank waits for it in the next collective);
 * after ``steps()`` finished: not watched (outside sections).
@@ -592,8 +593,9 @@ class SocketNodeMonitor:
         else:
             low = min(x[0].step for x in stalled)
             suspects = {x[0].local_rank for x in stalled if x[0].step == low}
-        if any(_is_learned(x[4]) for x in stalled):
-            # maybe a long step rather than a hang: if so, the next attempt must not trip on it again
+        if not stopped and any(_is_learned(x[4]) for x in stalled):
+            # maybe a long step rather than a hang: if so, the next attempt must not trip on it again. A stopped
+            # process is a hang for certain, and backing off then would only slow the next detection.
             self._backoff *= 2
             logger.warning("hang declared on a learned timeout: learned timeouts doubled (×%g) from now on",
                            self._backoff)

@@ -87,7 +87,19 @@ def test_learned_timeout_detects_a_stop(make_agent, tmp_path):
     (h,) = kinds(evs, EventKind.HANG)
     assert h.details["timeout_source"] == "learned" and h.details["process_state"] == "T"
     assert h.details["timeout"] == timeout
-    # a hang on a learned timeout may have been a long step: the next attempt waits twice as long
+    # a stopped process is a hang for certain, not a long step: the next attempt is watched as tightly
+    assert a.monitor.heartbeat_timeout() == (timeout, "learned")
+    a.stop()
+    # a step that only runs long (the rank sleeps, waiting for a file nobody writes) looks like a hang too: it may
+    # have been a long step, so the next attempt waits twice as long
+    mark = tmp_path / "mark1"
+    mark.mkdir()
+    a.spawn(1, {"T_STEPS": "100000", "T_STEP_SLEEP": "0.01", "T_MARK_STEP": "10", "T_MARK_DIR": str(mark)},
+            script=LIGHT)
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
+    (h,) = kinds(evs, EventKind.HANG)
+    assert h.details["timeout_source"] == "learned" and h.details["process_state"] != "T"
+    assert h.details["timeout"] == timeout and h.attempt == 1
     assert a.monitor.heartbeat_timeout() == (2 * timeout, "learned")
 
 

@@ -28,11 +28,12 @@ WORKER = textwrap.dedent('''
     rank = int(os.environ["RANK"])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
-    if mode == "hang":  # steps of 50 ms; rank 0 stops itself at step 15 of the first attempt
-        for step in resilient.steps(0, 15 if attempt == 0 else 3):
+    if mode in ("hang", "hang-twice"):  # steps of 50 ms; rank 0 stops itself at step 15 of the first attempt(s)
+        stops = 1 if mode == "hang" else 2
+        for step in resilient.steps(0, 15 if attempt < stops else 3):
             time.sleep(0.05)
-            if attempt == 0 and step == 14:
-                with open(os.path.join(out, "stopped"), "w") as f:
+            if attempt < stops and step == 14:
+                with open(os.path.join(out, f"stopped{attempt}"), "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "first":  # every attempt's first step 5x the others; the first attempt crashes after learning
@@ -107,11 +108,27 @@ def test_a_stopped_rank_is_acted_on_within_the_learned_bound(tmp_path):
     steps = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 0]
     assert d["longest_step_seconds"] <= max(steps) + 0.5  # a step of this run, not a start-up or a default
     # acted on: the frozen rank's attempt was restarted, within the bound (generous margin: a loaded machine)
-    stopped = float((out / "stopped").read_text())
+    stopped = float((out / "stopped0").read_text())
     assert hang["wall"] - stopped >= d["timeout"] - 0.5
     assert hang["wall"] - stopped <= d["timeout"] + 10.0
     (restart,) = of(events, "restart")
     assert restart["details"]["cause"] == "hung" and restart["wall"] - hang["wall"] < 10.0
+
+
+@pytest.mark.timeout(180)
+def test_a_second_stop_is_acted_on_within_the_same_bound(tmp_path):
+    # a stopped process is a hang for certain, not a long step: the learned timeout is not backed off after it
+    r, events, out = launch(tmp_path, "hang-twice", extra=("--max-restarts", "2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    hangs = of(events, "hang")
+    assert [h["attempt"] for h in hangs] == [0, 1], hangs
+    for h in hangs:
+        d = h["details"]
+        assert d["timeout_source"] == "learned" and d["process_state"] == "T"
+        assert d["timeout"] == pytest.approx(max(1.0, 3 * d["longest_step_seconds"]))
+        stopped = float((out / f"stopped{h['attempt']}").read_text())
+        assert d["timeout"] - 0.5 <= h["wall"] - stopped <= d["timeout"] + 10.0
+    assert [x["details"]["cause"] for x in of(events, "restart")] == ["hung", "hung"]
 
 
 @pytest.mark.timeout(180)
