@@ -51,13 +51,10 @@ for step in resilient.steps(start, steps):
 
 
 def _events(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "events.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    """Every writer's ledger lines (the agent's and each worker's file), merged on wall time."""
+    from resilient.events.follow import read_events
+
+    return [e.to_json() for e in read_events(run)]
 
 
 def one(work: Path, fast: bool, steps: int, interval: int, timeout: float) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from resilient.events import read_events
+from resilient.events.follow import ledger_files, parse_line
 from resilient.goodput.api import CATEGORIES
 from resilient.goodput.calculator import report_for_run
 from resilient.drill.spec import FaultHow, WorkerFault, plan_env
@@ -55,13 +56,19 @@ def test_table_and_plot(crashed_run, tmp_path):
 
 def test_report_mid_run_with_a_truncated_last_line(crashed_run, tmp_path):
     """Cut the real ledger in the middle of attempt 1, mid-line, as a crash of the writer would."""
-    raw = (crashed_run / "events.jsonl").read_bytes()
-    lines = raw.splitlines(keepends=True)
     evs = list(read_events(crashed_run))
     restore_at = next(i for i, e in enumerate(evs) if e.kind.value == "ckpt_restore")
-    cut = b"".join(lines[: restore_at + 5]) + lines[restore_at + 5][:17]
-    (tmp_path / "events.jsonl").write_bytes(cut)
-    now = evs[restore_at + 4].wall + 0.5
+    cut_wall, torn = evs[restore_at + 4].wall, evs[restore_at + 5]
+    for src in ledger_files(crashed_run):  # each writer's file cut at the same instant; the next event's torn
+        kept = b""
+        for line in src.read_bytes().splitlines(keepends=True):
+            ev = parse_line(line)
+            if ev is not None and ev.wall > cut_wall:
+                kept += line[:17] if ev == torn else b""
+                break
+            kept += line
+        (tmp_path / src.name).write_bytes(kept)
+    now = cut_wall + 0.5
     rep = report_for_run(tmp_path, now=now)
     assert rep.in_progress and rep.end_wall == now and rep.disruptions == 1
     assert rep.productive_seconds + rep.badput_total_seconds == pytest.approx(rep.wall_seconds)

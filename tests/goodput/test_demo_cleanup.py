@@ -3,7 +3,6 @@ demo's own, and the session of every node agent). SIGTERM while the nodes join: 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from resilient.events import read_events
 from tests._helpers.wait import wait_for
 from tests._helpers.procs import session_procs
 
@@ -25,7 +25,7 @@ def ledger(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_bytes().splitlines() if line.endswith(b"}")]
+    return [e.to_json() for e in read_events(run_dir)]  # every writer's file
 
 
 def trained(run_dir: Path) -> bool:

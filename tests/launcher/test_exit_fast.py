@@ -1,10 +1,10 @@
 """The worker's and the launcher's exit (exit_safety.finish, on by default): a run that ends right after its last
 save, without closing its checkpointer, loses nothing by skipping the interpreter's finalisation: every ledger
 line, the final step committed on every tier, a file the script left open, a thread it left running."""
-import json
 
 import pytest
 
+from resilient.events import read_events
 from tests.launcher.conftest import run_launcher
 
 SCRIPT = r'''
@@ -52,7 +52,7 @@ def test_a_run_that_ends_right_after_its_last_save_loses_nothing(tmp_path):
                       str(tmp_path / "train.py"), str(out)], cwd=tmp_path, timeout=140,
                      env={"RESILIENT_FAST_EXIT": "1"})
     assert r.returncode == 0, r.stderr
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = [e.to_json() for e in read_events(run)]  # every writer's file: the workers' steps and saves are not the agent's
     kinds = [e["kind"] for e in events]
     assert kinds[-1] == "run_end" and events[-1]["details"]["exit_code"] == 0, kinds[-3:]
     assert {e["details"]["step"] for e in events if e["kind"] == "step"} == set(range(6))
