@@ -29,6 +29,10 @@ def test_nothing_of_the_job_outlives_it(tmp_path, launch, end):
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--worker-launch", launch,
            "--term-timeout", "10", "--run-dir", str(tmp_path / "run"), "--ckpt-local", str(tmp_path / "local"),
            "--ckpt-persistent", f"file://{tmp_path / 'persistent'}", "--ckpt-interval", "2",
+           # a rank that raises gives its pending uploads the grace before it exits (its peer never joins them):
+           # 60 s by default, waited out in full. A short grace takes the same path (uploads abandoned at exit,
+           # the upload thread stopped), which is what must leave nothing behind
+           "--upload-grace", "3",
            str(SCRIPT), str(out), mode, steps]
     errf = open(tmp_path / "launcher.err", "w")  # a file, not a pipe: an orphan holding it must not block us
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=errf)
