@@ -340,6 +340,10 @@ class LedgerTail:
     def _read_file(self, path: Path, st: _Followed, budget: int | None, contains: bytes | None,
                    kinds: Collection[EventKind] | None) -> tuple[list[Event], int]:
         try:
+            if st.ino is not None:
+                now = os.stat(path)
+                if now.st_ino == st.ino and now.st_size == st.offset:
+                    return [], 0  # nothing new: one stat, not an open, per quiet writer
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return [], 0
