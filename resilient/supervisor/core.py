@@ -382,6 +382,9 @@ class SupervisorCore:
                 return []
             if n.state is NodeState.LOST:
                 n.state, n.nproc, n.healthy = NodeState.SPARE, nproc, True
+                # to the back of the line: spares are offered in join order, and a node that just came back (one
+                # that comes and goes, perhaps) is offered after those that stayed
+                self._nodes[node] = self._nodes.pop(node)
         ev.details["spare"] = n.state is NodeState.SPARE
         self._recent.append(ev)
         if n.state is not NodeState.SPARE or self._stopped or self._finished or self._preempted_end:
@@ -462,12 +465,14 @@ class SupervisorCore:
         member = node.state is NodeState.ACTIVE
         p = self._preempting
         if event.kind is EventKind.AGENT_LOST:
-            if node.state is NodeState.SPARE:
+            was_spare = node.state is NodeState.SPARE
+            if was_spare:
                 self._spare_lost(event, node, now)
             if node.state in (NodeState.ACTIVE, NodeState.SPARE) or node.returns_at is not None:
                 node.state, node.returns_at = NodeState.LOST, None  # a benched node that died comes back by joining
             if not member:
-                return []  # a spare or an already-replaced node: nothing to decide
+                # a spare or an already-replaced node: nothing to decide, unless a scale-up was waiting for it
+                return self._promised_spare_lost(event.node, now) if was_spare else []
             if p is not None and event.node == p.node:
                 p.gone = True  # the preempted node left, as announced: not a failure
                 return self._settle_preemption(now, f"{event.node} left")
@@ -511,6 +516,29 @@ class SupervisorCore:
         logger.warning("spare %s lost (%s)", event.node, cause)
         self._notes.append(Event(kind=EventKind.SPARE_LOST, node=event.node, attempt=None, mono=now, wall=event.wall,
                                  details={"cause": cause, "last_seen_age": round(max(0.0, now - node.last_seen), 3)}))
+
+    def _promised_spare_lost(self, name: str, now: float) -> list[Decision]:
+        """A spare promised to the pending scale-up left before its boundary. The scale-up goes on without it;
+        if it promised no other spare, the policy is asked again, as for a spare joining, on behalf of the free
+        spare that has been here the longest: otherwise the job would stay below MAX, with spares waiting,
+        until the next spare happens to join."""
+        p = self._pending
+        if p is None or name not in p.spares:
+            return []
+        p.spares.remove(name)
+        if p.spares:
+            return []
+        self._pending = None
+        free = next((n for n, v in self._nodes.items() if v.state is NodeState.SPARE and v.healthy), None)
+        if free is None:
+            logger.info("scale-up %d dropped: its spare %s left and no other spare is free", p.decision_id, name)
+            return []
+        ev = Event(kind=EventKind.NODE_JOINED, node=free, attempt=None,
+                   details={"nproc": self._nodes[free].nproc, "spare": True, "after": f"promised spare {name} lost"},
+                   mono=now, wall=time.time())
+        self._recent.append(ev)
+        logger.info("spare %s, promised to scale-up %d, left: asking again for spare %s", name, p.decision_id, free)
+        return self._decide(ev, now)
 
     def _reblame(self, event: Event, node: _Node) -> None:
         """A later report of a failure in an attempt already decided, from another node, whose fault happened
