@@ -21,6 +21,9 @@ from resilient.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 _RECONNECT_REFUSED = RateLimitedLog(logger, 30.0)  # an endpoint taken by another job, tried every second
+# seconds between two reads of the succession: a spare that joined is a candidate (and a known spare for the
+# successor) this long after its join at most; one small read per node per period
+_SUCCESSION_EVERY = 2.0
 
 
 class StoreLost(Exception):
@@ -59,13 +62,14 @@ def _conf_bool(v: object) -> bool | None:
     raise LaunchError(f"--rdzv-conf is_host must be true or false, got {v!r}")
 
 
-def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str):
-    """The default place of the supervisor: a thread of the agent that hosts the job's store."""
+def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Ledger, addr: str, node: str):
+    """The default place of the supervisor: a thread of the agent that hosts the job's store (``node``: its plans
+    then carry the succession, see :mod:`.succession`)."""
     from resilient.supervisor.standalone import supervise
 
     last_call = float(c.rdzv_configs.get("last_call_timeout", 30.0))  # type: ignore[arg-type]
     loop = supervise(c.supervisor, c.policy, store, signer, ledger, advertise_addr=addr, last_call=last_call,
-                     store_timeout=c.rendezvous_timeout, tick=min(0.05, c.monitor_interval))
+                     store_timeout=c.rendezvous_timeout, tick=min(0.05, c.monitor_interval), host_node=node)
     loop.start()
     return loop
 
@@ -81,7 +85,14 @@ class ControlClient:
         self.sup_loop = None  # the supervisor's loop, when this agent hosts the job's store
         self.clock = None  # ClockSample: the supervisor host's clock minus ours, measured when joining
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
-        self._endpoint: tuple[str, int] = ("", 0)
+        self._endpoint: tuple[str, int] = ("", 0)  # where the job's store is now (a successor's, after a succession)
+        self._rdzv: tuple[str, int] = ("", 0)  # --rdzv-endpoint
+        self._standby = None  # succession.Standby: the store this agent keeps bound to take over (not the host)
+        self._plan: dict | None = None  # the newest plan that carries a succession (written by _new_plan only)
+        self._host_node: str | None = None  # the node hosting the supervisor this agent talks to, when known
+        self._pointer = None  # a successor's store at --rdzv-endpoint, pointing joiners to its own
+        self._last_succession = 0.0
+        self._succession_body: dict | None = None  # the newest Keys.succession read
         self._unsent: list[Event] = []  # reports that found no supervisor
         self._sup_gone = False  # the supervisor closed its end: join it again (its new term) when it is back
         self._lost_at: float | None = None  # written by _reached only
@@ -159,11 +170,24 @@ class ControlClient:
             else:
                 store.wait([keys.secret], timedelta(seconds=c.rendezvous_timeout))
                 secret = store.get(keys.secret)
-        self.store = store
         self.signer = T.Signer(secret, c.rdzv_id)
+        self._rdzv = (host, port)
+        if not hosting:
+            from resilient.launcher.succession import Standby, moved_to
+
+            moved = moved_to(store, c.rdzv_id, self.signer)
+            if moved is not None:
+                # the host --rdzv-endpoint named was lost and another node took the job over: join it there
+                logger.warning("the job moved to %s (its first host was lost and another node took over); joining "
+                               "there", moved)
+                host, port = moved.rsplit(":", 1)[0], int(moved.rsplit(":", 1)[1])
+                store = T.connect_store(host, port, c.rendezvous_timeout)
+            if not c.single_node:
+                self._standby = Standby(self._advertised_addr(), c.rendezvous_timeout)
+        self.store = store
         self.chan = T.AgentChannel(store, self.signer, self.node)
         if hosting:
-            self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr())
+            self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr(), self.node)
         try:
             self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
             # each message is followed by a look at the door: open, the supervisor reads the message before the
@@ -171,7 +195,8 @@ class ControlClient:
             if warm is not None:
                 self.chan.send(T.MessageKind.ARRIVING, nproc=c.nproc_per_node)
                 self._warm_watching_the_door(warm)
-            self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname())
+            self.chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
+                           **self._standby_body())
             self._check_door()
             store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
             self._presence, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,
@@ -189,6 +214,9 @@ class ControlClient:
         store.set_timeout(timedelta(seconds=min(c.rendezvous_timeout, max(5.0, c.supervisor.node_timeout))))
         self._endpoint = (host, port)
         logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
+
+    def _standby_body(self) -> dict[str, str]:
+        return {} if self._standby is None else {"standby": self._standby.addr}
 
     def _warm_watching_the_door(self, warm: Callable[[], object]) -> None:
         """``warm()`` (seconds: importing torch in the fork server) while watching the door: a job that ends while
@@ -356,7 +384,35 @@ class ControlClient:
         round exists. Only a plan that carries the job's signature counts: a forged key must not restart anything."""
         self._heartbeat(node_round)
         self._maybe_reconnect(node_round, done_round)
+        self._refresh_succession()
         return self._new_plan(node_round.round)
+
+    def _refresh_succession(self) -> None:
+        """The succession changes between plans (a spare joins): read it every few seconds, so that this node knows
+        where to go, and what to adopt, when the supervisor's host is lost (bounded store calls)."""
+        if self._standby is None or self._plan is None or self.sup_loop is not None or self._away():
+            return
+        now = time.monotonic()
+        if now - self._last_succession < _SUCCESSION_EVERY:
+            return
+        self._last_succession = now
+        chan, key = self.chan, self.chan.keys.succession
+
+        def read() -> dict | None:
+            return chan.signer.open(chan.store.get(key)) if chan.store.check([key]) else None
+
+        try:
+            body = self._bounded(read, "reading the succession")
+        except Exception as e:  # noqa: BLE001 - a forged key or a store away: the plan's own succession stands
+            logger.debug("cannot read the succession: %s", e)
+            return
+        plan = self._plan
+        if (body is None or body.get("round") != plan.get("round") or body.get("term") != plan.get("term")
+                or body == self._succession_body):
+            return
+        self._succession_body = body
+        self._plan = {**plan, "succession": body}
+        logger.info("succession: %s, then %s", body.get("host"), ", ".join(n for n, _ in body.get("order", ())))
 
     def _heartbeat(self, node_round: NodeRound) -> None:
         from resilient.supervisor.transport import MessageKind, presence_closed
@@ -385,6 +441,7 @@ class ControlClient:
     def _maybe_reconnect(self, node_round: NodeRound, done_round: int | None) -> None:
         """Fail static: the supervisor (and the store it hosts) went away. Try again every second; once back,
         join again with our current round — the supervisor adopted it from its ledger — and carry on."""
+        from resilient.launcher.succession import moved_to
         from resilient.supervisor import transport as T
 
         if (self._lost_at is None and not self._sup_gone) or self.sup_loop is not None:
@@ -396,9 +453,13 @@ class ControlClient:
         c = self.cfg
         keys = T.Keys(c.rdzv_id)
         where = "{}:{}".format(*self._endpoint)
+        if self._sup_gone and self._standby is not None and self._succession_walk(where, node_round, done_round):
+            return
+        where = "{}:{}".format(*self._endpoint)
 
-        def probe() -> tuple[object, object, str]:
-            store = T.connect_store(self._endpoint[0], self._endpoint[1], 2.0)
+        def probe() -> tuple[object, object, str, tuple[str, int]]:
+            endpoint = self._endpoint
+            store = T.connect_store(endpoint[0], endpoint[1], 2.0)
             served = T.claim_job(store, c.rdzv_id, hosting=False, timeout=2.0)
             if served != c.rdzv_id:  # another job's supervisor took the endpoint: not ours, keep waiting for ours
                 T.knock(store, c.rdzv_id, self.node)
@@ -407,6 +468,10 @@ class ControlClient:
             if secret is None:
                 store.wait([keys.secret], timedelta(seconds=2))
                 secret = store.get(keys.secret)
+            moved = moved_to(store, c.rdzv_id, T.Signer(secret, c.rdzv_id)) if self._standby is not None else None
+            if moved is not None:  # a successor's pointer at --rdzv-endpoint: the job is served there
+                endpoint = (moved.rsplit(":", 1)[0], int(moved.rsplit(":", 1)[1]))
+                store = T.connect_store(endpoint[0], endpoint[1], 2.0)
             store.wait([keys.presence, keys.term], timedelta(seconds=2))
             presence = store.get(keys.presence).decode()
             store.set_timeout(timedelta(seconds=self._call_timeout))
@@ -415,13 +480,13 @@ class ControlClient:
             # a rejoin is idempotent for the supervisor: a probe abandoned here that sends it later does no harm
             chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
                       rejoin=True, round=node_round.round, active=node_round.active,
-                      done=done_round == node_round.round)
-            return store, chan, presence
+                      done=done_round == node_round.round, **self._standby_body())
+            return store, chan, presence, endpoint
 
         try:
             # a hung server holds even a new client's handshake: the probe is bounded as a whole
             # (a live one answers in milliseconds; the agent's loop waits on this, so a few seconds at most)
-            store, chan, presence = self._probes.call(probe, 3.0, "reconnecting to the supervisor")
+            store, chan, presence, endpoint = self._probes.call(probe, 3.0, "reconnecting to the supervisor")
             signer = chan.signer  # type: ignore[attr-defined]
             same = (not self._sup_gone and self._presence is not None and self.chan is not None
                     and chan.term == self.chan.term)  # type: ignore[attr-defined]
@@ -439,12 +504,72 @@ class ControlClient:
         if self._presence is not None and self._presence is not conn:
             self._presence.close()
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        self._endpoint = endpoint
         lost_for = self.lost_for()
         self._reached(None)
         self._sup_gone = False
         self._flush_unsent()
         self._resync = True
         logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", lost_for, node_round.round)
+
+    def _succession_walk(self, where: str, node_round: NodeRound, done_round: int | None) -> bool:
+        """The supervisor's connection closed: if its host no longer accepts connections and the newest plan names
+        a succession, find the next host (see :mod:`.succession`); True when this agent took the job over."""
+        from resilient.launcher.succession import accepts, next_host, order_of
+
+        order = order_of(self._plan)
+        if not order or accepts(where):
+            return False
+        nxt = next_host(order, self.node)
+        if nxt is None:
+            logger.error("the supervisor's host %s was lost and no node of the succession order answers", where)
+            return False
+        node, addr, skipped = nxt
+        if node == self.node:
+            lost = [n for n in dict.fromkeys([self._host_node or str(self._plan["succession"].get("host")), *skipped])
+                    if n != self.node]
+            self._take_over(node_round, done_round, lost)
+            return True
+        if addr != where:
+            logger.warning("the supervisor's host %s was lost: %s takes over at %s", where, node, addr)
+            self._host_node = node
+            h, p = addr.rsplit(":", 1)
+            self._endpoint = (h, int(p))
+        return False
+
+    def _take_over(self, node_round: NodeRound, done_round: int | None, lost: list[str]) -> None:
+        """This agent is the next host: its standby store and a new supervisor serve the job from now on."""
+        from resilient.launcher.succession import serve_pointer, take_over
+        from resilient.supervisor import transport as T
+
+        c = self.cfg
+        configured = T.load_secret(c.job_secret_file) is not None
+        t0 = time.monotonic()
+        loop = take_over(c, self.node, self.ledger, self._standby, self.signer, self._plan, lost, configured)
+        store = self._standby.store
+        store.set_timeout(timedelta(seconds=self._call_timeout))
+        chan = T.AgentChannel(store, self.signer, self.node)
+        chan.sync_term()
+        conn = T.presence_connect(store.get(chan.keys.presence).decode(), self.signer, self.node, timeout=2.0,
+                                  term=chan.term)
+        chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
+                  rejoin=True, round=node_round.round, active=node_round.active, done=done_round == node_round.round)
+        if self._presence is not None:
+            self._presence.close()
+        self._calls = BoundedCaller("store", max_abandoned=4)
+        self.store, self.chan, self._presence, self.sup_loop = store, chan, conn, loop
+        h, p = self._standby.addr.rsplit(":", 1)
+        self._endpoint, self._host_node = (h, int(p)), self.node
+        lost_for = self.lost_for()
+        self._reached(None)
+        self._sup_gone = False
+        self._flush_unsent()
+        self._resync = True
+        self._pointer = serve_pointer(self._rdzv, c.rdzv_id, self._standby.addr, self.signer, self._call_timeout,
+                                      configured)
+        logger.warning("took the job over from %s after %.1fs (%.2fs to take over): this node hosts its store and "
+                       "supervisor now%s", ", ".join(lost), lost_for, time.monotonic() - t0,
+                       "" if self._pointer is None else f", and points --rdzv-endpoint {self._rdzv[0]}:{self._rdzv[1]} here")
 
     def _new_plan(self, round_: int) -> dict | None:
         """The newest plan if one newer than ``round_`` exists (bounded store calls)."""
@@ -469,6 +594,9 @@ class ControlClient:
         self._reached(None)
         if plan is not None and int(plan.get("round", -1)) > round_:
             self._resync = False
+            if isinstance(plan.get("succession"), dict):
+                self._plan = plan
+                self._host_node = str(plan["succession"].get("host"))
             return plan
         return None
 
@@ -505,4 +633,4 @@ class ControlClient:
             self._presence.close()
         if self.sup_loop is not None:
             self.sup_loop.close()
-        self.store = None
+        self.store = self._standby = self._pointer = None

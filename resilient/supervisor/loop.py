@@ -59,6 +59,11 @@ class LoopConfig:
     #: as lost. Far above a pass's normal length (``tick`` plus bounded store and policy calls under load)
     pause_after: float = 2.0
     name: str = field(default_factory=lambda: f"supervisor@{socket.gethostname()}")
+    #: the agent whose thread this loop is (the default set-up), None for ``resilient supervisor``: plans then
+    #: carry the succession (who takes over if that agent's node is lost, see :mod:`resilient.launcher.succession`)
+    host_node: str | None = None
+    #: the term this loop must exceed: a successor's term is above every term it saw
+    min_term: int = 0
 
     def __post_init__(self) -> None:
         for f in ("tick", "last_call", "store_timeout", "linger", "pause_after"):
@@ -76,7 +81,7 @@ class SupervisorLoop:
                  core: SupervisorCore):
         self.cfg, self.core, self.ledger = cfg, core, ledger
         # a new term per supervisor start: what agents sent to an earlier one is not taken by this one
-        self.term = time.time_ns() // 1_000_000
+        self.term = max(time.time_ns() // 1_000_000, cfg.min_term + 1)
         self.chan = SupervisorChannel(store, signer, term=self.term)
         self.chan.announce()
         self.presence = PresenceServer(signer, term=self.term)
@@ -100,6 +105,11 @@ class SupervisorLoop:
         self._preempted_end = False  # the final plan says preempted
         self._published: int | None = None  # the newest round whose plan agents can read
         self._last_pass: float | None = None  # monotonic time of the last pass: a long gap is this loop's stall
+        # node -> addr:port of the store it keeps bound to take over (its JOIN says it; a successor seeds it from
+        # the plan it took over from): the succession order of every plan (default set-up only)
+        self._standby: dict[str, str] = {}
+        self._id_floor = 0  # the newest decision id of the supervisor this one took over from
+        self._succession_said: dict[str, Any] | None = None  # the body last written under Keys.succession
         self.pauses: list[float] = []  # the gaps taken for this loop's own stalls, oldest first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,7 +194,24 @@ class SupervisorLoop:
         for ev in self.core.take_notes():
             self._write(ev)
         self._check_finished(now)
+        if self.cfg.host_node is not None and (hello or gone or out or self._succession_said is None):
+            self._say_succession(now)
         return out
+
+    def _say_succession(self, now: float) -> None:
+        """Keep ``Keys.succession`` current between plans (only when it changed: it is O(nodes) to build)."""
+        a = self.core.assignment
+        if a is None or self._published is None or self._final_round is not None:
+            return
+        body = self._succession(a, now)
+        if body == self._succession_said:
+            return
+        try:
+            self.chan.store.set(self.chan.keys.succession,
+                                self.chan.signer.seal({**body, "round": self._published, "term": self.term}))
+            self._succession_said = body
+        except Exception as e:  # noqa: BLE001 - said again in a later pass
+            logger.debug("could not write the succession: %s", e)
 
     def _on_message(self, msg: dict[str, Any], now: float) -> list[Decision]:
         kind, node = msg.get("type"), msg.get("node")
@@ -194,6 +221,8 @@ class SupervisorLoop:
             self._arrived.discard(node)
         if kind == MessageKind.JOIN:
             nproc = int(msg.get("nproc", 1))
+            if isinstance(msg.get("standby"), str):
+                self._standby[node] = msg["standby"]
             logger.info("node %s %s (%d workers)", node, "joined again" if msg.get("rejoin") else "joined", nproc)
             out = self.core.join(node, nproc, now)
             a = self.core.assignment
@@ -325,10 +354,69 @@ class SupervisorLoop:
             self.started = time.time()
         plan = {"round": a.round, "assignment": a.to_json(), "master": f"{addr}:{port}", "action": action,
                 "id": decision_id, "started": self.started, "max_restarts": self.cfg.core.max_restarts}
+        if self.cfg.host_node is not None:
+            plan["succession"] = self._succession(a, time.monotonic())
         self.chan.publish(a.round, plan)
         self._published = a.round
         logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
                     a.world_size)
+
+    def _succession(self, a: Assignment, now: float) -> dict[str, Any]:
+        """What an agent needs to take over if this loop's node is lost: the order (members in group-rank order,
+        then spares; the host excluded; at most 16), each candidate's store address, the spares this supervisor
+        knows (one that joined since the last round is in no assignment), and the core's state a plan does not
+        say otherwise (budget spent, the newest decision id)."""
+        view = self.core.view(now)
+        spares = {n: v.nproc for n, v in view.nodes.items() if v.state is NodeState.SPARE}
+        order = [[n, self._standby[n]] for n in (*a.members, *spares)
+                 if n != self.cfg.host_node and n in self._standby][:16]
+        last_id = max([self._id_floor, *(d.id for d in self.decisions)])
+        return {"host": self.cfg.host_node, "order": order, "spares": spares, "last_id": last_id,
+                "restarts_used": self.cfg.core.max_restarts - self.core.restarts_left}
+
+    def succeed(self, plan: dict[str, Any], lost: list[str], now: float) -> None:
+        """Take over from the supervisor of ``plan`` (the newest plan this node read), whose node ``lost[0]`` is gone
+        (with the candidates before this one, ``lost[1:]``, found unreachable on the way):
+        adopt its assignment, budget and decision ids, publish it again for the agents that reconnect here, and
+        decide on the lost node at once (its closed connections already said so; waiting for its silence would
+        cost ``--node-timeout``)."""
+        sc = plan["succession"]
+        a = Assignment.from_json(plan["assignment"])
+        used = max(0, int(sc.get("restarts_used", a.round)))
+        last_id = int(sc.get("last_id", plan.get("id", 0)))
+        # the core rebuilds from the ledger lines the plan stands for: one assignment per budget unit spent
+        # (every assignment change spends one), the newest last
+        past = [Event(EventKind.ACTION, node=self.cfg.name,
+                      details={"id": last_id, "assignment": {**a.to_json(), "round": r, "attempt": r}})
+                for r in range(max(1, a.round - used + 1), a.round)]
+        past.append(Event(EventKind.ACTION, node=self.cfg.name, details={"id": last_id, "assignment": a.to_json()}))
+        with self._lock:
+            self._standby.update({str(n): str(addr) for n, addr in sc.get("order", ())
+                                  if n != self.cfg.host_node})
+            self._id_floor = last_id
+            self.started = plan.get("started")
+            self.core.resume(past, now)
+            msg = (f"supervisor taken over by {self.cfg.host_node} (term {self.term}) from {lost[0]}, whose node "
+                   f"was lost: round {a.round}, members {list(a.members)}, spares {list(a.spares)}")
+            logger.warning("%s", msg)
+            self._write(Event(EventKind.LOG, node=self.cfg.name,
+                              details={"message": msg, "succession": {"from": lost[0], "to": self.cfg.host_node,
+                                                                      "round": a.round, "term": self.term}}))
+            self._publish(a, action={"action": "resume", "reason": f"succession from {lost[0]}"}, decision_id=0)
+            self._last_pass = now
+            for n in sc.get("spares", {}):
+                if n not in a.members and n not in a.spares and n != self.cfg.host_node:
+                    # a spare that joined after the last round: waited for (--spare-wait) as it reconnects here
+                    self.core.arriving(str(n), now)
+            out: list[Decision] = []
+            for i, n in enumerate(lost):
+                details = {"reason": "disconnected", **({"hosted_supervisor": True} if i == 0 else {})}
+                out += self.core.handle(Event(EventKind.AGENT_LOST, node=n, details=details), now)
+            stop_id = next((d.id for d in out if d.action.kind == "stop"), None) if self.core.stopped else None
+            for d in out:
+                self._carry_out(d, superseded_by=stop_id if d.action.kind != "stop" else None)
+            for ev in self.core.take_notes():
+                self._write(ev)
 
     def _finish(self, reason: str, *, stop: bool, decision_id: int = 0, preempted: bool = False) -> None:
         # the round after the newest one published, not after the core's assignment: a new round decided beside a

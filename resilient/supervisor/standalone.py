@@ -138,16 +138,18 @@ def parse(argv: list[str]) -> StandaloneConfig:
 
 def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object, signer: object,
               ledger: Ledger | None, *, advertise_addr: str, last_call: float, store_timeout: float,
-              tick: float | None = None, name: str | None = None):
+              tick: float | None = None, name: str | None = None, host_node: str | None = None,
+              min_term: int = 0):
     """The supervisor wired up (core, policy, loop over the job's store), not started yet: the one way both
-    ``resilient supervisor`` and the agent that hosts the job's store build it."""
+    ``resilient supervisor`` and the agent that hosts the job's store build it (``host_node``: that agent, whose
+    plans then carry the succession; ``min_term``: the newest term a successor saw)."""
     from resilient.supervisor.core import SupervisorCore
     from resilient.supervisor.loop import LoopConfig, SupervisorLoop
     from resilient.supervisor.policy import load_policy
 
     how = {k: v for k, v in (("tick", tick), ("name", name)) if v is not None}
     loop_cfg = LoopConfig(core=core_cfg, advertise_addr=advertise_addr, last_call=last_call,
-                          store_timeout=store_timeout, **how)
+                          store_timeout=store_timeout, host_node=host_node, min_term=min_term, **how)
     return SupervisorLoop(loop_cfg, store, signer, ledger,
                           SupervisorCore(core_cfg, load_policy(policy_file) if policy_file else None))
 

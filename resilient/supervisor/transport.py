@@ -93,6 +93,12 @@ class Keys:
     def plan(self, round_: int) -> str:
         return f"{self.prefix}/plan/{round_}"
 
+    @property
+    def succession(self) -> str:
+        """Signed: who takes over if the agent hosting the supervisor is lost (default set-up only), kept current
+        between plans (a spare that joins changes it without a new round)."""
+        return f"{self.prefix}/succession"
+
     def door(self, term: int) -> str:
         """A counter a supervisor of ``term`` closes (adds :data:`DOOR_CLOSED` × outcome) once every agent read its
         final plan, right before its store may go away; see :meth:`AgentChannel.door`."""

@@ -1,0 +1,146 @@
+"""Succession in the default set-up: when the agent that hosts the job's store and supervisor is lost, another
+agent takes both over, from the last signed plan every agent holds, and the job goes on like after any node loss.
+
+Where to go next is known before it is needed. Every agent but the host keeps a store server of its own bound
+from the moment it joins (:class:`Standby`, an ephemeral port on its advertised address) and says its address in
+its ``join``; every plan of an agent-hosted supervisor carries ``succession``: the order (members in group-rank
+order, then spares; at most :data:`MAX_CANDIDATES`), each candidate's store address, and what the core needs
+beyond the assignment (budget spent, the newest decision id). A pre-bound port rather than a deterministic one
+(endpoint port + k): nothing else can take it between the plan and the loss, several agents can share a host
+(each has its own), and the successor's store is serving the moment it takes over: agents only wait for its term.
+
+The walk (:func:`next_host`), done by each agent whose presence connection to the supervisor closed and whose
+host no longer accepts connections: the first candidate of the order that accepts one is the next host; when
+that is this agent itself, it takes over (:func:`take_over`), else it reconnects there and waits for the term
+its successor publishes. A candidate that accepts but has not taken over yet is waited for, never skipped: two
+agents that both see the host gone find the same first live candidate. Candidates skipped on the way (their
+nodes lost with the host) are decided on at once, like the host.
+
+A node that joins after a succession knows only ``--rdzv-endpoint``, which named the lost host. When the
+successor can bind that endpoint (it names this machine, or an address that moved to it) it serves there a
+pointer to its own store (:func:`serve_pointer`) and the joining agent follows it; otherwise nothing answers at
+the endpoint and the joining agent fails when its store connection gives up (``--rendezvous-timeout``) with a
+line saying that the job may have moved (see ``control.StoreLost``). Point ``--rdzv-endpoint`` at a name that
+follows the job (a Kubernetes Service, a DNS name) to let new nodes join after a succession.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: candidates a plan names: beyond this many nodes lost together with the host, the job fails as before (a plan's
+#: size must not grow with the fleet)
+MAX_CANDIDATES = 16
+#: key of the pointer a successor leaves at the original endpoint: the signed address of its own store
+MOVED_KEY_SUFFIX = "moved"
+
+
+def accepts(addr: str, timeout: float = 1.0) -> bool:
+    """Whether ``addr`` (host:port) accepts a TCP connection within ``timeout``: a SIGKILLed node's port refuses at
+    once, a dead host's times out."""
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class Standby:
+    """The store server this agent keeps bound so that it can take over at once."""
+
+    def __init__(self, advertise: str, timeout: float) -> None:
+        from resilient.supervisor.transport import connect_store
+
+        self.store = connect_store("0.0.0.0", 0, timeout, is_master=True)
+        self.addr = f"{advertise}:{self.store.port}"
+
+
+def order_of(plan: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The succession order a plan carries: (node, addr) pairs, or none (a standalone supervisor's plan)."""
+    sc = (plan or {}).get("succession")
+    if not isinstance(sc, dict):
+        return []
+    out = []
+    for item in sc.get("order", ())[:MAX_CANDIDATES]:
+        if isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, str) for x in item):
+            out.append((item[0], item[1]))
+    return out
+
+
+def next_host(order: Sequence[tuple[str, str]], me: str,
+              reach: Callable[[str], bool] = accepts) -> tuple[str, str, list[str]] | None:
+    """The walk: (node, addr, candidates skipped as unreachable) of the first candidate that is this agent or
+    accepts a connection; None when none does."""
+    skipped: list[str] = []
+    for node, addr in order:
+        if node == me or reach(addr):
+            return node, addr, skipped
+        skipped.append(node)
+    return None
+
+
+def take_over(cfg: Any, node: str, ledger: Any, standby: Standby, signer: Any, plan: dict[str, Any],
+              lost: Sequence[str], configured_secret: bool) -> Any:
+    """This agent hosts the job from now on: its standby store serves the job (claimed for its id, the secret
+    there when none is configured, as the first host did), and a supervisor of a newer term adopts ``plan`` and
+    decides on ``lost`` (the old host first) at once. Returns the started loop."""
+    from resilient.supervisor import transport as T
+    from resilient.supervisor.standalone import supervise
+
+    store = standby.store
+    store.compare_set(T.JOB_KEY, "", cfg.rdzv_id)
+    if not configured_secret:
+        store.set(T.Keys(cfg.rdzv_id).secret, signer.secret)
+    last_call = float(cfg.rdzv_configs.get("last_call_timeout", 30.0))
+    loop = supervise(cfg.supervisor, cfg.policy, store, signer, ledger,
+                     advertise_addr=standby.addr.rsplit(":", 1)[0], last_call=last_call,
+                     store_timeout=cfg.rendezvous_timeout, tick=min(0.05, cfg.monitor_interval), host_node=node,
+                     min_term=int(plan.get("term", 0)))
+    loop.succeed(plan, list(lost), time.monotonic())
+    loop.start()
+    return loop
+
+
+def serve_pointer(endpoint: tuple[str, int], job: str, addr: str, signer: Any, timeout: float,
+                  configured_secret: bool) -> Any:
+    """Bind the original endpoint, when this machine can, with a signed pointer to ``addr`` for agents that join
+    after the succession knowing only ``--rdzv-endpoint``; None when it cannot (the lost host's address)."""
+    from resilient.supervisor import transport as T
+
+    host, port = endpoint
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        if not _matches_machine_hostname(host):
+            return None
+        store = T.connect_store(host, port, timeout, is_master=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        logger.debug("cannot serve the original endpoint %s:%s: %s", host, port, e)
+        return None
+    store.compare_set(T.JOB_KEY, "", job)
+    if not configured_secret:
+        store.set(T.Keys(job).secret, signer.secret)
+    store.set(f"{T.Keys(job).prefix}/{MOVED_KEY_SUFFIX}", signer.seal({"addr": addr}))
+    return store
+
+
+def moved_to(store: Any, job: str, signer: Any) -> str | None:
+    """The address a successor left at this endpoint, or None (a key that does not open is ignored)."""
+    from resilient.supervisor import transport as T
+
+    key = f"{T.Keys(job).prefix}/{MOVED_KEY_SUFFIX}"
+    try:
+        if not store.check([key]):
+            return None
+        addr = signer.open(store.get(key)).get("addr")
+    except T.BadMessage as e:
+        logger.warning("ignored a pointer at the endpoint: %s", e)
+        return None
+    return addr if isinstance(addr, str) else None
