@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -378,24 +379,53 @@ class ForkServer:
         return out
 
     def close(self) -> None:
+        """Tell the server to end and return without waiting for it: a process that imported torch takes a
+        fifth of a second or more to tear down, on the exit's and a restart's critical path. Its workers are
+        stopped before it is closed; it kills any that are not, and is reaped in the background
+        (:func:`_reap_in_background`), or SIGKILLed by the kernel when the agent ends first (PR_SET_PDEATHSIG)."""
         if self.sock.fileno() < 0:
             return
         try:
-            self.sock.setblocking(True)
+            self.sock.settimeout(_QUIT_SEND_TIMEOUT)
             self.sock.sendall(b'{"op": "quit"}\n')
         except OSError:
-            pass
-        if self.copy and self.proc.pid is None:
-            pass  # a copy that never answered: it ends on reading the quit, or with the fork server it came from
-        else:
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+            pass  # gone, or not reading: the socket's close below is its end too (it quits on EOF)
         self.sock.close()
+        if isinstance(self.proc, subprocess.Popen):
+            _reap_in_background(self.proc)
+        # a copy is not our child: the fork server it came from reaps it, and it dies with that one
         if self.parent is not None:
             self.parent.close()
+
+
+# the quit is one short line into an empty socket buffer: a server that does not take it within this is stuck, and
+# the closed socket ends it all the same
+_QUIT_SEND_TIMEOUT = 1.0
+# a server told to quit ends within milliseconds once scheduled; one that has not after this is SIGKILLed
+_REAP_GRACE = 10.0
+
+
+def _reap_in_background(proc: subprocess.Popen[bytes]) -> threading.Thread:
+    """Wait for a fork server that was told to quit, bounded: SIGKILL after ``_REAP_GRACE``, so that a live agent
+    never leaves it running or a zombie. A daemon thread: an agent that ends first takes the server with it
+    (PR_SET_PDEATHSIG) and its parent's parent reaps it."""
+
+    def reap() -> None:
+        try:
+            proc.wait(timeout=_REAP_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            logger.warning("fork server %d still running %.0fs after it was told to quit; killing it", proc.pid,
+                           _REAP_GRACE)
+        proc.kill()
+        try:
+            proc.wait(timeout=_REAP_GRACE)
+        except subprocess.TimeoutExpired:
+            logger.error("fork server %d survived SIGKILL for %.0fs", proc.pid, _REAP_GRACE)
+
+    t = threading.Thread(target=reap, name=f"reap-fork-server-{proc.pid}", daemon=True)
+    t.start()
+    return t
 
 
 def _load_prctl() -> object | None:
