@@ -36,17 +36,17 @@ WORKER = textwrap.dedent('''
                 with open(os.path.join(out, f"stopped{attempt}"), "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
-    elif mode == "first":  # every attempt's first step 5x the others; the first attempt crashes after learning
+    elif mode == "first":  # every attempt's first step takes 5 s; the first attempt crashes after learning
         for step in resilient.steps(0, 20 if attempt == 0 else 4):
-            time.sleep(1.5 if step == 0 else 0.3)
+            time.sleep(5.0 if step == 0 else 0.3)
             if attempt == 0 and step == 12 and rank == 0:
                 sys.exit(3)
-    elif mode == "eval":  # an evaluation of 20 steps, marked
+    elif mode == "eval":  # an evaluation of 5 s (50 steps), marked
         for step in resilient.steps(0, 16):
             time.sleep(0.1)
             if step == 10:
                 with resilient.section("eval"):
-                    time.sleep(2.0)
+                    time.sleep(5.0)
     elif mode == "ckpt":  # 2 ranks; saves every 2 steps from step 10 to a local tier whose writes take 1.6 s more
         import torch
         import torch.distributed as dist
