@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
-                   help="seconds without a heartbeat before a rank counts as hung (default: learned)")
+                   help="seconds without a heartbeat before a rank counts as hung; replaces the learned step timeout "
+                        "(default: learned, max(1 s, 3 x the longest step seen))")
     g.add_argument("--health-interval", "--health_interval", type=float, default=5.0,
                    help="seconds between the node's health checks: memory, the local tier's disk, the workers' "
                         "GPUs through NVML (default 5)")
