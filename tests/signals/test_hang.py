@@ -52,6 +52,23 @@ def test_rank_deadlocked_in_communication_is_reported_hung(make_agent):
 
 
 @pytest.mark.timeout(60)
+def test_a_configured_timeout_overrides_a_longer_learned_one(make_agent, tmp_path):
+    # steps of 0.5 s would learn 1.5 s: a configured 1.2 s is what a stop is held to, not a floor under it
+    a = make_agent(heartbeat_timeout=1.2, initial_timeout=30.0)
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    procs = a.spawn(1, {"T_STEPS": "100000", "T_STEP_SLEEP": "0.5", "T_MARK_STEP": "8", "T_MARK_DIR": str(mark)},
+                    script=LIGHT)
+    a.pump(marks_reached(mark, 1), 30)
+    assert a.monitor.config.learn_factor * a.monitor._max_gap > 1.2  # what would have been learned
+    procs[0].send_signal(signal.SIGSTOP)
+    (mark / "go").touch()
+    evs = a.pump(lambda ev: kinds(ev, EventKind.HANG), 30)
+    (h,) = kinds(evs, EventKind.HANG)
+    assert h.details["timeout"] == 1.2 and h.details["timeout_source"] == "configured"
+
+
+@pytest.mark.timeout(60)
 def test_section_timeout_replaces_heartbeat_timeout(make_agent, tmp_path):
     a = make_agent(heartbeat_timeout=0.5, initial_timeout=30.0)
     # a section twice as long as the heartbeat timeout, within its own timeout: no hang
