@@ -19,11 +19,16 @@ after training resumed (the latest rank to finish it; workers write wall-clock t
   ``--give-up`` s: recorded as hung), the same command is run again on 2 agents and restores from the
   shared directory. The time includes the survivor giving up and the re-run's start.
 
+``--lose host``: the node lost is the one hosting the rendezvous store (and, under resilient-run, the
+supervisor): the first agent, which bound the endpoint. resilient-run's other active node takes the store and
+the supervisor over (succession, no new job generation); torchrun's rendezvous dies with it. Without the flag,
+the other active node is lost. Results go to bench/results/node_loss_host.json then.
+
 Variants run interleaved over the repetitions, so machine noise hits all of them alike. The goal check is
 "resumed within --node-timeout + 2 s"; a SIGKILLed node is seen at once (its agent's connection to the
 supervisor closes), so the node timeout is only an upper bound on detection.
 
-    python bench/node_loss.py [--reps 3] [--node-timeout 10] [--nproc 1]
+    python bench/node_loss.py [--reps 3] [--node-timeout 10] [--nproc 1] [--lose host]
 
 Prints a table and writes bench/results/node_loss.json.
 """
@@ -170,10 +175,11 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def child_env() -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILIENT_", "TORCHELASTIC_", "PET_"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
     return env
 
 
@@ -243,10 +249,10 @@ class Job:
         self.root = root
         self.nodes: list[Node] = []
 
-    def start(self, name: str, cmd: list[str], local: Path | None) -> Node:
+    def start(self, name: str, cmd: list[str], local: Path | None, env: dict[str, str] | None = None) -> Node:
         log = self.root / f"{name}.log"
         with open(log, "wb") as f:
-            p = subprocess.Popen(cmd, cwd=self.root, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
+            p = subprocess.Popen(cmd, cwd=self.root, env=child_env(env), stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         n = Node(name, p, local, log)
         self.nodes.append(n)
@@ -346,7 +352,9 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
     hot = variant.startswith("hot-swap")
     nnodes, extra = ("2", ["--spare-nodes", "1"]) if hot else ("1:2", [])
     job = Job(d)
-    res: dict[str, Any] = {"variant": variant, "ok": False}
+    res: dict[str, Any] = {"variant": variant, "ok": False, "lost": a.lose}
+    # the agents' INFO line naming the succession they read: the kill waits until the successor knows the spare
+    env = {"RESILIENT_LOG_LEVEL": "INFO"} if a.lose == "host" else None
 
     def events() -> list:
         try:
@@ -357,7 +365,7 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
     def agent(name: str) -> Node:
         local = d / f"local-{name}"
         return job.start(name, resilient_cmd(port, d, local, nnodes, extra, script, cfg, a.node_timeout,
-                                                 a.nproc), local)
+                                                 a.nproc), local, env)
 
     try:
         na = agent("a")
@@ -365,7 +373,8 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
         nb = agent("b")
         wait_for(lambda: len({e.node for e in events() if e.kind == EventKind.ATTEMPT_START}) == 2
                  or na.proc.poll() is not None or nb.proc.poll() is not None, 90, "both nodes' workers to start")
-        survivors = [na]
+        victim, survivor = (na, nb) if a.lose == "host" else (nb, na)
+        survivors = [survivor]
         if hot:
             spare = agent("spare")
             wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == spare.ident for e in events()), 60,
@@ -373,14 +382,18 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
             if variant == "hot-swap":
                 res["spare_warm_wait_s"] = fork_server_idle(spare.proc.pid)
             survivors.append(spare)
+            if a.lose == "host":
+                wait_for(lambda: any("succession: " in line and spare.ident in line
+                                     for line in survivor.log.read_text(errors="replace").splitlines()), 30,
+                         "the successor to know the spare", poll=0.1)
         wait_for(lambda: all((gate / f"at-{r}").exists() for r in range(2 * a.nproc)), 90, "every rank at the gate")
-        t_kill = nb.kill()
+        t_kill = victim.kill()
         (gate / "go").touch()
         wait_for(lambda: all(n.proc.poll() is not None for n in survivors), a.timeout, "the job to end", poll=0.1)
         res["exit"] = [n.proc.returncode for n in survivors]
         evs = events()
         res.update(resumed(out, t_kill))
-        lost = [e for e in evs if e.kind == EventKind.AGENT_LOST and e.node == nb.ident]
+        lost = [e for e in evs if e.kind == EventKind.AGENT_LOST and e.node == victim.ident]
         if lost:
             res["detected_s"] = lost[0].wall - t_kill
             res["lost_reason"] = lost[0].details.get("reason")
@@ -396,11 +409,14 @@ def run_resilient(variant: str, d: Path, script: Path, a: argparse.Namespace, re
                 same(r["model"], g["model"]) and same(r["optim"], g["optim"]) for r, g in zip(reference, got))
         want = "hot_swap" if hot else "scale_down"
         res["ok"] = (all(c == 0 for c in res["exit"]) and res["resume_s"] is not None and want in res["actions"])
+        taken = [e for e in evs if e.kind == EventKind.LOG and "succession" in e.details]
+        if taken:
+            res["taken_over_s"] = taken[0].wall - t_kill
         if not res["ok"]:
-            res["log_tail"] = na.tail()
+            res["log_tail"] = survivor.tail()
     except Timeout as e:
         res["error"] = str(e)
-        res["log_tail"] = job.nodes[0].tail() if job.nodes else ""
+        res["log_tail"] = job.nodes[-1].tail() if job.nodes else ""
     finally:
         res["left_behind"] = job.close()
     return res
@@ -420,21 +436,22 @@ def run_torchrun(d: Path, script: Path, a: argparse.Namespace, reference: list[d
     port = free_port()
     cmd = torchrun_cmd(port, script, cfg, a.nproc)
     job = Job(d)
-    res: dict[str, Any] = {"variant": "torchrun", "ok": False, "survivor_hung": False}
+    res: dict[str, Any] = {"variant": "torchrun", "ok": False, "survivor_hung": False, "lost": a.lose}
     try:
         na = job.start("a", cmd, None)
         wait_for(lambda: listening(port) or na.proc.poll() is not None, 60, "the first agent to host the store")
         nb = job.start("b", cmd, None)
+        victim, survivor = (na, nb) if a.lose == "host" else (nb, na)
         wait_for(lambda: all((gate / f"at-{r}").exists() for r in range(2 * a.nproc)), 90, "every rank at the gate")
-        t_kill = nb.kill()
+        t_kill = victim.kill()
         (gate / "go").touch()
         try:
-            na.proc.wait(a.give_up)
+            survivor.proc.wait(a.give_up)
         except subprocess.TimeoutExpired:
             res["survivor_hung"] = True
-            kill_sessions([na.proc])
+            kill_sessions([survivor.proc])
         t_rerun = time.time()
-        res["survivor_exit"] = na.proc.returncode
+        res["survivor_exit"] = survivor.proc.returncode
         res["survivor_gave_up_s"] = t_rerun - t_kill
         # the same command again, both agents at once as a scheduler would; the c10d backend makes the one
         # that binds the port the store host and the other its client
@@ -494,7 +511,7 @@ def summarize(runs: list[dict], names: list[str], budget: float) -> dict:
             "within_goal": sum(t <= budget for t in times),
             "left_behind": sum(r.get("left_behind", 0) for r in rs),
         }
-        for phase in ("detected_s", "workers_started_s", "restored_s"):  # each from the kill
+        for phase in ("detected_s", "taken_over_s", "workers_started_s", "restored_s"):  # each from the kill
             v = [r[phase] for r in rs if r.get("ok") and r.get(phase) is not None]
             if v:
                 s[f"median_{phase}"] = statistics.median(v)
@@ -513,9 +530,9 @@ def summarize(runs: list[dict], names: list[str], budget: float) -> dict:
     return summary
 
 
-def print_table(summary: dict, budget: float, node_timeout: float, nproc: int = 1) -> None:
+def print_table(summary: dict, budget: float, node_timeout: float, nproc: int = 1, lose: str = "node") -> None:
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-    print(f"\n2 nodes x {nproc} worker(s); node lost (SIGKILL of agent + workers, local tier deleted) → end of the first step after resuming; "
+    print(f"\n2 nodes x {nproc} worker(s); {'the node hosting the store' if lose == 'host' else 'a node'} lost (SIGKILL of agent + workers, local tier deleted) → end of the first step after resuming; "
           f"goal ≤ --node-timeout {node_timeout:g} + 2 = {budget:g} s")
     print(f"{'variant':<14}{'ok':>6}{'median s':>10}{'min–max s':>14}{'÷ torchrun':>12}{'≤ goal':>8}{'bit-exact':>11}"
           f"{'detect s':>10}{'workers s':>11}{'restored s':>12}")
@@ -544,9 +561,14 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0, help="a run longer than this counts as a hang")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated; also {','.join(OPT_IN)}: the spare is lost into before it is warm")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "node_loss.json"))
+    ap.add_argument("--lose", choices=("node", "host"), default="node",
+                    help="host: lose the node hosting the rendezvous store (and the supervisor) instead of another")
+    ap.add_argument("--out", default=None, help="default: bench/results/node_loss.json (node_loss_host.json with "
+                                                "--lose host)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, ledgers) and print its path")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = str(Path(__file__).parent / "results" / ("node_loss_host.json" if a.lose == "host" else "node_loss.json"))
     names = [n for n in a.variants.split(",") if n]
     bad = [n for n in names if n not in VARIANTS + OPT_IN]
     secs = (a.node_timeout, a.give_up, a.timeout)
@@ -579,14 +601,14 @@ def main() -> None:
                       f"exact={r.get('bit_exact', '-')} left={r.get('left_behind')} load={load:.1f}"
                       + (f" error={r['error']}" if r.get("error") else ""), file=sys.stderr, flush=True)
     summary = summarize(runs, names, budget)
-    print_table(summary, budget, a.node_timeout, a.nproc)
+    print_table(summary, budget, a.node_timeout, a.nproc, a.lose)
     for r in runs:  # keep the JSON readable: logs only for failures, cut short
         if r.get("ok"):
             r.pop("log_tail", None)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
         "summary": summary, "runs": runs, "reps": a.reps, "node_timeout_s": a.node_timeout, "goal_s": budget,
-        "give_up_s": a.give_up, "steps": STEPS, "killed_after_step": GATE_STEP, "nproc_per_node": a.nproc,
+        "give_up_s": a.give_up, "lost": a.lose, "steps": STEPS, "killed_after_step": GATE_STEP, "nproc_per_node": a.nproc,
         "reference_ok": reference is not None,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
         "command": "python bench/node_loss.py " + " ".join(sys.argv[1:]),
