@@ -18,7 +18,7 @@ against its bound, the timeout the ledger's ``hang`` event says was in force, ch
 3 × its ``longest_step_seconds``).
 
     python bench/detect.py [--reps 3] [--timeout 2]
-    python bench/detect.py --learned [--reps 5] [--stops 2]
+    python bench/detect.py --learned [--reps 5] [--stops 2] [--step 0.01]
 
 Worker mode (used by the launchers): ``detect.py worker ours|nvrx OUT_DIR`` (positional: the launchers
 parse abbreviations of their own flags in script arguments).
@@ -46,6 +46,7 @@ FREEZE_STEP_LEARNED = 20
 STEPS_AFTER_RESTART = 3
 STOPS_ENV = "DETECT_STOPS"  # attempts in which a rank freezes (the driver sets it)
 FREEZE_ENV = "DETECT_FREEZE_STEP"
+STEP_ENV = "DETECT_STEP_SECONDS"  # busy seconds per step (default 0.01)
 
 
 # --------------------------------------------------------------------------------------------- worker
@@ -58,6 +59,7 @@ def worker(kind: str, out: Path) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     stops = int(os.environ.get(STOPS_ENV, "1"))
     freeze = int(os.environ.get(FREEZE_ENV, str(FREEZE_STEP)))
+    work = float(os.environ.get(STEP_ENV, "0.01"))
     n = freeze + 1000 if attempt < stops else STEPS_AFTER_RESTART
     t = torch.zeros(1)
 
@@ -67,7 +69,7 @@ def worker(kind: str, out: Path) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         if attempt > 0 and step == 0:
             _write(out / f"resumed{attempt}-{rank}", str(time.time()))
-        end = time.perf_counter() + 0.01
+        end = time.perf_counter() + work
         while time.perf_counter() < end:
             pass
         dist.all_reduce(t)
@@ -114,7 +116,8 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
         time.sleep(0.001)  # polling a file/process; the resolution of the measurement is this poll
 
 
-def one_run(system: str, timeout: float | None, work: Path, stops: int = 1) -> list[dict[str, float]]:
+def one_run(system: str, timeout: float | None, work: Path, stops: int = 1,
+            step_seconds: float = 0.01) -> list[dict[str, float]]:
     """One launch; a rank freezes in each of the first ``stops`` attempts; one result per hang. ``timeout``
     None: resilient-run with its learned default."""
     out = work / "out"
@@ -125,6 +128,7 @@ def one_run(system: str, timeout: float | None, work: Path, stops: int = 1) -> l
     env.pop("OMP_NUM_THREADS", None)
     env[STOPS_ENV] = str(stops)
     env[FREEZE_ENV] = str(FREEZE_STEP if timeout is not None else FREEZE_STEP_LEARNED)
+    env[STEP_ENV] = repr(step_seconds)
     me = str(Path(__file__).resolve())
     if system == "resilient-run":
         cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
@@ -196,13 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learned", action="store_true",
                     help="resilient-run alone, with its learned default timeout (no --heartbeat-timeout)")
     ap.add_argument("--stops", type=int, default=2, help="--learned: attempts in which a rank freezes")
+    ap.add_argument("--step", type=float, default=0.01,
+                    help="--learned: busy seconds per step (above 1/3 s the learned timeout is above its 1 s floor)")
     ap.add_argument("--out", default=None,
                     help="results file (default bench/results/detect.json, with --learned detect-learned.json)")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = str(Path(__file__).parent / "results" / ("detect-learned.json" if args.learned else "detect.json"))
     if args.learned:
-        return learned(args.reps, max(1, args.stops), Path(args.out))
+        return learned(args.reps, max(1, args.stops), Path(args.out), args.step)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     results: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
     errors: dict[str, list[str]] = {s: [] for s in systems}
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def learned(reps: int, stops: int, out: Path) -> int:
+def learned(reps: int, stops: int, out: Path, step_seconds: float = 0.01) -> int:
     """resilient-run with its defaults: each hang's latency against the timeout in force, which must be the
     learned rule max(1 s, 3 × the longest step seen)."""
     runs: list[list[dict[str, float]]] = []
@@ -266,7 +272,7 @@ def learned(reps: int, stops: int, out: Path) -> int:
     try:
         for rep in range(reps):
             try:
-                hangs = one_run("resilient-run", None, base / f"learned-{rep}", stops)
+                hangs = one_run("resilient-run", None, base / f"learned-{rep}", stops, step_seconds)
             except (RuntimeError, TimeoutError) as e:
                 errors.append(str(e))
                 print(f"rep {rep} FAILED: {e}", flush=True)
@@ -299,6 +305,7 @@ def learned(reps: int, stops: int, out: Path) -> int:
               f"({min(late):.3f}–{max(late):.3f}){statistics.median(res):>10.3f} ({min(res):.2f}–{max(res):.2f})"
               f"  rule {'ok' if row['timeout_is_learned_rule'] else 'NOT MET'}")
     summary = {"mode": "learned", "reps": reps, "stops": stops, "freeze_step": FREEZE_STEP_LEARNED,
+               "step_seconds": step_seconds,
                "runs": runs, "errors": errors, "per_hang": per_hang}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
