@@ -113,17 +113,24 @@ def _memory_budget() -> int:
         return 1 << 30
 
 
+_DTENSOR: list[Any] = []  # resolved once: asked for every target, several times per restore
+
+
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor has none in its state
-        return None
-    return DTensor
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without DTensor has none in its state
+            DTensor = None  # type: ignore[assignment,misc]
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 def _local_shard(v: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """A DTensor target's local tensor and the global offsets of its chunk (what DCP keys the chunk by), or
     None when ``v`` is not a DTensor. Bytes land in the local tensor: the DTensor is only a wrapper."""
+    if type(v) is torch.Tensor or not isinstance(v, torch.Tensor):
+        return None
     dt = _dtensor_type()
     if dt is None or not isinstance(v, dt):
         return None
@@ -144,10 +151,16 @@ def _data_ptr(v: Any) -> int | None:
     return (got[0] if got is not None else v).data_ptr()
 
 
-def _items_read(md: Any, load_sd: Mapping[str, Any]) -> list[tuple[Any, Any]]:
-    """The storage items (index, info) of ``md`` this rank reads to fill ``load_sd``: every item of a key,
-    except that a DTensor target reads only the chunks overlapping its local shard (the other ranks' shards,
-    and their files, are not this rank's to fetch)."""
+def _items_read(md: Any, plan: "_LoadPlan") -> list[tuple[Any, Any]]:
+    """The storage items (index, info) of ``md`` this rank reads to fill ``plan.load_sd``: every item of a
+    key, except that a DTensor target reads only the chunks overlapping its local shard (the other ranks'
+    shards, and their files, are not this rank's to fetch). Kept in the plan: asked for three times."""
+    if plan.items_read is None or plan.items_read[0] is not md:
+        plan.items_read = (md, _items_read_of(md, plan.load_sd))
+    return plan.items_read[1]
+
+
+def _items_read_of(md: Any, load_sd: Mapping[str, Any]) -> list[tuple[Any, Any]]:
     boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     for k, v in load_sd.items():
         shard = _local_shard(v)
@@ -220,6 +233,7 @@ class _LoadPlan:
     key_of: dict[str, str]  # state fqn -> checkpoint key
     expand: dict[str, list[str]]  # empty containers filled from the checkpoint's keys under them
     reshard: dict[str, str] = field(default_factory=dict)  # state fqn -> why it cannot be resharded here
+    items_read: tuple[Any, list[tuple[Any, Any]]] | None = None  # (metadata, its items this rank reads)
 
 
 @dataclass
@@ -252,7 +266,7 @@ def _ranged_files(md: Any, plan: "_LoadPlan", need: set[str], files: Mapping[str
     blocks: dict[str, frozenset[int]] = {}
     objects: dict[str, torch.Tensor] = {}
     read = {}
-    for idx, info in _items_read(md, plan.load_sd):
+    for idx, info in _items_read(md, plan):
         read.setdefault(info.relative_path, []).append((idx, info))
     for name, runs in resharded.items():
         entry = files.get(name)
@@ -557,7 +571,7 @@ class Restorer(Component):
             if self.ctx.rank == 0:
                 logger.error("%s", err)
             raise err
-        need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan.load_sd)}
+        need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan)}
         missing = sorted(n for n in need if n not in files)
         if not self._all(not missing):
             self._why[step] = {"missing": "files", "files": missing[:20], "tiers": _tiers_with(step, views)}
@@ -659,7 +673,7 @@ class Restorer(Component):
             by_fqn.setdefault(idx.fqn, []).append(info)
             if idx.offset is not None:
                 chunk_at[(idx.fqn, tuple(int(o) for o in idx.offset))] = info
-        for _, info in _items_read(md, plan.load_sd):
+        for _, info in _items_read(md, plan):
             items_in[info.relative_path] = items_in.get(info.relative_path, 0) + 1
         per_file: dict[str, list[Item]] = {}
         key_of: dict[int, str] = {}
