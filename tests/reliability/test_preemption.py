@@ -40,12 +40,21 @@ def steps_in(run: Path) -> list[int]:
     return [e.details["step"] for e in evs[starts[-1]:] if e.kind == EventKind.STEP]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The parameters of the job run to its end without a preemption, once for the launch modes: the script's
+    result depends on its steps alone, so both modes' resumed runs must equal it (a mode-dependent result would
+    fail them)."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    ref = launch(d, "ref", "fork-server")
+    assert ref.wait(timeout=200) == 0, (d / "ref" / "launcher.err").read_text()[-3000:]
+    return torch.load(d / "ref" / "out" / "final.pt")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launch_mode", ["fork-server", "spawn"])
-def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_exact(tmp_path, launch_mode):
-    ref = launch(tmp_path, "ref", launch_mode)
-    assert ref.wait(timeout=200) == 0, (tmp_path / "ref" / "launcher.err").read_text()[-3000:]
-    expected = torch.load(tmp_path / "ref" / "out" / "final.pt")
+def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_exact(tmp_path, launch_mode, uninterrupted):
+    expected = uninterrupted
 
     run = tmp_path / "job" / "run"
     p = launch(tmp_path, "job", launch_mode)
