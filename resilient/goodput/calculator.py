@@ -548,13 +548,13 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
 
 
 def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None) -> GoodputReport:
-    """Read ``RUN_DIR/events.jsonl`` (a truncated last line and malformed lines are skipped, and counted in
-    ``skipped_lines``) and compute its report."""
+    """Read the run's ledger, every writer's file merged (a truncated last line and malformed lines are skipped,
+    and counted in ``skipped_lines``), and compute its report."""
     try:
         read = read_ledger(run_dir)
     except FileNotFoundError:
-        raise EmptyLedgerError(f"no ledger in {run_dir}: expected {os.path.join(run_dir, 'events.jsonl')}; "
-                               "pass the --run-dir the job was launched with") from None
+        raise EmptyLedgerError(f"no ledger in {run_dir}: expected {os.path.join(run_dir, 'events.jsonl')} and its "
+                               "writers' events.*.jsonl; pass the --run-dir the job was launched with") from None
     if not read.events and read.skipped:
         raise GoodputError(f"{read.path} is not a ledger: none of its {read.lines} line(s) is an event")
     rep = compute_report(read.events, now=now)

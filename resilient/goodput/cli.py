@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient goodput", description="Goodput and badput of a run, from its ledger.")
-    p.add_argument("run_dir", help="the run directory (holds events.jsonl)")
+    p.add_argument("run_dir", help="the run directory (holds its ledger: events.jsonl and events.*.jsonl)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the run's timeline into this image")
     p.add_argument("--tensorboard", metavar="DIR",
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         read = read_ledger(args.run_dir)
     except FileNotFoundError:
-        print(f"resilient goodput: no ledger in {args.run_dir} (expected events.jsonl there); "
+        print(f"resilient goodput: no ledger in {args.run_dir} (expected events.jsonl and its writers' "
+              "events.*.jsonl there); "
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     except OSError as e:

@@ -261,15 +261,16 @@ def _schedule(evs: list[Event], rep: GoodputReport) -> list[PlannedFault]:
 
 
 def measure_run(run_dir: str | os.PathLike[str]) -> Measured:
-    """Read ``RUN_DIR/events.jsonl`` and measure it; :class:`PlanInputError` with one line when it cannot."""
+    """Read the run's ledger (every writer's file, merged) and measure it; :class:`PlanInputError` with one line
+    when it cannot."""
     if not os.path.isdir(run_dir):
         raise PlanInputError(f"run directory {run_dir} does not exist; pass the --run-dir the job was launched "
                              "with, or plan from flags alone")
     try:
         read = read_ledger(run_dir)
     except FileNotFoundError:
-        raise PlanInputError(f"no ledger in {run_dir} (expected events.jsonl there); pass the run directory the job "
-                             "was launched with") from None
+        raise PlanInputError(f"no ledger in {run_dir} (expected events.jsonl and its writers' events.*.jsonl "
+                             "there); pass the run directory the job was launched with") from None
     except OSError as e:
         raise PlanInputError(f"cannot read the ledger in {run_dir}: {e.strerror or e}") from None
     if not read.events:
