@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from resilient.launcher.api import WorkerCommand
+from resilient.launcher.zygote import RUN_FLAG
 
 logger = logging.getLogger(__name__)
 
@@ -468,6 +469,9 @@ class SpawnStarter:
         for w in workers:
             if cmd.kind == "exec":
                 argv = [cmd.target, *cmd.args]
+            elif self._fast_exit(w.env, cwd):
+                argv = [sys.executable, "-u", "-m", "resilient.launcher.zygote", RUN_FLAG, cmd.kind, cmd.target,
+                        *cmd.args]
             elif cmd.kind == "module":
                 argv = [os.getenv("PYTHON_EXEC", sys.executable), "-u", "-m", cmd.target, *cmd.args]
             else:
@@ -484,6 +488,21 @@ class SpawnStarter:
             pidfd = os.pidfd_open(p.pid)
             self._pidfds[pidfd] = w
             self._sel.register(pidfd, selectors.EVENT_READ)
+
+    @staticmethod
+    def _fast_exit(env: dict[str, str], cwd: str) -> bool:
+        """Whether a Python worker runs through the fork server's runner (``zygote --run``), which ends it with
+        the fast exit as forked workers end: not when the fast exit is off, not under another interpreter
+        (``PYTHON_EXEC``), and only where the worker can import this package (its ``sys.path`` is the agent's,
+        its own working directory first instead of the agent's)."""
+        from resilient.worker.exit_safety import fast_exit_enabled
+
+        if not fast_exit_enabled(env) or os.getenv("PYTHON_EXEC", sys.executable) != sys.executable:
+            return False
+        if env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
+            return False  # another path than the agent's: whether it finds this package is not known here
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return root in {os.path.abspath(p) for p in sys.path[1:] if p} | {os.path.abspath(cwd)}
 
     def fileno(self) -> int:
         return self._sel.fileno()  # type: ignore[attr-defined]

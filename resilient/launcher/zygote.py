@@ -568,7 +568,23 @@ def _reexec_without(fd: int, spec: list[str], tag: str, bad: str, why: str) -> N
     os.execv(sys.executable, [sys.executable, "-m", "resilient.launcher.zygote", str(fd), ",".join(keep), tag])
 
 
+# ``python -m resilient.launcher.zygote --run KIND TARGET ARGS...``: a worker started as a fresh interpreter (the
+# spawn starter) runs its program here, as ``python -u TARGET ARGS`` would, so that it ends as forked workers do
+RUN_FLAG = "--run"
+
+
+def run_spawned(kind: str, argv: list[str]) -> None:
+    """The program of a spawned worker, then :func:`exit_safety.finish` instead of the interpreter's finalisation
+    (seconds in a process that imported torch, after everything it wrote is done)."""
+    from resilient.worker import exit_safety
+
+    code = run_worker({"kind": kind, "argv": argv, "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE")})
+    exit_safety.finish(code)
+
+
 def main() -> None:
+    if len(sys.argv) > 3 and sys.argv[1] == RUN_FLAG:
+        run_spawned(sys.argv[2], sys.argv[3:])
     fd = int(sys.argv[1])
     # argv[3], when given, only labels the process for people reading ps
     spec = sys.argv[2] if len(sys.argv) > 2 else ""

@@ -1,6 +1,7 @@
 """The worker's and the launcher's exit (exit_safety.finish, on by default): a run that ends right after its last
 save, without closing its checkpointer, loses nothing by skipping the interpreter's finalisation: every ledger
-line, the final step committed on every tier, a file the script left open, a thread it left running."""
+line, the final step committed on every tier, a file the script left open, a thread it left running. Workers
+forked by the fork server and workers started as fresh interpreters (spawn) end the same way."""
 
 import pytest
 
@@ -39,15 +40,28 @@ def late() -> None:  # a non-daemon thread the script leaves running: the exit w
 
 threading.Thread(target=late).start()
 started.wait(10)
+
+
+class _Finalised:  # its __del__ runs only in the interpreter's finalisation, which the fast exit skips
+    def __init__(self, path):
+        self.path = path
+
+    def __del__(self):
+        open(self.path, "w").close()
+
+
+_mark = _Finalised(os.path.join(out, f"finalised{rank}.txt"))
 '''
 
 
 @pytest.mark.timeout(150)
-def test_a_run_that_ends_right_after_its_last_save_loses_nothing(tmp_path):
+@pytest.mark.parametrize("launch", ["fork-server", "spawn"])
+def test_a_run_that_ends_right_after_its_last_save_loses_nothing(tmp_path, launch):
     out, run, local, pers = tmp_path / "out", tmp_path / "run", tmp_path / "local", tmp_path / "pers"
     out.mkdir()
     (tmp_path / "train.py").write_text(SCRIPT)
-    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir", str(run),
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--worker-launch", launch,
+                      "--run-dir", str(run),
                       "--ckpt-local", str(local), "--ckpt-persistent", f"file://{pers}", "--ckpt-persistent-every", "1",
                       str(tmp_path / "train.py"), str(out)], cwd=tmp_path, timeout=140,
                      env={"RESILIENT_FAST_EXIT": "1"})
@@ -62,6 +76,7 @@ def test_a_run_that_ends_right_after_its_last_save_loses_nothing(tmp_path):
     for rank in (0, 1):
         assert (out / f"notes{rank}.txt").read_text() == "last line\n"
         assert (out / f"late{rank}.txt").read_text() == "done"
+        assert not (out / f"finalised{rank}.txt").exists()  # ended by the fast exit, not by finalisation
     # and complete on disk on every tier (the commit marker is written last)
     for tier in (local, pers):
         assert list(tier.rglob("step_00000005/COMMITTED")), sorted(str(p) for p in tier.rglob("*"))
