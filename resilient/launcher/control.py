@@ -567,9 +567,9 @@ class ControlClient:
         self._resync = True
         self._pointer = serve_pointer(self._rdzv, c.rdzv_id, self._standby.addr, self.signer, self._call_timeout,
                                       configured)
+        pointer = "" if self._pointer is None else ", and points --rdzv-endpoint {}:{} here".format(*self._rdzv)
         logger.warning("took the job over from %s after %.1fs (%.2fs to take over): this node hosts its store and "
-                       "supervisor now%s", ", ".join(lost), lost_for, time.monotonic() - t0,
-                       "" if self._pointer is None else f", and points --rdzv-endpoint {self._rdzv[0]}:{self._rdzv[1]} here")
+                       "supervisor now%s", ", ".join(lost), lost_for, time.monotonic() - t0, pointer)
 
     def _new_plan(self, round_: int) -> dict | None:
         """The newest plan if one newer than ``round_`` exists (bounded store calls)."""
