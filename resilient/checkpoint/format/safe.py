@@ -82,10 +82,16 @@ def load_metadata(data: bytes | memoryview, what: str) -> Any:
         raise CheckpointError(f"{what}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
     if not isinstance(md, Metadata):
         raise UnsafeCheckpointError(what, type(md).__qualname__, "a DCP .metadata holds a Metadata object")
+    seen: set[Any] = set()  # thousands of items name a handful of files: each name is checked once
     for idx, info in (getattr(md, "storage_data", None) or {}).items():
-        problem = unsafe_name(getattr(info, "relative_path", None))
+        name = getattr(info, "relative_path", None)
+        if name in seen and isinstance(name, str):
+            continue
+        problem = unsafe_name(name)
         if problem:
             raise UnsafeCheckpointError(what, None, f"item {getattr(idx, 'fqn', idx)!r}: {problem}")
+        if isinstance(name, str):
+            seen.add(name)
     return md
 
 

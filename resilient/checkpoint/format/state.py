@@ -48,9 +48,10 @@ def flatten(obj: Mapping[str, Any]) -> dict[str, tuple[Path_, Any]]:
     out: dict[str, tuple[Path_, Any]] = {}
 
     def rec(v: Any, path: Path_) -> None:
-        if isinstance(v, Mapping):
+        # a plain dict and a tensor are told apart before the abstract Mapping check (thousands of leaves)
+        if type(v) is dict or (not isinstance(v, torch.Tensor) and isinstance(v, Mapping)):
             items = v.items()
-        elif path and _descend(v):
+        elif path and not isinstance(v, torch.Tensor) and _descend(v):
             items = enumerate(v)  # type: ignore[arg-type]
         else:
             fqn = ".".join(str(p) for p in path)
@@ -58,7 +59,7 @@ def flatten(obj: Mapping[str, Any]) -> dict[str, tuple[Path_, Any]]:
                 raise ValueError(f"two state entries flatten to the same key {fqn!r}; rename one")
             out[fqn] = (path, v)
             return
-        if path and isinstance(v, Mapping) and not v:
+        if path and not v and isinstance(v, Mapping):
             out[".".join(str(p) for p in path)] = (path, v)  # keep empty dicts (e.g. fresh optimizer state)
             return
         for k, x in items:

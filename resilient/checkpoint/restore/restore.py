@@ -672,7 +672,7 @@ class Restorer(Component):
         for idx, info in md.storage_data.items():
             by_fqn.setdefault(idx.fqn, []).append(info)
             if idx.offset is not None:
-                chunk_at[(idx.fqn, tuple(int(o) for o in idx.offset))] = info
+                chunk_at[(idx.fqn, tuple(idx.offset))] = info  # a torch.Size: ints already
         for _, info in _items_read(md, plan):
             items_in[info.relative_path] = items_in.get(info.relative_path, 0) + 1
         per_file: dict[str, list[Item]] = {}
@@ -1210,7 +1210,7 @@ class Restorer(Component):
                 new = value
             else:
                 new = load_sd[plan.key_of[fqn]]
-            if path:
+            if path and new is not v:  # a tensor loaded in place is already there
                 set_path(plain, path, new)
         for k, v in state.items():
             if is_stateful(v):
