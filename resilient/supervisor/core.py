@@ -450,6 +450,8 @@ class SupervisorCore:
         self._recent.append(event)
         if event.kind is not EventKind.AGENT_LOST:
             self.seen(event.node, now)
+        elif self._joining.pop(event.node, None) is not None and event.node not in self._nodes:
+            return self._arrival_gone(event.node, now)
         if event.kind is EventKind.CKPT_TIER_DONE:
             return self._ckpt_done(event, now)
         if self._assignment is None or self._stopped or self._finished or self._preempted_end:
@@ -516,6 +518,21 @@ class SupervisorCore:
         logger.warning("spare %s lost (%s)", event.node, cause)
         self._notes.append(Event(kind=EventKind.SPARE_LOST, node=event.node, attempt=None, mono=now, wall=event.wall,
                                  details={"cause": cause, "last_seen_age": round(max(0.0, now - node.last_seen), 3)}))
+
+    def _arrival_gone(self, name: str, now: float) -> list[Decision]:
+        """An agent that said it was arriving left before it joined. A lost member's decision that waited for a
+        joining spare, and has no other joining spare left to wait for, is decided now rather than once
+        ``spare_wait`` has passed."""
+        if not self._awaiting or self._joining_now(now) or self._stopped or self._finished or self._preempted_end:
+            return []
+        out: list[Decision] = []
+        waiting, self._awaiting = self._awaiting, []
+        for lost, _ in waiting:
+            if self._stopped:
+                break
+            logger.warning("joining spare %s left: deciding on %s lost now", name, lost.node)
+            out += self._decide(lost, now)
+        return out
 
     def _promised_spare_lost(self, name: str, now: float) -> list[Decision]:
         """A spare promised to the pending scale-up left before its boundary. The scale-up goes on without it;

@@ -25,6 +25,8 @@ from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.core import SupervisorCore
 from resilient.supervisor.loop import LoopConfig, SupervisorLoop
 from tests._helpers.wait import wait_for
+from tests.cluster.conftest import cluster_factory  # noqa: F401 - the fixture is used by name
+from tests.cluster.test_node_loss import _listening, node_name
 
 SECRET = b"spares-many-secret-0123456789abcdef"
 JOB = "spares"
@@ -170,3 +172,65 @@ def test_a_promised_spare_that_leaves_is_replaced_by_one_still_there(tmp_path: P
         assert f.loop.pauses == []
     finally:
         f.close()
+
+
+@pytest.mark.timeout(300)
+def test_real_agents_beyond_max_and_spares_and_one_that_comes_and_goes(cluster_factory, tmp_path: Path) -> None:
+    """Real agents: a 2-node job with --spare-nodes 1, and two agents more than its two members (one more than
+    the spares it expects); one of them is SIGKILLed whole and started again while the job trains. The job
+    never restarts, finishes, and every agent ends as it did."""
+    c = cluster_factory("2", nproc=2, flags=["--spare-nodes", "1", "--node-timeout", "20",
+                                             "--heartbeat-timeout", "300"])  # the gate is a wait, not a hang
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    out.mkdir()
+    gate.mkdir()
+    args = ["--out", str(out), "--steps", "4", "--gate", str(gate), "--gate-step", "2"]
+    a = c.start("a", args)
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 90, "the first agent to host the store")
+    b = c.start("b", args)
+    wait_for(lambda: len(list(gate.glob("at-*"))) == 4 or a.proc.poll() is not None, 120, "the job at its gate")
+    assert a.proc.poll() is None, a.output()
+
+    def joined(n) -> bool:
+        return any(e.kind == EventKind.NODE_JOINED and e.node == node_name(n) for e in c.events())
+
+    def spare_lost(n) -> bool:
+        return any(e.kind == EventKind.SPARE_LOST and e.node == node_name(n) for e in c.events())
+
+    extra = [c.start("s1", args), c.start("s2", args)]
+    flapper = extra[-1]
+    wait_for(lambda: all(joined(n) or n.proc.poll() is not None for n in extra), 120, "the extra agents' joins")
+    assert flapper.proc.poll() is None, flapper.output()
+    flapper.kill()
+    wait_for(lambda: spare_lost(flapper) or a.proc.poll() is not None, 60, "the flapping spare's loss")
+    flapper = c.start("s2-again", args)
+    wait_for(lambda: joined(flapper) or flapper.proc.poll() is not None, 180, "the flapping spare's return")
+    assert a.proc.poll() is None and b.proc.poll() is None, a.output()
+
+    (gate / "go").write_text("")
+    staying = [a, b, extra[0], flapper]
+    wait_for(lambda: all(n.proc.poll() is not None for n in staying), 120, "every agent to exit")
+    for n in staying:
+        assert n.proc.returncode == 0, (n.name, n.output())
+    evs = c.events()
+    acts = [e.details["action"] for e in evs if e.kind == EventKind.ACTION]
+    assert set(acts) <= {"start", "ignore"}, acts  # no restart, swap, scale or stop because of the spares
+    assert sum(e.kind == EventKind.SPARE_LOST for e in evs) == 1
+    assert all((out / f"rank{r}.pt").exists() for r in range(4))
+    wait_for(lambda: not c.leftovers(), 30, "no process of the job left")
+
+
+def test_a_joining_spare_that_leaves_is_not_waited_for() -> None:
+    # the decision core alone: a member lost with no ready spare waits (--spare-wait) for the one joining; that
+    # one leaving before it joined ends the wait at once, rather than after spare_wait
+    cfg = SupervisorConfig(min_nodes=2, max_nodes=2, nproc_per_node=1, max_restarts=5, spare_wait=60.0)
+    core = SupervisorCore(cfg)
+    for n in ("a", "b"):
+        core.join(n, 1, 0.0)
+    core.form(0.0)
+    core.arriving("c", 1.0)
+    (wait,) = core.handle(Event(EventKind.AGENT_LOST, node="b", details={"reason": "disconnected"}), 2.0)
+    assert wait.action.kind == "ignore" and "c" in wait.action.reason
+    out = core.handle(Event(EventKind.AGENT_LOST, node="c", details={"reason": "left"}), 3.0)
+    assert [d.action.kind for d in out] == ["stop"], out
+    assert core.view(3.0).joining == ()
