@@ -178,36 +178,44 @@ def test_shard_from_the_peer_tier_and_a_bad_block_fetched_again(tmp_path: Path, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("damage_of", ["rank 1 only there", "bad block of rank 0"])
-def test_shard_from_the_compressed_persistent_tier(tmp_path: Path, workers: Workers, gcs: GCS,
-                                                   damage_of: str) -> None:
+def test_shard_from_the_compressed_persistent_tier(tmp_path: Path, workers: Workers, gcs: GCS) -> None:
     """Uploads compressed (bgzstd): its files are not blocks of the local copies, so a step whose bytes must
     come from there in part (rank 1's copies only there; a bad block of rank 0's local copy, no peer copy) is
-    read from the persistent tier's own copy, whole and consistent."""
+    read from the persistent tier's own copy, whole and consistent. One training for both damages: each is done
+    to a fresh copy of the trained local tiers and ledger (a restore writes to no tier, the bucket included)."""
     gcs.make_bucket("dt")
-    local = tmp_path / "ckpt" / "node{node}"
     step = "step_00000003"
-    flipped: list[str] = []
-
-    def damage() -> None:
-        for node in (0, 1):
-            shutil.rmtree(tmp_path / "ckpt" / f"node{node}" / "peer")
-        if damage_of == "rank 1 only there":
-            shutil.rmtree(tmp_path / "ckpt" / "node1" / step)
-        else:
-            flipped.append(flip_byte_in_shard(tmp_path / "ckpt" / "node0" / step, 0))
-
-    r0, r1 = train_then_restore(workers, tmp_path, ["--local", str(local), "--persistent", "gs://dt/run",
-                                                    "--persistent-every", "1"], damage,
-                                env={"RESILIENT_CKPT_COMPRESS": "bgzstd", **gcs.env()})
-    assert r1["restore"]["sources"]["__1_0.distcp"] == "persistent"
-    assert r0["restore"]["sources"]["__0_0.distcp"] == "persistent"
-    compressed = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_COMPRESS
+    common = ["--layout", "fsdp", "--steps", "4", "--interval", "1", "--persistent", "gs://dt/run",
+              "--persistent-every", "1"]
+    env = {"RESILIENT_CKPT_COMPRESS": "bgzstd", **gcs.env()}
+    trained = tmp_path / "trained"
+    ok(workers.run(SCRIPT, [*common, "--local", str(trained / "ckpt" / "node{node}"), "--out", str(tmp_path / "a")],
+                   2, env={"RESILIENT_RUN_DIR": str(trained / "run"), **env}, local_world_size=1, timeout=200))
+    compressed = [e for e in read_events(trained / "run") if e.kind == EventKind.CKPT_COMPRESS
                   and e.details.get("step") == 3]
     assert compressed and compressed[0].details["codec"] == "bgzstd", compressed
-    if flipped:
-        fails = tier_failures(tmp_path / "run")
-        assert any(f"{flipped[0]} block" in f.get("error", "") and f["tier"] == "local" for f in fails), fails
+    for damage_of in ("rank 1 only there", "bad block of rank 0"):
+        case = tmp_path / damage_of.replace(" ", "-")
+        shutil.copytree(trained, case)
+        for node in (0, 1):
+            shutil.rmtree(case / "ckpt" / f"node{node}" / "peer")
+        flipped = None
+        if damage_of == "rank 1 only there":
+            shutil.rmtree(case / "ckpt" / "node1" / step)
+        else:
+            flipped = flip_byte_in_shard(case / "ckpt" / "node0" / step, 0)
+        out = case / "b"
+        ok(workers.run(SCRIPT, [*common, "--local", str(case / "ckpt" / "node{node}"), "--out", str(out)], 2,
+                       env={"RESILIENT_RUN_DIR": str(case / "run"), **env}, local_world_size=1, timeout=200))
+        for rank in (0, 1):
+            assert dump(out, rank)["start"] == 4, damage_of
+            assert_equal_state(dump(tmp_path / "a", rank), dump(out, rank))
+        r0, r1 = dump(out, 0), dump(out, 1)
+        assert r1["restore"]["sources"]["__1_0.distcp"] == "persistent", damage_of
+        assert r0["restore"]["sources"]["__0_0.distcp"] == "persistent", damage_of
+        if flipped:
+            fails = tier_failures(case / "run")
+            assert any(f"{flipped} block" in f.get("error", "") and f["tier"] == "local" for f in fails), fails
 
 
 # ------------------------------------------------------------------ plain dcp.load, without resilient
