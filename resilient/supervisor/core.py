@@ -224,6 +224,7 @@ class SupervisorCore:
         self._joining: dict[str, float] = {}  # node -> when its agent said it is arriving (connected, warming up)
         # lost members whose decision waits for a joining spare: (the loss, until when), oldest first
         self._awaiting: list[tuple[Event, float]] = []
+        self._node_views: dict[str, tuple[tuple[Any, ...], NodeView]] = {}  # node -> (what it was made of, view)
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -336,13 +337,20 @@ class SupervisorCore:
     def view(self, now: float) -> JobView:
         gr = {n: i for i, n in enumerate(self._assignment.members)} if self._assignment else {}
         nodes = {}
+        views = self._node_views
         for n, node in self._nodes.items():
             self._prune(node, now)
             state = node.state if node.state is not None else NodeState.SPARE
             rank = gr.get(n) if state in (NodeState.ACTIVE, NodeState.LOST) else None
-            nodes[n] = NodeView(name=n, state=state, group_rank=rank, nproc=node.nproc, healthy=node.healthy,
-                                failures=len(node.failures), stragglers=len(node.stragglers),
-                                last_seen=node.last_seen)
+            key = (state, rank, node.nproc, node.healthy, len(node.failures), len(node.stragglers), node.last_seen)
+            cached = views.get(n)
+            if cached is None or cached[0] != key:
+                # a node's view is made again only when it changed: many spares joining in one pass each get a
+                # decision, and each decision a view of every node
+                cached = views[n] = (key, NodeView(name=n, state=state, group_rank=rank, nproc=node.nproc,
+                                                   healthy=node.healthy, failures=len(node.failures),
+                                                   stragglers=len(node.stragglers), last_seen=node.last_seen))
+            nodes[n] = cached[1]
         return JobView(nodes=nodes, min_nodes=self.cfg.min_nodes, max_nodes=self.cfg.max_nodes,
                        nproc_per_node=self.cfg.nproc_per_node, restarts_left=self.restarts_left,
                        attempt=self._assignment.attempt if self._assignment else 0, ckpt_steps=self._ckpt_steps,
