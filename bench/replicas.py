@@ -24,8 +24,9 @@ Measured:
 
     python bench/replicas.py [--quick] [--node-timeout 10] [--out bench/results/replicas.json]
 
-``--quick`` (under a minute here; ``tests/bench/test_replicas_quick.py`` runs it) uses 1 worker per node
-(``--tp 2``) and fewer steps. Prints a table and writes JSON.
+``--quick`` (under a minute here) uses 1 worker per node (``--tp 2``) and fewer steps. Prints a table and writes
+JSON. ``tests/cluster/test_replicas_2d.py`` runs the full scenario through this command line (``--node-timeout
+20``) and checks its figures and its goals.
 """
 
 from __future__ import annotations
