@@ -3,6 +3,7 @@
     python bench/checkpoint.py                    # about 6-8 minutes on 2 cores
     python bench/checkpoint.py --quick            # 32 MB large-tensor state, 2 repetitions
     python bench/checkpoint.py --only local       # one section (blocking, local, persistent, peer, hotswap, memory)
+    python bench/checkpoint.py --only local --profile   # and where one cold restore of each state spends its time
 
 Three states: today's *large* case (a few 16 MiB tensors, ``--mb``, 512 by default), a *GPT*-shaped one
 (7 blocks of width 512 with AdamW moments: 168 fp32 tensors from 2 KiB to 4 MiB, 252 MiB), and the same
@@ -272,7 +273,29 @@ def saved_files(step_dir: Path) -> list[Path]:
 DCP_MD = ".metadata"
 
 
-def bench_local_restore(states: dict[str, dict[str, Any]], work: Path, reps: int) -> dict[str, Any]:
+def profile_restore(ck_dir: Path, target: dict[str, Any], top: int = 15) -> list[dict[str, Any]]:
+    """One more cold local restore under cProfile: where the time goes (own time per function, the
+    largest first). Profiled times are inflated; read them as shares, not as figures."""
+    import cProfile
+    import pstats
+
+    from resilient.checkpoint.save.manager import CheckpointManager
+
+    ck = CheckpointManager(local=ck_dir, interval=1)
+    cold()
+    prof = cProfile.Profile()
+    prof.enable()
+    ck.restore(target)
+    prof.disable()
+    ck.close()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_s": round(tt, 4), "cum_s": round(ct, 4)}
+            for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
+def bench_local_restore(states: dict[str, dict[str, Any]], work: Path, reps: int,
+                        profile: bool = False) -> dict[str, Any]:
     """Local restore of each state, interleaved with a raw read of the same files into a reused buffer."""
     from resilient.checkpoint.save.manager import CheckpointManager
 
@@ -306,6 +329,8 @@ def bench_local_restore(states: dict[str, dict[str, Any]], work: Path, reps: int
         out[name] = {"bytes": sum(p.stat().st_size for p in files[name]), "tensors": len(flat_tensors(state)),
                      "raw_read_s": spread(r), "restore_s": spread(o), "throughput_ratio": paired(r, o),
                      "phases": phases[name]}
+        if profile:
+            out[name]["profile"] = profile_restore(work / f"local-{name}", targets[name])
     return out
 
 
@@ -661,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated sections to run")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     ap.add_argument("--work", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="local section: one more cold restore of each state under cProfile, its top functions "
+                         "in the results")
     ap.add_argument("--shape", default="large", help=argparse.SUPPRESS)
     ap.add_argument("--tier", default="local", help=argparse.SUPPRESS)
     ap.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
@@ -699,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         if "blocking" in only:
             results["blocking"] = bench_blocking(states["large"], work, saves, args.compute)
         if "local" in only:
-            results["restore_local"] = loc = bench_local_restore(states, work, reps)
+            results["restore_local"] = loc = bench_local_restore(states, work, reps, profile=args.profile)
             loc["x10_time_ratio"] = spread([a / b for a, b in zip(loc["gpt_x10"]["restore_s"]["all"],
                                                                    loc["gpt"]["restore_s"]["all"])])
             if "memory" in only:
