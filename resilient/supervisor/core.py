@@ -595,6 +595,7 @@ class SupervisorCore:
         out: list[Decision] = []
         if self._assignment is None or self._stopped or self._finished or self._preempted_end:
             return out
+        self._forget_gone(now)
         for name, n in list(self._nodes.items()):
             if n.returns_at is not None and now >= n.returns_at:
                 out += self._cooled_down(name, n, now)
@@ -627,6 +628,19 @@ class SupervisorCore:
         if p is not None and now - p.decided >= self.cfg.scale_up_wait:
             out += self._apply_scale_up(None, now, f"no checkpoint within {self.cfg.scale_up_wait:g} s")
         return out
+
+    def _forget_gone(self, now: float) -> None:
+        """Forget nodes lost longer ago than the failure window (and ``node_timeout``) that hold no place in the
+        job and no failure within the window: spares that come and go (each agent start a new name) would
+        otherwise grow every view, and every decision, without bound. One that comes back joins as new."""
+        horizon = max(self.cfg.failure_window, self.cfg.node_timeout)
+        members = set(self._assignment.members) if self._assignment is not None else set()
+        for name, n in list(self._nodes.items()):
+            if n.state is NodeState.LOST and name not in members and now - n.last_seen > horizon:
+                self._prune(n, now)
+                if not n.failures and not n.stragglers:
+                    del self._nodes[name]
+                    self._node_views.pop(name, None)
 
     def _cooled_down(self, name: str, n: _Node, now: float) -> list[Decision]:
         """A benched node's cool-down is over: a spare again if its agent still reports and is healthy (the

@@ -234,3 +234,26 @@ def test_a_joining_spare_that_leaves_is_not_waited_for() -> None:
     out = core.handle(Event(EventKind.AGENT_LOST, node="c", details={"reason": "left"}), 3.0)
     assert [d.action.kind for d in out] == ["stop"], out
     assert core.view(3.0).joining == ()
+
+
+def test_spares_that_come_and_go_for_hours_do_not_grow_the_view() -> None:
+    # every start of an agent is a new node name (host:pid): a spare restarted every few seconds for hours would
+    # otherwise leave thousands of lost nodes in every view, and every decision would walk them
+    cfg = SupervisorConfig(min_nodes=2, max_nodes=2, nproc_per_node=1, max_restarts=5, failure_window=60.0,
+                           node_timeout=10.0)
+    core = SupervisorCore(cfg)
+    for n in ("a", "b"):
+        core.join(n, 1, 0.0)
+    core.form(0.0)
+    t = 0.0
+    for i in range(2000):  # one spare start every 5 s, each gone 3 s later
+        t += 5.0
+        for m in ("a", "b"):
+            core.seen(m, t)
+        assert [d.action.kind for d in core.join(f"spare:{i}", 1, t)] == ["ignore"]
+        core.handle(Event(EventKind.AGENT_LOST, node=f"spare:{i}", details={"reason": "disconnected"}), t + 3.0)
+        assert not [d for d in core.tick(t + 3.0) if d.action.kind != "ignore"]
+    view = core.view(t + 3.0)
+    assert view.members == ("a", "b") and core.assignment.round == 0
+    # what stays is what the failure window can still speak of: the last minute's departures, not the 2,000
+    assert len(view.nodes) <= 2 + 60.0 / 5.0 + 1, len(view.nodes)
