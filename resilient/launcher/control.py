@@ -149,7 +149,14 @@ class ControlClient:
                 logger.debug("not hosting %s:%s (%s); joining as a client", host, port, e)
         hosting = store is not None
         if store is None:
-            store = T.connect_store(host, port, c.rendezvous_timeout)
+            try:
+                store = T.connect_store(host, port, c.rendezvous_timeout)
+            except (RuntimeError, OSError) as e:  # torch's DistNetworkError: nothing answered within the timeout
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise StoreLost(f"no job's store answered at {host}:{port} within {c.rendezvous_timeout:g} s "
+                                f"(--rendezvous-timeout; {first}): if the job's first host was lost, the job goes on "
+                                "at another node, which a new node finds only through an endpoint that follows it "
+                                "(a DNS name or a Kubernetes Service)") from None
         # the id names the job (torchrun's meaning): an endpoint serving another id is not ours to join
         if c.rdzv_id == T.ANY_JOB:
             raise JobRefused(f"--rdzv-id {T.ANY_JOB!r} is reserved; choose another id for the job")
