@@ -139,11 +139,24 @@ def _join_non_daemon_threads() -> None:
 def _flush_open_files() -> None:
     """Flush what finalisation would have flushed when it freed them: every open file object that still holds
     buffered writes (text layers first: they write into the buffered layer below them)."""
+    import _io
     import gc
     import io
 
-    # by type: isinstance would read each object's ``__class__``, which some proxies answer with a warning
-    files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase)]
+    objs = gc.get_objects()
+    # by type, each type once, through its MRO: isinstance would read each object's ``__class__`` (which some
+    # proxies answer with a warning), and an ABC check per object took seconds over a torch process's objects
+    bases = (_io._IOBase, io.IOBase)
+
+    def is_file_type(t: type) -> bool:
+        try:
+            return any(b in t.__mro__ for b in bases)
+        except Exception:  # noqa: BLE001 - a metaclass's own __mro__ that fails: not a file
+            return False
+
+    file_types = {t for t in {type(o) for o in objs} if is_file_type(t)}
+    files = [o for o in objs if type(o) in file_types]
+    del objs
     for f in sorted(files, key=lambda o: not isinstance(o, io.TextIOBase)):
         try:
             if not f.closed and f.writable():

@@ -80,3 +80,42 @@ def test_a_run_that_ends_right_after_its_last_save_loses_nothing(tmp_path, launc
     # and complete on disk on every tier (the commit marker is written last)
     for tier in (local, pers):
         assert list(tier.rglob("step_00000005/COMMITTED")), sorted(str(p) for p in tier.rglob("*"))
+
+
+def test_the_exit_flushes_every_kind_of_open_file_it_finds(tmp_path):
+    # _flush_open_files picks file objects by their types' MRO (each type checked once): the io module's own
+    # classes, a text layer over a buffered one, and a user's subclass of io.IOBase are all found and flushed
+    import io
+
+    from resilient.worker.exit_safety import _flush_open_files
+
+    class Notes(io.IOBase):  # a user's file-like class that buffers in Python
+        def __init__(self, path):
+            self.path, self.pending = path, []
+
+        def writable(self):
+            return True
+
+        def write(self, s):
+            self.pending.append(s)
+
+        def flush(self):
+            with open(self.path, "a") as f:
+                f.write("".join(self.pending))
+            self.pending = []
+
+    binary = open(tmp_path / "b.bin", "wb")
+    text = open(tmp_path / "t.txt", "w")
+    notes = Notes(tmp_path / "n.txt")
+    try:
+        binary.write(b"bytes")
+        text.write("text")
+        notes.write("notes")
+        _flush_open_files()
+        assert (tmp_path / "b.bin").read_bytes() == b"bytes"
+        assert (tmp_path / "t.txt").read_text() == "text"
+        assert (tmp_path / "n.txt").read_text() == "notes"
+    finally:
+        binary.close()
+        text.close()
+        notes.pending = []
