@@ -5,6 +5,8 @@ starts this process once (by exec, so it inherits none of the agent's threads), 
 the user's preload modules, proves it is still single-threaded and has no CUDA context, and then
 forks one child per worker on request. A child runs the user's script with ``runpy`` exactly as
 ``python -u script`` would (``sys.argv``, ``sys.path[0]``, ``__main__``).
+A worker the spawn starter starts as a fresh interpreter runs its program through this module too
+(``--run KIND TARGET ARGS``), so that it ends with the same fast exit as a forked one.
 
 Protocol over a Unix stream socket (inherited as fd ``argv[1]``), one JSON object a line:
 agent → zygote ``{"op": "spawn", "id": str, "argv": [...], "env": {...}, "cwd": str,
