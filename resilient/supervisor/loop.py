@@ -102,6 +102,7 @@ class SupervisorLoop:
         self._arrived: set[str] = set()  # agents that said they are arriving and have not joined (or left) yet
         self._passes = 0  # passes begun: the door closes in one, the job settles in a later one (a drain between)
         self._door_pass: int | None = None  # the pass that closed the door (see SupervisorChannel.close_door)
+        self._door_at = 0.0  # when (monotonic): arriving agents are waited for a short while after it
         self._preempted_end = False  # the final plan says preempted
         self._published: int | None = None  # the newest round whose plan agents can read
         self._last_pass: float | None = None  # monotonic time of the last pass: a long gap is this loop's stall
@@ -453,13 +454,20 @@ class SupervisorLoop:
             self.step(time.monotonic())
             self.settled.wait(self.cfg.tick)
 
-    def _close_door(self) -> None:
+    # an agent warming up reads the door every 0.25 s; one that died while warming (it never joined, so no presence
+    # connection tells of it) must not keep the job's end waiting for the whole linger
+    ARRIVING_AFTER_DOOR = 3.0
+
+    def _arriving_waited(self, now: float) -> set[str]:
+        return self._arrived if now - self._door_at < self.ARRIVING_AFTER_DOOR else set()
+
+    def _close_door(self, now: float) -> None:
         outcome = "preempted" if self._preempted_end else ("stopped" if self.core.stopped is not None else "succeeded")
         try:
             self.chan.close_door(outcome)
         except Exception as e:  # noqa: BLE001 - the store is ours; a failure here only costs a joiner its wait
             logger.debug("could not close the door: %s", e)
-        self._door_pass = self._passes
+        self._door_pass, self._door_at = self._passes, now
 
     def _check_finished(self, now: float) -> None:
         a = self.core.assignment
@@ -475,7 +483,7 @@ class SupervisorLoop:
                 if acks >= live:
                     # from now on a joining agent learns the end from the door, not from this store; what one sent
                     # before it read the door open is drained in a later pass, and that agent is waited for
-                    self._close_door()
-            elif self._passes > self._door_pass and acks >= live | self._arrived:
+                    self._close_door(now)
+            elif self._passes > self._door_pass and acks >= live | self._arriving_waited(now):
                 # spares still warming up watch the door and acknowledge once they see it closed
                 self.settled.set()
