@@ -18,11 +18,18 @@ def _ready_server() -> ForkServer:
     return fs
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: the signal takes effect only once the process runs again,
+    which on a loaded machine can be a while after kill() returned (until then it shows as running)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 60, f"process {pid} to stop")
+
+
 @pytest.mark.timeout(120)
 def test_close_returns_while_the_server_still_runs_and_the_server_is_reaped_once_it_ends():
     fs = _ready_server()
     pid = fs.proc.pid
-    os.kill(pid, signal.SIGSTOP)  # it cannot take the quit until it runs again
+    _stop(pid)  # it cannot take the quit until it runs again
     try:
         fs.close()
         # close() returned without waiting: the server is still there, stopped (a waiting close would have killed
@@ -40,7 +47,7 @@ def test_a_server_that_never_ends_is_killed_and_reaped_after_the_bound(monkeypat
     monkeypatch.setattr(starters, "_REAP_GRACE", 0.5)
     fs = _ready_server()
     pid = fs.proc.pid
-    os.kill(pid, signal.SIGSTOP)  # never runs again: only SIGKILL ends it
+    _stop(pid)  # never runs again: only SIGKILL ends it
     try:
         fs.close()
         assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
