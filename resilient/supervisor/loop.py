@@ -188,12 +188,7 @@ class SupervisorLoop:
                               details={"action": "start", "reason": f"{len(a.members)} node(s) joined", "id": 0,
                                        "round": a.round, "assignment": a.to_json()}))
             self._publish(a, action={"action": "start"}, decision_id=0)
-        # a stop decided in this pass supersedes every new round decided beside it: agents read one outcome
-        stop_id = next((d.id for d in out if d.action.kind == "stop"), None) if self.core.stopped else None
-        for d in out:
-            self._carry_out(d, superseded_by=stop_id if d.action.kind != "stop" else None)
-        for ev in self.core.take_notes():
-            self._write(ev)
+        self._carry_out_pass(out)
         self._check_finished(now)
         if self.cfg.host_node is not None and (hello or gone or out or self._succession_said is None):
             self._say_succession(now)
@@ -413,11 +408,16 @@ class SupervisorLoop:
             for i, n in enumerate(lost):
                 details = {"reason": "disconnected", **({"hosted_supervisor": True} if i == 0 else {})}
                 out += self.core.handle(Event(EventKind.AGENT_LOST, node=n, details=details), now)
-            stop_id = next((d.id for d in out if d.action.kind == "stop"), None) if self.core.stopped else None
-            for d in out:
-                self._carry_out(d, superseded_by=stop_id if d.action.kind != "stop" else None)
-            for ev in self.core.take_notes():
-                self._write(ev)
+            self._carry_out_pass(out)
+
+    def _carry_out_pass(self, out: list[Decision]) -> None:
+        """Carry out the decisions of one pass, then record the core's notes. A stop decided in the pass supersedes
+        every new round decided beside it: agents read one outcome."""
+        stop_id = next((d.id for d in out if d.action.kind == "stop"), None) if self.core.stopped else None
+        for d in out:
+            self._carry_out(d, superseded_by=stop_id if d.action.kind != "stop" else None)
+        for ev in self.core.take_notes():
+            self._write(ev)
 
     def _finish(self, reason: str, *, stop: bool, decision_id: int = 0, preempted: bool = False) -> None:
         # the round after the newest one published, not after the core's assignment: a new round decided beside a
