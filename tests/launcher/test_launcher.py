@@ -66,9 +66,11 @@ def test_crash_restart_gloo_always_works(tmp_path, scripts, rep):
     exits = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.WORKER_EXIT]
     assert exits[0].rank == 1 and exits[0].details["signal"] == "SIGKILL"
     assert EventKind.RESTART in kinds and kinds[-1] == EventKind.RUN_END
-    # the terminal names the failure as torchrun does: rank, pid, signal
+    # the terminal names the failure as torchrun does: rank, pid, signal. The killed rank comes first; rank 0 may
+    # be named after it when its barrier broke on the dead peer before the agent stopped it (seen under load)
     line = next(ln for ln in r.stderr.splitlines() if "restarting workers" in ln)
-    assert re.search(r"rank 1 \(local_rank: 1, pid: \d+\) failed \(signal: SIGKILL\); restarting workers", line), line
+    assert re.search(r"WARNING resilient\.launcher\.agent: rank 1 \(local_rank: 1, pid: \d+\) failed \(signal: SIGKILL\)"
+                     r"(; rank 0 \(local_rank: 0, pid: \d+\) failed \(exitcode: 1\): .*)?; restarting workers", line), line
     assert not leftovers(str(tmp_path))
 
 
