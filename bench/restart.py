@@ -169,14 +169,10 @@ def _restart_phases(path: Path, kill_walls: list[float | None]) -> list[dict]:
     """Where each restart's time went, from resilient-run's ledger (seconds after the kill): the agent saw the
     exit (``exit_seen``), the attempt's other workers were gone (``stopped``: its ``attempt_end``), the new
     workers were spawned (``spawned``: the next ``attempt_start``)."""
+    from resilient.events.follow import read_events
     if not path.exists():
         return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            continue
+    events = [e.to_json() for e in read_events(path)]  # every writer's file: workers' marks are not the agent's
     out = []
     for k, kt in enumerate(kill_walls):
         if kt is None:

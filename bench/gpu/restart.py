@@ -123,6 +123,12 @@ def _marks(path: Path) -> list[dict]:
     return out
 
 
+def _ledger(run_dir: Path) -> list[dict]:
+    """Every writer's events of a run (the agent's file is one of several: each worker process writes its own)."""
+    from resilient.events.follow import read_events
+    return [e.to_json() for e in read_events(run_dir)] if (run_dir / "events.jsonl").exists() else []
+
+
 def split(marks: list[dict], attempt: int, since: float) -> dict:
     """One attempt's start-up, phase by phase (seconds), from the recipe's marks; ``since``: the kill (or launch)."""
     m: dict[str, float] = {}
@@ -223,7 +229,7 @@ def run_one(launcher: str, compiled: bool, work: Path, model_args: list[str], ti
         if launcher != "torchrun":
             res["fork_server_after_restart"] = _fork_servers_clean(p.pid)
         if launcher != "torchrun":  # whether the fork server started the workers, from the run's ledger
-            res["methods"] = [e.get("details", {}).get("method") for e in _marks(d / "run" / "events.jsonl")
+            res["methods"] = [e.get("details", {}).get("method") for e in _ledger(d / "run")
                               if e.get("kind") == "attempt_start"]
         marks = _marks(timeline)
         res["first_attempt"] = split(marks, 0, t_launch)
