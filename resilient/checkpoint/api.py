@@ -35,6 +35,9 @@ class TierName(str, enum.Enum):
 DEFAULT_UPLOAD_GRACE_S = 60.0
 # consecutive saves that reached no tier before the job stops (resilient-run --ckpt-max-failed-saves)
 DEFAULT_MAX_FAILED_SAVES = 3
+# nice value of the checkpointer's background threads (CheckpointConfig.background_nice): measured by
+# bench/interference.py
+DEFAULT_BACKGROUND_NICE: int | str = 0
 # RUN_DIR/ckpt-stop/attempt<A>.rank<R>: this rank stopped training because its saves kept failing (JSON: steps,
 # tier, error, message); the launcher reads it to exit with its own code instead of "succeeded"
 CKPT_STOP_MARK_DIR = "ckpt-stop"
@@ -283,6 +286,11 @@ class CheckpointConfig:
     upload_grace_s: float | None = None  # at exit, pending uploads get this long; None: 60
     # consecutive saves that reach no tier before save() stops the job; 0: train on without checkpoints
     max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES
+    # scheduling priority of the background threads (save worker, uploader and the threads they start: local
+    # writes, peer sends, digests, compression, upload parts), so they yield the CPU to training: a nice value
+    # 1-19 (Linux applies it per thread), "idle" (SCHED_IDLE: only CPU time nothing else wants), or 0 to leave
+    # them at the process's own priority. The training thread and gloo's threads are never changed.
+    background_nice: int | str = DEFAULT_BACKGROUND_NICE
 
     def __post_init__(self) -> None:
         if not self.local and not self.persistent:
@@ -319,6 +327,16 @@ class CheckpointConfig:
             raise CheckpointConfigError(
                 f"max_failed_saves={raw_max!r}: give a whole number of consecutive failed saves >= 0 after which "
                 "the job stops (0 trains on without checkpoints; resilient-run --ckpt-max-failed-saves N)")
+        raw_nice = self.background_nice
+        if isinstance(raw_nice, str):
+            t = raw_nice.strip().lower()
+            self.background_nice = "idle" if t == "idle" else int(t) if t.lstrip("-").isdigit() else raw_nice
+        if not (self.background_nice == "idle" or (isinstance(self.background_nice, int)
+                                                   and not isinstance(self.background_nice, bool)
+                                                   and 0 <= self.background_nice <= 19)):
+            raise CheckpointConfigError(
+                f"background_nice={raw_nice!r}: give a nice value from 0 (the process's own priority) to 19 "
+                "(lowest) for the checkpoint's background threads, or 'idle' (SCHED_IDLE)")
         for name in ("keep_local", "keep_peer", "keep_persistent"):
             if int(getattr(self, name)) < 1:
                 raise CheckpointConfigError(f"{name}={getattr(self, name)}: must keep at least 1 step")

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from resilient import env as _env
 from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, CheckpointConfig, CheckpointConfigError,
                                       CheckpointError, CheckpointSavesFailedError, DCP_METADATA,
+                                      DEFAULT_BACKGROUND_NICE,
                                       DEFAULT_MAX_FAILED_SAVES, FileEntry, Manifest, RestoreResult, TierName)
 from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry
 from resilient.checkpoint.format.layout import manifest_name
@@ -54,6 +55,7 @@ from resilient.checkpoint.replicate.peer import PeerRing
 from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
 from resilient.checkpoint.restore.restore import Restorer
 from resilient.checkpoint.save.interval import IntervalTuner
+from resilient.checkpoint.save.priority import lower_thread_priority
 from resilient.checkpoint.save.stage import MutationGuard, Stager
 from resilient.checkpoint.save.writer import MemoryWriter
 from resilient.checkpoint.storage.collective import Ranks
@@ -206,7 +208,8 @@ class CheckpointManager:
                  upload_backoff_s: float = 0.5, upload_backoff_max_s: float = 8.0,
                  collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
-                 upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES):
+                 upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES,
+                 background_nice: int | str = DEFAULT_BACKGROUND_NICE):
         if upload_grace_s is None:  # the job's --upload-grace, when resilient-run started this process
             try:
                 upload_grace_s = _env.upload_grace_s()
@@ -219,7 +222,7 @@ class CheckpointManager:
             upload_backoff_s=upload_backoff_s, upload_backoff_max_s=upload_backoff_max_s,
             collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
             persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
-            upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves)
+            upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves, background_nice=background_nice)
         cfg = self.config
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
@@ -294,7 +297,7 @@ class CheckpointManager:
         self._up = Uploader(self._ctx, self._interval)
         self._uploader: Uploader | None = None
         if self.persistent is not None:
-            self._up.start()
+            self._up.start(on_start=self._lower_priority)
             self._uploader = self._up
         # a script that ends right after its last save() must not lose it with the daemon threads
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -411,7 +414,12 @@ class CheckpointManager:
             raise CheckpointError(f"{what} did not finish within {self.config.collective_timeout_s:.0f} s; "
                                   "is a rank stuck or its disk hung?")
 
+    def _lower_priority(self) -> None:
+        """In a background thread, before its first job: yield the CPU to training (``background_nice``)."""
+        lower_thread_priority(self.config.background_nice)
+
     def _save_loop(self) -> None:
+        self._lower_priority()
         while True:
             job = self._jobs.get()
             if job is None:

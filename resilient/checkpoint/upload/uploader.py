@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,15 @@ class Uploader(Component):
         self.last_error: str | None = None  # this rank's error of the last failed upload
         self._collective = threading.Event()  # set while the upload thread is inside a collective on its group
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._upload_loop, name="resilient-ckpt-upload", daemon=True)
+    def start(self, on_start: Callable[[], Any] | None = None) -> None:
+        """Start the upload thread; it first calls ``on_start`` (the manager lowers its priority there, which
+        the threads it starts inherit)."""
+        def run() -> None:
+            if on_start is not None:
+                on_start()
+            self._upload_loop()
+
+        self._thread = threading.Thread(target=run, name="resilient-ckpt-upload", daemon=True)
         self._thread.start()
 
     def drain(self, deadline: float) -> bool:
