@@ -12,7 +12,11 @@ Restarts in place for what a restart fixes; takes a node out only on node-level 
 * a node swapped out while its agent is connected is benched, not cordoned: after ``cool_down`` (600 s), if
   its agent still reports and is healthy, it is a warm spare again.
 * a spare joins while the job runs below MAX: ``ScaleUp`` at the next checkpoint boundary.
-* straggler, preemption notice: ``Ignore`` (recorded; the agents save on a notice).
+* straggler: ``Ignore`` (recorded).
+* preemption notice from a member: every rank stops after one agreed step and saves it; its place goes to a
+  free spare (``HotSwap``), or the job shrinks without it (``ScaleDown``) if MIN allows, once that step is
+  saved; neither possible: every node exits 75 (preempted) for the scheduler to requeue. A notice from a
+  spare: it leaves.
 * with ``--nodes-per-replica K``: a swap replaces one node inside its replica; without a spare the broken node's
   whole replica is dropped (its healthy nodes are warm spares at once), and the job grows back by whole replicas
   (K free spares: e.g. a returning node and the benched one).
