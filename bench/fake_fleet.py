@@ -8,15 +8,26 @@ with a signed hello, as a real agent does. Per agent:
 
 * join: ``JOIN`` (nproc, pid, host), wait for the presence address, open the presence connection;
 * every second, ``HB`` (round, active);
-* every 0.5 s (random phase), look for the next plan as ``ControlClient._new_plan`` does (``has_round(r+1)``, then
-  ``latest``, then the signed plan); a new one is taken and acknowledged (``ACK``);
+* every ``--poll`` seconds (0.5 by default, random phase), look for the next plan as ``ControlClient._new_plan``
+  does (``has_round(r+1)``, then ``latest``, then the signed plan); a new one is taken and acknowledged (``ACK``);
+  when each agent finished reading each plan is kept (per round: how many read it, the first and the last read,
+  and the longest read, from the start of the poll that found it), so the bench can say when the last agent had
+  the plan, not only when it was published;
 * while measuring, random failures: ``EVENT`` with a ``worker_exit`` (exit code 1) of a random rank of a
   random active agent of this process, at most one per agent and round (a real agent's workers are stopped
   after their first failure until the next plan).
 
+Every agent reads every plan from the store (the bytes cross the wire once per agent, as in a real fleet), but
+one process checks the signature of, parses and indexes identical plan bytes once for all its agents: the
+bench measures the supervisor and its store, and a fleet that spent its CPU parsing the same 100 KB plan two
+hundred times would itself be what runs late. How late the fleet ran (its timer heap's lateness) is reported
+per phase.
+
 Driven by the bench over stdin/stdout, one JSON object a line. Commands: ``spares`` (join the spare
-agents: they must come after the first assignment), ``measure`` (start the faults and the counters),
-``stop`` (print the figures), ``exit`` or end of input (leave: close everything and exit).
+agents: they must come after the first assignment), ``phase NAME RATE`` (start a measured phase: its own
+counters, and worker exits at RATE per second from this process; ``measure`` is ``phase measure`` at
+``--fault-rate``), ``stop`` (end the phase and print the figures of every phase), ``exit`` or end of input
+(leave: close everything and exit).
 """
 
 from __future__ import annotations
@@ -40,10 +51,8 @@ sys.path.insert(0, str(REPO))
 
 from resilient.events.api import Event, EventKind  # noqa: E402
 from resilient.supervisor import transport as T  # noqa: E402
-from resilient.supervisor.core import Assignment  # noqa: E402
 
 HB_PERIOD = 1.0
-POLL_PERIOD = 0.5
 
 
 def say(**kv: object) -> None:
@@ -51,10 +60,58 @@ def say(**kv: object) -> None:
     sys.stdout.flush()
 
 
+class PlanCache:
+    """The plans this process has opened: identical bytes are checked, parsed and indexed once for all its agents
+    (every agent still reads them from the store); per round, when its agents finished reading it."""
+
+    def __init__(self, signer: T.Signer):
+        self.signer = signer
+        self._raw: dict[int, tuple[bytes, dict, dict[str, int]]] = {}  # round -> (bytes, plan, base rank per member)
+        self.reads: dict[int, list[float]] = {}  # round -> [n, first done, last done, longest read]
+
+    def open(self, keys: T.Keys, store: object, round_: int, term: int | None) -> tuple[dict, dict[str, int]] | None:
+        """``AgentChannel.plan``'s checks, on bytes read by this agent's own client."""
+        raw = store.get(keys.plan(round_))  # type: ignore[attr-defined]
+        hit = self._raw.get(round_)
+        if hit is not None and hit[0] == raw:
+            plan, ranks = hit[1], hit[2]
+        else:
+            try:
+                plan = self.signer.open(raw)
+            except T.BadMessage:
+                return None
+            ranks: dict[str, int] = {}
+            if not plan.get("final"):
+                a = plan["assignment"]
+                r = 0
+                for m in a["members"]:
+                    ranks[m] = r
+                    r += int(a["nproc"][m])
+            self._raw[round_] = (raw, plan, ranks)
+            for old in [k for k in self._raw if k < round_ - 2]:
+                del self._raw[old]
+        if plan.get("round") != round_ or not isinstance(plan.get("term"), int):
+            return None
+        if term is not None and plan["term"] < term:
+            return None
+        return plan, ranks
+
+    def read(self, round_: int, started: float, done: float) -> None:
+        r = self.reads.get(round_)
+        if r is None:
+            self.reads[round_] = [1, done, done, done - started]
+        else:
+            r[0] += 1
+            r[1] = min(r[1], done)
+            r[2] = max(r[2], done)
+            r[3] = max(r[3], done - started)
+
+
 class FakeAgent:
-    def __init__(self, name: str, nproc: int, store: object, signer: T.Signer, stats: dict[str, int]):
+    def __init__(self, name: str, nproc: int, store: object, signer: T.Signer, stats: dict[str, int],
+                 plans: PlanCache):
         self.name, self.nproc, self.stats = name, nproc, stats
-        self.store = store
+        self.store, self.plans = store, plans
         self.chan = T.AgentChannel(store, signer, name)
         self.round, self.active, self.base_rank, self.final = -1, False, 0, False
         self.reported_round: int | None = None
@@ -83,27 +140,31 @@ class FakeAgent:
     def poll(self) -> bool:
         """``ControlClient._new_plan`` and what follows it (take the round, acknowledge); True when a plan came."""
         s = self.stats
+        started = time.monotonic()
         try:
             s["check"] += 1
             if not self.chan.has_round(self.round + 1):
                 return False
             s["get"] += 2
             latest = self.chan.latest_round()
-            plan = self.chan.plan(latest if latest > self.round else self.round + 1)
+            got = self.plans.open(self.chan.keys, self.store, latest if latest > self.round else self.round + 1,
+                                  self.chan.term)
         except Exception:  # noqa: BLE001
             s["errors"] += 1
             return False
-        if plan is None or int(plan.get("round", -1)) <= self.round:
+        if got is None or int(got[0].get("round", -1)) <= self.round:
             return False
+        plan, ranks = got
+        self.plans.read(int(plan["round"]), started, time.monotonic())
+        self.chan.term = plan["term"]
         s["plans"] += 1
         self.round = int(plan["round"])
         self.send(T.MessageKind.ACK, round=self.round)
         if plan.get("final"):
             self.final, self.active = True, False
             return True
-        a = Assignment.from_json(plan["assignment"])
-        self.active = self.name in a.members
-        self.base_rank = a.base_rank(self.name) if self.active else 0
+        self.active = self.name in ranks
+        self.base_rank = ranks.get(self.name, 0)
         return True
 
     def fail(self, rng: random.Random) -> float | None:
@@ -130,6 +191,7 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--fault-rate", type=float, default=0.25, help="worker exits per second from this process")
     ap.add_argument("--shared-client", action="store_true", help="one TCPStore client for all agents")
+    ap.add_argument("--poll", type=float, default=0.5, help="seconds between two plan checks of an agent")
     ap.add_argument("--timeout", type=float, default=30.0, help="bound on every store call")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -140,6 +202,8 @@ def main() -> int:
         print("fake_fleet: set RESILIENT_JOB_SECRET", file=sys.stderr)
         return 2
     signer = T.Signer(secret)
+    plans = PlanCache(signer)
+    poll_period = args.poll
     rng = random.Random(args.seed)
     stats: dict[str, int] = {k: 0 for k in ("push_join", "push_hb", "push_event", "push_ack", "check", "get",
                                             "plans", "errors")}
@@ -160,13 +224,13 @@ def main() -> int:
             with ThreadPoolExecutor(max(1, len(names))) as ex:
                 stores = list(ex.map(lambda _n: T.connect_store(host, int(port), args.timeout), names))
         for name, store in zip(names, stores):
-            ag = FakeAgent(name, args.nproc, store, signer, stats)
+            ag = FakeAgent(name, args.nproc, store, signer, stats, plans)
             presence_addr = ag.join(presence_addr, signer, args.timeout)
             agents.append(ag)
             now = time.monotonic()
             i = len(agents) - 1
             heapq.heappush(heap, (now + rng.random() * HB_PERIOD, seq, i, "hb"))
-            heapq.heappush(heap, (now + rng.random() * POLL_PERIOD, seq + 1, i, "poll"))
+            heapq.heappush(heap, (now + rng.random() * poll_period, seq + 1, i, "poll"))
             seq += 2
 
     t0 = time.monotonic()
@@ -176,14 +240,36 @@ def main() -> int:
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
     inbuf = b""
-    measuring = False
     ready_said = False
     spares_joined = not args.spares
-    m0: dict[str, int] = {}
-    tm0 = 0.0
-    late: list[float] = []
+    # the phase being measured: its name, counters at its start, start time, fault rate, lateness samples
+    phase: dict | None = None
+    phases: dict[str, dict] = {}
     faults: list[dict] = []
     next_fault = float("inf")
+
+    def end_phase() -> None:
+        nonlocal phase, next_fault
+        if phase is None:
+            return
+        late = sorted(phase["late"])
+        phases[phase["name"]] = {
+            "wall": time.monotonic() - phase["t0"], "rate": phase["rate"],
+            "counts": {k: stats[k] - phase["m0"].get(k, 0) for k in stats},
+            "late_p50": late[len(late) // 2] if late else None,
+            "late_p99": late[int(0.99 * (len(late) - 1))] if late else None,
+            "late_max": late[-1] if late else None,
+            "late_over_100ms": sum(1 for x in late if x > 0.1) / len(late) if late else None,
+        }
+        phase, next_fault = None, float("inf")
+
+    def start_phase(name: str, rate: float) -> None:
+        nonlocal phase, next_fault
+        end_phase()
+        now = time.monotonic()
+        phase = {"name": name, "rate": rate, "m0": dict(stats), "t0": now, "late": []}
+        next_fault = (now + rng.expovariate(rate)) if rate > 0 else float("inf")
+
     try:
         while True:
             now = time.monotonic()
@@ -196,56 +282,56 @@ def main() -> int:
                 inbuf += data
             while b"\n" in inbuf:
                 line, inbuf = inbuf.split(b"\n", 1)
-                cmd = line.decode().strip()
-                if cmd == "exit":
+                cmd = line.decode().split()
+                if not cmd:
+                    continue
+                if cmd[0] == "exit":
                     return 0
-                if cmd == "spares" and not spares_joined:
+                if cmd[0] == "spares" and not spares_joined:
                     add([n for n in args.spares.split(",") if n])
                     spares_joined = True
-                elif cmd == "measure":
-                    measuring = True
-                    m0, tm0 = dict(stats), time.monotonic()
-                    next_fault = (tm0 + rng.expovariate(args.fault_rate)) if args.fault_rate > 0 else float("inf")
-                elif cmd == "stop":
-                    wall = time.monotonic() - tm0
-                    measuring = False
-                    next_fault = float("inf")
-                    late.sort()
+                elif cmd[0] == "measure":
+                    start_phase("measure", args.fault_rate)
+                elif cmd[0] == "phase" and len(cmd) == 3:
+                    start_phase(cmd[1], float(cmd[2]))
+                elif cmd[0] == "stop":
+                    end_phase()
+                    one = next(iter(phases.values()), {})
                     say(result={
-                        "agents": len(agents), "wall": wall,
-                        "counts": {k: stats[k] - m0.get(k, 0) for k in stats},
-                        "faults": faults,
-                        "late_p50": late[len(late) // 2] if late else None,
-                        "late_p99": late[int(0.99 * (len(late) - 1))] if late else None,
-                        "late_max": late[-1] if late else None,
+                        "agents": len(agents), "faults": faults, "phases": phases,
+                        "plan_reads": {str(k): v for k, v in plans.reads.items()},
                         "rounds": sorted({a.round for a in agents}),
+                        # the first phase's figures under the keys of earlier versions
+                        "wall": one.get("wall"), "counts": one.get("counts", {}),
+                        "late_p50": one.get("late_p50"), "late_p99": one.get("late_p99"),
+                        "late_max": one.get("late_max"),
                     })
             now = time.monotonic()
             while heap and heap[0][0] <= now:
                 due, s, i, kind = heapq.heappop(heap)
                 ag = agents[i]
-                if measuring:
-                    late.append(now - due)
+                if phase is not None:
+                    phase["late"].append(now - due)
                 if kind == "hb":
                     ag.heartbeat()
                     nxt = due + HB_PERIOD
                 else:
                     ag.poll()
-                    nxt = due + POLL_PERIOD
+                    nxt = due + poll_period
                 # far behind (a starved process): skip ahead rather than burst
                 heapq.heappush(heap, (max(nxt, now), s, i, kind))
                 now = time.monotonic()
             if not ready_said and spares_joined and agents and all(a.round >= 0 for a in agents):
                 ready_said = True
                 say(ready=True, agents=len(agents))
-            if measuring and now >= next_fault:
-                next_fault += rng.expovariate(args.fault_rate)
+            if phase is not None and now >= next_fault:
+                next_fault += rng.expovariate(phase["rate"])
                 cands = [a for a in agents if a.active and not a.final and a.reported_round != a.round]
                 if cands:
                     ag = rng.choice(cands)
                     t = ag.fail(rng)
                     if t is not None:
-                        faults.append({"node": ag.name, "attempt": ag.round, "t": t})
+                        faults.append({"node": ag.name, "attempt": ag.round, "t": t, "phase": phase["name"]})
     finally:
         for a in agents:
             a.close()

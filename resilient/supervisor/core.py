@@ -225,6 +225,11 @@ class SupervisorCore:
         # lost members whose decision waits for a joining spare: (the loss, until when), oldest first
         self._awaiting: list[tuple[Event, float]] = []
         self._node_views: dict[str, tuple[tuple[Any, ...], NodeView]] = {}  # node -> (what it was made of, view)
+        # no node's timer (cool-down, --node-timeout, forgetting) can fire before this: a pass does not look at every
+        # node when none can be due (O(changes) per pass, not O(nodes)). Recomputed by the tick that scans; every
+        # entry point that may change a node's state or place sets it back to -inf (only ``seen`` does not: it only
+        # moves a node's timeout later)
+        self._timers_due = float("-inf")
 
     # ------------------------------------------------------------------------------------------ state
     @property
@@ -252,6 +257,7 @@ class SupervisorCore:
     def done(self, node: str, now: float) -> list[Decision]:
         """``node``'s workers of the current round all finished (exit 0): while a member's preemption is
         pending, the other members' workers finishing means they stopped after the agreed step, saved."""
+        self._timers_due = float("-inf")
         p = self._preempting
         if p is None or self._stopped or self._finished or self._preempted_end:
             return []
@@ -279,6 +285,7 @@ class SupervisorCore:
 
     def adopt(self, assignment: Assignment, now: float) -> None:
         """Rebuild from an assignment the agents report (supervisor restarted mid-run)."""
+        self._timers_due = float("-inf")
         self._assignment = assignment
         for n in (*assignment.members, *assignment.spares):
             node = self._nodes.get(n)
@@ -325,6 +332,7 @@ class SupervisorCore:
     def arriving(self, node: str, now: float) -> None:
         """``node``'s agent connected and is warming up: a joining spare once the job runs (until it joins, or for
         ``spare_wait`` seconds)."""
+        self._timers_due = float("-inf")
         n = self._nodes.get(node)
         if self._assignment is None or (n is not None and n.state is not NodeState.LOST) or node in self._joining:
             return
@@ -366,6 +374,7 @@ class SupervisorCore:
 
     # ------------------------------------------------------------------------------------------ joining
     def join(self, node: str, nproc: int, now: float) -> list[Decision]:
+        self._timers_due = float("-inf")
         if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
             raise ValueError(f"join: nproc of {node} must be an integer >= 1, got {nproc!r}")
         n = self._nodes.get(node)
@@ -418,6 +427,7 @@ class SupervisorCore:
         return now - nth >= last_call
 
     def form(self, now: float) -> Assignment:
+        self._timers_due = float("-inf")
         if self._assignment is not None:
             raise RuntimeError("form: the job already has an assignment; changes go through handle()")
         if len(self._nodes) < self.cfg.min_nodes:
@@ -446,6 +456,7 @@ class SupervisorCore:
 
     # ------------------------------------------------------------------------------------------ events
     def handle(self, event: Event, now: float) -> list[Decision]:
+        self._timers_due = float("-inf")
         if event.kind is EventKind.NODE_JOINED:
             n = self._nodes.get(event.node)
             if n is None or n.state is NodeState.LOST:
@@ -595,20 +606,10 @@ class SupervisorCore:
         out: list[Decision] = []
         if self._assignment is None or self._stopped or self._finished or self._preempted_end:
             return out
-        self._forget_gone(now)
-        for name, n in list(self._nodes.items()):
-            if n.returns_at is not None and now >= n.returns_at:
-                out += self._cooled_down(name, n, now)
-                if self._stopped:
-                    return out
-        for name, n in list(self._nodes.items()):
-            if n.state in (NodeState.ACTIVE, NodeState.SPARE) and now - n.last_seen > self.cfg.node_timeout:
-                ev = Event(kind=EventKind.AGENT_LOST, node=name, attempt=None,
-                           details={"reason": "timeout", "last_seen_age": round(now - n.last_seen, 3)},
-                           mono=now, wall=time.time())
-                out += self.handle(ev, now)
-                if self._stopped:
-                    return out
+        if now >= self._timers_due:
+            out += self._node_timers(now)
+            if self._stopped:
+                return out
         while self._awaiting and now >= self._awaiting[0][1]:
             lost, _ = self._awaiting.pop(0)
             late = [n for n, t in self._joining.items() if now - t >= self.cfg.spare_wait]
@@ -628,6 +629,45 @@ class SupervisorCore:
         if p is not None and now - p.decided >= self.cfg.scale_up_wait:
             out += self._apply_scale_up(None, now, f"no checkpoint within {self.cfg.scale_up_wait:g} s")
         return out
+
+    def _node_timers(self, now: float) -> list[Decision]:
+        """Every node's timers: forgotten, back from a cool-down, silent past ``node_timeout``; then when the next
+        can fire at the earliest."""
+        out: list[Decision] = []
+        self._timers_due = float("-inf")  # stays so if a stop ends the scan early
+        self._forget_gone(now)
+        for name, n in list(self._nodes.items()):
+            if n.returns_at is not None and now >= n.returns_at:
+                out += self._cooled_down(name, n, now)
+                if self._stopped:
+                    return out
+        for name, n in list(self._nodes.items()):
+            if n.state in (NodeState.ACTIVE, NodeState.SPARE) and now - n.last_seen > self.cfg.node_timeout:
+                ev = Event(kind=EventKind.AGENT_LOST, node=name, attempt=None,
+                           details={"reason": "timeout", "last_seen_age": round(now - n.last_seen, 3)},
+                           mono=now, wall=time.time())
+                out += self.handle(ev, now)
+                if self._stopped:
+                    return out
+        self._timers_due = self._next_timer()
+        return out
+
+    def _next_timer(self) -> float:
+        """The earliest time at which a node's timer can fire, from the state as it is (each bound is at or before
+        the time its condition in :meth:`_node_timers` first holds)."""
+        due = float("inf")
+        timeout = self.cfg.node_timeout
+        horizon = max(self.cfg.failure_window, timeout)
+        members = set(self._assignment.members) if self._assignment is not None else set()
+        for name, n in self._nodes.items():
+            if n.returns_at is not None and n.returns_at < due:
+                due = n.returns_at
+            if n.state is NodeState.ACTIVE or n.state is NodeState.SPARE:
+                due = min(due, n.last_seen + timeout)
+            elif n.state is NodeState.LOST and name not in members:
+                newest = max(max(n.failures, default=float("-inf")), max(n.stragglers, default=float("-inf")))
+                due = min(due, max(n.last_seen + horizon, newest + self.cfg.failure_window))
+        return due - 1e-6  # a sum's rounding must not put the bound after the moment its difference test holds
 
     def _forget_gone(self, now: float) -> None:
         """Forget nodes lost longer ago than the failure window (and ``node_timeout``) that hold no place in the
