@@ -1,0 +1,281 @@
+"""How much background checkpoint work slows the GPT recipe's training steps, per tier and per lever.
+
+Two ranks (gloo, one per "node", so peer replication runs) train the recipe's GPT (``recipes/pytorch/model.py``,
+DDP, AdamW, the shipped corpus) one micro-batch a step. Each case trains a window of steps, timed as wall
+time on the training thread, with:
+
+* ``none``: no checkpointing (the baseline; every repetition has its own);
+* ``local``: a ``CheckpointManager`` with the local tier only;
+* ``peer``: local + replication to the partner node;
+* ``persistent``: local + peer + uploads of every save to a ``file://`` store;
+
+each saved every step (``--intervals 1``) and every N steps (a save at the first step of each period of N, so each
+save's background work falls inside the window), and each with every lever value of ``--levers``
+(``CheckpointConfig.background_nice``: 0 leaves the threads at the process's priority; 1-19 a nice value per
+thread; ``idle`` SCHED_IDLE). Cases run interleaved: each repetition runs every case once, in an order of its
+own. A case's overhead is its window's wall over the baseline's of the same repetition, minus one; the table
+gives the median over repetitions and the spread (min-max).
+
+At the auto interval: ``--ckpt-interval auto`` saves so rarely on a real job (Young/Daly with the 6 h prior) that a
+window would hold no save; the figure is derived from the measured cost of one save (the wall it added, blocking
+included, at the sparsest measured interval) and the interval the real ``IntervalTuner`` picks for that cost and
+the clean step: overhead = cost / (interval x clean step).
+
+On a CPU machine training and the checkpoint threads compete for the same cores (``--threads`` intra-op threads
+per rank, 1 by default, so two ranks fill two cores); on a GPU job the step runs on the GPU and the threads
+compete only with the data loader and Python, so these figures bound the GPU case from above.
+
+    python bench/interference.py [--reps 5] [--steps 30] [--intervals 1,10] [--levers 0,19,idle]
+        [--n-layer 4 --d-model 256] [--tiers local,peer,persistent]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "recipes" / "pytorch"))
+
+TIERS = ("local", "peer", "persistent")
+
+
+def _cases(args: argparse.Namespace) -> list[dict]:
+    out = [{"name": "none", "tier": "none", "nice": 0, "interval": 1}]
+    for interval in args.intervals:
+        for tier in args.tiers:
+            for nice in args.levers:
+                out.append({"name": f"{tier}/every{interval}/nice={nice}", "tier": tier, "nice": nice,
+                            "interval": interval})
+    return out
+
+
+def _lever(text: str) -> int | str:
+    t = text.strip().lower()
+    return "idle" if t == "idle" else int(t)
+
+
+def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Namespace, out: str) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    for k in [k for k in os.environ if k.startswith("RESILIENT_")]:
+        del os.environ[k]  # no ledger, no agent: the manager alone
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from model import GPT, CorpusWindows, GPTConfig, load_corpus
+
+    from resilient.checkpoint.save.manager import CheckpointManager
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
+    model = GPT(cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = CorpusWindows(load_corpus(), cfg.seq_len)
+    g = torch.Generator().manual_seed(rank)
+    state = {"model": model, "optim": optim}
+    loss_sum = torch.zeros(())
+
+    def train_step() -> None:
+        idx = torch.randint(len(data), (args.batch,), generator=g).tolist()
+        x = torch.stack([data[j][0] for j in idx])
+        y = torch.stack([data[j][1] for j in idx])
+        optim.zero_grad(set_to_none=True)
+        logits = ddp(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optim.step()
+        loss_sum.copy_(loss.detach())
+        dist.all_reduce(loss_sum)  # as the recipe does: the step's mean loss on every rank
+
+    for _ in range(args.warmup):
+        train_step()
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
+        sum(v.numel() * v.element_size() for s in optim.state.values() for v in s.values() if torch.is_tensor(v))
+    cases = _cases(args)
+    rows = []
+    step_no = 0
+    for rep in range(args.reps):
+        order = list(range(len(cases)))
+        random.Random(1000 + rep).shuffle(order)  # the same order on both ranks
+        for ci in order:
+            case = cases[ci]
+            ck = None
+            d = Path(root) / f"r{rep}c{ci}"
+            if case["tier"] != "none":
+                ck = CheckpointManager(
+                    local=str(d / "local{node}"), peer=case["tier"] != "local",
+                    persistent=f"file://{d / 'store'}" if case["tier"] == "persistent" else None,
+                    interval=1, persistent_every=1, keep_local=2, keep_peer=2, keep_persistent=2,
+                    background_nice=case["nice"], upload_grace_s=120, collective_timeout_s=300)
+                for _ in range(2):  # the first save allocates the staging buffers: outside the window
+                    train_step()
+                    ck.save(step_no, state)
+                    step_no += 1
+                ck.wait(timeout=300, upload_timeout=300)
+            else:
+                for _ in range(2):
+                    train_step()
+            dist.barrier()
+            times, blocking, saves = [], 0.0, 0
+            t_start, cpu_start = time.perf_counter(), time.process_time()
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                train_step()
+                if ck is not None and i % case["interval"] == 0:
+                    t1 = time.perf_counter()
+                    ck.save(step_no, state)
+                    blocking += time.perf_counter() - t1
+                    saves += 1
+                step_no += 1
+                times.append(time.perf_counter() - t0)
+            wall = time.perf_counter() - t_start
+            if ck is not None:
+                ck.wait(timeout=300, upload_timeout=300)
+            # CPU time of the whole process (training, checkpoint and gloo threads), the window's saves finished:
+            # what the saves cost whatever else the machine runs
+            cpu = time.process_time() - cpu_start
+            if ck is not None:
+                ck.close(timeout=300)
+            mine = {"rep": rep, "case": case["name"], "wall": wall, "median_step": statistics.median(times),
+                    "blocking": blocking, "saves": saves, "cpu": cpu}
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, mine)
+            if rank == 0:
+                # the job runs at its slowest rank's pace (DDP waits for it every step)
+                slow = max(everyone, key=lambda r: r["wall"])
+                rows.append({**slow, "walls": [r["wall"] for r in everyone]})
+                print(f"rep {rep} {case['name']:<34} wall {slow['wall']:.3f} s  median step "
+                      f"{slow['median_step'] * 1e3:.1f} ms  blocking {slow['blocking'] * 1e3:.0f} ms", flush=True)
+            dist.barrier()
+            shutil.rmtree(d, ignore_errors=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rows": rows, "state_bytes_per_rank": nbytes}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _auto(cost_s: float, blocking_s: float, clean_step_s: float) -> tuple[int, float]:
+    """The interval the real tuner picks for a save costing ``cost_s`` of wall (``blocking_s`` of it blocking),
+    with its default prior; and the share of wall the saves then take."""
+    from resilient.checkpoint.save.interval import IntervalTuner
+
+    tuner = IntervalTuner()
+    for _ in range(64):
+        tuner.observe_step(clean_step_s)
+        tuner.observe_save(blocking_s)
+        tuner.observe_interference(max(0.0, cost_s - blocking_s))
+    steps = max(1, int(tuner.interval_steps()))
+    return steps, max(0.0, cost_s) / (steps * clean_step_s)
+
+
+def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
+    base = {r["rep"]: r for r in rows if r["case"] == "none"}
+    cases: dict[str, dict] = {}
+    for r in rows:
+        if r["case"] == "none":
+            continue
+        b = base[r["rep"]]
+        c = cases.setdefault(r["case"], {"overhead": [], "cost_per_save_s": [], "blocking_per_save_s": [],
+                                         "median_step_s": [], "cpu_per_save_s": []})
+        if "cpu" in r:
+            c["cpu_per_save_s"].append((r["cpu"] - b["cpu"]) / max(1, r["saves"]))
+        c["overhead"].append(r["wall"] / b["wall"] - 1.0)
+        c["cost_per_save_s"].append((r["wall"] - b["wall"]) / max(1, r["saves"]))
+        c["blocking_per_save_s"].append(r["blocking"] / max(1, r["saves"]))
+        c["median_step_s"].append(r["median_step"])
+    clean = statistics.median(b["wall"] / args.steps for b in base.values())
+    cpu_step = statistics.median(b["cpu"] / args.steps for b in base.values()) if all("cpu" in b for b in base.values()) \
+        else None
+    out = {}
+    for name, c in cases.items():
+        tier, every, nice = name.split("/")
+        s = {"tier": tier, "interval": int(every[len("every"):]), "background_nice": nice.split("=", 1)[1],
+             "overhead_median": statistics.median(c["overhead"]), "overhead_min": min(c["overhead"]),
+             "overhead_max": max(c["overhead"]), "cost_per_save_s": statistics.median(c["cost_per_save_s"]),
+             "blocking_per_save_s": statistics.median(c["blocking_per_save_s"]),
+             "median_step_s": statistics.median(c["median_step_s"]), "overheads": c["overhead"],
+             "cpu_per_save_s": statistics.median(c["cpu_per_save_s"]) if c["cpu_per_save_s"] else None}
+        out[name] = s
+    sparsest = max(args.intervals)
+    for name, s in out.items():
+        if s["interval"] == sparsest:
+            steps, share = _auto(s["cost_per_save_s"], s["blocking_per_save_s"], clean)
+            s["auto_interval_steps"], s["auto_overhead"] = steps, share
+    return {"clean_step_s": clean, "cpu_per_clean_step_s": cpu_step, "cases": out}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per case (a multiple of every interval)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--intervals", default="1,10", help="save every N steps, comma-separated")
+    ap.add_argument("--levers", default="0,19,idle", help="background_nice values, comma-separated")
+    ap.add_argument("--tiers", default=",".join(TIERS))
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step per rank")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    ap.add_argument("--root", default=None, help="where the tiers go (default: a temporary directory)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "interference.json"))
+    args = ap.parse_args()
+    args.intervals = [int(x) for x in args.intervals.split(",")]
+    args.levers = [_lever(x) for x in args.levers.split(",")]
+    args.tiers = [t.strip() for t in args.tiers.split(",")]
+    if any(t not in TIERS for t in args.tiers):
+        ap.error(f"--tiers: each of {', '.join(TIERS)}")
+    if any(args.steps % n for n in args.intervals):
+        ap.error("--steps must be a multiple of every interval")
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="interference-"))
+    root.mkdir(parents=True, exist_ok=True)
+    raw = root / "rows.json"
+    t0 = time.time()
+    load0 = os.getloadavg()
+    try:
+        mp.start_processes(_rank_main, args=(2, f"file://{root / 'rdzv'}", str(root), args, str(raw)), nprocs=2,
+                           start_method="spawn")
+        data = json.loads(raw.read_text())
+    finally:
+        if not args.root:
+            shutil.rmtree(root, ignore_errors=True)
+    summary = summarise(data["rows"], args)
+    result = {"bench": "interference", "model": {"n_layer": args.n_layer, "d_model": args.d_model,
+                                                 "batch": args.batch, "ranks": 2, "threads_per_rank": args.threads},
+              "state_bytes_per_rank": data["state_bytes_per_rank"], "reps": args.reps, "steps": args.steps,
+              "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(),
+              "seconds": time.time() - t0, "torch": torch.__version__, **summary, "rows": data["rows"]}
+    print(f"\nGPT {args.n_layer}x{args.d_model}, state {data['state_bytes_per_rank'] / 2**20:.1f} MiB a rank "
+          f"(model + AdamW), clean step {summary['clean_step_s'] * 1e3:.1f} ms "
+          f"({(summary['cpu_per_clean_step_s'] or 0) * 1e3:.1f} ms CPU), {args.reps} reps x {args.steps} "
+          f"steps; load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
+          f"{'block ms':>8} {'cpu/save ms':>11} {'auto every':>10} {'auto ovh':>8}")
+    for s in sorted(summary["cases"].values(), key=lambda s: (s["interval"], TIERS.index(s["tier"]),
+                                                              str(s["background_nice"]))):
+        auto = (f"{s['auto_interval_steps']:>10d} {s['auto_overhead'] * 100:>7.2f}%"
+                if "auto_interval_steps" in s else f"{'':>10} {'':>8}")
+        print(f"{s['tier']:<11} {s['interval']:>5d} {s['background_nice']:>5} {s['overhead_median'] * 100:>8.1f}% "
+              f"[{s['overhead_min'] * 100:>6.1f}%, {s['overhead_max'] * 100:>6.1f}%] "
+              f"{s['cost_per_save_s'] * 1e3:>12.1f} {s['blocking_per_save_s'] * 1e3:>8.1f} "
+              f"{(s['cpu_per_save_s'] or 0) * 1e3:>11.1f} {auto}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
