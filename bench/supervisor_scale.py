@@ -449,7 +449,7 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
         threads, fds = ps.num_threads(), ps.num_fds()
         for ln in lines:
             ln.send("stop")
-        results = [ln.wait_for("result", 30)["result"] for ln in lines]
+        results = [ln.wait_for("result", 120)["result"] for ln in lines]  # a starved fleet answers late
         obs.stop.set()
         obs.join(5)
     except BaseException:
@@ -480,9 +480,12 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
     # which event each plan answers: the supervisor's ledger names the cause of every decision by id
     actions = {}
     lost: dict[str, int] = {}
+    stalls: list[tuple[float, float]] = []  # (when, seconds): the loop's own stalls, as it recorded them
     for ev in read_events(run_dir):
         if ev.kind.value == "action" and isinstance(ev.details.get("id"), int):
             actions[ev.details["id"]] = ev
+        elif ev.kind.value == "log" and isinstance(ev.details.get("supervisor_paused"), (int, float)):
+            stalls.append((ev.mono, float(ev.details["supervisor_paused"])))
         elif ev.kind.value == "agent_lost":
             r = str(ev.details.get("reason"))
             lost[r] = lost.get(r, 0) + 1
@@ -568,6 +571,7 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
                 "max": max((ph.get("late_max") or 0) for ph in late) * 1e3,
                 "share_over_100ms_max": max((ph.get("late_over_100ms") or 0) for ph in late)},
             "load_average": {"start": m["load"][0], "end": m["load"][1]},
+            "supervisor_stalls_s": [round(g, 2) for t, g in stalls if t0 <= t <= t1 + 1.0],
         }
 
     figures = {name: phase_figures(name) for name in measured}
@@ -596,6 +600,10 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
         "faults_superseded": storm["faults_pushed"] - storm["plans_answering_a_fault"],
         "plans_other_cause": sum(storm["plans_other_cause"].values()), "other_causes": storm["plans_other_cause"],
         "agents_lost_by_reason": lost,
+        # gaps of more than 2 s between two passes of the loop (its process stopped, or blocked in a call)
+        "supervisor_stalls_s": {"startup": [round(g, 2) for t, g in stalls if t < min(m["t0"] for m in measured.values())],
+                                "measured": [round(g, 2) for t, g in stalls
+                                             if t >= min(m["t0"] for m in measured.values())]},
         "decision_ms": storm["decision_ms"], "decided_ms": storm["decided_ms"],
         "decision_all_read_ms": storm["decision_all_read_ms"],
         "cpu_share_of_one_core": storm["cpu_share_of_one_core"],
@@ -716,13 +724,19 @@ def main() -> int:
     console = Console(width=200)
     curve: list[dict] = []
     core_runs: dict[int, list[dict]] = {}
+    failed: list[dict] = []
     for nodes in sizes:
         if not args.core_only:
             procs = args.procs or _auto_procs(nodes + args.spares)
-            r = run_transport(nodes, args.nproc, args.spares, args.seconds, args.fault_rate, args.builtin,
-                              args.seed, procs, args.shared_client, keep=args.keep,
-                              steady_seconds=args.steady_seconds, poll=args.poll, profile=args.profile,
-                              join_timeout=max(90.0, nodes / 10))
+            try:
+                r = run_transport(nodes, args.nproc, args.spares, args.seconds, args.fault_rate, args.builtin,
+                                  args.seed, procs, args.shared_client, keep=args.keep,
+                                  steady_seconds=args.steady_seconds, poll=args.poll, profile=args.profile,
+                                  join_timeout=max(120.0, nodes / 6))
+            except Exception as e:  # noqa: BLE001 - one size that could not run is reported; the curve goes on
+                failed.append({"nodes": nodes, "error": f"{type(e).__name__}: {e}"})
+                console.print(f"{nodes} nodes: not measured ({type(e).__name__}: {e})")
+                continue
             curve.append(r)
             f = r["fleet"]
             console.print(f"{nodes} nodes: {f['agents']} agents in {f['processes']} processes; plan "
@@ -769,7 +783,8 @@ def main() -> int:
                                "sizes": sizes, "short": args.short,
                                "phases_s": {"steady": args.steady_seconds, "storm": args.seconds},
                                "transport": pick, "runs": core_runs.get(pick_n, []),
-                               "curve": curve, "core_curve": {str(k): v for k, v in core_runs.items()}},
+                               "curve": curve, "failed": failed,
+                               "core_curve": {str(k): v for k, v in core_runs.items()}},
                               indent=1))
     print(f"results: {out}")
     return 0
