@@ -52,12 +52,21 @@ def test_inject_kill_and_hang_worker_then_slow_rank(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_inject_kill_node_is_handled_by_a_spare(cluster_factory, tmp_path: Path) -> None:
     out = tmp_path / "out"
+    # the ranks wait at the gate (no steps, no heartbeats: no hang must be declared) from step 6 until the spare
+    # has taken the lost node's place: the job cannot end before the fault at 4 s however fast its steps are, nor
+    # run steps only to fill the time; a run restored at the gate step waits there too
     c = cluster_factory("2", nproc=NPROC, flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout",
-                                                 "20", "--inject", "kill-node:1@4s"])
-    args = ["--steps", "200", "--step-sleep", "0.04", "--samples", "8192", "--out", str(out)]  # one epoch at 4 ranks
+                                                 "20", "--heartbeat-timeout", "600", "--inject", "kill-node:1@4s"])
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    args = ["--steps", "12", "--step-sleep", "0.04", "--samples", "8192", "--out", str(out),  # one epoch at 4 ranks
+            "--gate", str(gate), "--gate-step", "6", "--gate-on-resume"]
     first = c.start("a", args)
     wait_for(lambda: _listening(c.port) or first.proc.poll() is not None, 60, "the first agent to host the store")
     nodes = [first, c.start("b", args), c.start("spare", args)]
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details["action"] == "hot_swap" for e in c.events())
+             or first.proc.poll() is not None, 120, "the spare to take the lost node's place")
+    (gate / "go").touch()
     wait_for(lambda: sum(n.proc.poll() is not None for n in nodes) == 3, 200, "every agent to exit")
     evs = c.events()
     killed = [e for e in evs if e.kind == EventKind.FAULT_INJECTED and e.details["fault"] == "kill-node"]
