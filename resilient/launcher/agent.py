@@ -23,7 +23,7 @@ from pathlib import Path
 from resilient.drill.agent import Injector
 from resilient.events import Event, EventKind, Ledger
 from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE, AgentConfig, NodeRole, NodeRound, Outcome, WorkerExit
-from resilient.launcher.control import ControlClient, JobEnded, JobRefused, StoreLost, SupervisorUnreachable
+from resilient.launcher.control import ControlClient, JobEnded, JobRefused, StoreLost, Superseded, SupervisorUnreachable
 from resilient.launcher.exit import Ending, exit_code, failure_summary, preempted_cleanly, supervisor_unreachable
 from resilient.launcher.preload import Preloader, first_starter
 from resilient.launcher.report import close_checkpoints, describe, say_ledger_lost, start_metrics, why
@@ -138,6 +138,11 @@ class Agent:
         except SupervisorUnreachable as e:
             end = supervisor_unreachable(e.need, e.waited, c.supervisor_bound, c.rdzv_endpoint)
             logger.error("%s", end.reason)
+        except Superseded as e:
+            # the job goes on without this node (its ranks were given to others): its part ended, nothing failed
+            # here that a requeue would mend
+            end = Ending(0, str(e))
+            logger.error("%s (exit 0)", e)
         finally:
             self._shutdown()
             end = close_checkpoints(end, self.ledger, self.run_dir, self.node, self.cfg.ckpt_persistent,
@@ -288,9 +293,16 @@ class Agent:
             plan = self._control_pass()
             if plan is not None:
                 return Outcome.PEER_FAILED, plan
+            if self.control.cut_off:
+                logger.error("this node is cut off from the majority of the job's nodes and its supervisor stood "
+                             "down: stopping its workers (their collectives need the others, which go on without "
+                             "them)")
+                return Outcome.PEER_FAILED, None
 
     def _need(self, last: tuple[str, float] | None) -> str:
         """Why this node waits for a plan now, for the line that says it gave up waiting."""
+        if self.control.cut_off:
+            return "this node was cut off from the majority of the job's nodes (its supervisor stood down)"
         if last is not None:
             return f"this node's workers {'hung' if last[0] == Outcome.HUNG.value else 'failed'} and it needed a decision"
         if self._done_round is not None and self._done_round == self.round:

@@ -39,6 +39,17 @@ class SupervisorUnreachable(Exception):
         self.need, self.waited = need, waited
 
 
+class Superseded(Exception):
+    """This node's supervisor stood down (it lost the majority of the job's nodes: a partition cut this node off)
+    and a supervisor of a newer term serves the job elsewhere: this node's part in the job is over."""
+
+    def __init__(self, node: str, addr: str, term: int, cut_off: float):
+        super().__init__(f"this node was cut off from the majority of the job's nodes for {cut_off:.0f} s and its "
+                         f"supervisor stood down; the job goes on under {node}'s supervisor (at {addr}, term {term}) "
+                         "without it: leaving the job")
+        self.node, self.addr, self.term, self.cut_off = node, addr, term, cut_off
+
+
 class JobRefused(Exception):
     """The rendezvous endpoint serves another job (another --rdzv-id): this agent must not join it."""
 
@@ -103,6 +114,13 @@ class ControlClient:
         self._last_hb = 0.0
         self._hb_interval = min(1.0, cfg.supervisor.node_timeout / 4)
         self._last_reconnect = 0.0
+        # the newest supervisor term this node followed: a store serving an older one (a supervisor that lost the
+        # majority, reachable again after a partition healed) is never joined again, whatever channel reads it
+        self._term_floor = 0
+        # after this long without the store, the supervisor's host counts as cut off (not just slow), and the
+        # succession walk runs even though its presence connection never closed (a partition sends no FIN)
+        self._cut_after = cfg.supervisor.node_timeout
+        self._last_look = 0.0  # the last look for a successor, once this node's own supervisor stood down
         self._resync = False  # reconnected to a restarted supervisor: its store may lack round + 1
         # torch's TCPStore client honours its timeout against a dead server, not against a hung one (SIGSTOP: the
         # kernel still accepts and buffers, the reply never comes, the call blocks until the server runs again),
@@ -196,7 +214,7 @@ class ControlClient:
         if hosting:
             self.sup_loop = _start_supervisor(c, store, self.signer, self.ledger, self._advertised_addr(), self.node)
         try:
-            self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to the supervisor's term
+            self._term_floor = self.chan.sync_term(c.rendezvous_timeout)  # what this node sends is bound to it
             # each message is followed by a look at the door: open, the supervisor reads the message before the
             # job can end and waits for this node; closed, the job ended and its store may already be closing
             if warm is not None:
@@ -294,8 +312,18 @@ class ControlClient:
         return self._lost_at is None
 
     def lost_for(self) -> float:
-        """Seconds the store has been unreachable (0 while it answers)."""
+        """Seconds the store has been unreachable (0 while it answers); for the node hosting the supervisor, seconds
+        since that supervisor stood down (no decision can come from it any more)."""
+        if self.sup_loop is not None:
+            at = self.sup_loop.stood_down_at
+            return 0.0 if at is None else time.monotonic() - at
         return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
+
+    @property
+    def cut_off(self) -> bool:
+        """This node hosts a supervisor that lost the majority of the job's nodes and stood down: its workers must
+        stop (their collectives need the others, which go on under a successor) and it decides nothing more."""
+        return self.sup_loop is not None and self.sup_loop.stood_down_at is not None
 
     # ---------------------------------------------------------------- messages
     def kick(self) -> None:
@@ -392,7 +420,25 @@ class ControlClient:
         self._heartbeat(node_round)
         self._maybe_reconnect(node_round, done_round)
         self._refresh_succession()
+        if self.cut_off:
+            self._look_for_successor()
+            return None  # its own plans are no decisions any more
         return self._new_plan(node_round.round)
+
+    def _look_for_successor(self) -> None:
+        """This node's supervisor stood down: once a candidate of its succession serves the job under a newer term
+        (the partition healed), raise Superseded; until then look again once a second (the agent gives up after
+        --supervisor-timeout)."""
+        from resilient.launcher.succession import find_successor
+
+        now = time.monotonic()
+        if now - self._last_look < 1.0:
+            return
+        self._last_look = now
+        found = find_successor(self.sup_loop.candidates(), self.sup_loop.term, self.signer, self.cfg.rdzv_id,
+                               self._probes)
+        if found is not None:
+            raise Superseded(*found, self.lost_for())
 
     def _refresh_succession(self) -> None:
         """The succession changes between plans (a spare joins): read it every few seconds, so that this node knows
@@ -460,7 +506,9 @@ class ControlClient:
         c = self.cfg
         keys = T.Keys(c.rdzv_id)
         where = "{}:{}".format(*self._endpoint)
-        if self._sup_gone and self._standby is not None and self._succession_walk(where, node_round, done_round):
+        cut = self._lost_at is not None and self.lost_for() >= self._cut_after
+        if (self._sup_gone or cut) and self._standby is not None and self._succession_walk(where, node_round,
+                                                                                          done_round):
             return
         where = "{}:{}".format(*self._endpoint)
 
@@ -483,7 +531,11 @@ class ControlClient:
             presence = store.get(keys.presence).decode()
             store.set_timeout(timedelta(seconds=self._call_timeout))
             chan = T.AgentChannel(store, T.Signer(secret, c.rdzv_id), self.node)
-            chan.sync_term()
+            if chan.sync_term() < self._term_floor:
+                # a supervisor that lost the majority, reachable again after a partition healed: it must not get
+                # this node back (it would count toward a majority it no longer has)
+                raise JobRefused(f"the supervisor at {where} is of term {chan.term}, older than term "
+                                 f"{self._term_floor} this node follows: not joining it")
             # a rejoin is idempotent for the supervisor: a probe abandoned here that sends it later does no harm
             chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
                       rejoin=True, round=node_round.round, active=node_round.active,
@@ -511,6 +563,7 @@ class ControlClient:
         if self._presence is not None and self._presence is not conn:
             self._presence.close()
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        self._term_floor = max(self._term_floor, chan.term)  # type: ignore[attr-defined]
         self._endpoint = endpoint
         lost_for = self.lost_for()
         self._reached(None)
@@ -520,22 +573,19 @@ class ControlClient:
         logger.warning("reconnected to the supervisor after %.1fs; round %d goes on", lost_for, node_round.round)
 
     def _succession_walk(self, where: str, node_round: NodeRound, done_round: int | None) -> bool:
-        """The supervisor's connection closed: if its host no longer accepts connections and the newest plan names
-        a succession, find the next host (see :mod:`.succession`); True when this agent took the job over."""
-        from resilient.launcher.succession import accepts, next_host, order_of
+        """The supervisor's connection closed, or its store stayed away past --node-timeout (a partition closes
+        nothing): if its host no longer accepts connections and the newest plan names a succession, find the next
+        host (see :mod:`.succession`); True when this agent took the job over."""
+        from resilient.launcher.succession import order_of, walk
 
         order = order_of(self._plan)
-        if not order or accepts(where):
+        found = walk(order, self.node, self._host_node or str((self._plan or {}).get("succession", {}).get("host")),
+                     where) if order else None
+        if found is None:
             return False
-        nxt = next_host(order, self.node)
-        if nxt is None:
-            logger.error("the supervisor's host %s was lost and no node of the succession order answers", where)
-            return False
-        node, addr, skipped = nxt
+        node, addr, lost, dead = found
         if node == self.node:
-            lost = [n for n in dict.fromkeys([self._host_node or str(self._plan["succession"].get("host")), *skipped])
-                    if n != self.node]
-            self._take_over(node_round, done_round, lost)
+            self._take_over(node_round, done_round, lost, dead)
             return True
         if addr != where:
             logger.warning("the supervisor's host %s was lost: %s takes over at %s", where, node, addr)
@@ -544,7 +594,7 @@ class ControlClient:
             self._endpoint = (h, int(p))
         return False
 
-    def _take_over(self, node_round: NodeRound, done_round: int | None, lost: list[str]) -> None:
+    def _take_over(self, node_round: NodeRound, done_round: int | None, lost: list[str], dead: list[str]) -> None:
         """This agent is the next host: its standby store and a new supervisor serve the job from now on."""
         from resilient.launcher.succession import serve_pointer, take_over
         from resilient.supervisor import transport as T
@@ -552,7 +602,7 @@ class ControlClient:
         c = self.cfg
         configured = T.load_secret(c.job_secret_file) is not None
         t0 = time.monotonic()
-        loop = take_over(c, self.node, self.ledger, self._standby, self.signer, self._plan, lost, configured)
+        loop = take_over(c, self.node, self.ledger, self._standby, self.signer, self._plan, lost, configured, dead)
         store = self._standby.store
         store.set_timeout(timedelta(seconds=self._call_timeout))
         chan = T.AgentChannel(store, self.signer, self.node)
@@ -565,6 +615,7 @@ class ControlClient:
             self._presence.close()
         self._calls = BoundedCaller("store", max_abandoned=4)
         self.store, self.chan, self._presence, self.sup_loop = store, chan, conn, loop
+        self._term_floor = max(self._term_floor, loop.term)
         h, p = self._standby.addr.rsplit(":", 1)
         self._endpoint, self._host_node = (h, int(p)), self.node
         lost_for = self.lost_for()

@@ -16,6 +16,14 @@ its successor publishes. A candidate that accepts but has not taken over yet is 
 agents that both see the host gone find the same first live candidate. Candidates skipped on the way (their
 nodes lost with the host) are decided on at once, like the host.
 
+A partition closes no connection: an agent whose store stayed unreachable for ``--node-timeout`` walks too (the
+host's address then answers nothing, neither accepting nor refusing). The successor carries out its first decisions
+only once it accounts for a majority of the plan's nodes (:mod:`resilient.supervisor.quorum`): a host found dead
+(its address refused) counts, a silent one does not, so in a partition the agents that reconnect to it make the
+majority. The old host, beyond the partition, lost its majority first (half a node timeout of silence, before any
+loss is decided), holds its decisions, stands down for good, stops its workers, and leaves the job once a candidate
+of its order serves a newer term (:func:`find_successor`); the agents never join a store of an older term again.
+
 A node that joins after a succession knows only ``--rdzv-endpoint``, which named the lost host. When the
 successor can bind that endpoint (it names this machine, or an address that moved to it) it serves there a
 pointer to its own store (:func:`serve_pointer`) and the joining agent follows it; otherwise nothing answers at
@@ -27,10 +35,11 @@ follows the job (a Kubernetes Service, a DNS name) to let new nodes join after a
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from resilient.supervisor.quorum import Reach, reach
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +53,7 @@ MOVED_KEY_SUFFIX = "moved"
 def accepts(addr: str, timeout: float = 1.0) -> bool:
     """Whether ``addr`` (host:port) accepts a TCP connection within ``timeout``: a SIGKILLed node's port refuses at
     once, a dead host's times out."""
-    host, port = addr.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
+    return reach(addr, timeout) is Reach.ACCEPTS
 
 
 class Standby:
@@ -86,11 +90,42 @@ def next_host(order: Sequence[tuple[str, str]], me: str,
     return None
 
 
+def walk(order: Sequence[tuple[str, str]], me: str, host: str,
+         where: str) -> tuple[str, str, list[str], list[str]] | None:
+    """The walk, when the supervisor's host at ``where`` stopped answering: None while ``where`` accepts connections
+    (the host lives: reconnect there) or when no candidate answers; else (node, addr) of the next host, the nodes
+    lost (``host`` first, then the candidates skipped) and those of them known dead (their address refused a
+    connection: a silent one may live on beyond a partition and does not count toward a successor's majority)."""
+    at_host = reach(where)
+    if at_host is Reach.ACCEPTS:
+        return None
+    refused: set[str] = set()
+
+    def reachable(addr: str) -> bool:
+        r = reach(addr)
+        if r is Reach.REFUSED:
+            refused.add(addr)
+        return r is Reach.ACCEPTS
+
+    nxt = next_host(order, me, reachable)
+    if nxt is None:
+        logger.error("the supervisor's host %s was lost and no node of the succession order answers", where)
+        return None
+    node, addr, skipped = nxt
+    lost = [n for n in dict.fromkeys([host, *skipped]) if n != me]
+    addrs = dict(order)
+    dead = [n for n in lost if (n == host and at_host is Reach.REFUSED) or addrs.get(n) in refused]
+    return node, addr, lost, dead
+
+
 def take_over(cfg: Any, node: str, ledger: Any, standby: Standby, signer: Any, plan: dict[str, Any],
-              lost: Sequence[str], configured_secret: bool) -> Any:
+              lost: Sequence[str], configured_secret: bool, dead: Sequence[str] = ()) -> Any:
     """This agent hosts the job from now on: its standby store serves the job (claimed for its id, the secret
     there when none is configured, as the first host did), and a supervisor of a newer term adopts ``plan`` and
-    decides on ``lost`` (the old host first) at once. Returns the started loop."""
+    decides on ``lost`` (the old host first) at once; it carries that out once it accounts for a majority of the
+    plan's nodes (``dead``: those of ``lost`` whose address refused a connection count as accounted for; a silent
+    one may be alive beyond a partition, so the agents that reconnect here make the majority). Returns the
+    started loop."""
     from resilient.supervisor import transport as T
     from resilient.supervisor.standalone import supervise
 
@@ -103,7 +138,7 @@ def take_over(cfg: Any, node: str, ledger: Any, standby: Standby, signer: Any, p
                      advertise_addr=standby.addr.rsplit(":", 1)[0], last_call=last_call,
                      store_timeout=cfg.rendezvous_timeout, tick=min(0.05, cfg.monitor_interval), host_node=node,
                      min_term=int(plan.get("term", 0)))
-    loop.succeed(plan, list(lost), time.monotonic())
+    loop.succeed(plan, list(lost), time.monotonic(), dead=tuple(dead))
     loop.start()
     return loop
 
@@ -144,3 +179,30 @@ def moved_to(store: Any, job: str, signer: Any) -> str | None:
         logger.warning("ignored a pointer at the endpoint: %s", e)
         return None
     return addr if isinstance(addr, str) else None
+
+
+def find_successor(candidates: Sequence[tuple[str, str]], term: int, signer: Any, job: str,
+                   probes: Any) -> tuple[str, str, int] | None:
+    """(node, addr, term) of the first candidate whose store serves the job under a term newer than ``term``: a
+    supervisor that stood down (it lost the majority) learns that the job went on elsewhere once the partition
+    healed. ``probes``: the BoundedCaller of the agent's probes (a hung store must not hold the agent)."""
+    from resilient.supervisor import transport as T
+
+    key = T.Keys(job).term
+    for node, addr in candidates:
+        if reach(addr, timeout=0.5) is not Reach.ACCEPTS:
+            continue
+
+        def term_there(addr: str = addr) -> int | None:
+            h, p = addr.rsplit(":", 1)
+            store = T.connect_store(h, int(p), 2.0)
+            return int(signer.open(store.get(key))["term"]) if store.check([key]) else None
+
+        try:
+            there = probes.call(term_there, 3.0, "looking for a successor")
+        except Exception as e:  # noqa: BLE001 - not serving yet, or a forged key: looked at again later
+            logger.debug("no successor at %s yet: %s", addr, str(e).splitlines()[0] if str(e) else e)
+            continue
+        if there is not None and there > term:
+            return node, addr, there
+    return None

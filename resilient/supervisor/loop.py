@@ -7,6 +7,13 @@ this loop runs on its own host), or a stop. Agents execute and acknowledge.
 
 It runs as a thread inside the agent that hosts the rendezvous store (the default), or as its own process
 (``resilient supervisor``, see :mod:`resilient.supervisor.cli`).
+
+Never two supervisors: it carries decisions out only while it accounts for a majority of the nodes of the last
+assignment it published (:mod:`.quorum`); without one it holds them (recorded once it has one again). A loop run by
+an agent (plans with a succession) that had a majority and lost it stands down for good: the majority's side may
+have a successor by then, and whatever reaches this loop afterwards (a heartbeat sent before the cut and delivered
+after the heal) must not make it act again. Its agent stops its workers and leaves (see ``control.Superseded``).
+A standalone supervisor has no successor: it holds its decisions until it accounts for a majority again.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from resilient.events.follow import LedgerTail
 from resilient.supervisor.api import NodeState
 from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.core import Assignment, Decision, SupervisorCore
+from resilient.supervisor.quorum import Count, Quorum, Reach, reach
 from resilient.logs import RateLimitedLog
 from resilient.supervisor.transport import (
     MessageKind, PresenceServer, Signer, SupervisorChannel, connect_store, refused_line,
@@ -112,6 +120,15 @@ class SupervisorLoop:
         self._id_floor = 0  # the newest decision id of the supervisor this one took over from
         self._succession_said: dict[str, Any] | None = None  # the body last written under Keys.succession
         self.pauses: list[float] = []  # the gaps taken for this loop's own stalls, oldest first
+        # half the node timeout: the nodes beyond a partition fall silent together (within a heartbeat), so the
+        # majority is gone before the first of them counts as lost, and no decision is taken on a partition's silence
+        self.quorum = Quorum(cfg.core.node_timeout / 2, cfg.host_node)
+        self.held: list[Decision] = []  # decided without a majority: carried out once there is one again
+        self._cut_off_since: float | None = None  # when this loop last lost its majority (None: it has one)
+        self._had_majority = False
+        self._grace_until = 0.0  # after this loop's own stall, nodes get a node timeout to be heard from again
+        #: monotonic time this loop stood down for good (agent-hosted only), None while it may act
+        self.stood_down_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.decisions: list[Decision] = []
@@ -163,9 +180,14 @@ class SupervisorLoop:
         hello, gone = self.presence.poll()
         for node in hello:
             self.core.seen(node, now)
+            self.quorum.heard(node, now)
         for msg in self.chan.drain():
             out += self._on_message(msg, now)
         self._log_refusals()
+        if self.cfg.host_node is None and hello and self._cut_off_since is None and self.quorum.nodes:
+            # a standalone supervisor's plans name no spares between rounds: those that joined count from their hello
+            view = self.core.view(now)
+            self.quorum.grow([n for n in hello if (v := view.nodes.get(n)) is not None and v.state is NodeState.SPARE])
         if self._tail is not None:
             # only checkpoint boundaries matter here: every other line is skipped undecoded
             for ev in self._tail.read_new(contains=f'"{EventKind.CKPT_TIER_DONE.value}"'.encode()):
@@ -179,6 +201,7 @@ class SupervisorLoop:
         for node in gone:
             # its kernel closed the connection: the agent is dead (or left; a LEAVE came first then)
             logger.warning("node %s disconnected", node)
+            self._confirm_gone(node)
             out += self.core.handle(Event(EventKind.AGENT_LOST, node=node, details={"reason": "disconnected"}), now)
         out += self.core.tick(now)
         if self.core.assignment is None and self.core.stopped is None and self.core.ready(now, self.cfg.last_call):
@@ -188,16 +211,72 @@ class SupervisorLoop:
                               details={"action": "start", "reason": f"{len(a.members)} node(s) joined", "id": 0,
                                        "round": a.round, "assignment": a.to_json()}))
             self._publish(a, action={"action": "start"}, decision_id=0)
-        self._carry_out_pass(out)
+        self._carry_out_pass(out, now)
         self._check_finished(now)
         if self.cfg.host_node is not None and (hello or gone or out or self._succession_said is None):
             self._say_succession(now)
         return out
 
+    def _confirm_gone(self, node: str) -> None:
+        """A node's presence connection closed: it counts as dead for the majority only when the store it keeps
+        bound refuses connections (an agent that moved to a successor closes its old connection too)."""
+        addr = self._standby.get(node)
+        if addr is None:
+            self.quorum.dead(node)  # no standby to ask (one node on its own, a test's agent): as before
+            return
+        r = reach(addr, timeout=0.5)
+        if r is Reach.REFUSED:
+            self.quorum.dead(node)
+        else:
+            logger.warning("node %s closed its connection but its standby store at %s %s: not counted as dead",
+                           node, addr, "answers (the agent lives on elsewhere)" if r is Reach.ACCEPTS
+                           else "does not answer")
+
+    def candidates(self) -> list[tuple[str, str]]:
+        """(node, address of the store it keeps bound) of every node that may have taken this loop's job over."""
+        with self._lock:
+            return [(n, addr) for n, addr in self._standby.items() if n != self.cfg.host_node]
+
+    def cut_off_for(self, now: float) -> float:
+        """Seconds this loop has been without a majority (0 while it has one)."""
+        return 0.0 if self._cut_off_since is None else max(0.0, now - self._cut_off_since)
+
+    def _may_act(self, now: float) -> bool:
+        """Whether this pass may carry decisions out; notes the transitions (one ledger line each)."""
+        if self.stood_down_at is not None:
+            return False
+        count = self.quorum.count(now)
+        if count.majority:
+            if self._cut_off_since is not None and count.nodes:
+                self._say_quorum(f"the supervisor accounts for a majority again: {count.describe()}", count)
+            self._cut_off_since = None
+            self._had_majority = self._had_majority or bool(count.nodes)
+            return True
+        if self._cut_off_since is None:
+            self._cut_off_since = now
+            self._say_quorum(f"the supervisor cannot account for a majority of the job's nodes: {count.describe()}; "
+                             "it holds its decisions", count)
+        # for good only once the missing nodes were silent a whole node timeout (the window, then as long again):
+        # about when the agents beyond a partition start a succession; a shorter stall of theirs only holds decisions
+        if (self.cfg.host_node is not None and self._had_majority and now >= self._grace_until
+                and now - self._cut_off_since >= self.quorum.window):
+            self.stood_down_at = now
+            self._say_quorum(f"the supervisor on {self.cfg.host_node} (term {self.term}) stands down for good: it "
+                             f"lost the majority of the job's nodes ({count.describe()}), which may have a successor "
+                             "now; this node stops its workers", count, stood_down=True)
+        return False
+
+    def _say_quorum(self, msg: str, count: Count, stood_down: bool = False) -> None:
+        logger.warning("%s", msg)
+        self._write(Event(EventKind.LOG, node=self.cfg.name, details={
+            "message": msg, "quorum": {"nodes": list(count.nodes), "accounted": list(count.accounted),
+                                       "majority": count.majority, "term": self.term,
+                                       **({"stood_down": True} if stood_down else {})}}))
+
     def _say_succession(self, now: float) -> None:
         """Keep ``Keys.succession`` current between plans (only when it changed: it is O(nodes) to build)."""
         a = self.core.assignment
-        if a is None or self._published is None or self._final_round is not None:
+        if a is None or self._published is None or self._final_round is not None or self.stood_down_at is not None:
             return
         body = self._succession(a, now)
         if body == self._succession_said:
@@ -206,6 +285,8 @@ class SupervisorLoop:
             self.chan.store.set(self.chan.keys.succession,
                                 self.chan.signer.seal({**body, "round": self._published, "term": self.term}))
             self._succession_said = body
+            if self._cut_off_since is None and self.stood_down_at is None:
+                self.quorum.grow(body["spares"])  # spares that joined since the round count from now on
         except Exception as e:  # noqa: BLE001 - said again in a later pass
             logger.debug("could not write the succession: %s", e)
 
@@ -213,6 +294,10 @@ class SupervisorLoop:
         kind, node = msg.get("type"), msg.get("node")
         if not isinstance(node, str):
             return []
+        if kind == MessageKind.LEAVE:
+            self.quorum.dead(node)  # it said so itself: accounted for
+        else:
+            self.quorum.heard(node, now)
         if kind in (MessageKind.JOIN, MessageKind.LEAVE):
             self._arrived.discard(node)
         if kind == MessageKind.JOIN:
@@ -242,6 +327,7 @@ class SupervisorLoop:
             return self.core.handle(ev, now)
         if kind == MessageKind.ACK:
             self._acks.setdefault(int(msg.get("round", -1)), set()).add(node)
+            self.quorum.acked(node, int(msg.get("round", -1)))
         elif kind == MessageKind.DONE:
             a = self.core.assignment
             if a is not None and int(msg.get("round", -1)) == a.round:
@@ -291,6 +377,7 @@ class SupervisorLoop:
         count as lost; nodes that really died meanwhile are still lost at once, by their closed presence
         connections, read in this same pass."""
         self.pauses.append(gap)
+        self._grace_until = now + self.cfg.core.node_timeout  # the silence is this loop's: no standing down for it
         view = self.core.view(now)
         fresh = [n for n, v in view.nodes.items() if v.state in (NodeState.ACTIVE, NodeState.SPARE)]
         for n in fresh:
@@ -354,6 +441,8 @@ class SupervisorLoop:
             plan["succession"] = self._succession(a, time.monotonic())
         self.chan.publish(a.round, plan)
         self._published = a.round
+        self.quorum.assigned(a.round, (*a.members, *a.spares, *plan.get("succession", {}).get("spares", ())),
+                             time.monotonic())
         logger.info("round %d: members %s, spares %s, world %d", a.round, list(a.members), list(a.spares),
                     a.world_size)
 
@@ -370,9 +459,10 @@ class SupervisorLoop:
         return {"host": self.cfg.host_node, "order": order, "spares": spares, "last_id": last_id,
                 "restarts_used": self.cfg.core.max_restarts - self.core.restarts_left}
 
-    def succeed(self, plan: dict[str, Any], lost: list[str], now: float) -> None:
+    def succeed(self, plan: dict[str, Any], lost: list[str], now: float, dead: tuple[str, ...] = ()) -> None:
         """Take over from the supervisor of ``plan`` (the newest plan this node read), whose node ``lost[0]`` is gone
-        (with the candidates before this one, ``lost[1:]``, found unreachable on the way):
+        (with the candidates before this one, ``lost[1:]``, found unreachable on the way; ``dead``: those of them
+        whose address refused a connection, known dead rather than silent):
         adopt its assignment, budget and decision ids, publish it again for the agents that reconnect here, and
         decide on the lost node at once (its closed connections already said so; waiting for its silence would
         cost ``--node-timeout``)."""
@@ -399,6 +489,11 @@ class SupervisorLoop:
                               details={"message": msg, "succession": {"from": lost[0], "to": self.cfg.host_node,
                                                                       "round": a.round, "term": self.term}}))
             self._publish(a, action={"action": "resume", "reason": f"succession from {lost[0]}"}, decision_id=0)
+            # the nodes the plan it took over names, spares that joined since its round included: the old host may
+            # live on beyond a partition, counting the same nodes
+            self.quorum.reset((*a.members, *a.spares, *(str(n) for n in sc.get("spares", {}))))
+            for n in dead:
+                self.quorum.dead(n)
             self._last_pass = now
             for n in sc.get("spares", {}):
                 if n not in a.members and n not in a.spares and n != self.cfg.host_node:
@@ -408,11 +503,21 @@ class SupervisorLoop:
             for i, n in enumerate(lost):
                 details = {"reason": "disconnected", **({"hosted_supervisor": True} if i == 0 else {})}
                 out += self.core.handle(Event(EventKind.AGENT_LOST, node=n, details=details), now)
-            self._carry_out_pass(out)
+            self._carry_out_pass(out, now)
 
-    def _carry_out_pass(self, out: list[Decision]) -> None:
-        """Carry out the decisions of one pass, then record the core's notes. A stop decided in the pass supersedes
-        every new round decided beside it: agents read one outcome."""
+    def _carry_out_pass(self, out: list[Decision], now: float) -> None:
+        """Carry out the decisions of one pass (and those held while this loop had no majority), then record the
+        core's notes. A stop decided in the pass supersedes every new round decided beside it: agents read one
+        outcome. Without a majority nothing is carried out: the decisions wait in ``held``."""
+        if not self._may_act(now):
+            if out:
+                self.held += out
+                logger.warning("supervisor: %d decision(s) held (%s): no majority of the job's nodes",
+                               len(out), ", ".join(d.action.kind for d in out))
+            for ev in self.core.take_notes():
+                self._write(ev)
+            return
+        out, self.held = self.held + out, []
         stop_id = next((d.id for d in out if d.action.kind == "stop"), None) if self.core.stopped else None
         for d in out:
             self._carry_out(d, superseded_by=stop_id if d.action.kind != "stop" else None)
@@ -470,6 +575,8 @@ class SupervisorLoop:
         self._door_pass, self._door_at = self._passes, now
 
     def _check_finished(self, now: float) -> None:
+        if self.stood_down_at is not None:
+            return  # the job goes on (or ends) elsewhere: this loop publishes nothing any more
         a = self.core.assignment
         if self._final_round is None and self.core.stopped is None and self.core.preempted_end is not None:
             self._finish(self.core.preempted_end, stop=False, preempted=True)

@@ -102,7 +102,9 @@ def test_a_loop_that_wakes_from_a_stall_gives_every_node_a_fresh_node_timeout(jo
         t += 1.0
         job.loop.step(t)
     assert len(job.loop.pauses) == 1
-    assert [d.cause.node for d in job.loop.decisions if d.cause is not None
+    # decided, not carried out: with both nodes silent this supervisor accounts for no majority (never two
+    # supervisors), so the decision waits in ``held``
+    assert [d.cause.node for d in job.loop.decisions + job.loop.held if d.cause is not None
             and d.cause.kind == EventKind.AGENT_LOST][:1] in (["a"], ["b"])
 
 
