@@ -35,8 +35,10 @@ class TierName(str, enum.Enum):
 DEFAULT_UPLOAD_GRACE_S = 60.0
 # consecutive saves that reached no tier before the job stops (resilient-run --ckpt-max-failed-saves)
 DEFAULT_MAX_FAILED_SAVES = 3
-# nice value of the checkpointer's background threads (CheckpointConfig.background_nice): measured by
-# bench/interference.py
+# nice value of the checkpointer's background threads (CheckpointConfig.background_nice). Off: in
+# bench/interference.py a niced writer finished later whenever the cores were busy, and the next save() waits for
+# the previous write (one set of staging buffers), so training blocked longer; its work is mostly Python under the
+# GIL, which no priority shares out
 DEFAULT_BACKGROUND_NICE: int | str = 0
 # RUN_DIR/ckpt-stop/attempt<A>.rank<R>: this rank stopped training because its saves kept failing (JSON: steps,
 # tier, error, message); the launcher reads it to exit with its own code instead of "succeeded"
