@@ -329,7 +329,15 @@ def profiled_supervisor(root: str, argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, on_usr1)
     step = L.SupervisorLoop.step
 
+    last = [current[0]]
+
     def profiled_step(self, now):  # one pass, on the loop's thread: the profiler is enabled there only
+        if current[0] != last[0]:
+            # the phase just ended is written now, from this thread: a supervisor that is killed at the end (its
+            # shutdown overran the bench's grace) still leaves every finished phase's profile
+            if last[0] in profiles:
+                profiles[last[0]].dump_stats(str(out / f"{last[0]}.pstats"))
+            last[0] = current[0]
         prof = profiles.get(current[0])
         if prof is None:
             prof = profiles[current[0]] = cProfile.Profile()
@@ -343,7 +351,8 @@ def profiled_supervisor(root: str, argv: list[str]) -> int:
 
     def dump() -> None:
         for name, prof in profiles.items():
-            prof.dump_stats(str(out / f"{name}.pstats"))
+            if not (out / f"{name}.pstats").exists():
+                prof.dump_stats(str(out / f"{name}.pstats"))
 
     atexit.register(dump)
     return sup_main(argv)
