@@ -48,6 +48,7 @@ from resilient.checkpoint.restore.load import (PIECE, THREADS, FileLoad, FileSou
 from resilient.checkpoint.restore.plan import plan_fetch
 from resilient.checkpoint.restore.reader import FastReader, SafeLoadPlanner
 from resilient.checkpoint.restore.reshard import blocks_touched, chunk_spans, cover
+from resilient.checkpoint.storage.collective import RankFailure, RanksFailedError
 from resilient.checkpoint.storage.context import (Component, FAILURES, one_line as _one_line,
                                                   per_rank_key as _per_rank_key, quiet as _quiet,
                                                   rmdir_quiet as _rmdir_quiet)
@@ -487,6 +488,10 @@ class Restorer(Component):
             for r, m in theirs.items():
                 manifests.setdefault(r, m)
         world_old = next(iter(manifests.values())).world_size if manifests else None
+        # every rank holds the same gathered manifests: when they are complete, no rank reads the persistent
+        # tier and each decides alike below, so the agreements on them are not collectives (each one is a
+        # round trip the raw transfer a peer restore is measured against does not pay)
+        gathered = world_old is not None and all(r in manifests for r in range(world_old))
         self._from_persistent: set[int] = set()  # ranks whose manifest in use is the persistent tier's
         self._persistent_same: dict[str, bool] = {}  # name -> is the persistent copy these very bytes
         if in_persistent and (world_old is None or len(manifests) < world_old):
@@ -507,7 +512,7 @@ class Restorer(Component):
             except FAILURES as e:
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
-        if not self._all(ok_manifests):
+        if not (ok_manifests if gathered else self._all(ok_manifests)):
             gone = [r for r in range(world_old) if r not in manifests] if world_old is not None else None
             self._why[step] = {"missing": "manifests", "ranks": gone, "tiers": _tiers_with(step, views)}
             logger.warning("step %d: manifests of rank(s) %s are on no tier (looked at %s); trying an older step",
@@ -518,7 +523,7 @@ class Restorer(Component):
         # one restore reads one encoding of the step: this node's plain copies and the persistent tier's
         # compressed one have other files and another .metadata (then the step is read from that tier alone)
         mixed = len({(m.metadata.size, m.metadata.crc32c) for m in manifests.values()}) > 1
-        if not self._all(not mixed):
+        if not (not mixed if gathered else self._all(not mixed)):
             logger.warning("step %d: this node's copies and the persistent tier's are encoded differently "
                            "(compressed at upload)", step)
             return None
@@ -548,32 +553,52 @@ class Restorer(Component):
         except FAILURES as e:
             logger.warning("rank %d: step %d: %s", self.ctx.rank, step, _one_line(e))
             refused = ("", "")
-        verdict = self._refused(step, refused)
+        phases["metadata"] = time.perf_counter() - t_phase
+        # one agreement on what each rank found before any data file moves: a refused .metadata, a plan that
+        # failed, state that cannot follow a world-size change, files no manifest lists (each was a
+        # collective of its own: a round trip each that the raw transfer does not pay)
+        self._tell_refused(step, refused)
+        plan: _LoadPlan | None = None
+        failed: BaseException | None = None
+        missing: list[str] = []
+        if refused is None:
+            assert md is not None
+            try:
+                plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
+            except CheckpointError as e:
+                failed = e
+        if plan is not None:
+            need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan)}
+            missing = sorted(n for n in need if n not in files)
+        told = self._gather((refused, None if failed is None else (type(failed).__name__, str(failed)),
+                             plan.reshard if plan is not None else {}, bool(missing)), self.ctx.pg)
+        verdict = self._judge_refused(step, [t[0] for t in told])
         if verdict is not None:
             mem.clear()
             return verdict
-        assert md is not None
-        phases["metadata"] = time.perf_counter() - t_phase
         # every rank stops here if one cannot plan, none is left waiting in a collective, and every rank's
-        # error is told
-        plan = self._ranks(self.ctx.pg).run(
-            f"planning the restore of step {step}",
-            lambda: self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old),
-            catch=(CheckpointError,))
+        # error is told (as Ranks.all_gather tells it)
+        failures = [RankFailure(r, t[1][0], t[1][1]) for r, t in enumerate(told) if t[1] is not None]
+        if failures:
+            err = RanksFailedError(f"planning the restore of step {step}", failures, failed)
+            if failed is not None:
+                if len(failures) > 1:
+                    failed.add_note(str(err))
+                raise failed
+            raise err
+        assert md is not None and plan is not None
         # a world-size change some state cannot follow: every rank learns every rank's findings and all
         # raise the same error, before a single data file is fetched or a byte lands in the state
         reshard: dict[str, str] = {}
-        for theirs in self._gather(plan.reshard, self.ctx.pg):
-            for k, why in theirs.items():
+        for t in told:
+            for k, why in t[2].items():
                 reshard.setdefault(k, why)
         if reshard:
             err = CheckpointReshardError(step, world_old, self.ctx.world_size, reshard)
             if self.ctx.rank == 0:
                 logger.error("%s", err)
             raise err
-        need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan)}
-        missing = sorted(n for n in need if n not in files)
-        if not self._all(not missing):
+        if any(t[3] for t in told):
             self._why[step] = {"missing": "files", "files": missing[:20], "tiers": _tiers_with(step, views)}
             logger.warning("step %d: .metadata names files no manifest lists (%s); trying an older step",
                            step, missing[:5])
@@ -649,7 +674,8 @@ class Restorer(Component):
                 shutil.rmtree(view, ignore_errors=True)
                 _rmdir_quiet(view.parent)
         mem.clear()
-        verdict = self._refused(step, refused)  # every rank takes part: the agreement point after loading
+        # every rank takes part (or none: whether some rank had keys for DCP's reader was agreed in _load_direct)
+        verdict = self._refused(step, refused) if self._any_slow else None
         if verdict is not None:
             return verdict
         self._finish_load(state, plan)
@@ -858,12 +884,14 @@ class Restorer(Component):
             for src in opened:
                 src.close()
         lost_files = sorted({x.split(" ")[0] for x in lost})
-        told = self._gather((lost_files, unsafe), self.ctx.pg)
-        refused = next((u for _, u in told if u), None)
+        told = self._gather((lost_files, unsafe, bool(slow)), self.ctx.pg)
+        # no rank leaves keys to DCP's reader: no rank can refuse a file there, nothing to agree on after it
+        self._any_slow = any(s for _, _, s in told)
+        refused = next((u for _, u, _ in told if u), None)
         if refused:
             raise UnsafeCheckpointError(f"step {step}", None, refused)
         # last resort, collective: files with lost blocks from another rank's copy over gloo
-        if any(lost for lost, _ in told):
+        if any(lost for lost, _, _ in told):
             got = self._assemble(step, set(lost_files), files, in_persistent, have_already=({}, {}, {}),
                                  exclude=frozenset(lost_files))
             again: list[str] = []
@@ -943,11 +971,17 @@ class Restorer(Component):
     def _refused(self, step: int, refused: tuple[str | None, str] | None) -> "_Unsafe | None":
         """Collective: did some rank refuse a file of ``step``? Then the tiers that served refused files
         are excluded for this step (on every rank) and the step is tried again from the next tier."""
+        self._tell_refused(step, refused)
+        return self._judge_refused(step, self._gather(refused, self.ctx.pg))
+
+    def _tell_refused(self, step: int, refused: tuple[str | None, str] | None) -> None:
         if refused is not None and refused[1]:
             tier, msg = refused
             logger.error("rank %d: %s", self.ctx.rank, msg)
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=tier or "unknown", error=f"unsafe: {msg}")
-        everyone = self._gather(refused, self.ctx.pg)
+
+    def _judge_refused(self, step: int, everyone: list[tuple[str | None, str] | None]) -> "_Unsafe | None":
+        """Every rank's refusal (gathered by the caller, the same list on every rank) -> the same verdict."""
         if all(r is None for r in everyone):
             return None
         for r in everyone:
@@ -979,16 +1013,18 @@ class Restorer(Component):
         """
         paths, mem, sources = ({}, {}, {}) if have_already is None else have_already
         part = {n: tuple(sorted(b)) for n, b in (blocks or {}).items() if n in need} if lazy else {}
-        asked = self._gather((sorted(need), part), self.ctx.pg)
-        needs = [a[0] for a in asked]
-        parts = [a[1] for a in asked]
-        wanted = set().union(*(set(n) for n in needs))
-        # copies on this node of anything some rank needs: verified when this rank loads them; a copy
-        # only sent to others is verified by its receiver (one read instead of two)
+        # copies on this node of the step's files, offered in the same gather that tells what each rank needs
+        # (one round trip, not two): those this rank needs are verified when it loads them; a copy only sent
+        # to others is verified by its receiver (one read instead of two), here only its size is checked
         have: dict[str, tuple[str, Path]] = {}
+        torn: dict[str, tuple[str, BaseException]] = {}
         for tier_name, d in self._local_copies(step):
-            for n in sorted(wanted):
-                if n in have or n in mem or n in exclude or not (d / n).exists():
+            try:
+                present = sorted(n for n in os.listdir(d) if n in files)
+            except OSError:
+                continue
+            for n in present:
+                if n in have or n in mem or n in exclude:
                     continue
                 try:
                     if n in need and lazy and n != DCP_METADATA:
@@ -1003,10 +1039,20 @@ class Restorer(Component):
                         raise CorruptFileError(f"{d / n}: size differs from the manifest")
                     have[n] = (tier_name if tier_name != "fetched" else TierName.PEER.value, d / n)
                 except (CorruptFileError, OSError) as e:
-                    logger.warning("rank %d: %s copy of step %d skipped: %s", self.ctx.rank, tier_name, step, e)
+                    if n in need:
+                        logger.warning("rank %d: %s copy of step %d skipped: %s", self.ctx.rank, tier_name, step, e)
+                    else:
+                        torn.setdefault(n, (tier_name, e))
         for n, p in paths.items():
             have.setdefault(n, (sources.get(n, TierName.LOCAL.value), p))
-        everyone = self._gather(sorted(set(have) | set(mem)), self.ctx.pg)
+        asked = self._gather((sorted(need), part, sorted(set(have) | set(mem))), self.ctx.pg)
+        needs = [a[0] for a in asked]
+        parts = [a[1] for a in asked]
+        everyone = [a[2] for a in asked]
+        wanted = set().union(*(set(n) for n in needs))
+        for n, (tier_name, e) in torn.items():
+            if n in wanted and n not in have:
+                logger.warning("rank %d: %s copy of step %d skipped: %s", self.ctx.rank, tier_name, step, e)
 
         fetch_plan = plan_fetch(needs, everyone, {n: files[n].size for n in wanted}, in_persistent, blocks=parts,
                                 bounds={n: files[n].bounds() for p in parts for n in p})
