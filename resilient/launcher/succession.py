@@ -39,9 +39,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from resilient.logs import RateLimitedLog
 from resilient.supervisor.quorum import Reach, reach
 
 logger = logging.getLogger(__name__)
+_NO_CANDIDATE = RateLimitedLog(logger, 30.0)
 
 #: candidates a plan names: beyond this many nodes lost together with the host, the job fails as before (a plan's
 #: size must not grow with the fleet)
@@ -109,7 +111,9 @@ def walk(order: Sequence[tuple[str, str]], me: str, host: str,
 
     nxt = next_host(order, me, reachable)
     if nxt is None:
-        logger.error("the supervisor's host %s was lost and no node of the succession order answers", where)
+        # tried once a second while the store stays away (a node cut off from every other one): one line per 30 s
+        _NO_CANDIDATE.log(logging.ERROR, "the supervisor's host %s was lost and no node of the succession order "
+                          "answers", where)
         return None
     node, addr, skipped = nxt
     lost = [n for n in dict.fromkeys([host, *skipped]) if n != me]

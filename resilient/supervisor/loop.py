@@ -127,6 +127,7 @@ class SupervisorLoop:
         self._cut_off_since: float | None = None  # when this loop last lost its majority (None: it has one)
         self._had_majority = False
         self._grace_until = 0.0  # after this loop's own stall, nodes get a node timeout to be heard from again
+        self._quorum_due = 0.0  # the next pass that counts even without a decision to carry out
         #: monotonic time this loop stood down for good (agent-hosted only), None while it may act
         self.stood_down_at: float | None = None
         self._stop = threading.Event()
@@ -245,6 +246,7 @@ class SupervisorLoop:
         """Whether this pass may carry decisions out; notes the transitions (one ledger line each)."""
         if self.stood_down_at is not None:
             return False
+        self._quorum_due = now + self.quorum.window / 4
         count = self.quorum.count(now)
         if count.majority:
             if self._cut_off_since is not None and count.nodes:
@@ -509,7 +511,9 @@ class SupervisorLoop:
         """Carry out the decisions of one pass (and those held while this loop had no majority), then record the
         core's notes. A stop decided in the pass supersedes every new round decided beside it: agents read one
         outcome. Without a majority nothing is carried out: the decisions wait in ``held``."""
-        if not self._may_act(now):
+        # the count is O(nodes): looked at when there is something to carry out, else a few times per window (to
+        # notice a lost majority, and stand down, while nothing is decided)
+        if (out or self.held or now >= self._quorum_due) and not self._may_act(now):
             if out:
                 self.held += out
                 logger.warning("supervisor: %d decision(s) held (%s): no majority of the job's nodes",
