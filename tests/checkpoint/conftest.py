@@ -73,8 +73,11 @@ class Workers:
             if any(p.poll() not in (None, 0) for p in procs):
                 failed = True
                 break
+            running = next((p for p in procs if p.poll() is None), None)  # the last one may end between the checks
+            if running is None:
+                break
             try:
-                next(p for p in procs if p.poll() is None).wait(0.05)
+                running.wait(0.05)
             except subprocess.TimeoutExpired:
                 pass
         if failed:

@@ -201,7 +201,11 @@ def test_two_agents_on_one_rendezvous_restart_together(tmp_path, scripts):
     evs = list(read_events(tmp_path / "run"))
     restarts = [e for e in evs if e.kind == EventKind.RESTART]
     assert len(restarts) == 2 and {e.node for e in restarts} == {e.node for e in evs if e.kind == EventKind.RUN_START}
-    assert sorted(e.details["cause"] for e in restarts) == ["failed", "peer_failed"]
+    # the killed rank's node restarts for its own failure; the other for the plan, or for its own worker's failure
+    # when that worker's barrier broke on the dead peer before the plan arrived (a race the agents cannot order)
+    killed = next(e for e in evs if e.kind == EventKind.WORKER_EXIT and e.details.get("signal") == "SIGKILL")
+    causes = {e.node: e.details["cause"] for e in restarts}
+    assert causes.pop(killed.node) == "failed" and set(causes.values()) <= {"failed", "peer_failed"}, causes
     assert not leftovers(str(tmp_path))
 
 
