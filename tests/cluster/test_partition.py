@@ -38,7 +38,7 @@ def netns_ok() -> None:
         pytest.skip("no `ip` command (iproute2): cannot make network namespaces")
     if os.geteuid() != 0:
         pytest.skip("not root: network namespaces need CAP_NET_ADMIN")
-    ns, a = f"rsprobe{os.getpid()}", f"rsp{os.getpid()}a"
+    ns, a, br = f"rsprobe{os.getpid()}", f"rsp{os.getpid()}a", f"rspbr{os.getpid()}"
     try:
         r = _ip("netns", "add", ns, check=False)
         if r.returncode != 0:
@@ -46,7 +46,11 @@ def netns_ok() -> None:
         r = _ip("link", "add", a, "type", "veth", "peer", "name", f"rsp{os.getpid()}b", check=False)
         if r.returncode != 0:
             pytest.skip(f"`ip link add ... type veth` refused: {r.stderr.strip()}")
+        r = _ip("link", "add", br, "type", "bridge", check=False)
+        if r.returncode != 0:
+            pytest.skip(f"`ip link add ... type bridge` refused (no bridge support?): {r.stderr.strip()}")
     finally:
+        _ip("link", "del", br, check=False)
         _ip("link", "del", a, check=False)
         _ip("netns", "del", ns, check=False)
 
