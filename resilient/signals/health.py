@@ -193,6 +193,9 @@ def parse_deadline(text: str, mtime: float, grace: float) -> tuple[float, str | 
         return mtime + grace, reason
 
 
+_MTIME_SLACK = 0.05  # seconds: more than one kernel tick at any HZ
+
+
 class NoticeFile:
     """Polls a notice file; one PREEMPTION_NOTICE per distinct version of it."""
 
@@ -205,6 +208,9 @@ class NoticeFile:
         # a file older than this (left by an earlier run in the same run directory) is stale: the workers ignore
         # it too, and taken for news it would make the supervisor end a rerun as preempted
         self.not_before = time.time() if not_before is None else not_before
+        # a file's times come from the kernel's coarse clock, up to a tick behind time.time(): a notice written in
+        # the same tick as this check began would otherwise look older than the agent
+        self.not_before -= _MTIME_SLACK
 
     def poll(self) -> list[Event]:
         try:
