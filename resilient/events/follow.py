@@ -44,7 +44,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -291,6 +291,8 @@ class _Followed:
     offset: int = 0
     partial: bytes = b""
     ino: int | None = None
+    # followed from its end while a line was being written: the rest of that line is not an event of its own
+    drop_to_newline: bool = False
 
 
 class LedgerTail:
@@ -298,10 +300,14 @@ class LedgerTail:
     written stays buffered until its newline. Each call's events are merged on wall time; an event written
     late by a slow writer comes in a later call, so a follower must not take one call's order as final."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, chunk: int = 1 << 20):
+    def __init__(self, run_dir: str | os.PathLike[str], *, chunk: int = 1 << 20,
+                 names: Callable[[str], bool] | None = None):
+        """``names``: which of the run's ledger files to follow, by file name (None: all): a follower that wants
+        some writers only (one node's, on a shared volume with thousands of files) opens no other file."""
         self.run_dir = Path(run_dir)
         self.path: Path = ledger_path(run_dir)
         self._files: dict[str, _Followed] = {}
+        self._names = names
         self._chunk = chunk
         self.skipped = 0  # malformed lines seen (each once)
 
@@ -309,19 +315,46 @@ class LedgerTail:
         """Why the run being followed lost events, or None (see :func:`ledger_incomplete`)."""
         return ledger_incomplete(self.run_dir)
 
-    def read_new(self, max_bytes: int | None = 64 << 20, *, contains: bytes | None = None,
-                 kinds: Collection[EventKind] | None = None) -> list[Event]:
-        """The events appended since the last call (at most about ``max_bytes`` of them; None: all). With
-        ``contains``, only lines holding those bytes are decoded (a follower that wants one kind skips the cost
-        of decoding every other line); with ``kinds``, only events of those kinds are returned."""
+    def _listed(self) -> list[str]:
+        """The followed files' names, ``events.jsonl`` first; empty when the directory cannot be listed."""
         try:
-            names = [n for n in os.listdir(self.run_dir) if is_ledger_name(n)]
+            names = [n for n in os.listdir(self.run_dir)
+                     if is_ledger_name(n) and (self._names is None or self._names(n))]
         except FileNotFoundError:
             return []
         except OSError as e:
             logger.debug("cannot list %s: %s", self.run_dir, e)
             return []
         names.sort(key=lambda n: (n != LEDGER_NAME, n))
+        return names
+
+    def skip_to_end(self) -> None:
+        """Follow from now on: what the files hold now is passed over unread (without reading it: one stat per
+        file, and one byte where a line may still be being written, whose rest is passed over too). Files that
+        appear later are read from their start."""
+        for name in self._listed():
+            path = self.run_dir / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                logger.debug("cannot open %s: %s", path, e)
+                continue
+            try:
+                st = os.fstat(fd)
+                last = os.pread(fd, 1, st.st_size - 1) if st.st_size else b"\n"
+            except OSError as e:
+                logger.debug("cannot read %s: %s", path, e)
+                continue
+            finally:
+                os.close(fd)
+            self._files[name] = _Followed(offset=st.st_size, ino=st.st_ino, drop_to_newline=last != b"\n")
+
+    def read_new(self, max_bytes: int | None = 64 << 20, *, contains: bytes | None = None,
+                 kinds: Collection[EventKind] | None = None) -> list[Event]:
+        """The events appended since the last call (at most about ``max_bytes`` of them; None: all). With
+        ``contains``, only lines holding those bytes are decoded (a follower that wants one kind skips the cost
+        of decoding every other line); with ``kinds``, only events of those kinds are returned."""
+        names = self._listed()
         batches: list[list[Event]] = []
         budget = max_bytes
         for name in names:
@@ -356,7 +389,7 @@ class LedgerTail:
             fst = os.fstat(fd)
             if st.ino is not None and (fst.st_ino != st.ino or fst.st_size < st.offset):
                 logger.warning("%s was replaced or truncated; reading it again from the start", path)
-                st.offset, st.partial = 0, b""
+                st.offset, st.partial, st.drop_to_newline = 0, b"", False
             st.ino = fst.st_ino
             while budget is None or read < budget:
                 buf = os.pread(fd, self._chunk, st.offset)
@@ -366,6 +399,12 @@ class LedgerTail:
                 read += len(buf)
                 lines = (st.partial + buf).split(b"\n")
                 st.partial = lines.pop()  # b"" after a complete line, else the unfinished one
+                if st.drop_to_newline:
+                    if not lines:
+                        st.partial = b""  # still inside the line that was being written when the tail began
+                        continue
+                    lines.pop(0)
+                    st.drop_to_newline = False
                 out.extend(self._parse(lines, contains, kinds))
         finally:
             os.close(fd)

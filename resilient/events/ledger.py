@@ -49,10 +49,15 @@ _claim_lock = threading.Lock()
 _MAX_SUFFIX = 1000  # names tried after events.<host>-<pid>.jsonl is taken
 
 
+def writer_host() -> str:
+    """This host's part of its writers' names (``[A-Za-z0-9_-]`` only): every file a process of this host claims,
+    other than ``events.jsonl``, starts with ``events.<writer_host()>-``."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "host"
+
+
 def writer_name() -> str:
     """This process's name among a run's writers: host name and pid (``[A-Za-z0-9_-]`` only)."""
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "host"
-    return f"{host}-{os.getpid()}"
+    return f"{writer_host()}-{os.getpid()}"
 
 
 def _create(path: Path) -> int | None:

@@ -25,6 +25,7 @@ from resilient.events import Event, EventKind, Ledger
 from resilient.launcher.api import INFRASTRUCTURE_EXIT_CODE, AgentConfig, NodeRole, NodeRound, Outcome, WorkerExit
 from resilient.launcher.control import ControlClient, JobEnded, JobRefused, StoreLost, Superseded, SupervisorUnreachable
 from resilient.launcher.exit import Ending, exit_code, failure_summary, preempted_cleanly, supervisor_unreachable
+from resilient.launcher.forward import Forwarder, start_forwarder
 from resilient.launcher.preload import Preloader, first_starter
 from resilient.launcher.report import close_checkpoints, describe, say_ledger_lost, start_metrics, why
 from resilient.launcher.starters import WorkerProc
@@ -54,6 +55,7 @@ class Agent:
         self.monitor = None
         self.monitor_socket: str | None = None
         self.metrics = None
+        self.forward: Forwarder | None = None  # this node's checkpoint events to a supervisor elsewhere
         self.failures: list[WorkerExit] = []  # appended by _add_failure only
         self._hang_note = ""
         self._ckpt_default_said = False
@@ -121,6 +123,8 @@ class Agent:
                 return 1
             self.monitor_socket, self.monitor = start_monitor(c, self.ledger, self.group_rank, self._default_ckpt_local(), self.sel)
             self.metrics = start_metrics(c, self.run_dir, hosts_supervisor=self.control.sup_loop is not None)
+            if self.control.sup_loop is None:  # a supervisor hosted here follows this run directory itself
+                self.forward = start_forwarder(self.run_dir, self.node)
             end = self._follow()
         except JobEnded as e:
             # a spare that arrived as the job ended: it ends the way the job did, like the spares that had joined
@@ -353,6 +357,8 @@ class Agent:
         """The pass's control work: automatic preload, then heartbeat, reconnect and the next plan (no supervisor
         pass here: the loop's own thread ticks; kicks follow only this agent's reports)."""
         self.preload.refresh(self.group, self.node_round.active, self.control.fetch_learned, self.control.publish_learned)
+        if self.forward is not None and self.control.sup_loop is None:  # hosting after a succession: it follows it
+            self.forward.pump(self.control.report)
         return self.control.poll(self.node_round, self._done_round) if plans else None
 
     def _serve(self, timeout: float) -> list[WorkerProc]:
@@ -441,7 +447,7 @@ class Agent:
 
     def _shutdown(self) -> None:
         self.group.close(self._serve)
-        for part in (self.monitor, self.metrics, self.preload):
+        for part in (self.monitor, self.metrics, self.preload, self.forward):
             if part is not None:
                 try:
                     part.close()
