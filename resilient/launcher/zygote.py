@@ -620,7 +620,8 @@ def main() -> None:
     z = Zygote(sock)
     denied = [m[1:] for m in preload_modules if m.startswith("-") and len(m) > 1]
     why_denied = "; ".join(m[1:] for m in preload_modules if m.startswith("#"))
-    z.send({"ev": "ready", "pid": os.getpid(), **({"denied": denied, "why": why_denied} if denied else {})})
+    z.send({"ev": "ready", "pid": os.getpid(), "t": time.time(),
+            **({"denied": denied, "why": why_denied} if denied else {})})
     job = z.serve()
     while isinstance(job, Zygote):  # this process is now a copy serving on a socket of its own
         z = job
