@@ -1,8 +1,10 @@
 """Command line → :class:`AgentConfig`.
 
-torchrun's own parser is reused, so every torchrun flag (both spellings, ``PET_*`` variables) is
-accepted with the same meaning; our flags are added beside them. All checks that can fail happen here,
-before any process starts, and end in one line naming the problem (exit code 2).
+Every torchrun flag (both spellings, ``PET_*`` variables) is accepted with the same meaning; our flags are added
+beside them. torchrun's flags are a copy of ``torch.distributed.run.get_args_parser`` (:func:`torchrun_parser`; a
+test holds it to torch's own), not torch's parser itself: importing that imports torch (seconds), and the launcher
+must start its fork server (which imports torch for the workers) before it spends them. All checks that can fail
+happen here, before any process starts, and end in one line naming the problem (exit code 2).
 """
 
 from __future__ import annotations
@@ -25,10 +27,93 @@ class _Parser(argparse.ArgumentParser):
         raise LaunchError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from torch.distributed.run import get_args_parser
+class _Env(argparse.Action):
+    """torch's ``argparse_util.env``: the value, else ``PET_<DEST>``, else the default."""
 
-    base = get_args_parser()
+    def __init__(self, dest, default=None, required=False, **kwargs) -> None:
+        default = os.environ.get(f"PET_{dest.upper()}", default)
+        super().__init__(dest=dest, default=default, required=False if default else required, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+class _CheckEnv(argparse.Action):
+    """torch's ``argparse_util.check_env``: a flag, also set by a non-zero ``PET_<DEST>``."""
+
+    def __init__(self, dest, default=False, **kwargs) -> None:
+        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
+        super().__init__(dest=dest, const=True, default=default, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const)
+
+
+def _comma_separated_list(value: str) -> list[str]:
+    """torchrun's: items split on ``,``; ``,,`` is a literal comma."""
+    placeholder = "<COMMA_PLACEHOLDER>"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
+
+
+# torchrun's flags as torch.distributed.run.get_args_parser defines them (torch 2.13; a test compares every
+# action to the installed torch's): (option strings, action, type, default, choices, help)
+_TORCHRUN_FLAGS: tuple[tuple[tuple[str, ...], type, object, object, tuple[str, ...] | None, str], ...] = (
+    (("--nnodes",), _Env, str, "1:1", None, "number of nodes, or a range MIN:MAX"),
+    (("--nproc-per-node", "--nproc_per_node"), _Env, str, "1", None, "workers per node: auto, cpu, gpu, xpu or a number"),
+    (("--rdzv-backend", "--rdzv_backend"), _Env, str, "static", None, "rendezvous backend"),
+    (("--rdzv-endpoint", "--rdzv_endpoint"), _Env, str, "", None, "rendezvous endpoint, HOST:PORT"),
+    (("--rdzv-id", "--rdzv_id"), _Env, str, "none", None, "the job's id"),
+    (("--rdzv-conf", "--rdzv_conf"), _Env, str, "", None, "more rendezvous configuration, KEY=VALUE,..."),
+    (("--standalone",), _CheckEnv, None, False, None, "a local rendezvous on a free port (single node)"),
+    (("--max-restarts", "--max_restarts"), _Env, int, 0, None, "restarts of the workers before the job fails"),
+    (("--monitor-interval", "--monitor_interval"), _Env, float, 0.1, None, "seconds between looks at the workers"),
+    (("--start-method", "--start_method"), _Env, str, "spawn", ("spawn", "fork", "forkserver"),
+     "accepted for torchrun's sake (see --worker-launch)"),
+    (("--event-log-handler", "--event_log_handler"), _Env, str, "null", None, "accepted for torchrun's sake"),
+    (("--role",), _Env, str, "default", None, "the workers' role"),
+    (("-m", "--module"), _CheckEnv, None, False, None, "run the training script as a module (python -m)"),
+    (("--no-python", "--no_python"), _CheckEnv, None, False, None, "run the training program itself, not python"),
+    (("--run-path", "--run_path"), _CheckEnv, None, False, None, "accepted for torchrun's sake"),
+    (("--log-dir", "--log_dir"), _Env, str, None, None, "directory for the workers' log files"),
+    (("-r", "--redirects"), _Env, str, "0", None, "redirect std streams into log files (0-3, or per rank)"),
+    (("-t", "--tee"), _Env, str, "0", None, "tee std streams into log files and the console"),
+    (("--local-ranks-filter", "--local_ranks_filter"), _Env, str, "", None, "show only these local ranks' output"),
+    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), _Env, _comma_separated_list, [], None,
+     "accepted for torchrun's sake"),
+    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), _Env, _comma_separated_list, [], None,
+     "accepted for torchrun's sake"),
+    (("--node-rank", "--node_rank"), _Env, int, 0, None, "this node's rank (static rendezvous)"),
+    (("--master-addr", "--master_addr"), _Env, str, "127.0.0.1", None, "the master node's address (static rendezvous)"),
+    (("--master-port", "--master_port"), _Env, int, None, None, "the master node's port (static rendezvous)"),
+    (("--local-addr", "--local_addr"), _Env, str, None, None, "this node's address"),
+    (("--logs-specs", "--logs_specs"), "store", str, None, None, "accepted for torchrun's sake"),
+    (("--numa-binding", "--numa_binding"), "store", str, None, ("node", "socket", "exclusive", "core-complex"),
+     "accepted for torchrun's sake"),
+    (("--signals-to-handle", "--signals_to_handle"), _Env, str, "SIGTERM,SIGINT,SIGHUP,SIGQUIT", None,
+     "signals forwarded to the workers"),
+    (("--shutdown-timeout", "--shutdown_timeout"), _Env, int, None, None, "accepted for torchrun's sake"),
+    (("--virtual-local-rank", "--virtual_local_rank"), _CheckEnv, None, False, None,
+     "LOCAL_RANK 0 for every worker, each seeing only its own device"),
+)
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's argument parser, without importing torch."""
+    parser = argparse.ArgumentParser(description="Torch Distributed Elastic Training Launcher")
+    for opts, action, typ, default, choices, help_ in _TORCHRUN_FLAGS:
+        kw: dict[str, object] = {"action": action, "default": default, "help": help_}
+        if typ is not None:
+            kw["type"] = typ
+        if choices is not None:
+            kw["choices"] = choices
+        parser.add_argument(*opts, **kw)
+    parser.add_argument("training_script", type=str, help="the training program, followed by its arguments")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    base = torchrun_parser()
     # Same arguments, our error handling and program name.
     # allow_abbrev=False: a script's own flag (``script.py --worker x``) must never be taken for a prefix of
     # one of ours; everything after the script goes to the script, as with torchrun.
@@ -110,6 +195,8 @@ def _max_failed_saves_of(flag: int | None) -> int:
 
 
 def _nproc(v: str) -> int:
+    if v.strip().isdigit():  # the usual case, without importing torch
+        return int(v)
     from torch.distributed.run import determine_local_world_size
 
     try:
