@@ -57,7 +57,7 @@ from resilient.checkpoint.restore.restore import Restorer
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.checkpoint.save.priority import lower_thread_priority
 from resilient.checkpoint.save.stage import MutationGuard, Stager
-from resilient.checkpoint.save.writer import MemoryWriter
+from resilient.checkpoint.save.writer import MemoryWriter, RecordWriter
 from resilient.checkpoint.storage.collective import Ranks
 from resilient.checkpoint.storage.context import (Context, FAILURES, one_line as _one_line,
                                                   per_rank_key as _per_rank_key, quiet as _quiet)
@@ -561,7 +561,7 @@ class CheckpointManager:
             if self.local_rank == 0:
                 tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
             d.mkdir(parents=True, exist_ok=True)
-            writer = FileSystemWriter(d, sync_files=True, thread_count=1, overwrite=True)
+            writer = RecordWriter(d, sync_files=True)
             _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
         except FAILURES as e:
             error = e
@@ -571,7 +571,7 @@ class CheckpointManager:
             if ok and self.nnodes > 1:
                 self._spread_metadata(d)
             if ok:
-                m = self._write_manifest(tier, job.step, per_rank)
+                m = self._write_manifest(tier, job.step, per_rank, known=writer.entries)
         except FAILURES as e:
             ok, error = False, e
         try:
@@ -752,11 +752,16 @@ class CheckpointManager:
                     raise CheckpointError(f"{d / DCP_METADATA} did not appear")
                 time.sleep(0.01)
 
-    def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str]) -> Manifest:
+    def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str],
+                        known: Mapping[str, FileEntry] | None = None) -> Manifest:
+        """``known``: entries the writer computed as it wrote (layout included); other files are read back."""
         d = tier.path(step)
-        files = {n: file_blocks(d / n, BLOCK) for n in self._my_files(d)}
-        files = self._with_layout(files, (d / DCP_METADATA).read_bytes(),
-                                  lambda n: FileSource(d / n, "local", files[n].size))
+        known = known or {}
+        mine = self._my_files(d)
+        files = {n: known[n] if n in known else file_blocks(d / n, BLOCK) for n in mine}
+        if any(n not in known for n in mine):
+            files = self._with_layout(files, (d / DCP_METADATA).read_bytes(),
+                                      lambda n: FileSource(d / n, "local", files[n].size))
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files,
                      metadata=file_entry(d / DCP_METADATA), per_rank_keys=tuple(per_rank), wall=time.time())
         tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())

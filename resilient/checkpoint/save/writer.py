@@ -1,16 +1,48 @@
-"""A DCP writer into memory: the files of one step as bytes, for a tier that cannot be written through the
-local disk (a full or failed local tier still owes the persistent tier its step)."""
+"""DCP writers of our own, each writing plain DCP files that stock ``dcp.load`` reads.
+
+:class:`RecordWriter` writes the local tier. DCP's ``FileSystemWriter`` serialises every tensor with its own
+``torch.save`` call (a pickler, a zip writer and a few classes built per item, all under the GIL), which cost a
+background save more CPU than the training step it overlapped. A tensor's ``torch.save`` record depends only on
+its dtype, shape and stride apart from its bytes and their crc32, so each kind of tensor is saved once into a
+template and every later record is the template's head, the tensor's bytes and the template's tail with the crc32
+set (zlib's, outside the GIL for large tensors). The file's manifest entry (size, crc32c and xxh3 per block, where
+each tensor's bytes are) is computed from the same bytes as they are written, instead of reading the file back.
+Each template is checked once against ``zipfile`` and ``torch.load``; a tensor that is not plain (a view into a
+larger storage after DCP's own clone, a subclass, a layout other than strided) or whose template fails the check
+is written by ``torch.save`` as DCP does, and its file then gets no precomputed entry.
+
+:class:`MemoryWriter` writes into memory: the files of one step as bytes, for a tier that cannot be written
+through the local disk (a full or failed local tier still owes the persistent tier its step)."""
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+import struct
+import threading
+import zipfile
+import zlib
 from collections.abc import Generator
+
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+import crc32c as _crc
+import torch
+import xxhash as _xxh
+from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem, FileSystemWriter, _StorageInfo,
+                                                     _StoragePrefix)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from resilient.checkpoint.api import FileEntry
+from resilient.checkpoint.format.digests import BLOCK
+
+logger = logging.getLogger(__name__)
 
 
 class _Capture(io.BytesIO):
@@ -71,3 +103,244 @@ class MemoryWriter(FileSystemWriter):
     @property
     def files(self) -> dict[str, bytes]:
         return self.fs.files
+
+
+_DESC = b"PK\x07\x08"  # a zip data descriptor: its crc32 follows the signature
+_CEN = b"PK\x01\x02"
+_SMALL_WRITE = 1 << 18  # pieces under this go through one buffer, larger tensors straight to the file
+
+
+@dataclass(frozen=True)
+class _Template:
+    """``torch.save`` of one kind of tensor with its data record cut out: ``head`` ends where the tensor's
+    bytes start; ``crc_at`` are the offsets in ``tail`` of that record's crc32 (its data descriptor's and the
+    central directory's); ``crc`` whether torch wrote crc32s at all (``torch.serialization.set_crc32_options``)."""
+
+    head: bytes
+    tail: bytes
+    crc_at: tuple[int, ...]
+    crc: bool
+
+    def tail_for(self, crc: int) -> bytes:
+        if not self.crc_at:
+            return self.tail
+        t = bytearray(self.tail)
+        for at in self.crc_at:
+            struct.pack_into("<I", t, at, crc)
+        return bytes(t)
+
+
+def _data_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor on the CPU that owns exactly its bytes, laid out row-major: what a template covers."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
+            and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _build_template(t: torch.Tensor) -> _Template | None:
+    """The template of ``t``'s kind, checked by writing a tensor of that kind with bytes of its own through it."""
+    probe = torch.zeros(t.shape, dtype=t.dtype)
+    buf = io.BytesIO()
+    torch.save(probe, buf)
+    raw = buf.getvalue()
+    nbytes = probe.numel() * probe.element_size()
+    zf = zipfile.ZipFile(io.BytesIO(raw))
+    data = [i for i in zf.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")
+            and "/.data/" not in i.filename]
+    if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED or data[0].file_size != nbytes:
+        return None
+    info = data[0]
+    ho = info.header_offset
+    nlen, elen = struct.unpack_from("<HH", raw, ho + 26)
+    start = ho + 30 + nlen + elen
+    end = start + nbytes
+    head, tail = raw[:start], raw[end:]
+    crc_on = info.CRC != 0 or zlib.crc32(b"\0" * nbytes) == 0
+    crc_at: list[int] = []
+    if crc_on and nbytes:
+        if info.flag_bits & 0x08:
+            if tail[:4] != _DESC:
+                return None
+            crc_at.append(4)
+        elif struct.unpack_from("<I", raw, ho + 14)[0] != info.CRC:
+            return None  # a crc in the local header: it is in ``head``, which templates keep constant
+        name = info.filename.encode()
+        at = tail.find(_CEN)
+        while at >= 0:
+            n = struct.unpack_from("<H", tail, at + 28)[0]
+            if tail[at + 46:at + 46 + n] == name:
+                crc_at.append(at + 16)
+                break
+            at = tail.find(_CEN, at + 4)
+        else:
+            return None
+    tpl = _Template(head, tail, tuple(crc_at), crc_on)
+    # the check: a tensor of this kind with its own bytes, through the template, reads back exactly
+    check = torch.arange(max(nbytes, 1), dtype=torch.int64).remainder(251).to(torch.uint8)[:nbytes]
+    probe.reshape(-1).view(torch.uint8).copy_(check)
+    mv = _data_view(probe)
+    rec = head + bytes(mv) + tpl.tail_for(zlib.crc32(mv) if crc_on else 0)
+    zf = zipfile.ZipFile(io.BytesIO(rec))
+    if crc_on and zf.testzip() is not None:
+        return None
+    back = torch.load(io.BytesIO(rec), map_location="cpu", weights_only=True)
+    if not (isinstance(back, torch.Tensor) and back.dtype == probe.dtype and back.shape == probe.shape
+            and bytes(_data_view(back.contiguous())) == bytes(mv)):
+        return None
+    return tpl
+
+
+class _Templates:
+    """Templates by tensor kind, shared by every writer of a process (a kind is built and checked once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_kind: dict[tuple[Any, ...], _Template | None] = {}
+
+    def get(self, t: torch.Tensor) -> _Template | None:
+        kind = (t.dtype, tuple(t.shape))
+        with self._lock:
+            if kind in self._by_kind:
+                return self._by_kind[kind]
+        try:
+            tpl = _build_template(t)
+        except (RuntimeError, ValueError, TypeError, zipfile.BadZipFile, struct.error, OSError) as e:
+            logger.debug("no record template for %s %s: %s", t.dtype, tuple(t.shape), e)
+            tpl = None
+        if tpl is None:
+            logger.debug("tensors of %s %s are written by torch.save", t.dtype, tuple(t.shape))
+        with self._lock:
+            self._by_kind[kind] = tpl
+        return tpl
+
+
+TEMPLATES = _Templates()
+
+
+class _HashedFile:
+    """A file written in pieces, hashed as written: its size, crc32c, and crc32c and xxh3 per ``BLOCK`` (what
+    ``format.digests.file_blocks`` computes by reading it back)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.size = 0
+        self._crc = 0
+        self._bcrc, self._bfill = 0, 0
+        self._h = _xxh.xxh3_64()
+        self._blocks: list[int] = []
+        self._xxh: list[int] = []
+        self._buf = bytearray()
+
+    def tell(self) -> int:
+        return self.size + len(self._buf)
+
+    def write(self, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        if len(mv) < _SMALL_WRITE:
+            self._buf += mv
+            if len(self._buf) >= _SMALL_WRITE:
+                self._flush()
+            return
+        self._flush()
+        self._emit(mv)
+
+    def _flush(self) -> None:
+        if self._buf:
+            self._emit(memoryview(self._buf))
+            self._buf = bytearray()
+
+    def _emit(self, mv: memoryview) -> None:
+        pos = 0
+        while pos < len(mv):
+            k = min(len(mv) - pos, BLOCK - self._bfill)
+            part = mv[pos:pos + k]
+            self._crc = _crc.crc32c(part, self._crc)
+            self._bcrc = _crc.crc32c(part, self._bcrc)
+            self._h.update(part)
+            self._bfill += k
+            pos += k
+            if self._bfill == BLOCK:
+                self._blocks.append(self._bcrc)
+                self._xxh.append(self._h.intdigest())
+                self._bcrc, self._bfill, self._h = 0, 0, _xxh.xxh3_64()
+        done = 0
+        while done < len(mv):
+            done += self._f.write(mv[done:])
+        self.size += len(mv)
+
+    def entry(self, items: tuple[tuple[int, int, int], ...]) -> FileEntry:
+        self._flush()
+        blocks, xxh = list(self._blocks), list(self._xxh)
+        if self._bfill or not self.size:
+            blocks.append(self._bcrc)
+            xxh.append(self._h.intdigest())
+        if not self.size:
+            blocks = []
+        return FileEntry(size=self.size, crc32c=self._crc, block_size=BLOCK, blocks=tuple(blocks), items=items,
+                         xxh3=tuple(xxh))
+
+
+class RecordWriter(FileSystemWriter):
+    """``FileSystemWriter`` for one file per rank (one writing thread) whose tensor records are written from
+    templates; the files are the same DCP files. :attr:`entries`: after ``write_data``, the manifest entry of
+    each file every one of whose tensors went through a template (a file with another tensor has none)."""
+
+    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
+        self.entries: dict[str, FileEntry] = {}
+        self.templated = 0
+        self.fallbacks = 0
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix: _StoragePrefix = plan.storage_data
+        name = f"{prefix.prefix}0{DEFAULT_SUFFIX}"
+        path = self.fs.concat_path(self.path, name)
+        results: list[WriteResult] = []
+        layout: list[tuple[int, int, int]] = []
+        whole = True
+        with self.fs.create_stream(path, "wb") as stream:
+            out = _HashedFile(stream)
+
+            def result(item: Any, offset: int) -> None:
+                n = out.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n)))
+
+            # as DCP orders them: byte items first, then tensors in plan order
+            for item in (i for i in plan.items if i.type == WriteItemType.BYTE_IO):
+                data = planner.resolve_data(item)
+                offset = out.tell()
+                out.write(data.getbuffer())
+                result(item, offset)
+            for item in (i for i in plan.items if i.type != WriteItemType.BYTE_IO):
+                t = planner.resolve_data(item).detach().cpu()
+                if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                    t = t.clone()  # DCP's own rule: a view into a larger storage is saved as its own bytes
+                offset = out.tell()
+                tpl = TEMPLATES.get(t) if _plain(t) else None
+                if tpl is None:
+                    whole = False
+                    self.fallbacks += 1
+                    b = io.BytesIO()
+                    torch.save(t, b)
+                    out.write(b.getbuffer())
+                else:
+                    self.templated += 1
+                    mv = _data_view(t)
+                    out.write(tpl.head)
+                    layout.append((offset, offset + len(tpl.head), len(mv)))
+                    out.write(mv)
+                    out.write(tpl.tail_for(zlib.crc32(mv) if tpl.crc and len(mv) else 0))
+                result(item, offset)
+            entry = out.entry(tuple(layout))
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        if whole:
+            self.entries[name] = entry
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
