@@ -33,9 +33,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resilient-run: error: {e}", file=sys.stderr)
         return 2
     _setup_logging(cfg.run_dir)
+    from pathlib import Path
+
+    from resilient.launcher.preload import first_starter
+
+    # the fork server first: its import of torch is on the way to the first step, the agent's own imports are not
+    starter = first_starter(cfg, Path(cfg.run_dir))
     from resilient.launcher.agent import Agent
 
-    return Agent(cfg).run()
+    return Agent(cfg, starter=starter).run()
 
 
 def cli() -> None:

@@ -28,7 +28,7 @@ from resilient.launcher.exit import Ending, exit_code, failure_summary, preempte
 from resilient.launcher.forward import Forwarder, start_forwarder
 from resilient.launcher.preload import Preloader, first_starter
 from resilient.launcher.report import close_checkpoints, describe, say_ledger_lost, start_metrics, why
-from resilient.launcher.starters import WorkerProc
+from resilient.launcher.starters import WorkerProc, WorkerStarter
 from resilient.launcher.workers import WorkerGroup, default_ckpt_local, record_previous_world, say_default_ckpt_local
 from resilient.launcher.workers import start_monitor, worker_env
 
@@ -43,8 +43,10 @@ class _Stopped(Exception):
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig):
+    def __init__(self, cfg: AgentConfig, starter: WorkerStarter | None = None):
+        """``starter``: the worker starter started already (run.py starts the fork server before importing this)."""
         self.cfg = cfg
+        self._first_starter = starter
         self.node = socket.gethostname() if cfg.single_node else f"{socket.gethostname()}:{os.getpid()}"
         self.run_dir = Path(cfg.run_dir)
         self.ledger = Ledger(self.run_dir, node=self.node)
@@ -105,7 +107,7 @@ class Agent:
         end = Ending(1, "failed")
         try:
             t0 = time.monotonic()
-            self.group.use(first_starter(c, self.run_dir))
+            self.group.use(self._first_starter or first_starter(c, self.run_dir))
             self._interruptible = True
             try:
                 # join only once the fork server is warm (torch imported): a node then never goes silent
