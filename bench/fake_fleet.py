@@ -6,8 +6,11 @@ One process hosts many agents on one thread, driven by a timer heap: a process w
 agent has its own TCPStore client (``--shared-client``: one per process) and its own presence connection
 with a signed hello, as a real agent does. Per agent:
 
-* join: ``JOIN`` (nproc, pid, host), wait for the presence address, open the presence connection;
+* join: ``JOIN`` (nproc, pid, host), wait for the presence address, open the presence connection; from then on
+  its messages go over that connection (``AgentChannel.attach``), unless ``--via store`` (the store queue, the
+  fallback path and the protocol of earlier versions);
 * every second, ``HB`` (round, active);
+* the supervisor's signed notice of a new round on the presence connection: look for the plan at once;
 * every ``--poll`` seconds (0.5 by default, random phase), look for the next plan as ``ControlClient._new_plan``
   does (``has_round(r+1)``, then ``latest``, then the signed plan); a new one is taken and acknowledged (``ACK``);
   when each agent finished reading each plan is kept (per round: how many read it, the first and the last read,
@@ -51,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from resilient.events.api import Event, EventKind  # noqa: E402
 from resilient.supervisor import transport as T  # noqa: E402
+from resilient.supervisor import wire  # noqa: E402
 
 HB_PERIOD = 1.0
 
@@ -68,6 +72,7 @@ class PlanCache:
         self.signer = signer
         self._raw: dict[int, tuple[bytes, dict, dict[str, int]]] = {}  # round -> (bytes, plan, base rank per member)
         self.reads: dict[int, list[float]] = {}  # round -> [n, first done, last done, longest read]
+        self._notices: dict[bytes, tuple[int, object] | None] = {}  # a notice line -> (round, term)
 
     def open(self, keys: T.Keys, store: object, round_: int, term: int | None) -> tuple[dict, dict[str, int]] | None:
         """``AgentChannel.plan``'s checks, on bytes read by this agent's own client."""
@@ -96,6 +101,22 @@ class PlanCache:
             return None
         return plan, ranks
 
+    def notice(self, line: bytes, term: int | None) -> int | None:
+        """The round a supervisor's notice announces (checked once per distinct line), None if it is none."""
+        if line not in self._notices:
+            try:
+                body = self.signer.open(line)
+                ok = body.get("type") == wire.PLAN_NOTICE and isinstance(body.get("round"), int)
+                self._notices[line] = (int(body["round"]), body.get("term")) if ok else None
+            except (T.BadMessage, ValueError, TypeError):
+                self._notices[line] = None
+            if len(self._notices) > 4096:
+                self._notices.pop(next(iter(self._notices)))
+        got = self._notices.get(line)
+        if got is None or (term is not None and isinstance(got[1], int) and got[1] < term):
+            return None
+        return got[0]
+
     def read(self, round_: int, started: float, done: float) -> None:
         r = self.reads.get(round_)
         if r is None:
@@ -116,6 +137,7 @@ class FakeAgent:
         self.round, self.active, self.base_rank, self.final = -1, False, 0, False
         self.reported_round: int | None = None
         self.presence: socket.socket | None = None
+        self.lines = wire.LineBuffer()
 
     def send(self, kind: str, **body: object) -> bool:
         try:
@@ -126,13 +148,33 @@ class FakeAgent:
         self.stats[f"push_{kind}"] += 1
         return True
 
-    def join(self, presence_addr: str | None, signer: T.Signer, timeout: float) -> str:
+    def join(self, presence_addr: str | None, signer: T.Signer, timeout: float, via_presence: bool) -> str:
         self.send(T.MessageKind.JOIN, nproc=self.nproc, pid=os.getpid(), host=socket.gethostname())
         if presence_addr is None:
             self.store.wait([self.chan.keys.presence], timedelta(seconds=timeout))
             presence_addr = self.store.get(self.chan.keys.presence).decode()
         self.presence = T.presence_connect(presence_addr, signer, self.name, timeout=timeout, term=self.chan.term)
+        if via_presence:
+            self.chan.attach(self.presence)
         return presence_addr
+
+    def on_presence(self) -> bool | None:
+        """Lines from the supervisor (its clock reply, notices of new plans): True when a newer round was announced,
+        None when the connection closed."""
+        try:
+            data = self.presence.recv(wire.RECV_BYTES, socket.MSG_DONTWAIT)  # type: ignore[union-attr]
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self.stats["errors"] += 1
+            return None
+        newer = False
+        for line in self.lines.feed(data):
+            r = self.plans.notice(line, self.chan.term)
+            newer |= r is not None and r > self.round
+        return newer
 
     def heartbeat(self) -> None:
         self.send(T.MessageKind.HB, round=self.round, active=self.active)
@@ -194,6 +236,8 @@ def main() -> int:
     ap.add_argument("--poll", type=float, default=0.5, help="seconds between two plan checks of an agent")
     ap.add_argument("--timeout", type=float, default=30.0, help="bound on every store call")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--via", choices=("presence", "store"), default="presence",
+                    help="where the agents' messages go after the join (store: the fallback path)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     host, port = args.endpoint.rsplit(":", 1)
@@ -225,20 +269,21 @@ def main() -> int:
                 stores = list(ex.map(lambda _n: T.connect_store(host, int(port), args.timeout), names))
         for name, store in zip(names, stores):
             ag = FakeAgent(name, args.nproc, store, signer, stats, plans)
-            presence_addr = ag.join(presence_addr, signer, args.timeout)
+            presence_addr = ag.join(presence_addr, signer, args.timeout, args.via == "presence")
             agents.append(ag)
+            sel.register(ag.presence, selectors.EVENT_READ, len(agents) - 1)
             now = time.monotonic()
             i = len(agents) - 1
             heapq.heappush(heap, (now + rng.random() * HB_PERIOD, seq, i, "hb"))
             heapq.heappush(heap, (now + rng.random() * poll_period, seq + 1, i, "poll"))
             seq += 2
 
+    sel = selectors.DefaultSelector()
+    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
     t0 = time.monotonic()
     add([n for n in args.active.split(",") if n])
     say(joined=len(agents), seconds=round(time.monotonic() - t0, 3))
 
-    sel = selectors.DefaultSelector()
-    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
     inbuf = b""
     ready_said = False
     spares_joined = not args.spares
@@ -275,7 +320,15 @@ def main() -> int:
             now = time.monotonic()
             due = heap[0][0] if heap else now + 1.0
             timeout = max(0.0, min(due, next_fault) - now)
-            for _key, _ in sel.select(timeout=min(timeout, 0.2)):
+            for key, _ in sel.select(timeout=min(timeout, 0.2)):
+                if key.data is not None:
+                    ag = agents[key.data]
+                    newer = ag.on_presence()
+                    if newer is None:
+                        sel.unregister(key.fileobj)  # the supervisor closed it: the agent polls on
+                    elif newer:
+                        ag.poll()
+                    continue
                 data = os.read(sys.stdin.fileno(), 4096)
                 if not data:
                     return 0

@@ -361,7 +361,7 @@ def profiled_supervisor(root: str, argv: list[str]) -> int:
 def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rate: float, builtin: bool,
                   seed: int, procs: int, shared_client: bool, join_timeout: float = 90.0,
                   keep: bool = False, steady_seconds: float = 0.0, poll: float = 0.5,
-                  profile: bool = False) -> dict:
+                  profile: bool = False, via: str = "presence") -> dict:
     """A real ``resilient supervisor`` process and a fake fleet of ``procs`` processes speaking the agents'
     protocol through its store; see the module docstring. Two measured phases: ``steady`` (heartbeats and plan
     polls only, ``steady_seconds``; skipped at 0) and ``storm`` (``fault_rate`` worker exits a second,
@@ -411,7 +411,7 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
             fcmd = [sys.executable, str(REPO / "bench" / "fake_fleet.py"), "--endpoint", endpoint,
                     "--active", ",".join(active[k::procs]), "--spares", ",".join(spare[k::procs]),
                     "--nproc", str(nproc), "--fault-rate", str(fault_rate / procs), "--seed", str(seed * 1000 + k),
-                    "--poll", str(poll)]
+                    "--poll", str(poll), "--via", via]
             if shared_client:
                 fcmd.append("--shared-client")
             fleet_err.append(open(tmp / f"fleet{k}.err", "w"))
@@ -596,7 +596,7 @@ def run_transport(nodes: int, nproc: int, spares: int, seconds: float, fault_rat
                   "presence_connections": "one per agent",
                   "design": "one thread per process, agents driven by a timer heap; identical plan bytes parsed "
                             "once per process",
-                  "hb_period_s": 1.0, "plan_poll_period_s": poll,
+                  "hb_period_s": 1.0, "plan_poll_period_s": poll, "messages_via": via,
                   "schedule_lateness_ms": storm["fleet_lateness_ms"],
                   "store_errors": storm["store"]["store_errors"]},
         "startup": {"join_to_ready_s": round(joined_s, 2), "supervisor_cpu_s": round(cpu_join, 2),
@@ -685,6 +685,9 @@ def main() -> int:
                          "curve in about 10 minutes on 2 cores; p99 then rests on ~15-20 decisions a size")
     ap.add_argument("--fault-rate", type=float, default=1.0, help="worker exits per second across the fleet")
     ap.add_argument("--poll", type=float, default=0.5, help="seconds between two plan checks of each fake agent")
+    ap.add_argument("--via", choices=("presence", "store"), default="presence",
+                    help="where the fake agents send their messages after joining: the presence connection, or the "
+                         "store queue (the fallback path, and every message's path in earlier versions)")
     ap.add_argument("--builtin", action="store_true", help="the built-in default policy (no policy thread)")
     ap.add_argument("--core-only", action="store_true",
                     help="feed SupervisorCore directly (no transport), both policies, for --seconds each")
@@ -741,6 +744,7 @@ def main() -> int:
                 r = run_transport(nodes, args.nproc, args.spares, args.seconds, args.fault_rate, args.builtin,
                                   args.seed, procs, args.shared_client, keep=args.keep,
                                   steady_seconds=args.steady_seconds, poll=args.poll, profile=args.profile,
+                                  via=args.via,
                                   join_timeout=max(120.0, nodes / 6))
             except Exception as e:  # noqa: BLE001 - one size that could not run is reported; the curve goes on
                 failed.append({"nodes": nodes, "error": f"{type(e).__name__}: {e}"})

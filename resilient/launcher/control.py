@@ -228,6 +228,7 @@ class ControlClient:
                                                                     self.node,
                                                                     timeout=min(30.0, c.rendezvous_timeout),
                                                                     term=self.chan.term)
+            self.chan.attach(self._presence)  # what follows goes over it, not one store round trip each
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
             # it answered a moment ago, and the door was open: the node hosting the store was lost
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -562,6 +563,8 @@ class ControlClient:
         self._calls = BoundedCaller("store", max_abandoned=4)  # calls stuck on the old client stay with the old one
         if self._presence is not None and self._presence is not conn:
             self._presence.close()
+        if not same or self.chan.presence is not None:  # type: ignore[union-attr]
+            chan.attach(conn)  # type: ignore[attr-defined]  # (not one a cut line left unusable for lines)
         self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
         self._term_floor = max(self._term_floor, chan.term)  # type: ignore[attr-defined]
         self._endpoint = endpoint
@@ -611,6 +614,7 @@ class ControlClient:
                                   term=chan.term)
         chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
                   rejoin=True, round=node_round.round, active=node_round.active, done=done_round == node_round.round)
+        chan.attach(conn)
         if self._presence is not None:
             self._presence.close()
         self._calls = BoundedCaller("store", max_abandoned=4)

@@ -84,6 +84,15 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.pause_after ({self.pause_after}) must be longer than tick ({self.tick})")
 
 
+def _newest_heartbeats(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``msgs`` in order, less every heartbeat of a node but its newest (a heartbeat only says the node was heard:
+    a backlog after a stall costs one per node)."""
+    last = {m.get("node"): i for i, m in enumerate(msgs) if m.get("type") == MessageKind.HB}
+    if len(last) == sum(1 for m in msgs if m.get("type") == MessageKind.HB):
+        return msgs
+    return [m for i, m in enumerate(msgs) if m.get("type") != MessageKind.HB or last[m.get("node")] == i]
+
+
 class SupervisorLoop:
     def __init__(self, cfg: LoopConfig, store: Any, signer: Signer, ledger: Ledger | None,
                  core: SupervisorCore):
@@ -183,6 +192,9 @@ class SupervisorLoop:
             self.core.seen(node, now)
             self.quorum.heard(node, now)
         for msg in self.chan.drain():
+            out += self._on_message(msg, now)
+        # after the queue: an agent's join went there before its presence connection was opened
+        for msg in _newest_heartbeats(self.presence.messages()):
             out += self._on_message(msg, now)
         self._log_refusals()
         if self.cfg.host_node is None and hello and self._cut_off_since is None and self.quorum.nodes:
@@ -442,6 +454,7 @@ class SupervisorLoop:
         if self.cfg.host_node is not None:
             plan["succession"] = self._succession(a, time.monotonic())
         self.chan.publish(a.round, plan)
+        self.presence.announce(a.round)
         self._published = a.round
         self.quorum.assigned(a.round, (*a.members, *a.spares, *plan.get("succession", {}).get("spares", ())),
                              time.monotonic())

@@ -1,10 +1,13 @@
 """Agent ↔ supervisor messages over the job's rendezvous store, signed with the per-job secret.
 
-Agents → supervisor: one store queue (``resilient/sv/<job>/q``) of signed messages — ``join``, ``hb`` (a
-periodic summary: heartbeats themselves stay on the node), ``event`` (a fault or state change worth a decision),
-``ack`` (an assignment carried out), ``done`` (this node's workers all finished). Supervisor → agents: one
+Agents → supervisor: signed messages — ``join``, ``hb`` (a periodic summary: heartbeats themselves stay on the
+node), ``event`` (a fault or state change worth a decision), ``ack`` (an assignment carried out), ``done`` (this
+node's workers all finished). ``join`` and ``arriving`` go through one store queue (``resilient/sv/<job>/q``); the
+rest go over the agent's presence connection once it has one (:mod:`.wire`: one ``recv`` per readable socket for
+the supervisor, not one store round trip per message), through the queue otherwise. Supervisor → agents: one
 write-once key per assignment round (``resilient/sv/<job>/plan/<round>``) plus ``resilient/sv/<job>/latest``;
-agents check for the next round every ``--monitor-interval`` and jump to the latest.
+agents check for the next round every ``--monitor-interval`` and jump to the latest; each new round is also
+announced as a signed line on every presence connection.
 
 The job id (``--rdzv-id``, torchrun's meaning: the id names the job) is in every key, so two jobs never read
 each other's; the endpoint's store says which job it serves (``resilient/job``), and an agent of another id is
@@ -38,6 +41,7 @@ from typing import Any
 
 from resilient import env as renv
 from resilient.logs import RateLimitedLog
+from resilient.supervisor import wire
 
 logger = logging.getLogger(__name__)
 
@@ -249,12 +253,22 @@ class AgentChannel:
     Messages are bound to the supervisor's term, read from the store (:meth:`sync_term`, done by the first
     send if not before); plans are taken only under their own round's key and never of an older term."""
 
+    #: bound on writing one message on the presence connection (a few hundred bytes into a kernel buffer: only a
+    #: supervisor that stopped reading for long fills it)
+    PRESENCE_SEND_TIMEOUT = 2.0
+
     def __init__(self, store: Any, signer: Signer, node: str):
         self.store, self.signer, self.node = store, signer, node
         self.keys = Keys(signer.job)
         self.term: int | None = None
         self._bad = RateLimitedLog(logger)
         self._lock = threading.Lock()  # a sequence number is pushed in the order it was drawn
+        self.presence: Any = None  # the presence connection messages go over, None: the store queue
+
+    def attach(self, conn: Any) -> None:
+        """Send from now on over ``conn`` (this agent's presence connection, hello sent), not the store queue."""
+        with self._lock:
+            self.presence = conn
 
     def sync_term(self, timeout: float | None = None) -> int:
         """The current supervisor's term (waits up to ``timeout`` for it, else the store's own timeout)."""
@@ -269,6 +283,15 @@ class AgentChannel:
             self.sync_term()
         body.update(type=kind, node=self.node, t=time.time(), term=self.term)
         with self._lock:
+            conn = self.presence
+            if conn is not None and kind not in (MessageKind.JOIN, MessageKind.ARRIVING):
+                try:
+                    wire.send_line(conn, self.signer.seal({**body, "via": wire.VIA_PRESENCE}),
+                                   self.PRESENCE_SEND_TIMEOUT)
+                    return
+                except OSError as e:  # TimeoutError included: a cut line leaves the stream unusable for lines
+                    logger.info("the presence connection took no message (%s): the store queue carries them", e)
+                    self.presence = None
             self.store.queue_push(self.keys.queue, self.signer.seal(body))
 
     def hello(self) -> dict[str, Any]:
@@ -335,6 +358,8 @@ class SupervisorChannel:
         if body.get("term") != self.term:
             raise BadMessage(f"a {what} of term {body.get('term')!r}, this supervisor's is {self.term} (a replay, "
                              "or an agent that has not seen this supervisor's start yet)")
+        if "via" in body:
+            raise BadMessage(f"a {what} sealed for the presence connection, found in the store queue (a replay)")
         self.guard.take(str(body.get("node")), int(body["seq"]))
         return body
 
@@ -386,12 +411,18 @@ class PresenceServer:
     connection and the supervisor knows at once, without waiting ``--node-timeout`` (which still covers a
     hung or partitioned host). The first line an agent sends is a signed hello naming its node, so a
     stranger's connection (or its closing) counts for nothing; a hello of another job or term, or one not newer
-    than the last from its node (a replayed hello, whose closing would mark a live node lost), is refused."""
+    than the last from its node (a replayed hello, whose closing would mark a live node lost), is refused.
+
+    After the hello, the agent's messages come as signed lines on the same connection (:mod:`.wire`); each poll
+    reads at most :data:`wire.RECV_BYTES` per readable socket, and :meth:`messages` hands out those that are
+    signed for this path, of this job and term, from the connection's own node, and newer than the last taken
+    from that node over this path."""
 
     def __init__(self, signer: Signer, bind: str = "0.0.0.0", max_conns: int = 65536, hello_timeout: float = 10.0,
                  *, term: int | None = None):
         self.signer, self.max_conns, self.hello_timeout, self.term = signer, max_conns, hello_timeout, term
         self._guard = ReplayGuard()
+        self._msg_guard = ReplayGuard()  # the messages' own: a node's hello and messages share one counter
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((bind, 0))
@@ -400,12 +431,16 @@ class PresenceServer:
         self.port = self.sock.getsockname()[1]
         self._pending: dict[Any, tuple[float, bytes]] = {}  # accepted, hello not yet read
         self._nodes: dict[Any, str] = {}
+        self._lines: dict[Any, wire.LineBuffer] = {}  # per connection past its hello
+        self._inbox: list[tuple[str, bytes]] = []  # (the connection's node, a line), oldest first
+        self.refused = 0  # message lines refused
         self._bad = RateLimitedLog(logger)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.sock, selectors.EVENT_READ, None)
 
     def poll(self) -> tuple[list[str], list[str]]:
-        """Non-blocking: (nodes that said hello, nodes whose connection closed)."""
+        """Non-blocking: (nodes that said hello, nodes whose connection closed). The lines read on the way wait
+        for :meth:`messages`."""
         hello: list[str] = []
         gone: list[str] = []
         for key, _ in self._sel.select(timeout=0):
@@ -414,7 +449,7 @@ class PresenceServer:
                 continue
             conn = key.fileobj
             try:
-                data = conn.recv(4096)  # type: ignore[union-attr]
+                data = conn.recv(wire.RECV_BYTES)  # type: ignore[union-attr]
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError:
@@ -426,17 +461,21 @@ class PresenceServer:
                     gone.append(node)
                 continue
             if conn in self._nodes:
-                continue  # nothing more is expected after the hello; ignore
+                node = self._nodes[conn]
+                self._inbox.extend((node, ln) for ln in self._lines[conn].feed(data))
+                continue
             t0, buf = self._pending[conn]
             buf += data
             if b"\n" in buf:
-                line = buf.split(b"\n", 1)[0]
+                line, rest = buf.split(b"\n", 1)
                 try:
                     body = self.signer.open(line)
                     node = str(body["node"])
                     if self.term is not None and body.get("term") != self.term:
                         raise BadMessage(f"a hello from {node} of term {body.get('term')!r}, this supervisor's is "
                                          f"{self.term}")
+                    if "via" in body:
+                        raise BadMessage(f"a message from {node} where its hello belongs")
                     self._guard.take(node, int(body["seq"]))
                 except (BadMessage, KeyError, ValueError, TypeError) as e:
                     self._bad.warning("refused a presence connection: %s", e)
@@ -449,6 +488,8 @@ class PresenceServer:
                         # connection is not its death
                         self._close(old)
                 self._nodes[conn] = node
+                self._lines[conn] = wire.LineBuffer()
+                self._inbox.extend((node, ln) for ln in self._lines[conn].feed(rest))
                 logger.info("presence: %s connected (fd %d)", node, conn.fileno())
                 try:
                     # this host's clock, for the agent to measure its offset (the job's reports use one clock)
@@ -465,6 +506,34 @@ class PresenceServer:
             if now - t0 > self.hello_timeout:
                 self._close(conn)
         return hello, gone
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The messages read since the last call, checked; the rest refused (counted, logged rate-limited)."""
+        inbox, self._inbox = self._inbox, []
+        out: list[dict[str, Any]] = []
+        for node, line in inbox:
+            try:
+                body = self.signer.open(line)
+                if body.get("via") != wire.VIA_PRESENCE:
+                    raise BadMessage(f"a message on {node}'s presence connection not sealed for it (a replay)")
+                if body.get("node") != node:
+                    raise BadMessage(f"a message naming {body.get('node')!r} on {node}'s presence connection")
+                if self.term is not None and body.get("term") != self.term:
+                    raise BadMessage(f"a message from {node} of term {body.get('term')!r}, this supervisor's is "
+                                     f"{self.term}")
+                self._msg_guard.take(node, int(body["seq"]))
+            except (BadMessage, KeyError, ValueError, TypeError) as e:
+                self.refused += 1
+                self._bad.warning("refused a message on a presence connection: %s", e)
+                continue
+            out.append(body)
+        return out
+
+    def announce(self, round_: int) -> int:
+        """Tell every connected agent that round ``round_``'s plan is readable (one signed line, the same bytes to
+        all; never waits). How many connections took it whole."""
+        line = self.signer.seal({"type": wire.PLAN_NOTICE, "round": round_, "term": self.term})
+        return sum(wire.send_now(conn, line) for conn in list(self._nodes))
 
     def _accept(self) -> None:
         while True:
@@ -489,6 +558,7 @@ class PresenceServer:
             pass
         conn.close()
         self._pending.pop(conn, None)
+        self._lines.pop(conn, None)
         return self._nodes.pop(conn, None)
 
     def close(self) -> None:
