@@ -104,6 +104,7 @@ class SupervisorLoop:
         self.presence = PresenceServer(signer, term=self.term)
         self._refused_log = RateLimitedLog(logger)
         self._refused_seen: set[tuple[str, str]] = set()  # (job, node) already in the ledger
+        self._refusals_due = 0.0
         # checkpoint boundaries (a deferred ScaleUp waits for one) are written by workers to the ledger only
         self._tail = LedgerTail(ledger.path.parent) if ledger is not None else None
         if self._tail is not None:
@@ -196,7 +197,10 @@ class SupervisorLoop:
         # after the queue: an agent's join went there before its presence connection was opened
         for msg in _newest_heartbeats(self.presence.messages()):
             out += self._on_message(msg, now)
-        self._log_refusals()
+        if now >= self._refusals_due:
+            # a store round trip for a log line: once a second, not once a pass
+            self._refusals_due = now + 1.0
+            self._log_refusals()
         if self.cfg.host_node is None and hello and self._cut_off_since is None and self.quorum.nodes:
             # a standalone supervisor's plans name no spares between rounds: those that joined count from their hello
             view = self.core.view(now)

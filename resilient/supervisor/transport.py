@@ -188,7 +188,27 @@ class Signer:
         want = hmac.new(self.secret, raw.encode(), hashlib.sha256).hexdigest()
         if not hmac.compare_digest(want, mac):
             raise BadMessage("bad signature (wrong or missing job secret)")
-        body = json.loads(raw)
+        return self._checked(json.loads(raw))
+
+    def seal_line(self, body: dict[str, Any]) -> bytes:
+        """:meth:`seal` for the presence connection: ``MAC RAW`` on one line (the MAC's 64 hex digits, a space, the
+        body's JSON), which opens with one JSON parse instead of two."""
+        body = {**body, "job": self.job, "seq": next_seq()}
+        raw = json.dumps(body, separators=(",", ":"), sort_keys=True, default=str).encode()
+        return hmac.new(self.secret, raw, hashlib.sha256).hexdigest().encode() + b" " + raw
+
+    def open_line(self, line: bytes) -> dict[str, Any]:
+        mac, sep, raw = line.partition(b" ")
+        if not sep or len(mac) != 64:
+            raise BadMessage("not a resilient control line")
+        if not hmac.compare_digest(hmac.new(self.secret, raw, hashlib.sha256).hexdigest().encode(), mac):
+            raise BadMessage("bad signature (wrong or missing job secret)")
+        try:
+            return self._checked(json.loads(raw))
+        except ValueError:
+            raise BadMessage("a signed line that is not JSON") from None
+
+    def _checked(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise BadMessage("malformed control message body")
         if body.get("job") != self.job:
@@ -286,7 +306,7 @@ class AgentChannel:
             conn = self.presence
             if conn is not None and kind not in (MessageKind.JOIN, MessageKind.ARRIVING):
                 try:
-                    wire.send_line(conn, self.signer.seal({**body, "via": wire.VIA_PRESENCE}),
+                    wire.send_line(conn, self.signer.seal_line({**body, "via": wire.VIA_PRESENCE}),
                                    self.PRESENCE_SEND_TIMEOUT)
                     return
                 except OSError as e:  # TimeoutError included: a cut line leaves the stream unusable for lines
@@ -513,7 +533,7 @@ class PresenceServer:
         out: list[dict[str, Any]] = []
         for node, line in inbox:
             try:
-                body = self.signer.open(line)
+                body = self.signer.open_line(line)
                 if body.get("via") != wire.VIA_PRESENCE:
                     raise BadMessage(f"a message on {node}'s presence connection not sealed for it (a replay)")
                 if body.get("node") != node:

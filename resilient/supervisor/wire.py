@@ -6,7 +6,8 @@ one ``recv`` per readable socket. The store queue stays the path of ``join`` and
 the connection exists, and the door's promise rests on the store's acknowledgement) and the fallback for an agent
 without a working connection.
 
-A line sealed for this path names it (``via``), so a line taken off the wire and pushed into the store queue, or
+An agent's line is ``MAC BODY`` (:meth:`Signer.seal_line <resilient.supervisor.transport.Signer.seal_line>`: one
+JSON parse to open, not the queue's two). A line sealed for this path names it (``via``), so a line taken off the wire and pushed into the store queue, or
 the other way round, is refused: each path keeps its own replay guard per node, and the two never meet. The
 supervisor writes one kind of line back after the clock reply: a signed notice of each new plan's round, so agents
 that wait for it need not poll the store.

@@ -29,7 +29,7 @@ TERM = 7
 
 
 def _line(signer: T.Signer, **body) -> bytes:
-    return signer.seal({"type": T.MessageKind.HB, "node": "a", "term": TERM, "via": wire.VIA_PRESENCE, **body})
+    return signer.seal_line({"type": T.MessageKind.HB, "node": "a", "term": TERM, "via": wire.VIA_PRESENCE, **body})
 
 
 class Server:
@@ -68,9 +68,11 @@ def test_presence_refuses_forged_other_term_replayed_and_misaddressed_lines() ->
         assert s.took(_line(T.Signer(b"another-secret-0123456789abcdef", JOB))) == []  # forged
         assert s.took(_line(s.signer, term=TERM - 1)) == []  # an older supervisor's term
         assert s.took(_line(s.signer, node="b")) == []  # another node's message on a's connection
-        no_via = s.signer.seal({"type": T.MessageKind.HB, "node": "a", "term": TERM})
-        assert s.took(no_via) == []  # sealed for the store queue
-        assert s.srv.refused == 5
+        no_via = s.signer.seal_line({"type": T.MessageKind.HB, "node": "a", "term": TERM})
+        assert s.took(no_via) == []  # not sealed for this path
+        queue_format = s.signer.seal({"type": T.MessageKind.HB, "node": "a", "term": TERM, "via": wire.VIA_PRESENCE})
+        assert s.took(queue_format) == []  # the store queue's framing
+        assert s.srv.refused == 6
         assert [m["node"] for m in s.took(_line(s.signer))] == ["a"]  # a fresh one still goes through
 
         # a stranger's connection without a hello: its lines count for nothing, and it is closed
@@ -102,7 +104,10 @@ def test_a_presence_line_pushed_into_the_store_queue_is_refused() -> None:
     store = T.connect_store("127.0.0.1", 0, 10.0, is_master=True)
     chan = T.SupervisorChannel(store, signer, term=TERM)
     store.queue_push(chan.keys.queue, _line(signer))
-    assert chan.drain() == [] and chan.refused == 1
+    # sealed for presence in the queue's framing (a line re-wrapped by someone holding no secret cannot be made)
+    store.queue_push(chan.keys.queue, signer.seal({"type": T.MessageKind.HB, "node": "a", "term": TERM,
+                                                   "via": wire.VIA_PRESENCE}))
+    assert chan.drain() == [] and chan.refused == 2
 
 
 def test_only_each_nodes_newest_heartbeat_is_kept() -> None:
