@@ -2,9 +2,10 @@
 
 Agents → supervisor: signed messages — ``join``, ``hb`` (a periodic summary: heartbeats themselves stay on the
 node), ``event`` (a fault or state change worth a decision), ``ack`` (an assignment carried out), ``done`` (this
-node's workers all finished). ``join`` and ``arriving`` go through one store queue (``resilient/sv/<job>/q``); the
-rest go over the agent's presence connection once it has one (:mod:`.wire`: one ``recv`` per readable socket for
-the supervisor, not one store round trip per message), through the queue otherwise. Supervisor → agents: one
+node's workers all finished). Summaries and acknowledgements (:data:`PRESENCE_KINDS`) go over the agent's presence
+connection once it has one (:mod:`.wire`: one ``recv`` per readable socket for the supervisor, not one store round
+trip per message); the rest, and everything of an agent without a working connection, through one store queue
+(``resilient/sv/<job>/q``). Supervisor → agents: one
 write-once key per assignment round (``resilient/sv/<job>/plan/<round>``) plus ``resilient/sv/<job>/latest``;
 agents check for the next round every ``--monitor-interval`` and jump to the latest; each new round is also
 announced as a signed line on every presence connection.
@@ -123,6 +124,14 @@ class MessageKind:
     ACK = "ack"
     DONE = "done"
     LEAVE = "leave"
+
+
+# What goes over the presence connection once attached: the volume (a summary a second per node, an acknowledgement
+# per node and plan), whose loss costs nothing (a later one says the same). What needs a decision or ends something
+# (join, event, done, leave) stays on the store queue: each push is answered, so an agent whose supervisor is gone
+# finds out and keeps the report for the next one, where a socket's send only says its own kernel took the bytes
+# (a host lost without a FIN would swallow them).
+PRESENCE_KINDS = frozenset({MessageKind.HB, MessageKind.ACK})
 
 
 class BadMessage(ValueError):
@@ -304,7 +313,7 @@ class AgentChannel:
         body.update(type=kind, node=self.node, t=time.time(), term=self.term)
         with self._lock:
             conn = self.presence
-            if conn is not None and kind not in (MessageKind.JOIN, MessageKind.ARRIVING):
+            if conn is not None and kind in PRESENCE_KINDS:
                 try:
                     wire.send_line(conn, self.signer.seal_line({**body, "via": wire.VIA_PRESENCE}),
                                    self.PRESENCE_SEND_TIMEOUT)

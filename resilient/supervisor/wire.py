@@ -1,10 +1,11 @@
 """Framing of the presence connection: newline-terminated signed lines, both ways.
 
-After its hello, an agent writes its messages (``hb``, ``event``, ``ack``, ``done``, ``leave``) on the presence
-connection it already keeps open, instead of one store round trip each: the supervisor reads whatever arrived with
-one ``recv`` per readable socket. The store queue stays the path of ``join`` and ``arriving`` (they come before
-the connection exists, and the door's promise rests on the store's acknowledgement) and the fallback for an agent
-without a working connection.
+After its hello, an agent writes its summaries and acknowledgements (``hb``, ``ack``: all but a few of the
+messages, one per node per second and per plan) on the presence connection it already keeps open, instead of one
+store round trip each: the supervisor reads whatever arrived with one ``recv`` per readable socket. The store
+queue stays the path of what needs a decision or ends something (``join``, ``arriving``, ``event``, ``done``,
+``leave``: each push is answered, so an agent whose supervisor is gone keeps the report, and the door's promise
+rests on that answer) and the fallback for an agent without a working connection.
 
 An agent's line is ``MAC BODY`` (:meth:`Signer.seal_line <resilient.supervisor.transport.Signer.seal_line>`: one
 JSON parse to open, not the queue's two). A line sealed for this path names it (``via``), so a line taken off the wire and pushed into the store queue, or
