@@ -225,7 +225,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=90.0, help="a run longer than this counts as a hang")
-    ap.add_argument("--launchers", default=",".join(LAUNCHERS))
+    ap.add_argument("--launchers", default=None, help="which launchers to run (default: all of the mode's)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--heavy", default=None, help="modules the script imports first (e.g. transformers)")
     ap.add_argument("--job", choices=sorted(JOBS), default=None,
@@ -251,7 +251,7 @@ def main() -> None:
         LAUNCHERS["resilient-run"] = [sys.executable, "-m", "resilient.run"]
         LAUNCHERS["resilient-run (imports hidden)"] = [sys.executable, "-m", "resilient.run"]
         LAUNCHERS["resilient-run --preload"] = [sys.executable, "-m", "resilient.run", "--preload", hand]
-        a.launchers = ",".join(LAUNCHERS)
+        a.launchers = a.launchers or ",".join(LAUNCHERS)
         extra.update(BENCH_TRAIN_S=str(a.train_seconds), RESILIENT_LOG_LEVEL="INFO")
         per_launcher = {"resilient-run": {"BENCH_STATIC": "1"},
                         "resilient-run (imports hidden)": {"BENCH_HEAVY": dynamic},
@@ -262,13 +262,15 @@ def main() -> None:
         LAUNCHERS["resilient-run --preload"] = [sys.executable, "-m", "resilient.run", "--preload", a.heavy]
         if a.with_spawn:
             LAUNCHERS["resilient-run (spawn)"] = [sys.executable, "-m", "resilient.run", "--worker-launch", "spawn"]
-        a.launchers = ",".join(LAUNCHERS)
+        a.launchers = a.launchers or ",".join(LAUNCHERS)
         # INFO: the agent's log then says when automatic preload was warm (both launchers log alike)
         extra.update(BENCH_HEAVY=a.heavy, BENCH_TRAIN_S=str(a.train_seconds), RESILIENT_LOG_LEVEL="INFO")
     a.out = a.out or str(Path(__file__).parent / "results" / (
         f"restart-static-{a.job}.json" if a.job else "restart.json" if not a.heavy else
         f"restart-preload-{a.heavy.replace(',', '+')}.json"))
-    names = [n for n in a.launchers.split(",") if n]
+    names = [n for n in (a.launchers or ",".join(LAUNCHERS)).split(",") if n]
+    if any(n not in LAUNCHERS for n in names):
+        ap.error(f"--launchers: choose from {list(LAUNCHERS)}")
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
         wd = Path(d)

@@ -149,9 +149,14 @@ def _phases(run_dir: Path, t0: float, marks: list[dict]) -> dict:
                 break
     start = min(m["start"] for m in marks)
     last = max(marks, key=lambda m: m["step"])
+    # seconds after launch: the fork server ready (its own clock), the agent's modules imported (run_start), the
+    # supervisor's first plan (action), the agent's reading of it (rendezvous_done), workers forked (attempt_start)
     p = {"agent_start_imports": ev.get("run_start", t0) - t0}
     if ready is not None:
+        p["fork_server_ready_at"] = ready - t0
         p["fork_server_ready_after_run_start"] = ready - ev.get("run_start", t0)
+        p["ready_to_first_plan"] = ev.get("rendezvous_done", 0) - ready
+    p["first_plan_at"] = ev.get("rendezvous_done", 0) - t0
     p["run_start_to_first_plan"] = ev.get("rendezvous_done", 0) - ev.get("run_start", 0)
     if "action" in ev:
         p["supervisor_plan_at"] = ev["action"] - t0
