@@ -122,3 +122,25 @@ def test_a_tensor_no_template_covers_goes_through_torch_save_and_its_file_gets_n
     assert w.fallbacks == 1 and w.templated == 1
     assert w.entries == {}  # the manager reads such a file back, as it did before
     _same(state, _load(state, d))
+
+
+def test_a_wrapped_dcp_item_write_sees_every_item(tmp_path, monkeypatch):
+    """The drills' kill in the middle of a write wraps DCP's per-item write; the record writer must not go around
+    it (or the drill would kill nothing)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    seen = []
+    orig = fs._write_item
+
+    def spy(transforms, stream, data, write_item, storage_key, fmt):  # noqa: ANN001, ANN202
+        seen.append(write_item.index.fqn)
+        return orig(transforms, stream, data, write_item, storage_key, fmt)
+
+    monkeypatch.setattr(fs, "_write_item", spy)
+    state = _plain_state()
+    d = tmp_path / "s"
+    w = RecordWriter(d)
+    _save(state, d, w)
+    assert w.templated == 0 and w.entries == {}
+    assert {k for k, v in state.items() if isinstance(v, torch.Tensor)} <= set(seen)
+    _same(state, _load(state, d))

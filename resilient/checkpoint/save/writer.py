@@ -9,7 +9,8 @@ set (zlib's, outside the GIL for large tensors). The file's manifest entry (size
 each tensor's bytes are) is computed from the same bytes as they are written, instead of reading the file back.
 Each template is checked once against ``zipfile`` and ``torch.load``; a tensor that is not plain (a view into a
 larger storage after DCP's own clone, a subclass, a layout other than strided) or whose template fails the check
-is written by ``torch.save`` as DCP does, and its file then gets no precomputed entry.
+is written by ``torch.save`` as DCP does, and its file then gets no precomputed entry. Where DCP's per-item write
+has been wrapped (the drills' kill in the middle of a write wraps it), the whole file goes DCP's way.
 
 :class:`MemoryWriter` writes into memory: the files of one step as bytes, for a tier that cannot be written
 through the local disk (a full or failed local tier still owes the persistent tier its step)."""
@@ -24,7 +25,6 @@ import threading
 import zipfile
 import zlib
 from collections.abc import Generator
-
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Any
 
 import crc32c as _crc
 import torch
+import torch.distributed.checkpoint.filesystem as _dcp_fs
 import xxhash as _xxh
 from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem, FileSystemWriter, _StorageInfo,
                                                      _StoragePrefix)
@@ -43,6 +44,10 @@ from resilient.checkpoint.api import FileEntry
 from resilient.checkpoint.format.digests import BLOCK
 
 logger = logging.getLogger(__name__)
+
+# DCP's per-item write as torch ships it: when someone has wrapped it (a drill's kill in the middle of a write,
+# a user's instrumentation), they expect every item to go through it, so the record writer steps aside
+_STOCK_WRITE_ITEM = _dcp_fs._write_item
 
 
 class _Capture(io.BytesIO):
@@ -296,6 +301,8 @@ class RecordWriter(FileSystemWriter):
         self.fallbacks = 0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if _dcp_fs._write_item is not _STOCK_WRITE_ITEM:
+            return super().write_data(plan, planner)
         prefix: _StoragePrefix = plan.storage_data
         name = f"{prefix.prefix}0{DEFAULT_SUFFIX}"
         path = self.fs.concat_path(self.path, name)
