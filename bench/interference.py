@@ -12,7 +12,9 @@ time on the training thread, with:
 each saved every step (``--intervals 1``) and every N steps (a save at the first step of each period of N, so each
 save's background work falls inside the window), and each with every lever value of ``--levers``
 (``CheckpointConfig.background_nice``: 0 leaves the threads at the process's priority; 1-19 a nice value per
-thread; ``idle`` SCHED_IDLE). Cases run interleaved: each repetition runs every case once, in an order of its
+thread; ``idle`` SCHED_IDLE) and of ``--writers`` (the local tier's writer: ``record``, ours, which writes each
+tensor's record from a template and hashes as it writes; ``stock``, DCP's ``FileSystemWriter`` with the manifest
+read back, as before it). ``--profile PREFIX`` runs rank 0's save worker under cProfile. Cases run interleaved: each repetition runs every case once, in an order of its
 own. A case's overhead is its window's wall over the baseline's of the same repetition, minus one; the table
 gives the median over repetitions and the spread (min-max).
 
@@ -26,7 +28,7 @@ per rank, 1 by default, so two ranks fill two cores); on a GPU job the step runs
 compete only with the data loader and Python, so these figures bound the GPU case from above.
 
     python bench/interference.py [--reps 5] [--steps 30] [--intervals 1,10] [--levers 0,19,idle]
-        [--n-layer 4 --d-model 256] [--tiers local,peer,persistent]
+        [--writers stock,record] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -54,13 +56,55 @@ TIERS = ("local", "peer", "persistent")
 
 
 def _cases(args: argparse.Namespace) -> list[dict]:
-    out = [{"name": "none", "tier": "none", "nice": 0, "interval": 1}]
+    out = [{"name": "none", "tier": "none", "nice": 0, "interval": 1, "writer": "record"}]
     for interval in args.intervals:
         for tier in args.tiers:
             for nice in args.levers:
-                out.append({"name": f"{tier}/every{interval}/nice={nice}", "tier": tier, "nice": nice,
-                            "interval": interval})
+                for writer in args.writers:
+                    out.append({"name": f"{tier}/every{interval}/nice={nice}/{writer}", "tier": tier, "nice": nice,
+                                "interval": interval, "writer": writer})
     return out
+
+
+class _StockWriter:
+    """The ``--writers stock`` lever: DCP's own ``FileSystemWriter`` for the local tier, as before the record
+    writer (no entries computed while writing, so the manifest reads each file back)."""
+
+    def __new__(cls, path, sync_files=True):  # noqa: ANN001, ANN204 - the writer's constructor, as the manager calls it
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        w = FileSystemWriter(path, sync_files=sync_files, thread_count=1, overwrite=True)
+        w.entries = {}
+        return w
+
+
+def _use_writer(name: str) -> None:
+    import resilient.checkpoint.save.manager as m
+    from resilient.checkpoint.save.writer import RecordWriter
+
+    m.RecordWriter = _StockWriter if name == "stock" else RecordWriter
+
+
+def _profiled_save_loop(out: str):  # noqa: ANN202
+    """The save worker's loop under cProfile (``--profile``), its stats and the thread's CPU time dumped when the
+    manager closes."""
+    import cProfile
+
+    from resilient.checkpoint.save.manager import CheckpointManager
+
+    orig = CheckpointManager._save_loop
+
+    def loop(self):  # noqa: ANN001, ANN202
+        prof = cProfile.Profile()
+        cpu0 = time.thread_time()
+        prof.enable()
+        try:
+            orig(self)
+        finally:
+            prof.disable()
+            prof.dump_stats(f"{out}.{id(self)}.prof")
+            Path(f"{out}.{id(self)}.cpu").write_text(str(time.thread_time() - cpu0))
+    CheckpointManager._save_loop = loop
 
 
 def _lever(text: str) -> int | str:
@@ -78,6 +122,8 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
 
     from resilient.checkpoint.save.manager import CheckpointManager
 
+    if args.profile and rank == 0:
+        _profiled_save_loop(args.profile)
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
     model = GPT(cfg)
@@ -115,6 +161,7 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
             ck = None
             d = Path(root) / f"r{rep}c{ci}"
             if case["tier"] != "none":
+                _use_writer(case["writer"])
                 ck = CheckpointManager(
                     local=str(d / "local{node}"), peer=case["tier"] != "local",
                     persistent=f"file://{d / 'store'}" if case["tier"] == "persistent" else None,
@@ -201,8 +248,9 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
         else None
     out = {}
     for name, c in cases.items():
-        tier, every, nice = name.split("/")
+        tier, every, nice, *writer = name.split("/")
         s = {"tier": tier, "interval": int(every[len("every"):]), "background_nice": nice.split("=", 1)[1],
+             "writer": writer[0] if writer else "stock",
              "overhead_median": statistics.median(c["overhead"]), "overhead_min": min(c["overhead"]),
              "overhead_max": max(c["overhead"]), "cost_per_save_s": statistics.median(c["cost_per_save_s"]),
              "blocking_per_save_s": statistics.median(c["blocking_per_save_s"]),
@@ -227,8 +275,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per case (a multiple of every interval)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--intervals", default="1,10", help="save every N steps, comma-separated")
-    ap.add_argument("--levers", default="0,19,idle", help="background_nice values, comma-separated")
+    ap.add_argument("--levers", default="0", help="background_nice values, comma-separated")
     ap.add_argument("--tiers", default=",".join(TIERS))
+    ap.add_argument("--writers", default="stock,record",
+                    help="the local tier's writer, comma-separated: record (ours) or stock (DCP's FileSystemWriter)")
+    ap.add_argument("--profile", metavar="PREFIX", default=None,
+                    help="profile rank 0's save worker: PREFIX.<manager>.prof (cProfile) and .cpu (its CPU seconds)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step per rank")
@@ -241,6 +293,9 @@ def main() -> int:
     args.intervals = [int(x) for x in args.intervals.split(",")]
     args.levers = [_lever(x) for x in args.levers.split(",")]
     args.tiers = [t.strip() for t in args.tiers.split(",")]
+    args.writers = [w.strip() for w in args.writers.split(",")]
+    if any(w not in ("record", "stock") for w in args.writers):
+        ap.error("--writers: record, stock")
     if any(t not in TIERS for t in args.tiers):
         ap.error(f"--tiers: each of {', '.join(TIERS)}")
     if any(args.steps % n for n in args.intervals):
@@ -278,13 +333,14 @@ def main() -> int:
           f"(model + AdamW), clean step {summary['clean_step_s'] * 1e3:.1f} ms "
           f"({(summary['cpu_per_clean_step_s'] or 0) * 1e3:.1f} ms CPU), {args.reps} reps x {args.steps} "
           f"steps; load {load0[0]:.1f} -> {result['load_after'][0]:.1f}")
-    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
+    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'writer':>6} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
           f"{'block ms':>8} {'cpu/save ms':>11} {'auto every':>10} {'auto ovh':>8}")
     for s in sorted(summary["cases"].values(), key=lambda s: (s["interval"], TIERS.index(s["tier"]),
-                                                              str(s["background_nice"]))):
+                                                              str(s["background_nice"]), s["writer"])):
         auto = (f"{s['auto_interval_steps']:>10d} {s['auto_overhead'] * 100:>7.2f}%"
                 if "auto_interval_steps" in s else f"{'':>10} {'':>8}")
-        print(f"{s['tier']:<11} {s['interval']:>5d} {s['background_nice']:>5} {s['overhead_median'] * 100:>8.1f}% "
+        print(f"{s['tier']:<11} {s['interval']:>5d} {s['background_nice']:>5} {s['writer']:>6} "
+              f"{s['overhead_median'] * 100:>8.1f}% "
               f"[{s['overhead_min'] * 100:>6.1f}%, {s['overhead_max'] * 100:>6.1f}%] "
               f"{s['cost_per_save_s'] * 1e3:>12.1f} {s['blocking_per_save_s'] * 1e3:>8.1f} "
               f"{(s['cpu_per_save_s'] or 0) * 1e3:>11.1f} {auto}")
