@@ -300,14 +300,23 @@ class LedgerTail:
     written stays buffered until its newline. Each call's events are merged on wall time; an event written
     late by a slow writer comes in a later call, so a follower must not take one call's order as final."""
 
+    # a directory changed less than this before it was listed may change again within the same tick of the coarse
+    # clock file times come from, leaving its time as it was: it is listed again at the next call
+    _MTIME_SLACK_NS = 100_000_000
+
     def __init__(self, run_dir: str | os.PathLike[str], *, chunk: int = 1 << 20,
-                 names: Callable[[str], bool] | None = None):
+                 names: Callable[[str], bool] | None = None, rescan: float | None = None):
         """``names``: which of the run's ledger files to follow, by file name (None: all): a follower that wants
-        some writers only (one node's, on a shared volume with thousands of files) opens no other file."""
+        some writers only (one node's, on a shared volume with thousands of files) opens no other file.
+        ``rescan``: list the directory only when its modification time changed, and at least every ``rescan``
+        seconds (None: at every call): a frequent follower of a directory of thousands of files then costs one
+        stat of the directory per call, not a listing."""
         self.run_dir = Path(run_dir)
         self.path: Path = ledger_path(run_dir)
         self._files: dict[str, _Followed] = {}
         self._names = names
+        self._rescan = rescan
+        self._listing: tuple[int, float, list[str]] | None = None  # (directory's mtime, monotonic time, names)
         self._chunk = chunk
         self.skipped = 0  # malformed lines seen (each once)
 
@@ -317,6 +326,15 @@ class LedgerTail:
 
     def _listed(self) -> list[str]:
         """The followed files' names, ``events.jsonl`` first; empty when the directory cannot be listed."""
+        mtime: int | None = None
+        if self._rescan is not None:
+            try:
+                mtime = os.stat(self.run_dir).st_mtime_ns
+            except OSError:
+                mtime = None
+            last, now = self._listing, time.monotonic()
+            if mtime is not None and last is not None and last[0] == mtime and now - last[1] < self._rescan:
+                return last[2]
         try:
             names = [n for n in os.listdir(self.run_dir)
                      if is_ledger_name(n) and (self._names is None or self._names(n))]
@@ -326,6 +344,10 @@ class LedgerTail:
             logger.debug("cannot list %s: %s", self.run_dir, e)
             return []
         names.sort(key=lambda n: (n != LEDGER_NAME, n))
+        if mtime is not None and time.time_ns() - mtime > self._MTIME_SLACK_NS:
+            self._listing = (mtime, time.monotonic(), names)
+        else:
+            self._listing = None
         return names
 
     def skip_to_end(self) -> None:

@@ -54,6 +54,10 @@ class ForwardConfig:
     interval: float = 0.5
     #: events waiting for the agent's loop; beyond it the oldest are dropped (only the newest boundary matters)
     max_queued: int = 256
+    #: the run directory is listed when its modification time changed, and at least this often (seconds): on a
+    #: shared volume with a file per writer, every agent listing thousands of names twice a second would load the
+    #: file server for nothing
+    rescan: float = 5.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -67,6 +71,9 @@ class ForwardConfig:
             raise ValueError(f"ForwardConfig.interval must be between 0.01 and 60 seconds, got {v!r}")
         if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1:
             raise ValueError(f"ForwardConfig.max_queued must be an integer >= 1, got {self.max_queued!r}")
+        v = self.rescan
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 3600:
+            raise ValueError(f"ForwardConfig.rescan must be a number of seconds > 0 (at most 3600), got {v!r}")
 
 
 def _identity(ev: Event) -> tuple[object, ...]:
@@ -84,7 +91,8 @@ class Forwarder:
         # this host's writers only: events.jsonl (the run's first writer, maybe this node's agent) and events.<host>-*
         # (on one host with several agents, as in tests, the node filter below tells them apart)
         prefix = f"events.{writer_host()}-"
-        self._tail = LedgerTail(cfg.run_dir, names=lambda n: n == LEDGER_NAME or n.startswith(prefix))
+        self._tail = LedgerTail(cfg.run_dir, names=lambda n: n == LEDGER_NAME or n.startswith(prefix),
+                                rescan=cfg.rescan)
         # one kind: only lines naming it are decoded (every step's line is skipped undecoded)
         self._contains = f'"{next(iter(cfg.kinds)).value}"'.encode() if len(cfg.kinds) == 1 else None
         self._lock = threading.Lock()

@@ -120,7 +120,37 @@ def test_a_full_queue_drops_the_oldest(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kw", [{"interval": 0}, {"interval": float("nan")}, {"interval": True}, {"kinds": ()},
-                                {"kinds": ("ckpt_tier_done",)}, {"node": ""}, {"max_queued": 0}])
+                                {"kinds": ("ckpt_tier_done",)}, {"node": ""}, {"max_queued": 0}, {"rescan": 0}])
 def test_config_is_checked(tmp_path: Path, kw: dict) -> None:
     with pytest.raises(ValueError):
         ForwardConfig(**{"run_dir": tmp_path, "node": NODE, **kw})
+
+
+def test_the_tail_lists_the_directory_only_when_it_changed_or_the_rescan_is_due(tmp_path: Path) -> None:
+    from resilient.events.follow import LedgerTail
+
+    agent = Ledger(tmp_path, node=NODE)
+    agent.write(_done(1))
+    old = 1_000_000_000 * 10**9  # 2001: far older than the coarse clock's tick
+    os.utime(tmp_path, ns=(old, old))
+    tail = LedgerTail(tmp_path, rescan=3600)
+    assert [e.details["step"] for e in tail.read_new()] == [1]
+    # a new file whose creation left the directory's time as it was (as a change within one tick of the coarse
+    # clock can): not listed before the rescan is due...
+    hidden = tmp_path / "events.other-1.jsonl"
+    hidden.write_text(json.dumps(_done(2).to_json()) + "\n")
+    os.utime(tmp_path, ns=(old, old))
+    assert tail.read_new() == []
+    # ...but a change of the directory's time is seen at once
+    (tmp_path / "events.other-2.jsonl").write_text(json.dumps(_done(3).to_json()) + "\n")
+    assert sorted(e.details["step"] for e in tail.read_new()) == [2, 3]
+    # and without a change the rescan comes when it is due
+    due = LedgerTail(tmp_path, rescan=0.05)
+    due.read_new()
+    os.utime(tmp_path, ns=(old, old))
+    due.read_new()  # listed: the directory's time is old now, so this listing is the one kept
+    (tmp_path / "events.other-3.jsonl").write_text(json.dumps(_done(4).to_json()) + "\n")
+    os.utime(tmp_path, ns=(old, old))
+    got: list[Event] = []
+    wait_for(lambda: got.extend(due.read_new()) or got, 10, "the rescan to find the new file")
+    assert [e.details["step"] for e in got] == [4]
