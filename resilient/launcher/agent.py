@@ -108,6 +108,8 @@ class Agent:
         try:
             t0 = time.monotonic()
             self.group.use(self._first_starter or first_starter(c, self.run_dir))
+            # while the fork server warms up: between the join and the first spawn it cost tenths of a second
+            self.monitor_socket, self.monitor = start_monitor(c, self.ledger, self.group_rank, self._default_ckpt_local(), self.sel)
             self._interruptible = True
             try:
                 # join only once the fork server is warm (torch imported): a node then never goes silent
@@ -123,7 +125,6 @@ class Agent:
             logger.debug("worker starter ready in %.2fs", time.monotonic() - t0)
             if self._signal is not None:
                 return 1
-            self.monitor_socket, self.monitor = start_monitor(c, self.ledger, self.group_rank, self._default_ckpt_local(), self.sel)
             self.metrics = start_metrics(c, self.run_dir, hosts_supervisor=self.control.sup_loop is not None)
             if self.control.sup_loop is None:  # a supervisor hosted here follows this run directory itself
                 self.forward = start_forwarder(self.run_dir, self.node)
