@@ -83,7 +83,7 @@ def _bare(script: Path, out: Path, timeout: float) -> tuple[float, list[subproce
                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
     t0 = time.time()
     procs = [subprocess.Popen([PY, "-u", str(script), str(out)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdin=subprocess.DEVNULL) for r in range(2)]
+                              stdin=subprocess.DEVNULL, cwd=out.parent) for r in range(2)]
     for p in procs:
         p.wait(timeout=timeout)
     del store
