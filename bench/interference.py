@@ -14,8 +14,8 @@ save's background work falls inside the window), and each with every lever value
 (``CheckpointConfig.background_nice``: 0 leaves the threads at the process's priority; 1-19 a nice value per
 thread; ``idle`` SCHED_IDLE) and of ``--writers`` (the local tier's writer: ``record``, ours, which writes each
 tensor's record from a template and hashes as it writes; ``stock``, DCP's ``FileSystemWriter`` with the manifest
-read back, as before it). ``--profile PREFIX`` runs rank 0's save worker under cProfile. Cases run interleaved: each repetition runs every case once, in an order of its
-own. A case's overhead is its window's wall over the baseline's of the same repetition, minus one; the table
+read back, as before it). ``--profile PREFIX`` runs rank 0's save worker under cProfile. Cases run interleaved:
+each repetition runs every case once, in an order of its own. A case's overhead is its window's wall over the baseline's of the same repetition, minus one; the table
 gives the median over repetitions and the spread (min-max).
 
 At the auto interval: ``--ckpt-interval auto`` saves so rarely on a real job (Young/Daly with the 6 h prior) that a

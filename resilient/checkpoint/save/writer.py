@@ -142,8 +142,8 @@ def _data_view(t: torch.Tensor) -> memoryview:
 def _plain(t: torch.Tensor) -> bool:
     """A dense tensor on the CPU that owns exactly its bytes, laid out row-major: what a template covers."""
     return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
-            and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+            and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.is_contiguous()
+            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def _build_template(t: torch.Tensor) -> _Template | None:
@@ -314,7 +314,8 @@ class RecordWriter(FileSystemWriter):
 
             def result(item: Any, offset: int) -> None:
                 n = out.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, offset, n)))
+                results.append(WriteResult(index=item.index, size_in_bytes=n,
+                                           storage_data=_StorageInfo(name, offset, n)))
 
             # as DCP orders them: byte items first, then tensors in plan order
             for item in (i for i in plan.items if i.type == WriteItemType.BYTE_IO):
