@@ -4,6 +4,7 @@
     python bench/checkpoint.py --quick            # 32 MB large-tensor state, 2 repetitions
     python bench/checkpoint.py --only local       # one section (blocking, local, persistent, peer, hotswap, memory)
     python bench/checkpoint.py --only local --profile   # and where one cold restore of each state spends its time
+    python bench/checkpoint.py --only peer,hotswap --states gpt   # those sections for the GPT-shaped state only
 
 Three states: today's *large* case (a few 16 MiB tensors, ``--mb``, 512 by default), a *GPT*-shaped one
 (7 blocks of width 512 with AdamW moments: 168 fp32 tensors from 2 KiB to 4 MiB, 252 MiB), and the same
@@ -23,7 +24,8 @@ repetition and reported as median [min-max], so one fast or slow baseline run ca
   tier) in freshly started processes, as after a hot swap (new processes, new gloo group, no warm-up
   restore), and gets its shards from the partner's replica; ÷ the same bytes sent over that gloo pair
   right after, in 32 MiB pieces (the baseline's connection is already warm). One pair of processes per
-  repetition.
+  repetition. Both sections also give both ranks' process CPU (every thread) in the restore and in the
+  raw transfer: on a loaded machine the wall-time ratio follows that ratio.
 * persistent restore (local tier empty, bundled fake-gcs-server) ÷ a raw parallel ranged read of the
   same objects through gcsfs (``cat_ranges``, 8 MiB ranges); a sequential ``cat_file`` per object is
   reported beside it, and the emulator's spread.
@@ -392,6 +394,8 @@ def peer_worker(state_kind: str, mb: int, work: Path, reps: int) -> None:
     target = zeros_like(state)
     buf = torch.empty(CHUNK, dtype=torch.uint8)
     raws, ours, mems = [], [], []
+    cpu_raws: list[float] = []
+    cpu_ours: list[float] = []
     res = None
     # round 0 warms up; the last round only measures memory: the RSS sampler (a thread waking every
     # millisecond) is not running while a restore is timed, as it is not while the baseline is
@@ -407,15 +411,16 @@ def peer_worker(state_kind: str, mb: int, work: Path, reps: int) -> None:
             mems.append(peak.over(state_bytes(state)))
             ck.close()
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ck.restore(target)
         ours.append(time.perf_counter() - t0)
+        cpu_ours.append(time.process_time() - c0)
         res = ck.last_restore
         ck.close()
         nbytes = res.bytes if res else 0
         # baseline: the same bytes over the same gloo pair, in 32 MiB pieces, back to back with the restore
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         left = nbytes
         while left > 0:
             n = min(CHUNK, left)
@@ -425,16 +430,29 @@ def peer_worker(state_kind: str, mb: int, work: Path, reps: int) -> None:
                 dist.recv(buf[:n], src=0)
             left -= n
         raws.append(time.perf_counter() - t0)
+        cpu_raws.append(time.process_time() - c0)
     assert same_state(target, state), "peer restore is not bit-exact"
+    cpu = [None, None]
+    dist.all_gather_object(cpu, (cpu_raws[1:], cpu_ours[1:]))
     if rank == 1:
         assert res is not None and res.tier == "peer", res
         r, o = raws[1:], ours[1:]
         (work / "peer.json").write_text(json.dumps({
             "bytes": res.bytes, "tensors": len(flat_tensors(state)), "raw_gloo_s": spread(r), "restore_s": spread(o),
-            "throughput_ratio": paired(r, o), "phases": res.phases,
+            "throughput_ratio": paired(r, o), "phases": res.phases, "cpu": _cpu_of(cpu),
             "memory": mems[-1]}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _cpu_of(per_rank: list[Any]) -> dict[str, Any]:
+    """Both ranks' process CPU seconds (every thread) in the raw transfer and in the restore, per repetition,
+    and the ratio of their sums: the figure a loaded machine does not move (its wall time follows it there)."""
+    raw = [sum(x) for x in zip(*(r[0] for r in per_rank))]
+    ours = [sum(x) for x in zip(*(r[1] for r in per_rank))]
+    return {"raw_s": spread(raw), "restore_s": spread(ours),
+            "per_rank_raw_s": [spread(r[0]) for r in per_rank], "per_rank_restore_s": [spread(r[1]) for r in per_rank],
+            "ratio": paired(raw, ours)}
 
 
 def _run_pair(port: int, args: list[str], what: str) -> None:
@@ -470,8 +488,10 @@ def bench_hotswap(state_kind: str, mb: int, work: Path, reps: int) -> dict[str, 
         pair("restore", i)
         rows.append(json.loads((work / f"hotswap-{i}.json").read_text()))
     r, o = [x["raw_gloo_s"] for x in rows], [x["restore_s"] for x in rows]
+    cr, co = [x["cpu_raw_s"] for x in rows], [x["cpu_restore_s"] for x in rows]
     return {"bytes": rows[-1]["bytes"], "tensors": rows[-1]["tensors"], "raw_gloo_s": spread(r),
             "restore_s": spread(o), "throughput_ratio": paired(r, o), "phases": rows[-1]["phases"],
+            "cpu": {"raw_s": spread(cr), "restore_s": spread(co), "ratio": paired(cr, co)},
             "sources": rows[-1]["sources"]}
 
 
@@ -496,15 +516,16 @@ def hotswap_worker(phase: str, state_kind: str, mb: int, work: Path, rep: int) -
     target = zeros_like(state)  # the model exists before it is restored (allocated and touched)
     buf = torch.empty(CHUNK, dtype=torch.uint8)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ck.restore(target)
     took = time.perf_counter() - t0
+    cpu_ours = time.process_time() - c0
     res = ck.last_restore
     ck.close()
     nbytes = torch.tensor([res.bytes if (res is not None and rank == 1) else 0])
     dist.all_reduce(nbytes)  # the bytes the spare restored, sent raw over the same pair right after
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     left = int(nbytes.item())
     while left > 0:
         n = min(CHUNK, left)
@@ -514,11 +535,15 @@ def hotswap_worker(phase: str, state_kind: str, mb: int, work: Path, rep: int) -
             dist.recv(buf[:n], src=0)
         left -= n
     raw = time.perf_counter() - t0
+    cpu_raw = time.process_time() - c0
     assert same_state(target, state), "hot-swap restore is not bit-exact"
+    cpu = [None, None]
+    dist.all_gather_object(cpu, (cpu_raw, cpu_ours))
     if rank == 1:
         assert res is not None and set(res.sources.values()) == {"peer"}, res
         (work / f"hotswap-{rep}.json").write_text(json.dumps({
             "bytes": res.bytes, "tensors": len(flat_tensors(state)), "raw_gloo_s": raw, "restore_s": took,
+            "cpu_raw_s": sum(c[0] for c in cpu), "cpu_restore_s": sum(c[1] for c in cpu),
             "phases": res.phases, "sources": res.sources}))
     dist.barrier()
     dist.destroy_process_group()
@@ -684,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compute", type=float, default=0.5, help="simulated forward/backward seconds after save")
     ap.add_argument("--only", default="blocking,local,persistent,peer,hotswap,memory",
                     help="comma-separated sections to run")
+    ap.add_argument("--states", default="large,gpt",
+                    help="peer and hotswap sections: which states (comma-separated: large, gpt)")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     ap.add_argument("--work", default=None)
     ap.add_argument("--profile", action="store_true",
@@ -739,10 +766,10 @@ def main(argv: list[str] | None = None) -> int:
         del states
         if "peer" in only:
             results["restore_peer"] = {k: bench_peer_restore(k, mb, work / f"peer-{k}", max(2, reps - 2))
-                                       for k in ("large", "gpt")}
+                                       for k in args.states.split(",")}
         if "hotswap" in only:
             results["restore_hotswap"] = {k: bench_hotswap(k, mb, work / f"hotswap-{k}", max(2, reps - 2))
-                                          for k in ("large", "gpt")}
+                                          for k in args.states.split(",")}
         if "memory" in only:
             results["memory"] = bench_memory(mb, work)
         results["bench_seconds"] = time.perf_counter() - t_all
@@ -775,9 +802,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.get("restore_peer", {}).items():
         rows.append((f"restore peer / raw gloo, {label[name]}", f"{r['restore_s']['median']:.3f} s",
                      fmt(r["throughput_ratio"]), f">= {goals['peer']}"))
+        if "cpu" in r:
+            rows.append(("  CPU of both ranks: raw / restore", f"{r['cpu']['restore_s']['median']:.3f} s",
+                         fmt(r["cpu"]["ratio"]), ""))
     for name, r in results.get("restore_hotswap", {}).items():
         rows.append((f"hot-swap restore (spare, fresh processes) / raw gloo, {label[name]}",
                      f"{r['restore_s']['median']:.3f} s", fmt(r["throughput_ratio"]), f">= {goals['hotswap']}"))
+        if "cpu" in r:
+            rows.append(("  CPU of both ranks: raw / restore", f"{r['cpu']['restore_s']['median']:.3f} s",
+                         fmt(r["cpu"]["ratio"]), ""))
     for name, r in results.get("restore_persistent", {}).items():
         if name in label:
             rows.append((f"restore persistent / parallel gcsfs, {label[name]}", f"{r['restore_s']['median']:.3f} s",
