@@ -160,6 +160,13 @@ def write_error_file(path: str | None, exc: BaseException) -> None:
         pass
 
 
+# The program's namespace (or the exception that ended it, whose traceback holds it), alive until the process ends,
+# as ``python script`` keeps ``__main__``: runpy drops it on return, on the main thread with the GIL held, and a gloo
+# process group freed there joins its run loop while that loop waits for the GIL to free a finished work (the worker
+# never exits); the fast exit then ends the process without destroying it.
+_PROGRAM_STATE: list[object] = []
+
+
 def run_worker(job: dict[str, Any]) -> int:
     """Run the user's program in this (forked or fresh) process; returns the exit code."""
     import runpy
@@ -169,11 +176,12 @@ def run_worker(job: dict[str, Any]) -> int:
     try:
         if job["kind"] == "module":
             sys.path.insert(0, os.getcwd())
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            _PROGRAM_STATE.append(runpy.run_module(argv[0], run_name="__main__", alter_sys=True))
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
+            _PROGRAM_STATE.append(runpy.run_path(argv[0], run_name="__main__"))
     except SystemExit as e:
+        _PROGRAM_STATE.append(e)
         code = e.code
         if code is None:
             return 0
@@ -182,6 +190,7 @@ def run_worker(job: dict[str, Any]) -> int:
         print(code, file=sys.stderr)
         return 1
     except BaseException as e:  # noqa: BLE001 - the worker's own failure, reported like @record
+        _PROGRAM_STATE.append(e)
         traceback.print_exc()
         write_error_file(job.get("error_file"), e)
         return 1
