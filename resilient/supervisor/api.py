@@ -146,7 +146,7 @@ class JobView:
     restarts_left: int  # what remains of --max-restarts (every restart, swap or scale counts one)
     attempt: int = 0
     ckpt_steps: Mapping[str, int] = field(default_factory=dict)  # tier → newest complete step
-    recent: tuple[Event, ...] = ()  # newest last, bounded
+    recent: tuple[Event, ...] = ()  # newest last, bounded; checkpoint reports are in ckpt_steps, not here
     failure_window: float = 3600.0  # seconds over which ``NodeView.failures`` is counted
     now: float = 0.0
     pending_scale_up: tuple[str, ...] = ()  # spares of a ScaleUp decided, waiting for a checkpoint boundary

@@ -466,7 +466,10 @@ class SupervisorCore:
                 except (TypeError, ValueError) as e:
                     logger.warning("node_joined from %s with a bad nproc (%r): ignored (%s)", event.node, nproc, e)
                     return []
-        self._recent.append(event)
+        if event.kind is not EventKind.CKPT_TIER_DONE:
+            # a save reports once per tier, every few steps: in the bounded history those reports would push out the
+            # failures a policy compares attempts by (the newest step per tier is in view.ckpt_steps)
+            self._recent.append(event)
         if event.kind is not EventKind.AGENT_LOST:
             self.seen(event.node, now)
         elif self._joining.pop(event.node, None) is not None and event.node not in self._nodes:
@@ -608,7 +611,7 @@ class SupervisorCore:
             return out
         if now >= self._timers_due:
             out += self._node_timers(now)
-            if self._stopped:
+            if self._stopped or self._preempted_end:  # a job that ended grows no more (a pending scale-up too)
                 return out
         while self._awaiting and now >= self._awaiting[0][1]:
             lost, _ = self._awaiting.pop(0)
@@ -618,12 +621,12 @@ class SupervisorCore:
             logger.warning("no joining spare became ready within %g s (--spare-wait) for %s", self.cfg.spare_wait,
                            lost.node)
             out += self._decide(lost, now)
-            if self._stopped:
+            if self._stopped or self._preempted_end:  # a job that ended grows no more
                 return out
         pp = self._preempting
         if pp is not None and now - pp.decided >= self.cfg.preempt_wait:
             out += self._settle_preemption(now, f"no agreed save within {self.cfg.preempt_wait:g} s", force=True)
-            if self._stopped:
+            if self._stopped or self._preempted_end:  # a job that ended grows no more
                 return out
         p = self._pending
         if p is not None and now - p.decided >= self.cfg.scale_up_wait:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from resilient.events.api import Event, EventKind
@@ -221,6 +221,19 @@ def test_scale_up_waits_for_a_newer_local_checkpoint() -> None:
     assert d.assignment.world_size == 6 and core.view(14.0).ckpt_steps == {"local": 8}
 
 
+def test_checkpoint_reports_do_not_push_failures_out_of_the_policys_history() -> None:
+    # a job saving every step to three tiers reports far more boundaries than the history holds: the default
+    # policy's "failed the same way K times" compares worker exits of earlier attempts, which must still be there
+    core = formed("a", "b", recent_events=8, max_restarts=9, policy=Scripted(Restart()))
+    core.handle(ev("worker_exit", "b", core=core, exit_code=1), 1.0)
+    for step in range(20):
+        for tier in ("local", "peer", "persistent"):
+            core.handle(ev("ckpt_tier_done", "a", step=step, tier=tier), 2.0 + step * 0.01)
+    v = core.view(3.0)
+    assert [e.kind for e in v.recent if e.kind is EventKind.WORKER_EXIT] == [EventKind.WORKER_EXIT], v.recent
+    assert v.ckpt_steps["local"] == 19
+
+
 def test_failures_and_stragglers_counted_in_window() -> None:
     core = formed("a", "b", failure_window=10.0, max_restarts=9, policy=Scripted(*[Restart()] * 3, Ignore()))
     for t in (1.0, 2.0, 12.5):
@@ -314,6 +327,12 @@ def apply_op(core: SupervisorCore, op: tuple, now: float) -> tuple[float, list[D
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# a scale-up waiting for a boundary when the job ended as preempted (its node silent past the timeout in that tick)
+@example(n_initial=1, min_nodes=1, extra=1, ops=[("join", "n1", 1), ("event", "preemption_notice", 0, "cur"),
+                                                 ("tick", 13.0)], answers=[], use_default=True, max_restarts=1)
+@example(n_initial=2, min_nodes=1, extra=1, ops=[("event", "preemption_notice", 0, "cur"),
+                                                 ("event", "agent_lost", 0, "cur")], answers=[], use_default=False,
+         max_restarts=0)
 @given(n_initial=st.integers(1, 4), min_nodes=st.integers(1, 3), extra=st.integers(0, 2),
        ops=st.lists(op_st, max_size=60), answers=st.lists(action_st, max_size=60),
        use_default=st.booleans(), max_restarts=st.integers(0, 6))
@@ -344,8 +363,10 @@ def test_random_sequences_keep_the_job_sound(n_initial, min_nodes, extra, ops, a
             a = core.assignment
             check_assignment(core, a, c)
             for m in a.members:
-                assert view.nodes[m].state is NodeState.ACTIVE, (m, view.nodes[m])
-            assert view.world_size == a.world_size
+                # a preempted member may leave while the others finish the agreed step (bounded by preempt_wait)
+                if m != core.preempting:
+                    assert view.nodes[m].state is NodeState.ACTIVE, (m, view.nodes[m])
+            assert core.preempting is not None or view.world_size == a.world_size
         else:
             assert ds == [] or isinstance(ds[-1].action, Stop)
         assert changes <= max_restarts
