@@ -604,6 +604,12 @@ def main() -> None:
             spec = f.read().strip()
     preload_modules = [m for m in spec.replace("\n", ",").split(",")]
     set_pdeathsig(signal.SIGKILL)
+    # the server shares the agent's process group: a Ctrl-C, or a scheduler's SIGTERM to every process of the job,
+    # would end it and, through the workers' death signal, kill them before the agent could pass the signal on for
+    # their last save; it is ended by the agent (its socket) or with it (the death signal) instead. Workers reset
+    # both in _child_setup.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     try:
         preload(preload_modules)

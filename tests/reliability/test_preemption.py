@@ -52,15 +52,20 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launch_mode", ["fork-server", "spawn"])
-def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_exact(tmp_path, launch_mode, uninterrupted):
+# "group": SIGTERM to the launcher's whole process group, as a terminal's Ctrl-C or a scheduler signalling every
+# process of the job does; the fork server is in that group and must outlive it, or its workers die with it unsaved
+@pytest.mark.parametrize("launch_mode,target", [("fork-server", "agent"), ("spawn", "agent"), ("fork-server", "group")])
+def test_sigterm_saves_the_current_step_and_the_rerun_resumes_bit_exact(tmp_path, launch_mode, target, uninterrupted):
     expected = uninterrupted
 
     run = tmp_path / "job" / "run"
     p = launch(tmp_path, "job", launch_mode)
     try:
         wait_for(lambda: (run / "events.jsonl").exists() and any(s >= 12 for s in steps_in(run)), 120, "step 12 in the ledger")
-        p.send_signal(signal.SIGTERM)
+        if target == "group":
+            os.killpg(p.pid, signal.SIGTERM)  # started in a session of its own: its group is the launcher's
+        else:
+            p.send_signal(signal.SIGTERM)
         code = p.wait(timeout=60)  # within --term-timeout (30 s) plus the agent's own exit
     finally:
         p.kill()
