@@ -561,7 +561,7 @@ class CheckpointManager:
             if self.local_rank == 0:
                 tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
             d.mkdir(parents=True, exist_ok=True)
-            writer = RecordWriter(d, sync_files=True)
+            writer = RecordWriter(d, sync_files=True, entries=False)  # see _write_manifest's call below
             _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
         except FAILURES as e:
             error = e

@@ -230,8 +230,9 @@ class _HashedFile:
     """A file written in pieces, hashed as written: its size, crc32c, and crc32c and xxh3 per ``BLOCK`` (what
     ``format.digests.file_blocks`` computes by reading it back)."""
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, hashed: bool = True) -> None:
         self._f = f
+        self.hashed = hashed  # off: only counted and written (the manifest reads the file back itself)
         self.size = 0
         self._crc = 0
         self._bcrc, self._bfill = 0, 0
@@ -260,7 +261,7 @@ class _HashedFile:
 
     def _emit(self, mv: memoryview) -> None:
         pos = 0
-        while pos < len(mv):
+        while self.hashed and pos < len(mv):
             k = min(len(mv) - pos, BLOCK - self._bfill)
             part = mv[pos:pos + k]
             self._crc = _crc.crc32c(part, self._crc)
@@ -294,8 +295,9 @@ class RecordWriter(FileSystemWriter):
     templates; the files are the same DCP files. :attr:`entries`: after ``write_data``, the manifest entry of
     each file every one of whose tensors went through a template (a file with another tensor has none)."""
 
-    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True, entries: bool = True) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
+        self._hash = entries  # off: no pass over the bytes for entries that nobody reads
         self.entries: dict[str, FileEntry] = {}
         self.templated = 0
         self.fallbacks = 0
@@ -310,7 +312,7 @@ class RecordWriter(FileSystemWriter):
         layout: list[tuple[int, int, int]] = []
         whole = True
         with self.fs.create_stream(path, "wb") as stream:
-            out = _HashedFile(stream)
+            out = _HashedFile(stream, hashed=self._hash)
 
             def result(item: Any, offset: int) -> None:
                 n = out.tell() - offset
@@ -347,7 +349,7 @@ class RecordWriter(FileSystemWriter):
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())
-        if whole:
+        if whole and self._hash:
             self.entries[name] = entry
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
