@@ -244,9 +244,12 @@ class WorkerGroup:
             old.close()
 
     # ---------------------------------------------------------------- workers
-    def _log_dir(self, attempt: int, local_rank: int) -> Path:
+    def _log_dir(self, attempt: int, rank: int) -> Path:
+        # keyed by the global rank, unique across the nodes of an attempt: the run directory (and --log-dir) may be
+        # one volume shared by every node, where local ranks collide and one node's worker would overwrite, or
+        # truncate while it is read, another node's error file (its failure then read as unknown)
         base = Path(self.cfg.log_dir) / self.cfg.run_id if self.cfg.log_dir else self.run_dir / "logs"
-        d = base / f"attempt_{attempt}" / str(local_rank)
+        d = base / f"attempt_{attempt}" / str(rank)
         d.mkdir(parents=True, exist_ok=True)
         return d
 
@@ -256,7 +259,7 @@ class WorkerGroup:
         redirects, tees = _std_map(c.redirects, n), _std_map(c.tee, n)
         self.workers = []
         for lr in range(n):
-            d = self._log_dir(attempt, lr)
+            d = self._log_dir(attempt, base_rank + lr)
             w = WorkerProc(local_rank=lr, rank=base_rank + lr, env=env_of(lr), error_file=str(d / "error.json"))
             w.env["TORCHELASTIC_ERROR_FILE"] = w.error_file  # type: ignore[assignment]
             Path(w.error_file).unlink(missing_ok=True)  # an earlier run's file would name another failure's cause

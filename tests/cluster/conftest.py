@@ -50,8 +50,8 @@ class Node:
 
 class Cluster:
     def __init__(self, tmp: Path, nnodes: str, *, flags: list[str] | None = None, port: int | None = None,
-                 nproc: int = 1):
-        self.tmp, self.nnodes, self.flags, self.nproc = tmp, nnodes, list(flags or []), nproc
+                 nproc: int = 1, script: Path = TRAIN):
+        self.tmp, self.nnodes, self.flags, self.nproc, self.script = tmp, nnodes, list(flags or []), nproc, script
         self.port = port or free_port()
         self.run_dir = tmp / "run"
         self.nodes: list[Node] = []
@@ -60,7 +60,7 @@ class Cluster:
         return [sys.executable, "-m", "resilient.run", "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "cluster",
                 "--local-addr", "127.0.0.1", "--run-dir", str(self.run_dir), "--ckpt-local", str(local),
-                *self.flags, *extra, str(TRAIN), *script_args]
+                *self.flags, *extra, str(self.script), *script_args]
 
     def start(self, name: str, script_args: list[str], *, extra: list[str] | None = None,
               env: dict[str, str] | None = None) -> Node:
