@@ -19,7 +19,7 @@ from pathlib import Path
 
 from resilient import env as renv
 from resilient.launcher.api import AgentConfig, LaunchError, WorkerCommand, WorkerLaunchMethod, check_seconds
-from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments, parse_nnodes
+from resilient.supervisor.config import add_supervisor_arguments, parse_nnodes, supervisor_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -319,10 +319,8 @@ def parse(argv: list[str]) -> AgentConfig:
                     ("--supervisor-timeout", args.supervisor_timeout)):
         check_seconds(flag, v)
     try:
-        supervisor = SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-                                      max_restarts=int(args.max_restarts), node_timeout=args.node_timeout,
-                                      policy_timeout=args.policy_timeout, spare_wait=args.spare_wait,
-                                      nodes_per_replica=args.nodes_per_replica)
+        supervisor = supervisor_config(args, min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
+                                       max_restarts=int(args.max_restarts))
         cfg = AgentConfig(
             command=command, nproc_per_node=nproc, supervisor=supervisor,
             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_configs=rdzv_configs,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -331,8 +332,18 @@ class Preloader:
 
     def _save_denied(self) -> None:
         try:
-            (self.run_dir / "preload").mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "preload" / "denied.txt").write_text("".join(f"{m}\n" for m in sorted(self._denied)))
+            d = self.run_dir / "preload"
+            d.mkdir(parents=True, exist_ok=True)
+            # written whole, then renamed: every node may share the run directory, and another agent reading a
+            # truncated list would preload a module that starts threads into its fork server
+            fd, tmp = tempfile.mkstemp(prefix=".denied.", suffix=".tmp", dir=d)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write("".join(f"{m}\n" for m in sorted(self._denied)))
+                os.replace(tmp, d / "denied.txt")
+            except OSError:
+                Path(tmp).unlink(missing_ok=True)
+                raise
         except OSError as e:
             logger.debug("cannot remember denied preloads: %s", e)
 

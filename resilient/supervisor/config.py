@@ -100,6 +100,12 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--spare-wait", "--spare_wait", type=float, default=os.environ.get(env.SPARE_WAIT, "60"),
                    help="seconds a lost node with no ready spare waits for a spare still warming up (joining) "
                         f"before the job stops (default 60, or {env.SPARE_WAIT}; argparse parses either)")
+    g.add_argument("--scale-up-wait", "--scale_up_wait", type=float, default=60.0,
+                   help="seconds a decided scale-up waits for the next checkpoint boundary (so that nothing is "
+                        "redone) before the spares are added anyway (default 60)")
+    g.add_argument("--preempt-wait", "--preempt_wait", type=float, default=120.0,
+                   help="seconds the decision on a node's preemption notice waits for the job's agreed step to be "
+                        "saved and the node to leave before it is carried out anyway (default 120)")
     g.add_argument("--nodes-per-replica", "--nodes_per_replica", type=nodes_per_replica,
                    default=os.environ.get(env.NODES_PER_REPLICA) or None, metavar="K",
                    help="nodes per data-parallel replica: K consecutive nodes hold one replica (tensor or pipeline "
@@ -111,3 +117,23 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,
                    help="file with the per-job secret that signs agent/supervisor messages (else the "
                         f"{env.JOB_SECRET} variable; else one is generated and shared through the store)")
+
+
+# the group's flags of seconds, each with the config field it sets
+_SECONDS_FLAGS = (("--node-timeout", "node_timeout"), ("--policy-timeout", "policy_timeout"),
+                  ("--spare-wait", "spare_wait"), ("--scale-up-wait", "scale_up_wait"),
+                  ("--preempt-wait", "preempt_wait"))
+
+
+def supervisor_config(a: argparse.Namespace, *, min_nodes: int, max_nodes: int, nproc_per_node: int,
+                      max_restarts: int) -> SupervisorConfig:
+    """The :class:`SupervisorConfig` of :func:`add_supervisor_arguments`' flags in ``a`` and the command's own
+    bounds: the one place both commands turn those flags into a config. ValueError names the flag."""
+    for flag, name in _SECONDS_FLAGS:
+        v = getattr(a, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ValueError(f"{flag} must be a positive, finite number of seconds, got {v!r}")
+    return SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
+                            max_restarts=max_restarts, node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
+                            spare_wait=a.spare_wait, scale_up_wait=a.scale_up_wait, preempt_wait=a.preempt_wait,
+                            nodes_per_replica=a.nodes_per_replica)

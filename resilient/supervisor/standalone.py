@@ -27,7 +27,7 @@ from pathlib import Path
 from resilient import env as renv
 from resilient.events.ledger import Ledger, read_events
 from resilient.supervisor.api import PolicyError
-from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments, parse_nnodes
+from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments, parse_nnodes, supervisor_config
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +125,8 @@ def parse(argv: list[str]) -> StandaloneConfig:
                  a.last_call_timeout)
     # nproc_per_node: only until the agents report their own
     try:
-        sup = SupervisorConfig(min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
-                               max_restarts=a.max_restarts, node_timeout=a.node_timeout,
-                               policy_timeout=a.policy_timeout, spare_wait=a.spare_wait,
-                               nodes_per_replica=a.nodes_per_replica)
+        sup = supervisor_config(a, min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
+                                max_restarts=a.max_restarts)
     except ValueError as e:  # --nnodes MIN/MAX against --nodes-per-replica: its message names the flags
         raise _BadInput(str(e)) from None
     return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, supervisor=sup, run_dir=a.run_dir,

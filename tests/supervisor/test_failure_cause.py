@@ -93,3 +93,24 @@ def test_spare_wait_flag_and_variable(monkeypatch) -> None:
     assert parse(["--standalone", "--spare-wait", "15", script]).supervisor.spare_wait == 15.0
     monkeypatch.setenv(env.SPARE_WAIT, "7")
     assert parse(["--standalone", script]).supervisor.spare_wait == 7.0
+
+
+def test_scale_up_and_preempt_waits_are_flags_of_both_commands() -> None:
+    from resilient.launcher.api import LaunchError
+    from resilient.launcher.args import parse
+    from resilient.supervisor import standalone
+
+    script = "tests/cluster/train.py"
+    sup = parse(["--standalone", script]).supervisor
+    assert (sup.scale_up_wait, sup.preempt_wait) == (60.0, 120.0)
+    sup = parse(["--standalone", "--scale-up-wait", "5", "--preempt-wait", "30", script]).supervisor
+    assert (sup.scale_up_wait, sup.preempt_wait) == (5.0, 30.0)
+    base = ["--rdzv-endpoint", "127.0.0.1:29400", "--nnodes", "2", "--run-dir", "/tmp/never-made"]
+    sup = standalone.parse([*base, "--scale-up-wait", "7", "--preempt_wait", "9"]).supervisor
+    assert (sup.scale_up_wait, sup.preempt_wait) == (7.0, 9.0)
+    for flag, bad in (("--scale-up-wait", "0"), ("--preempt-wait", "-1"), ("--scale-up-wait", "inf"),
+                      ("--preempt-wait", "nan")):
+        with pytest.raises(LaunchError, match=f"{flag} must be a positive, finite number of seconds"):
+            parse(["--standalone", flag, bad, script])
+        with pytest.raises(standalone._BadInput, match=f"{flag} must be a positive, finite number of seconds"):
+            standalone.parse([*base, flag, bad])
