@@ -31,12 +31,13 @@ from pathlib import Path
 from resilient.events.api import Event, EventKind
 from resilient.events.follow import LEDGER_NAME, LedgerTail
 from resilient.events.ledger import writer_host
+from resilient.supervisor.api import LEDGER_KINDS
 
 logger = logging.getLogger(__name__)
 
 #: the kinds the supervisor's loop takes from its own run directory's ledger (every other event it needs from a node
-#: the agent reports itself: worker exits, detector events)
-SUPERVISOR_KINDS: frozenset[EventKind] = frozenset({EventKind.CKPT_TIER_DONE})
+#: the agent reports itself: worker exits, detector events); the loop's own set, not a copy of it
+SUPERVISOR_KINDS: frozenset[EventKind] = LEDGER_KINDS
 
 # events remembered as forwarded: a file read again from its start (replaced or truncated under the tail) sends
 # nothing twice; far more than the boundaries written between two reads

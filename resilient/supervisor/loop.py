@@ -28,7 +28,7 @@ from typing import Any
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.events.follow import LedgerTail
-from resilient.supervisor.api import NodeState
+from resilient.supervisor.api import LEDGER_KINDS, NodeState
 from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.core import Assignment, Decision, SupervisorCore
 from resilient.supervisor.quorum import Count, Quorum, Reach, reach
@@ -45,6 +45,9 @@ FORWARDED = frozenset({
     EventKind.HANG, EventKind.STRAGGLER, EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY,
     EventKind.PREEMPTION_NOTICE,
 })
+
+# one kind: a line without its name is skipped undecoded (every other line of a busy ledger)
+_LEDGER_CONTAINS = f'"{next(iter(LEDGER_KINDS)).value}"'.encode() if len(LEDGER_KINDS) == 1 else None
 
 
 @dataclass
@@ -207,9 +210,8 @@ class SupervisorLoop:
             self.quorum.grow([n for n in hello if (v := view.nodes.get(n)) is not None and v.state is NodeState.SPARE])
         if self._tail is not None:
             # only checkpoint boundaries matter here: every other line is skipped undecoded
-            for ev in self._tail.read_new(contains=f'"{EventKind.CKPT_TIER_DONE.value}"'.encode()):
-                if ev.kind == EventKind.CKPT_TIER_DONE:
-                    out += self.core.handle(ev, now)
+            for ev in self._tail.read_new(contains=_LEDGER_CONTAINS, kinds=LEDGER_KINDS):
+                out += self.core.handle(ev, now)
         # members that reported done in this pass's messages end the job before any timer is looked at: a
         # finished job is never failed by a loss or a silence noticed after the fact. Not when their done decided a
         # new round (a preempted node's agreed save carried out as a swap or scale-down): the job goes on in it
