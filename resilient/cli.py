@@ -11,7 +11,7 @@ COMMANDS = {
     "ckpt": ("resilient.checkpoint.cli", "list and verify checkpoints: ckpt ls|verify URL_OR_DIR"),
     "supervisor": ("resilient.supervisor.standalone", "run the supervisor on its own host: supervisor "
                    "--rdzv-endpoint H:P --nnodes MIN:MAX --run-dir D"),
-    "goodput": ("resilient.goodput.cli", "goodput report of a run: goodput RUN_DIR [--json] [--plot F]"),
+    "goodput": ("resilient.goodput.cli", "goodput report of a run: goodput RUN_DIR [RUN_DIR ...] [--json] [--plot F]"),
     "policy": ("resilient.supervisor.cli", "check a supervisor policy offline: policy check FILE [--ledger EVENTS]"),
     "plan": ("resilient.plan.cli", "plan goodput, time and cost under failures: plan [RUN_DIR] [--sweep] [--json]"),
 }

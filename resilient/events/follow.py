@@ -44,7 +44,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -282,6 +282,30 @@ def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
     if out.skipped:
         logger.debug("%s: %d malformed line(s) skipped", p, out.skipped)  # callers report the count
     out.incomplete = ledger_incomplete(p)
+    return out
+
+
+def read_ledgers(paths: Sequence[str | os.PathLike[str]]) -> LedgerRead:
+    """Several run directories' ledgers read as one run: the nodes of one job that each kept a run directory of their
+    own (a ``--run-dir`` per node, the supervisor's too), every writer's file of every directory merged on wall time,
+    as one shared directory's are. A file named twice (a directory given twice) is read once; ``incomplete`` joins
+    each directory's reason. Raises ``OSError`` (``FileNotFoundError`` with the first path that has no ledger as its
+    ``filename``) as :func:`read_ledger` does."""
+    if not paths:
+        raise ValueError("read_ledgers needs at least one run directory")
+    runs = [_run_of(x) for x in paths]
+    files: list[Path] = []
+    seen: set[str] = set()
+    for _, fs in runs:
+        for f in fs:
+            key = os.path.realpath(f)
+            if key not in seen:
+                seen.add(key)
+                files.append(f)
+    out = LedgerRead(runs[0][0], files=files)
+    out.events.extend(_read_files(files, out))
+    reasons = [r for p, _ in runs if (r := ledger_incomplete(p)) is not None]
+    out.incomplete = "; ".join(dict.fromkeys(reasons)) or None
     return out
 
 

@@ -1,4 +1,5 @@
-"""``resilient goodput RUN_DIR [--json] [--plot FILE.png] [--tensorboard DIR]``: the goodput report of a run."""
+"""``resilient goodput RUN_DIR [RUN_DIR ...] [--json] [--plot FILE.png] [--tensorboard DIR]``: the goodput report
+of a run (several directories: one job whose nodes each kept a run directory of their own)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
 from resilient.goodput.calculator import checkpoint_summary, compute_report, fleet_lines
-from resilient.events.follow import read_ledger
+from resilient.events.follow import read_ledgers
 
 logger = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient goodput", description="Goodput and badput of a run, from its ledger.")
-    p.add_argument("run_dir", help="the run directory (holds its ledger: events.jsonl and events.*.jsonl)")
+    p.add_argument("run_dir", nargs="+",
+                   help="the run directory (holds its ledger: events.jsonl and events.*.jsonl); a job whose nodes "
+                        "each had a --run-dir of their own: every node's directory and the supervisor's, read as one")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the run's timeline into this image")
     p.add_argument("--tensorboard", metavar="DIR",
@@ -95,6 +98,17 @@ def print_table(rep: GoodputReport) -> None:
         con.print(f"[red]{rep.ledger_incomplete}[/red]: the figures above cover only what was recorded")
 
 
+def _run_dir_of(filename: str | None, given: list[str]) -> str:
+    """Which of the directories given has no ledger (the error names its ``events.jsonl``)."""
+    import pathlib
+
+    if filename:
+        for d in given:
+            if pathlib.Path(filename) in (pathlib.Path(d), pathlib.Path(d) / "events.jsonl"):
+                return d
+    return " ".join(given)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.tensorboard:
@@ -110,15 +124,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resilient goodput: --tensorboard {args.tensorboard} is a file; give a directory for the "
                   "event files", file=sys.stderr)
             return 2
+    named = " ".join(args.run_dir)
     try:
-        read = read_ledger(args.run_dir)
-    except FileNotFoundError:
-        print(f"resilient goodput: no ledger in {args.run_dir} (expected events.jsonl and its writers' "
+        read = read_ledgers(args.run_dir)
+    except FileNotFoundError as e:
+        where = _run_dir_of(e.filename, args.run_dir)
+        print(f"resilient goodput: no ledger in {where} (expected events.jsonl and its writers' "
               "events.*.jsonl there); "
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"resilient goodput: cannot read the ledger in {args.run_dir}: {e.strerror or e}", file=sys.stderr)
+        print(f"resilient goodput: cannot read the ledger in {named}: {e.strerror or e}", file=sys.stderr)
         return 2
     events = read.events
     if not events and read.skipped:
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.ledger_incomplete = read.incomplete
     if rep.steps_recorded == 0 and not rep.in_progress:
         # without step records every second counts as badput: "goodput 0.0%" would blame the job, not the script
-        print(f"resilient goodput: the run in {args.run_dir} has no step records, so its goodput cannot be told; "
+        print(f"resilient goodput: the run in {named} has no step records, so its goodput cannot be told; "
               "wrap the training loop in resilient.steps() (for step in resilient.steps(start, total): ...)",
               file=sys.stderr)
         return 2

@@ -82,6 +82,32 @@ def test_missing_run_dir_is_a_clear_error(tmp_path):
     assert res.returncode == 2 and "no ledger" in res.stderr
 
 
+def test_a_run_split_over_several_run_dirs_reads_as_one(crashed_run, tmp_path):
+    """Nodes that each keep their own --run-dir: the real run's writers split over two directories, as two nodes'
+    would be. Both directories together give the report of the whole run; the same directory twice counts once; a
+    directory without a ledger is named."""
+    import shutil
+
+    files = ledger_files(crashed_run)
+    assert len(files) >= 2, files  # the launcher's file and its workers'
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    for d in (a, b):
+        d.mkdir()
+    for i, f in enumerate(files):
+        shutil.copy(f, (a if i % 2 == 0 else b) / f.name)
+    whole = json.loads(run_cli(str(crashed_run), "--json").stdout)
+    res = run_cli(str(a), str(b), str(a), "--json")
+    assert res.returncode == 0, res.stderr
+    split = json.loads(res.stdout)
+    for key in ("goodput", "wall_seconds", "restarts", "disruptions", "steps_recorded", "steps_redone", "last_step"):
+        assert split[key] == whole[key], key
+    assert split["badput_seconds"] == whole["badput_seconds"]
+    alone = run_cli(str(a), "--json")  # one node's directory alone is not the run
+    assert alone.returncode != 0 or json.loads(alone.stdout)["steps_recorded"] != whole["steps_recorded"]
+    res = run_cli(str(a), str(tmp_path / "nope"))
+    assert res.returncode == 2 and f"no ledger in {tmp_path / 'nope'} " in res.stderr, res.stderr
+
+
 def test_report_of_a_run_with_the_real_checkpointer(tmp_path):
     """resilient.steps + CheckpointManager under resilient-run, rank 1 SIGKILLed: the report must agree with
     what the checkpointer says it restored."""
