@@ -276,13 +276,7 @@ def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
     """Every well-formed event of a run (or of one ledger file given directly), every writer's file merged on
     wall time, with the number of malformed lines skipped and ``incomplete`` set when a writer lost events.
     Raises ``OSError`` (such as ``FileNotFoundError``) when there is no ledger or a file cannot be read."""
-    p, files = _run_of(path_or_dir)
-    out = LedgerRead(p, files=files)
-    out.events.extend(_read_files(files, out))
-    if out.skipped:
-        logger.debug("%s: %d malformed line(s) skipped", p, out.skipped)  # callers report the count
-    out.incomplete = ledger_incomplete(p)
-    return out
+    return read_ledgers([path_or_dir])
 
 
 def read_ledgers(paths: Sequence[str | os.PathLike[str]]) -> LedgerRead:
@@ -304,6 +298,8 @@ def read_ledgers(paths: Sequence[str | os.PathLike[str]]) -> LedgerRead:
                 files.append(f)
     out = LedgerRead(runs[0][0], files=files)
     out.events.extend(_read_files(files, out))
+    if out.skipped:
+        logger.debug("%s: %d malformed line(s) skipped", out.path, out.skipped)  # callers report the count
     reasons = [r for p, _ in runs if (r := ledger_incomplete(p)) is not None]
     out.incomplete = "; ".join(dict.fromkeys(reasons)) or None
     return out

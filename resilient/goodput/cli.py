@@ -8,11 +8,12 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
 from resilient.goodput.calculator import checkpoint_summary, compute_report, fleet_lines
-from resilient.events.follow import read_ledgers
+from resilient.events.follow import ledger_path, read_ledgers
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +101,9 @@ def print_table(rep: GoodputReport) -> None:
 
 def _run_dir_of(filename: str | None, given: list[str]) -> str:
     """Which of the directories given has no ledger (the error names its ``events.jsonl``)."""
-    import pathlib
-
     if filename:
         for d in given:
-            if pathlib.Path(filename) in (pathlib.Path(d), pathlib.Path(d) / "events.jsonl"):
+            if Path(filename) in (Path(d), ledger_path(d)):
                 return d
     return " ".join(given)
 
