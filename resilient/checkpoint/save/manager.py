@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from resilient import env as _env
@@ -54,13 +53,14 @@ from resilient.checkpoint.format.state import flatten, leaf_nbytes, plain_state
 from resilient.checkpoint.replicate.peer import PeerRing
 from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
 from resilient.checkpoint.restore.restore import Restorer
+from resilient.checkpoint.save import plan as _plan
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.checkpoint.save.priority import lower_thread_priority
 from resilient.checkpoint.save.stage import MutationGuard, Stager
 from resilient.checkpoint.save.writer import MemoryWriter, RecordWriter
 from resilient.checkpoint.storage.collective import Ranks
 from resilient.checkpoint.storage.context import (Context, FAILURES, one_line as _one_line,
-                                                  per_rank_key as _per_rank_key, quiet as _quiet)
+                                                  per_rank_key as _per_rank_key)
 from resilient.checkpoint.storage.retention import retain
 from resilient.checkpoint.storage.tiers import BoundedTier, DirTier, make_tier
 from resilient.checkpoint.upload.uploader import Uploader
@@ -103,7 +103,7 @@ def _digest(v: Any) -> int:
             return crc_bytes(f"{v.placements}".encode(), _digest(v.to_local()))
         t = v.detach().cpu().contiguous().reshape(-1)
         # no hash(): string hashes differ between processes
-        return crc_bytes(t.view(torch.uint8).numpy().tobytes(), crc_bytes(f"{tuple(v.shape)}{v.dtype}".encode()))
+        return crc_bytes(memoryview(t.view(torch.uint8).numpy()), crc_bytes(f"{tuple(v.shape)}{v.dtype}".encode()))
     try:
         return crc_bytes(pickle.dumps(v, protocol=4))
     except Exception:  # unpicklable: treat as per-rank, DCP would fail on it anyway
@@ -289,6 +289,7 @@ class CheckpointManager:
         self._t_created = time.time()
 
         self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._planners: dict[str, _plan.CachedSavePlanner] = {}  # by writer kind; used by the save thread only
         self._worker = threading.Thread(target=self._save_loop, name="resilient-ckpt-save", daemon=True)
         self._worker.start()
         self._grace_until: float | None = None  # see wait()
@@ -550,7 +551,8 @@ class CheckpointManager:
         flat: dict[str, Any] = {**job.objects, **job.tensors}
         per_rank = self._per_rank_keys(flat)
         for k in per_rank:
-            flat[_per_rank_key(self.rank, k)] = flat[k]
+            if k in flat:  # ranks without the leaf have nothing of theirs to key
+                flat[_per_rank_key(self.rank, k)] = flat[k]
         if self.local is None:
             self._save_without_local(job, flat, per_rank, t0)
             return
@@ -562,7 +564,7 @@ class CheckpointManager:
                 tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
             d.mkdir(parents=True, exist_ok=True)
             writer = RecordWriter(d, sync_files=True, entries=False)  # see _write_manifest's call below
-            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+            self._dcp_save(flat, writer, "local")
         except FAILURES as e:
             error = e
         ok = error is None
@@ -658,7 +660,7 @@ class CheckpointManager:
         ok, error = True, None
         try:
             writer = MemoryWriter(f"memory-step-{step}")
-            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+            self._dcp_save(flat, writer, "memory")
             files = writer.files
         except FAILURES as e:
             ok, error = False, e
@@ -692,7 +694,7 @@ class CheckpointManager:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             writer = FileSystemWriter(staging, sync_files=False, thread_count=1)
-            _quiet(dcp.save, flat, storage_writer=writer, process_group=self._pg, no_dist=not self._dist)
+            self._dcp_save(flat, writer, "direct")
         except FAILURES as e:
             error = e
         finally:
@@ -725,6 +727,14 @@ class CheckpointManager:
             self._saved_step = job.step
         self._settle(job, landed, TierName.PERSISTENT.value, None if landed else self._up.last_error)
         job.ok = landed
+
+    def _dcp_save(self, flat: dict[str, Any], writer: Any, kind: str) -> None:
+        """Collective: ``dcp.save`` of ``flat`` through ``writer``, with the plan of the last save by this
+        kind of writer reused when the state's structure did not change (``save/plan.py``)."""
+        planner = self._planners.get(kind)
+        if planner is None:
+            planner = self._planners[kind] = _plan.CachedSavePlanner(f"rank {self.rank}'s {kind} saves")
+        _plan.save(flat, writer, planner, self._pg, no_dist=not self._dist)
 
     def _node_ranks(self, node: int) -> list[int]:
         return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
@@ -807,7 +817,9 @@ class CheckpointManager:
                  if not isinstance(v, torch.Tensor) or (not _is_dtensor(v) and leaf_nbytes(v) <= _SMALL)}
         everyone = self._gather(small, self._pg)
         keys = set().union(*(set(g) for g in everyone))
-        return sorted(k for k in keys if len({g.get(k) for g in everyone}) > 1)
+        # a leaf that only some ranks hold (a pipeline stage's layers) is per-rank only where two holders
+        # differ: DCP saves a leaf one rank holds from that rank
+        return sorted(k for k in keys if len({g[k] for g in everyone if k in g}) > 1)
 
     def _decide_interval(self, job: _SaveJob) -> None:
         iv = self._interval
@@ -940,6 +952,9 @@ class CheckpointManager:
             logger.debug("close(): the upload thread is still inside a collective")
         self._guard.disarm_hooks()
         self._stager.drop()
+        if finished:  # a save still running keeps its planner's cache (it is dropped with the process)
+            for planner in self._planners.values():
+                planner.forget()
         if self._ledger is not None:
             self._ledger.close()
 
