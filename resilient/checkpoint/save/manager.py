@@ -563,7 +563,9 @@ class CheckpointManager:
             if self.local_rank == 0:
                 tier.delete_file(job.step, COMMIT_MARKER)  # a step saved again is not complete until re-committed
             d.mkdir(parents=True, exist_ok=True)
-            writer = RecordWriter(d, sync_files=True, entries=False)  # see _write_manifest's call below
+            # the writer hashes the file as it writes it and knows where each tensor's bytes are: the manifest
+            # needs no second pass over the file (a file with a tensor written another way is read back)
+            writer = RecordWriter(d, sync_files=True, entries=True, block=BLOCK)
             self._dcp_save(flat, writer, "local")
         except FAILURES as e:
             error = e
@@ -573,10 +575,7 @@ class CheckpointManager:
             if ok and self.nnodes > 1:
                 self._spread_metadata(d)
             if ok:
-                # the writer's own entries (writer.entries) are not used yet: with them, a restore at another
-                # data-parallel size read whole files instead of the ranges its shards need (test_reshard); the
-                # entries are read back from the files, as for DCP's writer, until that is understood
-                m = self._write_manifest(tier, job.step, per_rank)
+                m = self._write_manifest(tier, job.step, per_rank, known=writer.entries)
         except FAILURES as e:
             ok, error = False, e
         try:

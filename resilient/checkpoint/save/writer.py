@@ -227,11 +227,12 @@ TEMPLATES = _Templates()
 
 
 class _HashedFile:
-    """A file written in pieces, hashed as written: its size, crc32c, and crc32c and xxh3 per ``BLOCK`` (what
+    """A file written in pieces, hashed as written: its size, crc32c, and crc32c and xxh3 per ``block`` (what
     ``format.digests.file_blocks`` computes by reading it back)."""
 
-    def __init__(self, f: Any, hashed: bool = True) -> None:
+    def __init__(self, f: Any, hashed: bool = True, block: int = BLOCK) -> None:
         self._f = f
+        self.block = block
         self.hashed = hashed  # off: only counted and written (the manifest reads the file back itself)
         self.size = 0
         self._crc = 0
@@ -262,14 +263,14 @@ class _HashedFile:
     def _emit(self, mv: memoryview) -> None:
         pos = 0
         while self.hashed and pos < len(mv):
-            k = min(len(mv) - pos, BLOCK - self._bfill)
+            k = min(len(mv) - pos, self.block - self._bfill)
             part = mv[pos:pos + k]
             self._crc = _crc.crc32c(part, self._crc)
             self._bcrc = _crc.crc32c(part, self._bcrc)
             self._h.update(part)
             self._bfill += k
             pos += k
-            if self._bfill == BLOCK:
+            if self._bfill == self.block:
                 self._blocks.append(self._bcrc)
                 self._xxh.append(self._h.intdigest())
                 self._bcrc, self._bfill, self._h = 0, 0, _xxh.xxh3_64()
@@ -286,7 +287,7 @@ class _HashedFile:
             xxh.append(self._h.intdigest())
         if not self.size:
             blocks = []
-        return FileEntry(size=self.size, crc32c=self._crc, block_size=BLOCK, blocks=tuple(blocks), items=items,
+        return FileEntry(size=self.size, crc32c=self._crc, block_size=self.block, blocks=tuple(blocks), items=items,
                          xxh3=tuple(xxh))
 
 
@@ -295,9 +296,11 @@ class RecordWriter(FileSystemWriter):
     templates; the files are the same DCP files. :attr:`entries`: after ``write_data``, the manifest entry of
     each file every one of whose tensors went through a template (a file with another tensor has none)."""
 
-    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True, entries: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True, entries: bool = True,
+                 block: int = BLOCK) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=True)
         self._hash = entries  # off: no pass over the bytes for entries that nobody reads
+        self._block = block  # the manifest's verification block (the manager's)
         self.entries: dict[str, FileEntry] = {}
         self.templated = 0
         self.fallbacks = 0
@@ -312,7 +315,7 @@ class RecordWriter(FileSystemWriter):
         layout: list[tuple[int, int, int]] = []
         whole = True
         with self.fs.create_stream(path, "wb") as stream:
-            out = _HashedFile(stream, hashed=self._hash)
+            out = _HashedFile(stream, hashed=self._hash, block=self._block)
 
             def result(item: Any, offset: int) -> None:
                 n = out.tell() - offset
