@@ -218,6 +218,28 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.fixture(scope="module")
+def saved_by_3_ranks(tmp_path_factory: pytest.TempPathFactory):
+    """``kind`` -> the local tier of a save of that kind of state by 3 ranks: one save per kind for the module,
+    each case restoring a copy of it."""
+    saved: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in saved:
+            base = tmp_path_factory.mktemp(f"saved-{kind}")
+            script = base / "reshard.py"
+            script.write_text(RESHARD)
+            w = Workers()
+            try:
+                ok(w.run(script, [str(base / "ckpt"), "save", kind, str(base)], 3))
+            finally:
+                w.close()
+            saved[kind] = base / "ckpt"
+        return saved[kind]
+
+    return get
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind,world,refused", [
     ("object", 3, None),  # the same world size: every rank gets its own position back
@@ -226,15 +248,16 @@ dist.destroy_process_group()
     ("shard", 2, "shard"),  # saved as 4 elements per rank, 6 asked for
 ])
 def test_restore_at_a_world_size_the_state_cannot_be_resharded_to(
-        tmp_path: Path, workers: Workers, kind: str, world: int, refused: str | None) -> None:
-    """Saved by 3 ranks; restored by ``world`` ranks on real gloo groups. A state that cannot follow the
-    world size is refused on every rank, during planning (no data file is fetched, nothing lands in the
-    state), by an error that names the keys and both world sizes and says what to do."""
+        tmp_path: Path, workers: Workers, saved_by_3_ranks, kind: str, world: int, refused: str | None) -> None:
+    """Saved by 3 ranks (once per kind for the module: the saves are the same); restored by ``world`` ranks on
+    real gloo groups, each case from its own copy of the save. A state that cannot follow the world size is
+    refused on every rank, during planning (no data file is fetched, nothing lands in the state), by an error
+    that names the keys and both world sizes and says what to do."""
     import json
 
     script = tmp_path / "reshard.py"
     script.write_text(RESHARD)
-    ok(workers.run(script, [str(tmp_path / "ckpt"), "save", kind, str(tmp_path)], 3))
+    shutil.copytree(saved_by_3_ranks(kind), tmp_path / "ckpt")
     ok(workers.run(script, [str(tmp_path / "ckpt"), "restore", kind, str(tmp_path)], world))
     res = [json.loads((tmp_path / f"reshard{r}.json").read_text()) for r in range(world)]
     if refused is None:
