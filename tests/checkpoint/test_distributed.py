@@ -36,7 +36,8 @@ def assert_bit_exact(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The uninterrupted 2-rank run: its directory (its local tier in ``ckpt``) and its ranks' final states."""
     base = tmp_path_factory.mktemp("ref")
     w = Workers()
     try:
@@ -47,7 +48,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     assert torch.equal(res[0]["model"]["0.weight"], res[1]["model"]["0.weight"])  # all-reduce kept replicas equal
     assert not torch.equal(res[0]["model"]["1.running_mean"], res[1]["model"]["1.running_mean"])  # per-rank BN
     assert not torch.equal(res[0]["rng"], res[1]["rng"])  # per-rank state really differs
-    return res
+    return base, res
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: tuple[Path, list[dict]]) -> list[dict]:
+    return reference_run[1]
 
 
 @pytest.mark.timeout(120)
@@ -103,29 +109,31 @@ def test_three_nodes_one_wiped_bit_exact(tmp_path: Path, workers: Workers) -> No
 
 
 @pytest.mark.timeout(150)
-def test_restore_onto_other_world_sizes(tmp_path: Path, workers: Workers) -> None:
-    """A 2-rank checkpoint restores into one process without a process group, and into 3 ranks (DCP
-    reshards replicated tensors; a per-rank value missing for the new rank 2 falls back to the shared one)."""
+def test_restore_onto_other_world_sizes(tmp_path: Path, workers: Workers, reference_run: tuple[Path, list[dict]]
+                                       ) -> None:
+    """A 2-rank checkpoint (the module's uninterrupted run, from a copy of its local tier) restores into one
+    process without a process group, and into 3 ranks (DCP reshards replicated tensors; a per-rank value missing
+    for the new rank 2 falls back to the shared one)."""
     from resilient.checkpoint.save.manager import CheckpointManager
 
-    args = ["--steps", "8", "--interval", "4", "--local", str(tmp_path / "ckpt")]
-    ok(workers.run(TRAIN, [*args, "--out", str(tmp_path / "two")], 2))
-    two = final(tmp_path / "two", 2)
+    base, two = reference_run
+    shutil.copytree(base / "ckpt", tmp_path / "ckpt")
+    args = ["--steps", str(STEPS), "--interval", "4", "--local", str(tmp_path / "ckpt")]
 
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck = CheckpointManager(local=tmp_path / "ckpt", interval=4)
-    assert ck.restore({"model": model, "optim": optim}) == 8
+    assert ck.restore({"model": model, "optim": optim}) == STEPS
     ck.close()
     for k, v in model.state_dict().items():
         assert torch.equal(v, two[0]["model"][k]), k  # rank 0's view, per-rank BN statistics included
 
-    ok(workers.run(TRAIN, [*args[:1], "9", *args[2:], "--out", str(tmp_path / "three")], 3))
+    ok(workers.run(TRAIN, [*args[:1], str(STEPS + 1), *args[2:], "--out", str(tmp_path / "three")], 3))
     three = final(tmp_path / "three", 3)
-    assert [r["restore"]["step"] for r in three] == [7, 7, 7]
-    assert all(r["start"] == 8 for r in three)
+    assert [r["restore"]["step"] for r in three] == [STEPS - 1] * 3
+    assert all(r["start"] == STEPS for r in three)
 
 
 NARROW = '''
