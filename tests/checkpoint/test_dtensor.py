@@ -60,30 +60,54 @@ def flip_byte_in_shard(step_dir: Path, rank: int) -> str:
 
 
 # ------------------------------------------------------------------ save, restore, bit-exact, each layout
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory):
+    """``(layout, nproc)`` -> (its directory, its ranks' results) of 3 steps saved every step, then the last step
+    restored in the same processes into a fresh model and optimizer (``--check-restore``): one run per layout
+    for the module. The dumps in ``out`` are the trained state (taken before the check's restore), and the check
+    writes to no tier: a later restore from a copy of ``ckpt`` sees what a plain training run leaves."""
+    runs: dict[tuple[str, int], tuple[Path, list]] = {}
+
+    def get(layout: str, nproc: int) -> tuple[Path, list]:
+        if (layout, nproc) not in runs:
+            base = tmp_path_factory.mktemp(f"trained-{layout}")
+            w = Workers()
+            try:
+                res = ok(w.run(SCRIPT, ["--layout", layout, "--steps", "3", "--interval", "1", "--check-restore",
+                                        "--local", str(base / "ckpt"), "--out", str(base / "out")],
+                               nproc, timeout=200))
+            finally:
+                w.close()
+            runs[layout, nproc] = (base, res)
+        return runs[layout, nproc]
+
+    return get
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout,nproc", [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("hsdp", 4)])
-def test_save_and_restore_is_bit_exact(tmp_path: Path, workers: Workers, layout: str, nproc: int) -> None:
-    res = ok(workers.run(SCRIPT, ["--layout", layout, "--steps", "3", "--interval", "1", "--check-restore",
-                                  "--local", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")],
-                         nproc, timeout=200))
+def test_save_and_restore_is_bit_exact(trained, layout: str, nproc: int) -> None:
+    base, res = trained(layout, nproc)
     assert all("restore bit-exact" in r.output for r in res), res[0].output[-3000:]
     # every rank wrote its own shards (no DTensor taken for a per-rank value, stored twice)
     m = Manifest.from_json(__import__("json").loads(
-        (tmp_path / "ckpt" / "step_00000002" / "manifest-rank0.json").read_text()))
+        (base / "ckpt" / "step_00000002" / "manifest-rank0.json").read_text()))
     assert m.per_rank_keys == ()
 
 
 @pytest.mark.timeout(240)
-def test_restore_onto_another_world_size_reshards(tmp_path: Path, workers: Workers) -> None:
-    """FSDP2 state saved by 2 ranks, restored by 1 (its shards resharded by DCP's planner: no chunk of the
-    checkpoint is the new local shard), into a fresh optimizer whose state is then placed like its
-    parameters: equal to what was saved."""
+def test_restore_onto_another_world_size_reshards(tmp_path: Path, workers: Workers, trained) -> None:
+    """FSDP2 state saved by 2 ranks (the fsdp run of test_save_and_restore_is_bit_exact, shared), restored by 1
+    from a copy of its local tier (its shards resharded by DCP's planner: no chunk of the checkpoint is the new
+    local shard), into a fresh optimizer whose state is then placed like its parameters: equal to what was
+    saved."""
+    base, _ = trained("fsdp", 2)
+    shutil.copytree(base / "ckpt", tmp_path / "ckpt")
     common = ["--layout", "fsdp", "--steps", "3", "--interval", "1", "--local", str(tmp_path / "ckpt")]
-    ok(workers.run(SCRIPT, [*common, "--out", str(tmp_path / "a")], 2, timeout=200))
     ok(workers.run(SCRIPT, [*common, "--out", str(tmp_path / "b")], 1, timeout=200))
     b = dump(tmp_path / "b")
     assert b["start"] == 3 and b["restore"]["step"] == 2
-    assert_equal_state(dump(tmp_path / "a"), b)
+    assert_equal_state(dump(base / "out"), b)
 
 
 # ------------------------------------------------------------------ the issue's check, under resilient-run
