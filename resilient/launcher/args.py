@@ -215,6 +215,25 @@ def _writable_dir(path: Path, flag: str) -> None:
         raise LaunchError(f"{flag} {str(path)!r} is not writable ({e.strerror or e}); choose another directory") from None
 
 
+def rdzv_seconds(rdzv_configs: dict[str, object], key: str) -> float:
+    """A duration of ``--rdzv-conf`` (torchrun's keys and defaults: ``join_timeout`` 600 s, ``last_call_timeout``
+    30 s), checked: a bad value is named here rather than failing the supervisor's start later."""
+    default = RDZV_SECONDS[key]
+    raw = rdzv_configs.get(key, default)
+    try:
+        v = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not (v == v and v < float("inf") and (v > 0 or (v == 0 and key == "last_call_timeout"))):
+        raise LaunchError(f"--rdzv-conf {key} must be a {'positive' if key == 'join_timeout' else 'non-negative'} "
+                          f"finite number of seconds, got {raw!r}")
+    return v
+
+
+#: torchrun's c10d rendezvous defaults for the durations the supervisor honours
+RDZV_SECONDS: dict[str, float] = {"join_timeout": 600.0, "last_call_timeout": 30.0}
+
+
 def parse(argv: list[str]) -> AgentConfig:
     try:
         args = build_parser().parse_args(argv)
@@ -279,6 +298,9 @@ def parse(argv: list[str]) -> AgentConfig:
                 raise LaunchError(f"--rdzv-conf entries must be key=value, got {kv!r}")
             k, v = kv.split("=", 1)
             rdzv_configs[k.strip()] = v.strip()
+    for key in ("join_timeout", "last_call_timeout"):  # torchrun's names; read where the supervisor is started
+        if key in rdzv_configs:
+            rdzv_seconds(rdzv_configs, key)
     if rdzv_backend == "static":
         rdzv_configs["rank"] = int(args.node_rank)
         if not rdzv_endpoint:

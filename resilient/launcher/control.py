@@ -78,8 +78,11 @@ def _start_supervisor(c: AgentConfig, store: object, signer: object, ledger: Led
     then carry the succession, see :mod:`.succession`)."""
     from resilient.supervisor.standalone import supervise
 
-    last_call = float(c.rdzv_configs.get("last_call_timeout", 30.0))  # type: ignore[arg-type]
-    loop = supervise(c.supervisor, c.policy, store, signer, ledger, advertise_addr=addr, last_call=last_call,
+    from resilient.launcher.args import rdzv_seconds
+
+    loop = supervise(c.supervisor, c.policy, store, signer, ledger, advertise_addr=addr,
+                     last_call=rdzv_seconds(c.rdzv_configs, "last_call_timeout"),
+                     join_timeout=rdzv_seconds(c.rdzv_configs, "join_timeout"),
                      store_timeout=c.rendezvous_timeout, tick=min(0.05, c.monitor_interval), host_node=node)
     loop.start()
     return loop

@@ -137,9 +137,12 @@ def take_over(cfg: Any, node: str, ledger: Any, standby: Standby, signer: Any, p
     store.compare_set(T.JOB_KEY, "", cfg.rdzv_id)
     if not configured_secret:
         store.set(T.Keys(cfg.rdzv_id).secret, signer.secret)
-    last_call = float(cfg.rdzv_configs.get("last_call_timeout", 30.0))
+    from resilient.launcher.args import rdzv_seconds
+
     loop = supervise(cfg.supervisor, cfg.policy, store, signer, ledger,
-                     advertise_addr=standby.addr.rsplit(":", 1)[0], last_call=last_call,
+                     advertise_addr=standby.addr.rsplit(":", 1)[0],
+                     last_call=rdzv_seconds(cfg.rdzv_configs, "last_call_timeout"),
+                     join_timeout=rdzv_seconds(cfg.rdzv_configs, "join_timeout"),
                      store_timeout=cfg.rendezvous_timeout, tick=min(0.05, cfg.monitor_interval), host_node=node,
                      min_term=int(plan.get("term", 0)))
     loop.succeed(plan, list(lost), time.monotonic(), dead=tuple(dead))

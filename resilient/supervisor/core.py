@@ -426,6 +426,21 @@ class SupervisorCore:
         nth = sorted(n.joined for n in self._nodes.values())[self.cfg.min_nodes - 1]
         return now - nth >= last_call
 
+    def give_up_forming(self, join_timeout: float, now: float) -> list[Decision]:
+        """Fewer than ``min_nodes`` joined within ``join_timeout`` of the supervisor's start: the job stops before its
+        first start (torchrun's rendezvous fails the same way), naming who came and what to do."""
+        if self._assignment is not None or self._stopped is not None:
+            return []
+        self._timers_due = float("-inf")
+        came = ", ".join(self._nodes) or "none"
+        a = Stop(reason=f"only {len(self._nodes)} of --nnodes MIN {self.cfg.min_nodes} node(s) joined within the "
+                        f"rendezvous join_timeout ({join_timeout:g} s; joined: {came}): start the missing nodes with "
+                        "the same --rdzv-endpoint and --rdzv-id, lower --nnodes, or raise --rdzv-conf "
+                        "join_timeout=SECONDS")
+        self._stopped = a.reason
+        logger.error("job stopped: %s", self._stopped)
+        return [Decision(self._id(), a, None, None)]
+
     def form(self, now: float) -> Assignment:
         self._timers_due = float("-inf")
         if self._assignment is not None:

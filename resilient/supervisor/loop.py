@@ -61,6 +61,10 @@ class LoopConfig:
     tick: float = 0.05
     #: once ``--nnodes`` MIN have joined, wait this long for more (up to MAX) before the first assignment
     last_call: float = 1.0
+    #: seconds from this loop's start for ``--nnodes`` MIN nodes to join before the job's first start; then the job
+    #: stops with an error that says who is missing (torchrun's rendezvous ``join_timeout``, same default): a job
+    #: whose nodes never all arrive must not hold its allocation silently forever
+    join_timeout: float = 600.0
     #: bound on every store call of the loop
     store_timeout: float = 30.0
     #: seconds the loop keeps serving after the job ended, for agents to read the final plan
@@ -77,12 +81,12 @@ class LoopConfig:
     min_term: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("tick", "last_call", "store_timeout", "linger", "pause_after"):
+        for f in ("tick", "last_call", "join_timeout", "store_timeout", "linger", "pause_after"):
             v = getattr(self, f)
             if not (v == v and 0 <= v < float("inf")):
                 raise ValueError(f"LoopConfig.{f} must be a finite number >= 0, got {v}")
-        if self.tick <= 0:
-            raise ValueError(f"LoopConfig.tick must be > 0, got {self.tick}")
+        if self.tick <= 0 or self.join_timeout <= 0:
+            raise ValueError(f"LoopConfig.tick and join_timeout must be > 0, got {self.tick} and {self.join_timeout}")
         if self.pause_after <= self.tick:
             raise ValueError(f"LoopConfig.pause_after ({self.pause_after}) must be longer than tick ({self.tick})")
 
@@ -126,6 +130,7 @@ class SupervisorLoop:
         self._door_at = 0.0  # when (monotonic): arriving agents are waited for a short while after it
         self._preempted_end = False  # the final plan says preempted
         self._published: int | None = None  # the newest round whose plan agents can read
+        self._born = time.monotonic()  # join_timeout counts from here
         self._last_pass: float | None = None  # monotonic time of the last pass: a long gap is this loop's stall
         # node -> addr:port of the store it keeps bound to take over (its JOIN says it; a successor seeds it from
         # the plan it took over from): the succession order of every plan (default set-up only)
@@ -230,6 +235,8 @@ class SupervisorLoop:
                               details={"action": "start", "reason": f"{len(a.members)} node(s) joined", "id": 0,
                                        "round": a.round, "assignment": a.to_json()}))
             self._publish(a, action={"action": "start"}, decision_id=0)
+        elif self.core.assignment is None and self.core.stopped is None and now - self._born > self.cfg.join_timeout:
+            out += self.core.give_up_forming(self.cfg.join_timeout, now)
         self._carry_out_pass(out, now)
         self._check_finished(now)
         if self.cfg.host_node is not None and (hello or gone or out or self._succession_said is None):

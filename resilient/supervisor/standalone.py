@@ -46,6 +46,7 @@ class StandaloneConfig:
     spare_nodes: int = 0
     policy: str | None = None
     last_call: float = 30.0
+    join_timeout: float = 600.0
     job_secret_file: str | None = None
     rdzv_id: str | None = None  # None: the first agent's id
     advertise_addr: str | None = None  # what workers use as MASTER_ADDR for the per-round stores
@@ -54,7 +55,7 @@ class StandaloneConfig:
 
     def __post_init__(self) -> None:
         _check_flags(self.spare_nodes, self.supervisor.max_restarts, self.supervisor.nproc_per_node,
-                     self.supervisor.node_timeout, self.supervisor.policy_timeout, self.last_call)
+                     self.supervisor.node_timeout, self.supervisor.policy_timeout, self.last_call, self.join_timeout)
         if self.rdzv_id is not None:
             from resilient.supervisor.transport import ANY_JOB, Keys
 
@@ -71,11 +72,11 @@ class StandaloneConfig:
 
 
 def _check_flags(spare_nodes: int, max_restarts: int, nproc: int, node_timeout: float, policy_timeout: float,
-                 last_call: float) -> None:
+                 last_call: float, join_timeout: float) -> None:
     if spare_nodes < 0 or max_restarts < 0 or nproc < 1:
         raise _BadInput("--spare-nodes and --max-restarts must be >= 0, --nproc-per-node >= 1")
     for flag, v in (("--node-timeout", node_timeout), ("--policy-timeout", policy_timeout),
-                    ("--last-call-timeout", last_call)):
+                    ("--last-call-timeout", last_call), ("--join-timeout", join_timeout)):
         if not (v == v and 0 <= v < float("inf")) or (flag != "--last-call-timeout" and v == 0):
             raise _BadInput(f"{flag} must be a positive, finite number of seconds, got {v}")
 
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "their own --max-restarts")
     p.add_argument("--last-call-timeout", type=float, default=30.0,
                    help="once MIN nodes joined, seconds to wait for more (up to MAX) before starting")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="seconds to wait for --nnodes MIN nodes before the job's first start; the job then stops "
+                        "(default 600, torchrun's rendezvous join_timeout)")
     p.add_argument("--advertise-addr", default=None,
                    help="address workers use to reach the stores hosted here (default: this host's name)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
@@ -122,7 +126,7 @@ def parse(argv: list[str]) -> StandaloneConfig:
             raise _BadInput(str(e)) from None
     # the flags' own words first: SupervisorConfig's checks name its fields, not the flags
     _check_flags(a.spare_nodes, a.max_restarts, a.nproc_per_node, a.node_timeout, a.policy_timeout,
-                 a.last_call_timeout)
+                 a.last_call_timeout, a.join_timeout)
     # nproc_per_node: only until the agents report their own
     try:
         sup = supervisor_config(a, min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
@@ -131,12 +135,13 @@ def parse(argv: list[str]) -> StandaloneConfig:
         raise _BadInput(str(e)) from None
     return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, supervisor=sup, run_dir=a.run_dir,
                             spare_nodes=a.spare_nodes, policy=a.policy, last_call=a.last_call_timeout,
+                            join_timeout=a.join_timeout,
                             job_secret_file=a.job_secret_file, advertise_addr=a.advertise_addr, rdzv_id=a.rdzv_id)
 
 
 def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object, signer: object,
               ledger: Ledger | None, *, advertise_addr: str, last_call: float, store_timeout: float,
-              tick: float | None = None, name: str | None = None, host_node: str | None = None,
+              join_timeout: float = 600.0, tick: float | None = None, name: str | None = None, host_node: str | None = None,
               min_term: int = 0):
     """The supervisor wired up (core, policy, loop over the job's store), not started yet: the one way both
     ``resilient supervisor`` and the agent that hosts the job's store build it (``host_node``: that agent, whose
@@ -147,7 +152,7 @@ def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object
 
     how = {k: v for k, v in (("tick", tick), ("name", name)) if v is not None}
     loop_cfg = LoopConfig(core=core_cfg, advertise_addr=advertise_addr, last_call=last_call,
-                          store_timeout=store_timeout, host_node=host_node, min_term=min_term, **how)
+                          join_timeout=join_timeout, store_timeout=store_timeout, host_node=host_node, min_term=min_term, **how)
     return SupervisorLoop(loop_cfg, store, signer, ledger,
                           SupervisorCore(core_cfg, load_policy(policy_file) if policy_file else None))
 
@@ -181,7 +186,8 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
     ledger = Ledger(run_dir, node=cfg.name)
     addr = cfg.advertise_addr or (host if host not in ("0.0.0.0", "") else socket.getfqdn())
     loop = supervise(cfg.supervisor, cfg.policy, store, T.Signer(secret, job), ledger, advertise_addr=addr,
-                     last_call=cfg.last_call, store_timeout=cfg.store_timeout, name=cfg.name)
+                     last_call=cfg.last_call, join_timeout=cfg.join_timeout, store_timeout=cfg.store_timeout,
+                     name=cfg.name)
     core = loop.core
     try:
         past = list(read_events(run_dir))
