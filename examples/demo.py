@@ -239,7 +239,7 @@ class Progress:
             self.say(wall, f"training: first step done on node {self.name(e['node'])}")
         elif kind == "fault_injected":
             row = {"fault": d.get("at"), "kind": d.get("fault"), "target": d.get("target"),
-                   "node": self.name(e["node"]), "wall": wall, "attempt": self.attempt}
+                   "node": self.name(e["node"]), "ident": e["node"], "wall": wall, "attempt": self.attempt}
             self.faults.append(row)
             self.open_fault = row
             what = {"kill-worker": f"SIGKILL rank {d.get('target')}", "hang-worker": f"SIGSTOP rank {d.get('target')} "
@@ -264,7 +264,11 @@ class Progress:
             f.update(detected=kind, detect_s=wall - f["wall"])
             self.say(wall, f"node {self.name(e['node'])} joined as a spare")
         elif kind == "action" and d.get("action") not in ("start", "ignore"):
-            if f and "action" not in f:
+            # a lost node is answered by the decision on its loss: a survivor's worker, cut off from it, may exit
+            # (and be restarted) a few milliseconds before the supervisor hears that the node is gone
+            answers = f is not None and (f["kind"] != "kill-node" or (
+                d.get("cause") == "agent_lost" and d.get("cause_node") == f.get("ident")))
+            if f and "action" not in f and answers:
                 f["action"] = d.get("action")
                 f["into"] = [(d.get("action_args") or {}).get("spare")] if d.get("action") == "hot_swap" else None
             if d.get("action") == "hot_swap" and self.rank0 is not None and self.spare is not None and \
