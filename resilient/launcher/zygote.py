@@ -506,8 +506,9 @@ def preload(modules: list[str]) -> None:
 
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
-    import torch  # noqa: F401  - the point of this process
-    import torch.distributed  # noqa: F401
+    if "~torch" not in modules:  # the agent read a program that imports only the standard library: nothing to warm
+        import torch  # noqa: F401  - the point of this process
+        import torch.distributed  # noqa: F401
 
     global GUARDED_LIBS
     GUARDED_LIBS += tuple(m[1:] for m in modules if m.startswith("!") and len(m) > 1)
@@ -517,7 +518,7 @@ def preload(modules: list[str]) -> None:
     learned = [m[1:] for m in modules if m.startswith("+")]
     static = [m[1:] for m in modules if m.startswith("=")]
     for m in modules:
-        if not m or m[0] in "+!=-#":
+        if not m or m[0] in "+!=-#~":
             continue
         if m.startswith("?"):  # our own defaults: a speed-up, never a reason to fail
             try:

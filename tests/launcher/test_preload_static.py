@@ -82,3 +82,34 @@ def test_entry_imports_follow_local_modules_and_skip_what_cannot_be_read(tmp_pat
     # a bound on the local files read
     assert entry_imports(WorkerCommand(target=str(tmp_path / "train.py")), str(tmp_path), max_files=1) == (
         "os", "lightning", "typing")
+
+
+PROBE = r'''
+import sys
+torch_first = "torch" in sys.modules  # before any import of this program
+import json, os  # noqa: E402
+{extra}
+with open(os.path.join(sys.argv[1], "r" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(torch_first, f)
+'''
+
+
+@pytest.mark.parametrize("extra, torch_preloaded", [
+    ("", False),  # the standard library only: the fork server skips torch
+    ("import helper  # noqa: E402,F401", False),  # a local module that imports the standard library only
+    ("import broken  # noqa: E402,F401", True),  # a local module that cannot be read: the read is incomplete
+    ("import torch  # noqa: E402,F401", True),
+])
+@pytest.mark.timeout(150)
+def test_a_standard_library_program_starts_from_a_fork_server_without_torch(tmp_path, extra, torch_preloaded):
+    job, out = tmp_path / "job", tmp_path / "out"
+    job.mkdir()
+    out.mkdir()
+    (job / "train.py").write_text(PROBE.replace("{extra}", extra))
+    (job / "helper.py").write_text("import os\nimport collections\n")
+    # valid Python, but over the agent's ENTRY_MAX_BYTES: left unread, so what it imports is unknown
+    (job / "broken.py").write_bytes(b"import os\n" + b"#" * (3 << 20) + b"\n")
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir",
+                      str(tmp_path / "run"), str(job / "train.py"), str(out)], cwd=tmp_path, timeout=140)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [torch_preloaded] * 2
