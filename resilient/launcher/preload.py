@@ -15,9 +15,9 @@ run directory and never preloaded again.
 from __future__ import annotations
 
 import ast
-import sys
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
