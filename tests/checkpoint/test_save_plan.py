@@ -92,3 +92,28 @@ def test_plan_cache_saves_every_structure_and_fails_visibly_when_out_of_step(tmp
         assert not out["cached_after_close"], "close() left the planner's cache in DCP's class-level dicts"
     errors = "".join(r.output for r in res)
     assert "sent a cached save plan the coordinator does not hold" in errors, errors[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_reshaped_or_retyped_in_place_is_planned_again(tmp_path: Path) -> None:
+    """The plan is reused only for the same layout: a view of the same storage (same address) with another shape
+    or dtype must get a plan of its own, or the metadata would describe the old one."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from resilient.checkpoint.save import plan
+
+    planner = plan.CachedSavePlanner("test")
+    buf = torch.arange(6, dtype=torch.float32)
+    states = [{"a": buf.view(2, 3), "n": 1}, {"a": buf.view(2, 3), "n": 2}, {"a": buf.view(3, 2), "n": 3},
+              {"a": buf.view(torch.int32).view(3, 2), "n": 4}]
+    try:
+        for i, s in enumerate(states):
+            plan.save(s, dcp.FileSystemWriter(str(tmp_path / str(i))), planner, None, no_dist=True)
+    finally:
+        planner.forget()
+    for i, s in enumerate(states):
+        into = {"a": torch.empty_like(s["a"]), "n": 0}
+        dcp.load(into, checkpoint_id=str(tmp_path / str(i)))
+        assert into["a"].shape == s["a"].shape and into["a"].dtype == s["a"].dtype, (i, into["a"])
+        assert torch.equal(into["a"], s["a"]) and into["n"] == s["n"], (i, into)
