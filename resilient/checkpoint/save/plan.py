@@ -55,7 +55,7 @@ class CachedSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         # DCP builds every write item again at each save (about 40 us a tensor) only to find the plan equal to the
-        # cached one; the same tensor objects at the same addresses, shapes and dtypes make the same plan
+        # cached one; tensors at the same addresses with the same shapes and dtypes make the same plan
         layout = _layout(self.state_dict)
         if (layout is not None and layout == self._layout
                 and self._cached_plans_key in SavePlanner._cached_save_plan):
