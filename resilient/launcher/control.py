@@ -540,16 +540,21 @@ class ControlClient:
                 # this node back (it would count toward a majority it no longer has)
                 raise JobRefused(f"the supervisor at {where} is of term {chan.term}, older than term "
                                  f"{self._term_floor} this node follows: not joining it")
-            # a rejoin is idempotent for the supervisor: a probe abandoned here that sends it later does no harm
-            chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(), host=socket.gethostname(),
-                      rejoin=True, round=node_round.round, active=node_round.active,
-                      done=done_round == node_round.round, **self._standby_body())
             return store, chan, presence, endpoint
 
+        calls = BoundedCaller("store", max_abandoned=4)  # calls stuck on the old client stay with the old one
         try:
             # a hung server holds even a new client's handshake: the probe is bounded as a whole
             # (a live one answers in milliseconds; the agent's loop waits on this, so a few seconds at most)
             store, chan, presence, endpoint = self._probes.call(probe, 3.0, "reconnecting to the supervisor")
+            # the rejoin is sent from here, never by the probe: a probe abandoned on its bound runs on, and a join
+            # it sealed later would overtake this thread's re-sent failure in the store queue, which the supervisor
+            # then refused as a replay (older sequence number), and the failure was never decided
+            calls.call(lambda: chan.send(T.MessageKind.JOIN, nproc=c.nproc_per_node, pid=os.getpid(),
+                                         host=socket.gethostname(), rejoin=True, round=node_round.round,
+                                         active=node_round.active, done=done_round == node_round.round,
+                                         **self._standby_body()),
+                       self._call_timeout, "rejoining the supervisor")
             signer = chan.signer  # type: ignore[attr-defined]
             same = (not self._sup_gone and self._presence is not None and self.chan is not None
                     and chan.term == self.chan.term)  # type: ignore[attr-defined]
@@ -563,7 +568,7 @@ class ControlClient:
         except Exception as e:  # noqa: BLE001 - not back yet
             logger.debug("supervisor not reachable yet: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
             return
-        self._calls = BoundedCaller("store", max_abandoned=4)  # calls stuck on the old client stay with the old one
+        self._calls = calls
         if self._presence is not None and self._presence is not conn:
             self._presence.close()
         if not same or self.chan.presence is not None:  # type: ignore[union-attr]
