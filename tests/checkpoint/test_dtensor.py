@@ -248,7 +248,7 @@ def test_plain_dcp_load_of_a_saved_step_without_resilient(tmp_path: Path, worker
     ok(workers.run(SCRIPT, ["--layout", "fsdp_tp", "--steps", "3", "--interval", "1", "--local",
                             str(tmp_path / "ckpt"), "--out", str(tmp_path / "a")], 2, timeout=200))
     res = ok(workers.run(SCRIPT, ["--layout", "fsdp_tp", "--dcp-load", str(tmp_path / "ckpt" / "step_00000002"),
-                                  "--out", str(tmp_path / "b")], 2, timeout=200))
+                                  "--out", str(tmp_path / "b")], 2, timeout=200, fresh=True))
     assert all("resilient imported: False" in r.output for r in res), res[0].output[-2000:]
     trained, loaded = dump(tmp_path / "a"), torch.load(tmp_path / "b" / "loaded.pt", weights_only=False)
     assert loaded["model"].keys() == trained["model"].keys()
