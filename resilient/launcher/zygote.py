@@ -230,12 +230,25 @@ def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket, mods:
         os.close(fd)
     os.environ.clear()
     os.environ.update(job["env"])
+    _own_thread_count(job["env"])
     os.chdir(job["cwd"])
     # ``python -u``: unbuffered stdout/stderr, as torchrun runs workers
     import io
 
     sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True)
+
+
+def _own_thread_count(env: dict[str, str]) -> None:
+    """The worker's ``OMP_NUM_THREADS``, as a fresh interpreter would take it: the OpenMP runtime read the variable
+    once, when the server loaded torch, so a worker whose value differs (``1`` for each of several ranks on a node
+    whose server saw none) would otherwise run the server's count of intra-op threads, on cores its peers need."""
+    torch = sys.modules.get("torch")
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if torch is None or not value.isdigit() or int(value) < 1:
+        return
+    if torch.get_num_threads() != int(value):
+        torch.set_num_threads(int(value))
 
 
 def _send_on(sock: socket.socket, msg: dict[str, Any]) -> None:

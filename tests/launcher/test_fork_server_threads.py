@@ -1,0 +1,45 @@
+"""A worker forked from the fork server runs the intra-op thread count its own ``OMP_NUM_THREADS`` asks for, as a
+fresh interpreter does. The OpenMP runtime reads the variable once, when the server loads torch: before the mend,
+three ranks with ``OMP_NUM_THREADS=1`` on two cores each ran two spinning threads (the server's count), and a
+straggler test among equal ranks flagged one of them, or their all-reduce stalled for minutes. Real fork server,
+real workers."""
+import os
+import select
+import time
+
+import pytest
+
+from resilient.launcher.api import WorkerCommand
+from resilient.launcher.starters import ForkServer, WorkerProc
+
+SCRIPT = r'''
+import sys, torch
+open(sys.argv[1], "w").write(str(torch.get_num_threads()))
+'''
+
+
+@pytest.mark.timeout(150)
+def test_a_forked_worker_runs_the_thread_count_of_its_own_environment(tmp_path, monkeypatch):
+    script = tmp_path / "threads.py"
+    script.write_text(SCRIPT)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what the server itself sees
+    fs = ForkServer(("torch",), tag="threads-test")
+    try:
+        fs.wait_ready(90)
+        asked = {0: "1", 1: "3", 2: None}  # None: the variable unset, the server's count stays
+        workers = []
+        for i, n in asked.items():
+            env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+            if n is not None:
+                env["OMP_NUM_THREADS"] = n
+            workers.append(WorkerProc(local_rank=i, rank=i, env=env))
+            fs.start(WorkerCommand(str(script), (str(tmp_path / f"n{i}"),)), [workers[-1]], str(tmp_path))
+        deadline = time.monotonic() + 60
+        while any(w.exit_code is None for w in workers) and (left := deadline - time.monotonic()) > 0:
+            if not fs.buffered():
+                select.select([fs.fileno()], [], [], left)
+            fs.poll_exits()
+        assert [w.exit_code for w in workers] == [0, 0, 0]
+        assert [(tmp_path / f"n{i}").read_text() for i in asked] == ["1", "3", "2"]
+    finally:
+        fs.close()
