@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +18,6 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.signals.api import MonitorConfig
 from resilient.signals.monitor import create_node_monitor
-from tests._helpers.forked import ForkedProc, fork
 from tests._helpers.gcs import free_port
 
 WORKER = str(Path(__file__).with_name("worker.py"))
@@ -30,12 +30,12 @@ class Agent:
         self.ledger = Ledger(run_dir, node="node0")
         self.config = MonitorConfig(socket_path=f"@resilient-test-{uuid.uuid4().hex}", **config)  # type: ignore[arg-type]
         self.monitor = create_node_monitor(self.config, self.ledger, 0)
-        self.procs: list[ForkedProc] = []  # forked from the fork server, as resilient-run starts workers
+        self.procs: list[subprocess.Popen] = []
         self.events: list[Event] = []
         self.attempt = -1
 
     def spawn(self, nproc: int, env: dict[str, str] | None = None, script: str = WORKER,
-              ranks_per_replica: int | None = None) -> list[ForkedProc]:
+              ranks_per_replica: int | None = None) -> list[subprocess.Popen]:
         self.attempt += 1
         port = free_port()
         self.procs = []
@@ -46,7 +46,7 @@ class Agent:
                       "RESILIENT_AGENT_SOCKET": self.config.socket_path, "RESILIENT_RUN_DIR": str(self.run_dir),
                       "RESILIENT_NODE": "node0", "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
             e.update(env or {})
-            self.procs.append(fork(script, [], e))
+            self.procs.append(subprocess.Popen([sys.executable, script], env=e))
         self.monitor.attempt_started(self.attempt, {r: r for r in range(nproc)}, {r: p.pid for r, p in enumerate(self.procs)},
                                      ranks_per_replica)
         return self.procs
