@@ -57,6 +57,7 @@ import psutil  # noqa: E402
 
 from resilient.events.api import EventKind  # noqa: E402
 from resilient.events.ledger import read_events  # noqa: E402
+from resilient.launcher.zygote import is_server_process  # noqa: E402
 from tests._helpers.gcs import free_port  # noqa: E402
 from tests._helpers.procs import kill_sessions, session_procs  # noqa: E402
 from tests._helpers.wait import wait_for as _wait_for  # noqa: E402
@@ -192,8 +193,7 @@ def fork_server_idle(agent_pid: int, quiet: float = 1.0, timeout: float = 90.0) 
     last: tuple[float, float] | None = None  # (cpu seconds, when first seen at that value)
     while time.monotonic() < deadline:
         try:
-            kids = [c for c in psutil.Process(agent_pid).children()
-                    if "resilient.launcher.zygote" in " ".join(c.cmdline())]
+            kids = [c for c in psutil.Process(agent_pid).children() if is_server_process(c.pid)]
             if kids:
                 z = kids[0]
                 cpu = sum(z.cpu_times()[:2])

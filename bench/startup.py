@@ -7,7 +7,9 @@ model, one forward/backward/optimizer step) runs as:
   given to workers: ``TORCHELASTIC_USE_AGENT_STORE``); nothing but the worker's own cost;
 * ``torchrun``: ``torchrun --standalone --nproc-per-node 2 train.py``;
 * ``resilient-run``: ``resilient-run --nproc-per-node 2 train.py`` (default flags);
-* ``resilient-run --preload``: the same with ``--preload torch.nn.parallel`` written by hand (``--preload``).
+* ``resilient-run --preload``: the same with ``--preload torch.nn.parallel`` written by hand (``--preload``);
+* ``resilient-run exec-server``: the same with its fork server started by exec (it imports torch again) instead of
+  forked from the agent after the agent's import (``RESILIENT_FAST_EXIT=0`` makes the launcher do that).
 
 The figure is wall time from the moment the launcher process is started (``Popen``) to the latest rank's
 first step done (each worker writes ``time.time()``: one clock, one machine). Cases run interleaved in a
@@ -62,7 +64,11 @@ CASES = {
     "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
     "resilient-run": [PY, "-m", "resilient.run", "--nproc-per-node", "2"],
     "resilient-run --preload": [PY, "-m", "resilient.run", "--nproc-per-node", "2", "--preload", "torch.nn.parallel"],
+    # the fork server started by exec, as before it was forked from the agent after the agent's import of torch (the
+    # fast exit off is what makes the launcher start it that way; exit comes after what this bench measures)
+    "resilient-run exec-server": [PY, "-m", "resilient.run", "--nproc-per-node", "2"],
 }
+CASE_ENV = {"resilient-run exec-server": {"RESILIENT_FAST_EXIT": "0"}}
 
 
 def _free_port() -> int:
@@ -103,6 +109,7 @@ def one(case: str, script: Path, work: Path, timeout: float) -> dict:
         if case.startswith("resilient-run"):
             cmd = [*cmd, "--run-dir", str(run_dir)]
         env = dict(os.environ, RESILIENT_LOG_LEVEL="INFO") if case.startswith("resilient-run") else dict(os.environ)
+        env.update(CASE_ENV.get(case, {}))
         t0 = time.time()
         p = subprocess.Popen([*cmd, str(script), str(out)], cwd=work, env=env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -286,6 +286,18 @@ def _int_or_none(v: object) -> int | None:
         return None
 
 
+def forget_setup() -> None:
+    """Undo :func:`setup_logging` in a process forked from one that called it (the agent's fork server): its
+    handlers are the parent's (their files and terminal state), and the process must log as a fresh interpreter
+    does until it sets up its own."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, _MARK, False):
+            root.removeHandler(h)  # not closed: its descriptor is no longer the file's (see zygote.serve_inherited)
+    root.setLevel(logging.WARNING)
+    logging.captureWarnings(False)
+
+
 def setup_logging(role: str, *, run_dir: str | os.PathLike[str] | None = None, node: str | None = None,
                   rank: int | None = None, attempt: int | None = None, json_stream: IO[str] | None = None,
                   level: int | str | None = None, console: bool | None = None) -> Path | None:

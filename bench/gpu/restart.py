@@ -73,11 +73,22 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _is_fork_server(pid: int) -> bool:
+    """As resilient.launcher.zygote.is_server_process (kept free of imports here): a server forked from the agent by
+    its name, one started by exec by its command line."""
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "resilient-fork":
+            return True
+    except OSError:
+        return False
+    return "resilient.launcher.zygote" in _cmdline(pid)
+
+
 def _fork_servers_clean(launcher_pid: int) -> dict | None:
     """CUDA or NVML libraries mapped in the fork servers (and their copies) of a resilient-run. Mapped is not
     initialised (a CUDA build of torch maps libcuda at import): whether the servers stayed uninitialised shows in
     ``resilient_worker_start_methods`` (a server that finds CUDA initialised refuses to fork: Spawn appears)."""
-    servers = [p for p in _descendants(launcher_pid) if "resilient.launcher.zygote" in _cmdline(p)]
+    servers = [p for p in _descendants(launcher_pid) if _is_fork_server(p)]
     if not servers:
         return None
     found = {}

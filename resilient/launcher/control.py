@@ -542,11 +542,11 @@ class ControlClient:
                                  f"{self._term_floor} this node follows: not joining it")
             return store, chan, presence, endpoint
 
-        calls = BoundedCaller("store", max_abandoned=4)  # calls stuck on the old client stay with the old one
         try:
             # a hung server holds even a new client's handshake: the probe is bounded as a whole
             # (a live one answers in milliseconds; the agent's loop waits on this, so a few seconds at most)
             store, chan, presence, endpoint = self._probes.call(probe, 3.0, "reconnecting to the supervisor")
+            calls = BoundedCaller("store", max_abandoned=4)  # calls stuck on the old client stay with the old one
             # the rejoin is sent from here, never by the probe: a probe abandoned on its bound runs on, and a join
             # it sealed later would overtake this thread's re-sent failure in the store queue, which the supervisor
             # then refused as a replay (older sequence number), and the failure was never decided

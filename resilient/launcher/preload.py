@@ -191,14 +191,33 @@ def _static_entries(cfg: AgentConfig, run_dir: Path, denied: set[str]) -> tuple[
     return tuple(f"={e}" for e in keep)
 
 
+def _import_torch_unthreaded() -> None:
+    """Import torch in the agent (its store needs it anyway) before any thread of the agent's starts: the fork
+    server is then forked with it (ForkServer(inherit=True)) and a node start imports torch once instead of twice.
+    numpy's OpenBLAS, which torch imports, would start a thread pool (forking a threaded process is unsafe), so it
+    is told to keep one thread, as an exec'd server's is; the variable is taken back at once, so the workers'
+    environment stays the user's."""
+    had = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import torch.distributed  # noqa: F401
+    finally:
+        if had is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = had
+
+
 def new_fork_server(cfg: AgentConfig, run_dir: Path, learned: tuple[str, ...],
                     static: tuple[str, ...] = ()) -> ForkServer:
     d = run_dir / "preload"
     if learned or static:
         d.mkdir(parents=True, exist_ok=True)
     defaults = () if NO_TORCH in static else preload_modules(cfg)
+    if defaults and "torch" not in sys.modules:
+        _import_torch_unthreaded()
     return ForkServer(defaults + static + tuple(f"+{m}" for m in learned), tag=f"run={run_dir.resolve()}",
-                      preload_file=str(d / f"modules-{os.getpid()}.txt"))
+                      preload_file=str(d / f"modules-{os.getpid()}.txt"), inherit=True)
 
 
 def first_starter(cfg: AgentConfig, run_dir: Path) -> WorkerStarter:

@@ -131,9 +131,10 @@ class ForkServer:
     """Client of :mod:`resilient.launcher.zygote`."""
 
     def __init__(self, preload: tuple[str, ...] = (), *, tag: str = "", preload_file: str | None = None,
-                 _copy_of: ForkServer | None = None):
+                 inherit: bool = False, _copy_of: ForkServer | None = None):
         """``preload_file``: where to write the list when it is long (learned modules), passed as ``@FILE``.
-        ``_copy_of``: see :meth:`fork`."""
+        ``inherit``: fork the server from this process when that is safe (see :func:`_fork_here`) instead of
+        starting it by exec. ``_copy_of``: see :meth:`fork`."""
         self._buf = b""
         self._by_id: dict[str, WorkerProc] = {}
         self._events: list[dict] = []
@@ -154,7 +155,7 @@ class ForkServer:
         if _copy_of is not None:
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock = parent
-            self.proc: subprocess.Popen[bytes] | _ForkedProc = _ForkedProc()
+            self.proc: subprocess.Popen[bytes] | _ForkedProc | _ChildProc = _ForkedProc()
             _copy_of.sock.setblocking(True)
             try:
                 socket.send_fds(_copy_of.sock, [b'{"op": "fork", "nfds": 1}\n'], [child.fileno()])
@@ -164,6 +165,11 @@ class ForkServer:
             return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = parent
+        forked = _fork_here(child, self.preload, tag) if inherit else None
+        if forked is not None:
+            self.proc = forked
+            child.close()
+            return
         spec = ",".join(preload)
         if preload_file is not None and len(spec) > 8192:
             with open(preload_file, "w") as f:
@@ -395,7 +401,7 @@ class ForkServer:
         except OSError:
             pass  # gone, or not reading: the socket's close below is its end too (it quits on EOF)
         self.sock.close()
-        if isinstance(self.proc, subprocess.Popen):
+        if isinstance(self.proc, (subprocess.Popen, _ChildProc)):
             _reap_in_background(self.proc)
         # a copy is not our child: the fork server it came from reaps it, and it dies with that one
         if self.parent is not None:
@@ -409,7 +415,82 @@ _QUIT_SEND_TIMEOUT = 1.0
 _REAP_GRACE = 10.0
 
 
-def _reap_in_background(proc: subprocess.Popen[bytes]) -> threading.Thread:
+def _fork_here(child: socket.socket, preload: tuple[str, ...], tag: str) -> _ChildProc | None:
+    """The fork server as a child forked from this process, which has imported torch already (the agent, for its
+    store): it then imports only the rest of its list, and a node imports torch once. None when forking is not
+    safe here (a thread, or CUDA), when torch is not imported (nothing to gain), or with the fast exit turned off
+    (a forked worker cannot then end through this interpreter's finalisation): the caller starts it by exec."""
+    from resilient.launcher import zygote
+    from resilient.worker import exit_safety
+
+    if "torch" not in sys.modules or not exit_safety.fast_exit_enabled():
+        return None
+    why = zygote.fork_unsafe()
+    if why:
+        logger.debug("fork server started by exec: forking the agent is unsafe (%s)", why)
+        return None
+    for stream in (sys.stdout, sys.stderr):  # else what they hold would be written twice
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    pid = os.fork()
+    if pid == 0:
+        zygote.serve_inherited(child.fileno(), list(preload), tag)  # never returns
+    return _ChildProc(pid)
+
+
+class _ChildProc:
+    """The part of ``subprocess.Popen`` the agent uses, for a fork server forked from the agent (its child)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # the background reaper and the agent's loop may both ask
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    self.returncode = -1
+                else:
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import select
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            pidfd: int | None = os.pidfd_open(self.pid)
+        except OSError:  # reaped already, or no pidfd: polled
+            pidfd = None
+        try:
+            while self.poll() is None:
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    raise subprocess.TimeoutExpired("fork server", timeout or 0)
+                if pidfd is not None:
+                    select.select([pidfd], [], [], left)
+                else:
+                    time.sleep(min(left, 0.05))
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _reap_in_background(proc: subprocess.Popen[bytes] | _ChildProc) -> threading.Thread:
     """Wait for a fork server that was told to quit, bounded: SIGKILL after ``_REAP_GRACE``, so that a live agent
     never leaves it running or a zombie. A daemon thread: an agent that ends first takes the server with it
     (PR_SET_PDEATHSIG) and its parent's parent reaps it."""

@@ -1,9 +1,11 @@
 """Fork server: a process that has already imported torch and forks workers on request.
 
 Importing torch costs about a second; a restart that pays it for every worker is slow. The agent
-starts this process once (by exec, so it inherits none of the agent's threads), it imports torch and
-the user's preload modules, proves it is still single-threaded and has no CUDA context, and then
-forks one child per worker on request. A child runs the user's script with ``runpy`` exactly as
+starts this process once, it imports torch and the user's preload modules, proves it is still single-threaded and
+has no CUDA context, and then forks one child per worker on request. The agent forks it right after its own import
+of torch, before it starts any thread (:func:`serve_inherited`: the server then lets go of everything of the
+agent's), so a node imports torch once; it starts it by exec instead when forking is not safe there (a thread,
+CUDA), with the fast exit off, and for a program of the standard library only (a server without torch). A child runs the user's script with ``runpy`` exactly as
 ``python -u script`` would (``sys.argv``, ``sys.path[0]``, ``__main__``).
 A worker the spawn starter starts as a fresh interpreter runs its program through this module too
 (``--run KIND TARGET ARGS``), so that it ends with the same fast exit as a forked one.
@@ -53,9 +55,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 # The CUDA driver and NVML, with a call that tells whether this process initialised them without initialising
 # anything: before cuInit / nvmlInit both answer "not initialised" (CUDA_ERROR_NOT_INITIALIZED = 3,
@@ -221,6 +224,8 @@ def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket, mods:
     for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, signal.SIG_DFL)
     set_pdeathsig(signal.SIGKILL)
+    if _WORKER_COMM:
+        _set_comm(_WORKER_COMM)
     os.setpgid(0, 0)  # its own group: the agent signals the worker and its children together
     for target, key in ((1, "stdout"), (2, "stderr")):
         idx = job.get(key, -1)
@@ -616,7 +621,12 @@ def main() -> None:
     if spec.startswith("@"):  # a long list (learned modules) comes in a file: one argument is capped at 128 KiB
         with open(spec[1:]) as f:
             spec = f.read().strip()
-    preload_modules = [m for m in spec.replace("\n", ",").split(",")]
+    _serve(fd, [m for m in spec.replace("\n", ",").split(",")], sys.argv[3] if len(sys.argv) > 3 else "")
+
+
+def _serve(fd: int, preload_modules: list[str], tag: str) -> None:
+    """The fork server on socket ``fd``: import, prove forking safe, serve; in a forked worker, run its program and
+    end the process (it never returns there with the fast exit)."""
     set_pdeathsig(signal.SIGKILL)
     # the server shares the agent's process group: a Ctrl-C, or a scheduler's SIGTERM to every process of the job,
     # would end it and, through the workers' death signal, kill them before the agent could pass the signal on for
@@ -630,7 +640,7 @@ def main() -> None:
     except UnsafePreload as e:
         if any(m.startswith("=") and m[1:].partition(":")[0].split(".")[0] == e.module.split(".")[0]
                for m in preload_modules):
-            _reexec_without(fd, preload_modules, sys.argv[3] if len(sys.argv) > 3 else "", e.module, str(e))
+            _reexec_without(fd, preload_modules, tag, e.module, str(e))
         sock.sendall((json.dumps({"ev": "failed", "why": str(e), "bad": e.module}) + "\n").encode())
         sys.exit(3)
     except BaseException as e:  # noqa: BLE001 - reported, then the agent falls back to spawn
@@ -672,6 +682,98 @@ def main() -> None:
     if exit_safety.fast_exit_enabled():
         exit_safety.finish(code)  # never returns
     sys.exit(code)
+
+
+# A fork server forked from the agent (after the agent imported torch, before it started any thread) instead of
+# started by exec: it inherits torch, so a node imports torch once instead of twice (about 2 s of CPU a node start,
+# on the cores the job's first step needs). It then lets go of what was the agent's, so that it and its workers
+# hold what an exec'd server would: no descriptor, exit hook, signal handler, log handler or warnings hook of the
+# agent's (its Python objects stay, unreferenced by anything that runs).
+_COMM = "resilient-fork"  # the name ps -e and top show for it (its command line is the agent's)
+
+
+def serve_inherited(fd: int, preload_modules: list[str], tag: str) -> NoReturn:
+    """Run the fork server in a child just forked from the agent; never returns into the agent's code."""
+    code = 1
+    try:
+        global _WORKER_COMM
+        _WORKER_COMM = os.path.basename(sys.executable)  # what a worker of an exec'd server shows
+        _forget_agent(fd)
+        _set_comm(_COMM)
+        _serve(fd, preload_modules, tag)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - nothing may unwind into the agent's frames
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
+
+
+def _forget_agent(keep_fd: int) -> None:
+    import atexit
+
+    atexit._clear()  # the agent's exit hooks are the agent's (a worker runs the exit hooks at its end)
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.SIG_DFL)
+    logs = sys.modules.get("resilient.logs")
+    if logs is not None:
+        logs.forget_setup()
+    # as ``python -m`` (the exec'd server) has it: the working directory first, not the agent's script directory
+    if sys.path:
+        sys.path[0] = os.getcwd()
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # as ForkServer gives an exec'd server (see there)
+    # Every descriptor but stdout, stderr and the server's socket becomes /dev/null instead of being closed: the
+    # agent's Python objects (its log file, its sockets) may still close or flush theirs one day, and that must
+    # never reach a descriptor a worker opened under the same number.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:  # no procfs: the agent has opened little by now (its log file); the common range is enough
+        fds = list(range(256))
+    for fd in fds:
+        if fd in (1, 2, keep_fd, devnull):
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue  # not open (the listing's own descriptor, gone already)
+        os.dup2(devnull, fd, inheritable=fd == 0)
+    os.close(devnull)
+
+
+_WORKER_COMM: str | None = None  # the process name a worker gets back (a forked server renamed itself)
+
+
+def is_server_process(pid: int) -> bool:
+    """Whether ``pid`` is a fork server (or a copy of one): by its name when forked from the agent, by its command
+    line when started by exec (for tools and benches that look for it)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() == _COMM:
+                return True
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resilient.launcher.zygote" in f.read()
+    except OSError:
+        return False
+
+
+def _set_comm(name: str) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def test_pet_variables_reach_the_copied_flags(monkeypatch):
 
 
 # The launcher, run as the console script runs it; the audit hook sees the fork server's Popen before it happens,
-# writes whether torch was imported by then, and ends the launcher there (nothing was started yet).
+# writes whether torch was imported by then, and ends the launcher there (nothing was started yet). The program is
+# of the standard library only, so its server skips torch and is started by exec before the agent imports torch
+# (a program that imports torch gets a server forked from the agent after its import: test_fork_server_inherited).
 PROBE = textwrap.dedent("""
     import json, os, sys
     out = sys.argv[1]
@@ -66,7 +68,7 @@ PROBE = textwrap.dedent("""
 
 
 @pytest.mark.timeout(60)
-def test_the_launcher_starts_its_fork_server_before_it_imports_torch(tmp_path):
+def test_a_server_without_torch_is_started_before_the_launcher_imports_torch(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     out = tmp_path / "seen.json"
