@@ -687,8 +687,8 @@ def _serve(fd: int, preload_modules: list[str], tag: str) -> None:
 # A fork server forked from the agent (after the agent imported torch, before it started any thread) instead of
 # started by exec: it inherits torch, so a node imports torch once instead of twice (about 2 s of CPU a node start,
 # on the cores the job's first step needs). It then lets go of what was the agent's, so that it and its workers
-# hold what an exec'd server would: no descriptor, exit hook, signal handler, log handler or warnings hook of the
-# agent's (its Python objects stay, unreferenced by anything that runs).
+# hold what an exec'd server would: no descriptor, signal handler, log handler or warnings hook of the agent's (its
+# Python objects stay, unreferenced by anything that runs).
 _COMM = "resilient-fork"  # the name ps -e and top show for it (its command line is the agent's)
 
 
@@ -716,9 +716,10 @@ def serve_inherited(fd: int, preload_modules: list[str], tag: str) -> NoReturn:
 
 
 def _forget_agent(keep_fd: int) -> None:
-    import atexit
-
-    atexit._clear()  # the agent's exit hooks are the agent's (a worker runs the exit hooks at its end)
+    # The exit hooks stay: those registered by then are the imports' (logging's flush, weakref finalizers such as a
+    # TemporaryDirectory's, multiprocessing's and the DataLoader's clean-up), which an exec'd server's imports
+    # register too and a worker's end must run; the agent registers none of its own before it forks the server
+    # (its ledger and checkpoints are closed by Agent.run, not at exit).
     signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():
         try:

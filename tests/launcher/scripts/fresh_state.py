@@ -1,9 +1,11 @@
 """Writes what a worker holds of the process it was forked from (before it opens anything itself)."""
 import json
 import logging
+import logging.handlers
 import os
 import signal
 import sys
+import tempfile
 import warnings
 
 import torch  # noqa: F401 - a program that imports only the standard library gets a server without torch, by exec
@@ -46,5 +48,15 @@ state = {
     "comm": comm(os.getpid()),
     "server": {"pid": server, "comm": comm(server), "cmdline": cmdline(server), "parent": ppid(server)},
 }
+# left to the exit hooks the imports registered (weakref.finalize's: a TemporaryDirectory is removed at exit), and
+# logging's flush at exit (a MemoryHandler holds its records until then)
+_kept = tempfile.TemporaryDirectory(dir=sys.argv[1], prefix=f"tmp_{os.environ.get('RANK', '0')}_")
+state["tempdir"] = _kept.name
+_log = logging.getLogger("worker")
+_log.propagate = False
+_log.addHandler(logging.handlers.MemoryHandler(
+    1000, flushLevel=logging.CRITICAL,
+    target=logging.FileHandler(os.path.join(sys.argv[1], f"worker_{os.environ.get('RANK', '0')}.log"))))
+_log.warning("flushed at exit")
 with open(os.path.join(sys.argv[1], f"state_{os.environ.get('RANK', '0')}.json"), "w") as f:
     json.dump(state, f)

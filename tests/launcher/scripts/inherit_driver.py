@@ -1,7 +1,6 @@
-"""An agent in miniature, for the fork server forked from it: it imports torch, sets up our logging, registers an
-exit hook, installs a signal handler and leaves bytes buffered in an open file, then starts one worker from a
-ForkServer(inherit=True) and waits for it. argv: OUT_DIR WORKER_SCRIPT"""
-import atexit
+"""An agent in miniature, for the fork server forked from it: it imports torch, sets up our logging, installs a
+signal handler and leaves bytes buffered in an open file, then starts one worker from a ForkServer(inherit=True) and
+waits for it. argv: OUT_DIR WORKER_SCRIPT"""
 import json
 import os
 import select
@@ -18,8 +17,6 @@ from resilient.logs import setup_logging
 
 out, script = sys.argv[1], sys.argv[2]
 setup_logging("agent", run_dir=out, level="INFO")
-hook_log = os.path.join(out, "hook.log")
-atexit.register(lambda: open(hook_log, "a").write(f"{os.getpid()}\n"))
 signal.signal(signal.SIGHUP, lambda *_: None)
 buffered = open(os.path.join(out, "agent.txt"), "w")
 buffered.write("AGENT\n")  # not flushed before the fork: only this process may ever write it
