@@ -145,8 +145,9 @@ class _WarmWatch:
         if self.wall is not None:
             return False
         try:
-            kids = [c for c in psutil.Process(self.node.proc.pid).children()
-                    if "resilient.launcher.zygote" in " ".join(c.cmdline())]
+            from resilient.launcher.zygote import is_server_process
+
+            kids = [c for c in psutil.Process(self.node.proc.pid).children() if is_server_process(c.pid)]
             if not kids:
                 return False
             z, now = kids[0], time.monotonic()
