@@ -293,6 +293,13 @@ class CheckpointConfig:
     # 1-19 (Linux applies it per thread), "idle" (SCHED_IDLE: only CPU time nothing else wants), or 0 to leave
     # them at the process's own priority. The training thread and gloo's threads are never changed.
     background_nice: int | str = DEFAULT_BACKGROUND_NICE
+    # snapshots of the state in node memory (resilient.checkpoint.snapshot): "auto" takes one after every step whose
+    # cost (the copy plus its digest) stays within snapshot_budget of the step time; N every N steps; 0 or "off"
+    # none. They need a directory in memory that outlives the workers: snapshot_dir, which resilient-run gives each
+    # node under /dev/shm (RESILIENT_CKPT_SNAPSHOT_DIR); without one they are off
+    snapshot: int | str = "auto"
+    snapshot_dir: str | None = None
+    snapshot_budget: float = 0.01
 
     def __post_init__(self) -> None:
         if not self.local and not self.persistent:
@@ -339,6 +346,21 @@ class CheckpointConfig:
             raise CheckpointConfigError(
                 f"background_nice={raw_nice!r}: give a nice value from 0 (the process's own priority) to 19 "
                 "(lowest) for the checkpoint's background threads, or 'idle' (SCHED_IDLE)")
+        raw_snap = self.snapshot
+        if isinstance(raw_snap, str):
+            t = raw_snap.strip().lower()
+            self.snapshot = "auto" if t == "auto" else 0 if t in ("off", "0") else int(t) if t.isdigit() else raw_snap
+        if not (self.snapshot == "auto" or (isinstance(self.snapshot, int) and not isinstance(self.snapshot, bool)
+                                            and self.snapshot >= 0)):
+            raise CheckpointConfigError(
+                f"snapshot={raw_snap!r}: give 'auto' (a snapshot in node memory whenever its cost allows), a number "
+                "of steps between snapshots, or 'off' (resilient-run --ckpt-snapshot auto|N|off)")
+        if isinstance(self.snapshot_budget, bool) or not isinstance(self.snapshot_budget, (int, float)) \
+                or not 0 < self.snapshot_budget <= 1:
+            raise CheckpointConfigError(f"snapshot_budget={self.snapshot_budget!r}: the share of step time a snapshot "
+                                        "may cost, a number in (0, 1] (0.01: one percent)")
+        if self.snapshot_dir is not None:
+            self.snapshot_dir = os.fspath(self.snapshot_dir)
         for name in ("keep_local", "keep_peer", "keep_persistent"):
             if int(getattr(self, name)) < 1:
                 raise CheckpointConfigError(f"{name}={getattr(self, name)}: must keep at least 1 step")

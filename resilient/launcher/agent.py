@@ -56,6 +56,7 @@ class Agent:
         self.preload = Preloader(cfg, self.run_dir)
         self.monitor = None
         self.monitor_socket: str | None = None
+        self.snapshot_dir: str | None = None  # this node's snapshots in memory (made in run(), removed at its end)
         self.metrics = None
         self.forward: Forwarder | None = None  # this node's checkpoint events to a supervisor elsewhere
         self.failures: list[WorkerExit] = []  # appended by _add_failure only
@@ -105,6 +106,10 @@ class Agent:
         self.ledger.emit(EventKind.RUN_START, argv=scrub_argv(sys.argv), run_id=c.run_id, nproc_per_node=c.nproc_per_node,
                          nnodes=f"{c.supervisor.min_nodes}:{c.supervisor.max_nodes}", launch=c.launch_method.value)
         end = Ending(1, "failed")
+        if c.ckpt_snapshot != "off":
+            from resilient.checkpoint.snapshot.dirs import make_dir
+
+            self.snapshot_dir = make_dir(c.run_id)
         try:
             t0 = time.monotonic()
             self.group.use(self._first_starter or first_starter(c, self.run_dir))
@@ -152,6 +157,10 @@ class Agent:
             logger.error("%s (exit 0)", e)
         finally:
             self._shutdown()
+            if self.snapshot_dir is not None:  # the workers are gone: their snapshots are of no use to anyone
+                from resilient.checkpoint.snapshot.dirs import remove_dir
+
+                remove_dir(self.snapshot_dir)
             end = close_checkpoints(end, self.ledger, self.run_dir, self.node, self.cfg.ckpt_persistent,
                                      lambda: self.group.ckpt_stop_mark(self.restart_count, self.base_rank)
                                      if self._ran else None)
@@ -238,7 +247,7 @@ class Agent:
         self.group.start(attempt, self.base_rank, lambda lr: worker_env(
             self.cfg, self.node_round, lr, attempt, master, run_dir=self.run_dir, node=self.node,
             ckpt_local=self._default_ckpt_local(), monitor_socket=self.monitor_socket if self.monitor else None,
-            drill_env=self.injector.env() if self.injector is not None else {}))
+            drill_env=self.injector.env() if self.injector is not None else {}, snapshot_dir=self.snapshot_dir))
         workers = self.group.workers
         if self.monitor is not None:
             k = self.node_round.nodes_per_replica  # straggler scores compare data-parallel peers only

@@ -179,6 +179,9 @@ class AgentConfig:
     ckpt_compress: str | None = None  # codec of persistent uploads (workers: RESILIENT_CKPT_COMPRESS); None: auto
     upload_grace: float = 60.0  # seconds pending uploads get at exit (workers: RESILIENT_UPLOAD_GRACE)
     ckpt_max_failed_saves: int = 3  # failed saves in a row before the job stops; 0: train on (RESILIENT_CKPT_MAX_FAILED_SAVES)
+    # snapshots in node memory (workers: RESILIENT_CKPT_SNAPSHOT): "auto", "N" steps, or "off"; the agent makes the
+    # node's directory for them unless off
+    ckpt_snapshot: str = "auto"
     heartbeat_timeout: float | None = None
     health_interval: float = 5.0  # seconds between host and GPU health rounds (the node monitor's thread)
     spare_nodes: int = 0
@@ -214,6 +217,8 @@ class AgentConfig:
                 or self.ckpt_max_failed_saves < 0:
             raise LaunchError(f"--ckpt-max-failed-saves must be a whole number >= 0 (0 trains on without checkpoints), "
                               f"got {self.ckpt_max_failed_saves!r}")
+        if not (self.ckpt_snapshot in ("auto", "off") or (self.ckpt_snapshot.isdigit() and int(self.ckpt_snapshot) > 0)):
+            raise LaunchError(f"--ckpt-snapshot must be auto, a number of steps >= 1, or off, got {self.ckpt_snapshot!r}")
         if self.ckpt_persistent_every is not None and self.ckpt_persistent_every < 1:
             raise LaunchError(f"--ckpt-persistent-every must be >= 1, got {self.ckpt_persistent_every}")
         if self.ckpt_interval is not None and self.ckpt_interval != "auto":

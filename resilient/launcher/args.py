@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, metavar="N",
                    help="stop the job (exit 74) after N checkpoint saves in a row reached no tier; 0 trains on "
                         f"without checkpoints (default 3; env {renv.CKPT_MAX_FAILED_SAVES})")
+    g.add_argument("--ckpt-snapshot", "--ckpt_snapshot", type=_snapshot, default=None, metavar="auto|N|off",
+                   help="snapshot each rank's state into node memory (/dev/shm) after a step, so a restart on the "
+                        "same node resumes from the last step instead of the last save: auto (whenever its measured "
+                        f"cost stays within 1%% of the step; default), every N steps, or off (env {renv.CKPT_SNAPSHOT})")
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
@@ -181,6 +185,25 @@ def _max_failed_saves(v: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 (0 trains on without checkpoints), got {n}")
     return n
+
+
+def _snapshot(v: str) -> str:
+    t = v.strip().lower()
+    if t in ("auto", "off") or (t.isdigit() and int(t) >= 0):
+        return "off" if t == "0" else t
+    raise argparse.ArgumentTypeError(f"give auto (a snapshot in node memory whenever its cost allows), a number of "
+                                     f"steps between snapshots, or off; got {v!r}")
+
+
+def _snapshot_of(flag: str | None) -> str:
+    """The flag, else its environment twin, else auto."""
+    if flag is not None:
+        return flag
+    raw = os.environ.get(renv.CKPT_SNAPSHOT, "").strip()
+    try:
+        return _snapshot(raw) if raw else "auto"
+    except argparse.ArgumentTypeError as e:
+        raise LaunchError(f"{renv.CKPT_SNAPSHOT}: {e}") from None
 
 
 def _max_failed_saves_of(flag: int | None) -> int:
@@ -358,6 +381,7 @@ def parse(argv: list[str]) -> AgentConfig:
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
             ckpt_compress=args.ckpt_compress,
             upload_grace=args.upload_grace, ckpt_max_failed_saves=_max_failed_saves_of(args.ckpt_max_failed_saves),
+            ckpt_snapshot=_snapshot_of(args.ckpt_snapshot),
             heartbeat_timeout=args.heartbeat_timeout, health_interval=args.health_interval,
             spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,

@@ -53,7 +53,7 @@ def say_default_ckpt_local(path: str | None) -> None:
 
 def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, master: tuple[str, int], *,
                run_dir: Path, node: str, ckpt_local: str | None, monitor_socket: str | None,
-               drill_env: dict[str, str]) -> dict[str, str]:
+               drill_env: dict[str, str], snapshot_dir: str | None = None) -> dict[str, str]:
     """The environment of one worker: torchrun's variables, then ours (:class:`resilient.env.WorkerEnv`)."""
     c = cfg
     rank = nr.base_rank + local_rank
@@ -87,11 +87,14 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
             raise ValueError(f"local rank {local_rank} exceeds the GPUs in CUDA_VISIBLE_DEVICES={visible}")
         env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
+    env.pop(renv.CKPT_SNAPSHOT_DIR, None)  # an outer job's, inherited: only this node's own directory is set
     env.update(renv.WorkerEnv(
         run_dir=str(run_dir.resolve()), run_id=c.run_id, node=node, node_rank=nr.group_rank,
         agent_socket=monitor_socket, ckpt_local=c.ckpt_local or ckpt_local, ckpt_persistent=c.ckpt_persistent,
         ckpt_interval=c.ckpt_interval, ckpt_persistent_every=c.ckpt_persistent_every, ckpt_compress=c.ckpt_compress,
         upload_grace=c.upload_grace, ckpt_max_failed_saves=c.ckpt_max_failed_saves,
+        ckpt_snapshot=(None if snapshot_dir is None else "0" if c.ckpt_snapshot == "off" else c.ckpt_snapshot),
+        ckpt_snapshot_dir=snapshot_dir,
         heartbeat_timeout=c.heartbeat_timeout, policy=c.policy, spare_nodes=c.spare_nodes or None,
         dp_size=dp_size, dp_rank=rank // rpr, nodes_per_replica=nr.nodes_per_replica,
         round_reason=nr.reason).to_env())

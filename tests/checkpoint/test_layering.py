@@ -1,5 +1,5 @@
 """The checkpoint package's layers, read from its source (every import, those inside functions too):
-``api`` ← ``format`` ← ``storage`` ← ``replicate``, ``upload`` ← ``restore`` ← ``save`` ← the top modules.
+``api`` ← ``format`` ← ``storage`` ← ``replicate``, ``upload``, ``snapshot`` ← ``restore`` ← ``save`` ← the top modules.
 A module imports only from layers below its own or from its own sub-package, and no modules import each
 other in a circle."""
 
@@ -13,7 +13,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "resilient" / "checkpoint"
 NAME = "resilient.checkpoint"
 
-LAYER = {"api": 0, "format": 1, "storage": 2, "replicate": 3, "upload": 3, "restore": 4, "save": 5}
+LAYER = {"api": 0, "format": 1, "storage": 2, "replicate": 3, "upload": 3, "snapshot": 3, "restore": 4, "save": 5}
 TOP = 6  # cli, the manager alias: may import anything below
 
 

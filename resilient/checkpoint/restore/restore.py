@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -356,8 +357,19 @@ class Restorer(Component):
         Returns a result with step None when there is nothing to restore.
         """
         t0 = time.perf_counter()
-        views = self._gather(self._scan(), self.ctx.pg)
+        ring = self.ctx.snapshot
+        offer = ring.offer().held if ring is not None else None
+        # one gather: every rank's committed steps per tier, its snapshots, and a new lineage for later snapshots
+        gathered = self._gather((self._scan(), offer, uuid.uuid4().hex), self.ctx.pg)
+        views = [g[0] for g in gathered]
+        if ring is not None:
+            ring.epoch = gathered[0][2]
         candidates = sorted({s for v in views for steps in v.values() for s in steps}, reverse=True)
+        snap = _agreed_snapshot([g[1] for g in gathered])
+        if snap is not None and snap[0] >= (candidates[0] if candidates else -1):
+            got = self._try_snapshot(snap[0], snap[1], state, t0)
+            if got is not None:
+                return got
         if self.ctx.local is not None and self.ctx.local_rank == 0:
             # partial steps left by a crash are garbage now (nothing is writing before restore)
             for tier in (self.ctx.local, self.ctx.peer):
@@ -419,6 +431,37 @@ class Restorer(Component):
             self._emit(EventKind.CKPT_TIER_FAILED, step=failures[0] if failures else None, tier="all",
                        error=msg, state_undefined=True, restore=details)
         raise NoRestorableStepError(msg, details=details)
+
+    def _try_snapshot(self, step: int, epoch: str, state: Mapping[str, Any], t0: float) -> RestoreResult | None:
+        """Every rank's snapshot of ``step`` (lineage ``epoch``), checked on every rank before any byte lands, then
+        loaded on every rank; None (and the disk tiers decide) when some rank cannot."""
+        ring = self.ctx.snapshot
+        load = ring.prepare(step, epoch, state)
+        why = self._gather(load if isinstance(load, str) else None, self.ctx.pg)
+        if any(w is not None for w in why):
+            if self.ctx.rank == 0:
+                logger.warning("snapshot of step %d not used (%s); restoring from the disk tiers", step,
+                               "; ".join(f"rank {r}: {w}" for r, w in enumerate(why) if w is not None))
+            return None
+        try:
+            load.apply(state)
+            failed = None
+        except FAILURES as e:  # the disk tiers' restore below writes every leaf again
+            failed = _one_line(e)
+        why = self._gather(failed, self.ctx.pg)
+        if any(w is not None for w in why):
+            if self.ctx.rank == 0:
+                logger.warning("snapshot of step %d failed to load (%s); restoring from the disk tiers", step,
+                               "; ".join(f"rank {r}: {w}" for r, w in enumerate(why) if w is not None))
+            return None
+        seconds = time.perf_counter() - t0
+        res = RestoreResult(step=step, tier="snapshot", seconds=seconds, bytes=load.nbytes,
+                            sources={"snapshot": "snapshot"})
+        self._emit(EventKind.CKPT_RESTORE, step=step, tier="snapshot", seconds=seconds, bytes=load.nbytes,
+                   sources=["snapshot"])
+        logger.info("rank %d restored step %d from its snapshot in node memory in %.3f s", self.ctx.rank, step,
+                    seconds)
+        return res
 
     def _persistent_alone(self, step: int, views: list[dict[str, list[int]]]) -> bool:
         """After ``step`` failed from this node's copies mixed with others: try it once more from the persistent
@@ -1297,6 +1340,14 @@ def _ranged_stats(direct: _Direct, need: set[str], files: Mapping[str, FileEntry
     scratch = max((min(PIECE, max(b - a for a, b in files[n].bounds())) for n in names), default=0)
     return {"shard": shard, "read": read, "beyond": read - shard, "peer": received[0],
             "held": threads * scratch + received[1]}
+
+
+def _agreed_snapshot(offers: list[list[tuple[int, str]] | None]) -> tuple[int, str] | None:
+    """The newest (step, lineage) every rank holds a snapshot of; None when some rank holds none."""
+    if not offers or any(o is None for o in offers):
+        return None
+    common = set.intersection(*({(int(s), str(e)) for s, e in o} for o in offers))  # type: ignore[union-attr]
+    return max(common) if common else None
 
 
 def _tiers_with(step: int, views: list[dict[str, list[int]]]) -> list[str]:

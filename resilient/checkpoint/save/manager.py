@@ -57,6 +57,7 @@ from resilient.checkpoint.save import plan as _plan
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.checkpoint.save.priority import lower_thread_priority
 from resilient.checkpoint.save.stage import MutationGuard, Stager
+from resilient.checkpoint.snapshot.ring import SnapshotRing
 from resilient.checkpoint.save.writer import MemoryWriter, RecordWriter
 from resilient.checkpoint.storage.collective import Ranks
 from resilient.checkpoint.storage.context import (Context, FAILURES, one_line as _one_line,
@@ -209,7 +210,8 @@ class CheckpointManager:
                  collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
                  upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES,
-                 background_nice: int | str = DEFAULT_BACKGROUND_NICE):
+                 background_nice: int | str = DEFAULT_BACKGROUND_NICE, snapshot: int | str = "auto",
+                 snapshot_dir: str | os.PathLike[str] | None = None):
         if upload_grace_s is None:  # the job's --upload-grace, when resilient-run started this process
             try:
                 upload_grace_s = _env.upload_grace_s()
@@ -222,7 +224,10 @@ class CheckpointManager:
             upload_backoff_s=upload_backoff_s, upload_backoff_max_s=upload_backoff_max_s,
             collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
             persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
-            upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves, background_nice=background_nice)
+            upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves, background_nice=background_nice,
+            snapshot=snapshot,
+            # the node's directory in memory, when resilient-run made one (it outlives this process)
+            snapshot_dir=snapshot_dir if snapshot_dir is not None else os.environ.get(_env.CKPT_SNAPSHOT_DIR) or None)
         cfg = self.config
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
@@ -265,9 +270,11 @@ class CheckpointManager:
                                        cfg.persistent_timeout_s) if cfg.persistent else None)
 
         self._ledger = Ledger.from_env()
+        self._snap = self._snapshot_ring()
         self._ctx = Context(config=cfg, rank=self.rank, world_size=self.world_size, local_world_size=lws,
                             distributed=self._dist, pg=self._pg, pg_up=self._pg_up, local=self.local,
-                            peer=self.peer, persistent=self.persistent, scratch=self._scratch, ledger=self._ledger)
+                            peer=self.peer, persistent=self.persistent, scratch=self._scratch, ledger=self._ledger,
+                            snapshot=self._snap)
         self._interval = _Interval(cfg.interval, cfg.persistent_every, self.rank, tuner_options)
         if self._interval.auto or self._interval.auto_persistent:
             # every rank must save on the same steps: rank 0's tuner decides
@@ -317,11 +324,32 @@ class CheckpointManager:
             kw["persistent_every"] = os.environ[_env.CKPT_PERSISTENT_EVERY]
         if os.environ.get(_env.CKPT_MAX_FAILED_SAVES):
             kw["max_failed_saves"] = os.environ[_env.CKPT_MAX_FAILED_SAVES]
+        if os.environ.get(_env.CKPT_SNAPSHOT):
+            kw["snapshot"] = os.environ[_env.CKPT_SNAPSHOT]
         kw.update(overrides)
         if not kw.get("local") and not kw.get("persistent"):
             raise CheckpointError(f"no checkpoint tier configured: set {_env.CKPT_LOCAL} and/or "
                                   f"{_env.CKPT_PERSISTENT} (resilient-run --ckpt-local/--ckpt-persistent)")
         return cls(**kw)
+
+    def _snapshot_ring(self) -> Any:
+        """This rank's snapshot ring in the node's memory directory, or None (off, or no directory)."""
+        cfg = self.config
+        if not cfg.snapshot or not cfg.snapshot_dir:
+            return None
+        if not os.path.isdir(cfg.snapshot_dir):
+            logger.warning("snapshot tier off: its directory %s does not exist", cfg.snapshot_dir)
+            return None
+        def failed(why: str) -> None:
+            self._emit(EventKind.CKPT_TIER_FAILED, step=None, tier="snapshot", error=why)
+
+        return SnapshotRing(cfg.snapshot_dir, self.rank, self.world_size, every=cfg.snapshot,
+                            budget=cfg.snapshot_budget, on_failure=failed)
+
+    @property
+    def snapshot(self) -> Any:
+        """This rank's :class:`~resilient.checkpoint.snapshot.ring.SnapshotRing`, None when the tier is off."""
+        return self._snap
 
     # ------------------------------------------------------------------ events
     def _emit(self, kind: EventKind, **details: Any) -> None:
@@ -357,6 +385,11 @@ class CheckpointManager:
             raise CheckpointError("save() after close()")
         self._interval.observe_call()
         self._grace_until = None  # training went on: a later wait() gets a fresh upload grace
+        snap = self._snap
+        if snap is not None:
+            snap.observe_call()
+            if snap.due(step):
+                snap.take(step, state)
         if not (force or self._interval.due(step) or _preempt_save_due(step)):  # a preempted job's last step
             return False
         # the agent holds the blocking part to the section's own learned timeout, not to the step's
@@ -951,6 +984,8 @@ class CheckpointManager:
             logger.debug("close(): the upload thread is still inside a collective")
         self._guard.disarm_hooks()
         self._stager.drop()
+        if self._snap is not None:
+            self._snap.close()
         if finished:  # a save still running keeps its planner's cache (it is dropped with the process)
             for planner in self._planners.values():
                 planner.forget()

@@ -72,6 +72,7 @@ class Context:
     persistent: Any  # BoundedTier | None
     scratch: Path
     ledger: Any  # Ledger | None
+    snapshot: Any = None  # SnapshotRing | None: this rank's snapshots in node memory
 
     @property
     def node(self) -> int:

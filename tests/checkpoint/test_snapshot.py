@@ -1,0 +1,315 @@
+"""The snapshot tier: each rank's state in node memory after a step, restored after a worker's death on the same node.
+
+Real ranks on real gloo groups (``examples/ckpt_train.py``), a real SIGKILL of a rank right after a step, then the
+same job started again as ``resilient-run`` would start it (attempt 1): it must resume from the snapshot of the last
+step (not the last save on disk) and end bit-exact with an uninterrupted run. Each way a snapshot can be bad — a flipped
+byte, a torn (truncated) slot, a missing commit record, a full ``/dev/shm`` — must fall back to the disk tiers and still
+end bit-exact; none may stop training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
+from resilient.checkpoint.restore.restore import _agreed_snapshot
+from resilient.checkpoint.snapshot import dirs
+from resilient.checkpoint.snapshot.ring import SnapshotRing, _plan_load, Leaf
+from resilient.drill.spec import FaultHow, WorkerFault, plan_env
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
+
+from .conftest import REPO, TRAIN, Workers, _child_env, ok
+from .test_distributed import assert_bit_exact, final
+from .test_reliability import tiny_disk  # noqa: F401 - a real full file system for the snapshots
+
+STEPS = 16
+INTERVAL = "4"  # disk saves after steps 3, 7, 11, 15: a kill after step 9 loses 2 steps without snapshots
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A snapshot directory in real memory (``/dev/shm``), as the agent makes one."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    d = Path(tempfile.mkdtemp(prefix="resilient-snap-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    base = tmp_path_factory.mktemp("snap-ref")
+    w = Workers()
+    try:
+        ok(w.run(TRAIN, ["--steps", str(STEPS), "--interval", INTERVAL, "--local", str(base / "ckpt"),
+                         "--out", str(base / "out")], 2))
+    finally:
+        w.close()
+    return final(base / "out", 2)
+
+
+def _job(workers: Workers, tmp: Path, snap: Path | None, attempt: int, extra: dict[str, str] | None = None,
+         every: str = "1") -> list:
+    env = {"TORCHELASTIC_RESTART_COUNT": str(attempt), **(extra or {})}
+    if snap is not None:
+        env.update(RESILIENT_CKPT_SNAPSHOT_DIR=str(snap), RESILIENT_CKPT_SNAPSHOT=every)
+    return workers.run(TRAIN, ["--steps", str(STEPS), "--interval", INTERVAL, "--local", str(tmp / "ckpt"),
+                               "--out", str(tmp / "out")], 2, env=env)
+
+
+def _killed_after_step_9(workers: Workers, tmp: Path, snap: Path) -> None:
+    """Attempt 0: rank 1 SIGKILLs itself right after step 9 (its snapshot of 9 may or may not be committed); the
+    survivor is killed as torchrun and resilient-run kill it."""
+    res = _job(workers, tmp, snap, 0, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0)))
+    assert any(r.returncode != 0 for r in res)
+    assert not (tmp / "out" / "rank0.pt").exists()
+
+
+def _heads(snap: Path, rank: int) -> dict[Path, dict]:
+    out = {}
+    for rec in snap.glob(f"rank{rank}-slot*.json"):
+        out[rec] = json.loads(rec.read_bytes().partition(b"\n")[0])
+    return out
+
+
+def _restored(tmp: Path) -> list[dict]:
+    return [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=False)["restore"] for r in range(2)]
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_resumes_from_the_snapshot_of_the_last_step_bit_exact(
+        tmp_path: Path, shm: Path, workers: Workers, reference: list[dict]) -> None:
+    _killed_after_step_9(workers, tmp_path, shm)
+    committed = {r: sorted(h["step"] for h in _heads(shm, r).values()) for r in range(2)}
+    assert max(committed[1]) in (8, 9), committed  # two slots: the last steps, whichever the kill left committed
+    ok(_job(workers, tmp_path, shm, 1))
+    got = _restored(tmp_path)
+    assert [g["tier"] for g in got] == ["snapshot", "snapshot"], got
+    assert {g["step"] for g in got} == {min(max(committed[0]), max(committed[1]))}
+    assert got[0]["step"] > 7  # newer than the last save on disk
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+
+
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+
+
+def _truncate(p: Path) -> None:
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) // 2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["flipped-byte", "torn-slot", "no-commit-record", "flipped-object"])
+def test_a_bad_snapshot_falls_back_to_the_disk_tiers_bit_exact(
+        tmp_path: Path, shm: Path, workers: Workers, reference: list[dict], fault: str) -> None:
+    _killed_after_step_9(workers, tmp_path, shm)
+    # rank 1's slots, both: whichever step the ranks would agree on is bad on rank 1
+    for rec in _heads(shm, 1):
+        stem = str(rec)[:-len(".json")]
+        if fault == "flipped-byte":
+            _flip(Path(stem + ".bin"))
+        elif fault == "torn-slot":
+            _truncate(Path(stem + ".bin"))
+        elif fault == "flipped-object":
+            _flip(Path(stem + ".obj"))
+        else:
+            rec.unlink()
+    ok(_job(workers, tmp_path, shm, 1))
+    got = _restored(tmp_path)
+    assert [g["tier"] for g in got] == ["local", "local"], got
+    assert got[0]["step"] == got[1]["step"] in (3, 7)  # the newest save the kill left committed on disk
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_without_snapshots_means_none_is_used(tmp_path: Path, shm: Path, workers: Workers,
+                                                      reference: list[dict]) -> None:
+    """As after a hot swap: the replacement node's memory holds nothing, so every rank restores from disk."""
+    _killed_after_step_9(workers, tmp_path, shm)
+    for p in shm.glob("rank0-*"):
+        p.unlink()
+    ok(_job(workers, tmp_path, shm, 1))
+    assert [g["tier"] for g in _restored(tmp_path)] == ["local", "local"]
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+
+
+@pytest.mark.timeout(240)
+def test_a_full_shm_turns_the_tier_off_and_training_goes_on(tmp_path: Path, tiny_disk: Path,  # noqa: F811
+                                                            workers: Workers, reference: list[dict]) -> None:
+    """A real tmpfs with no room: the slot's memory is reserved up front (posix_fallocate), so the snapshot fails
+    with ENOSPC at once instead of a SIGBUS later; the rank says so and trains on with its disk saves."""
+    filler = tiny_disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    res = ok(_job(workers, tmp_path, tiny_disk, 0))
+    assert all("the snapshot tier is off" in r.output for r in res), res[0].output[-3000:]
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+    assert not list(tiny_disk.glob("rank*-slot*.json"))
+
+
+# ---------------------------------------------------------------------------------------------- under resilient-run
+def resilient_run(tmp: Path, flags: list[str], env: dict[str, str], timeout: float = 200):
+    """The job under the real launcher; returns (completed process, the launcher's pid: its agent's)."""
+    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir",
+           str(tmp / "run"), "--ckpt-local", str(tmp / "ckpt"), "--ckpt-interval", INTERVAL, *flags, str(TRAIN),
+           "--steps", str(STEPS), "--out", str(tmp / "out")]
+    p = subprocess.Popen(cmd, cwd=REPO, env=_child_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err), p.pid
+
+
+@pytest.mark.timeout(240)
+def test_resilient_run_restarts_from_the_snapshot_and_removes_it_at_the_end(tmp_path: Path,
+                                                                          reference: list[dict]) -> None:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    r, agent = resilient_run(tmp_path, ["--max-restarts", "2", "--ckpt-snapshot", "1"],
+                             plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    evs = read_events(tmp_path / "run")
+    restores = [e for e in evs if e.kind is EventKind.CKPT_RESTORE and e.attempt == 1]
+    assert sorted(e.rank for e in restores) == [0, 1]
+    assert {e.details["tier"] for e in restores} == {"snapshot"}  # so the agent's directory was there
+    assert {e.details["step"] for e in restores} <= {8, 9}
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+    # the agent took the node's snapshots with it
+    assert [p for p in os.listdir("/dev/shm") if p.startswith(dirs.PREFIX) and p.endswith(f"-{agent}")] == []
+
+
+@pytest.mark.timeout(120)
+def test_resilient_run_snapshot_off_restores_from_disk(tmp_path: Path, reference: list[dict]) -> None:
+    r, _ = resilient_run(tmp_path, ["--max-restarts", "1", "--ckpt-snapshot", "off"],
+                         plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    restores = [e for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_RESTORE and e.attempt == 1]
+    assert {e.details["tier"] for e in restores} == {"local"}
+    assert len({e.details["step"] for e in restores}) == 1 and restores[0].details["step"] in (3, 7)
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["sometimes", "-1"])
+def test_resilient_run_refuses_a_bad_ckpt_snapshot(tmp_path: Path, bad: str) -> None:
+    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "1", "--run-dir",
+           str(tmp_path / "run"), f"--ckpt-snapshot={bad}", str(TRAIN)]
+    r = subprocess.run(cmd, cwd=REPO, env=_child_env({}), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--ckpt-snapshot" in r.stderr and "auto" in r.stderr and "off" in r.stderr, r.stderr
+
+
+def test_a_bad_snapshot_environment_value_is_refused(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "1", "--run-dir",
+           str(tmp_path / "run"), str(TRAIN)]
+    r = subprocess.run(cmd, cwd=REPO, env=_child_env({"RESILIENT_CKPT_SNAPSHOT": "often"}), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0
+    assert "RESILIENT_CKPT_SNAPSHOT" in r.stderr and "often" in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+@pytest.mark.parametrize("kw, word", [({"snapshot": "sometimes"}, "snapshot="), ({"snapshot": -2}, "snapshot="),
+                                      ({"snapshot_budget": 0}, "snapshot_budget"),
+                                      ({"snapshot_budget": 2.0}, "snapshot_budget")])
+def test_config_refuses_bad_snapshot_values(tmp_path: Path, kw: dict, word: str) -> None:
+    with pytest.raises(CheckpointConfigError, match=word):
+        CheckpointConfig(local=str(tmp_path), **kw)
+
+
+def test_config_reads_snapshot_spellings(tmp_path: Path) -> None:
+    assert CheckpointConfig(local=str(tmp_path), snapshot="OFF").snapshot == 0
+    assert CheckpointConfig(local=str(tmp_path), snapshot="3").snapshot == 3
+    assert CheckpointConfig(local=str(tmp_path), snapshot=" auto ").snapshot == "auto"
+
+
+def test_agreement_takes_the_newest_step_every_rank_holds_in_one_lineage() -> None:
+    assert _agreed_snapshot([[(9, "a"), (8, "a")], [(8, "a"), (7, "a")]]) == (8, "a")
+    # the same step of two lineages (before and after a restore from an older step) never mixes
+    assert _agreed_snapshot([[(9, "b"), (8, "a")], [(9, "a"), (8, "b")]]) is None
+    assert _agreed_snapshot([[(9, "a")], None]) is None  # a rank without the tier
+    assert _agreed_snapshot([[(9, "a")], []]) is None
+
+
+def test_a_snapshot_of_another_model_does_not_fit_and_says_why() -> None:
+    state = {"w": torch.zeros(3, 4), "opt": {"state": {}}, "pos": 3}
+    layout = [Leaf("w", ("w",), "t", "float32", (3, 5), 0, 60), Leaf("pos", ("pos",), "o"),
+              Leaf("opt.state.0.m", ("opt", "state", 0, "m"), "t", "float32", (3, 4), 64, 48)]
+    why = _plan_load(layout, state, None)
+    assert isinstance(why, str) and "'w'" in why and "[3, 5]" in why
+    layout[0] = Leaf("w", ("w",), "t", "float32", (3, 4), 0, 48)
+    assert not isinstance(_plan_load(layout, state, None), str)  # a fresh optimizer's moments are made
+    assert "not in the snapshot" in _plan_load(layout[:1] + layout[2:], state, None)  # type: ignore[operator]
+    assert "not in the state" in _plan_load(layout + [Leaf("b", ("b",), "o")], state, None)  # type: ignore[operator]
+
+
+def test_a_ring_of_another_rank_or_world_offers_nothing(shm: Path) -> None:
+    a = SnapshotRing(shm, rank=0, world_size=2, every=1)
+    a.take(5, {"w": torch.arange(6.0)})
+    assert a.flush(10)
+    assert a.offer().held == [(5, a.epoch)]
+    assert SnapshotRing(shm, rank=0, world_size=4, every=1).offer().held == []
+    assert SnapshotRing(shm, rank=1, world_size=2, every=1).offer().held == []
+    a.close()
+
+
+def test_auto_cadence_follows_cost_over_step_time(shm: Path) -> None:
+    r = SnapshotRing(shm, rank=0, world_size=1, every="auto", budget=0.01)
+    assert r.due(0)  # nothing measured yet: the first snapshot measures its cost
+    r._step_s, r._cost_s, r._digest_s = 0.2, None, 0.0
+    r._learn(10, 0.001)  # 1 ms against 1 % of 200 ms: every step
+    assert r.cadence == 1 and r.due(11)
+    r._cost_s = None
+    r._learn(20, 0.05)  # 50 ms: every 25 steps
+    assert r.cadence == 25 and not r.due(21) and r.due(45)
+    r.close()
+
+
+def test_the_agents_directory_is_swept_when_its_owner_is_gone(tmp_path: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = dirs._start_time(p.pid)
+        assert start is not None
+        alive = tmp_path / f"{dirs.PREFIX}job-{p.pid}"
+        alive.mkdir()
+        (alive / dirs.OWNER).write_text(f"{p.pid} {start}\n")
+        reused = tmp_path / f"{dirs.PREFIX}job-reused"  # the pid lives, but it is another process now
+        reused.mkdir()
+        (reused / dirs.OWNER).write_text(f"{p.pid} {int(start) - 1}\n")
+        assert dirs.sweep(tmp_path) == [str(reused)]
+        p.stdin.close()  # type: ignore[union-attr]
+        p.wait(30)
+        assert dirs.sweep(tmp_path) == [str(alive)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    mine = dirs.make_dir("run/7 x", root=tmp_path)
+    assert mine is not None and Path(mine).name == f"{dirs.PREFIX}run_7_x-{os.getpid()}"
+    assert oct(Path(mine).stat().st_mode & 0o777) == oct(0o700)
+    assert dirs.sweep(tmp_path) == []  # its owner (this process) is alive
+    dirs.remove_dir(mine)
+    assert not Path(mine).exists()
+    assert dirs.make_dir("x", root=tmp_path / "absent") is None
