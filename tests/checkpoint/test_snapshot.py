@@ -101,6 +101,17 @@ def test_a_killed_rank_resumes_from_the_snapshot_of_the_last_step_bit_exact(
     assert_bit_exact(reference, final(tmp_path / "out", 2))
 
 
+@pytest.mark.timeout(180)
+def test_auto_cadence_is_agreed_so_every_rank_snapshots_the_same_steps(tmp_path: Path, shm: Path,
+                                                                      workers: Workers) -> None:
+    """Each rank measures its own cost; snapshots of different steps on different ranks would be useless, so the
+    ranks agree at the first disk save (after step 3) on one cadence, effective from a step none has reached."""
+    ok(_job(workers, tmp_path, shm, 0, every="auto"))
+    held = [sorted(h["step"] for h in _heads(shm, r).values()) for r in range(2)]
+    assert held[0] == held[1], held
+    assert max(held[0]) >= 8, held  # the agreed schedule starts at step 3 + 4 + 1
+
+
 def _flip(p: Path) -> None:
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -275,15 +286,19 @@ def test_a_ring_of_another_rank_or_world_offers_nothing(shm: Path) -> None:
     a.close()
 
 
-def test_auto_cadence_follows_cost_over_step_time(shm: Path) -> None:
-    r = SnapshotRing(shm, rank=0, world_size=1, every="auto", budget=0.01)
-    assert r.due(0)  # nothing measured yet: the first snapshot measures its cost
-    r._step_s, r._cost_s, r._digest_s = 0.2, None, 0.0
-    r._learn(10, 0.001)  # 1 ms against 1 % of 200 ms: every step
-    assert r.cadence == 1 and r.due(11)
-    r._cost_s = None
-    r._learn(20, 0.05)  # 50 ms: every 25 steps
-    assert r.cadence == 25 and not r.due(21) and r.due(45)
+def test_auto_cadence_follows_cost_over_step_time_and_waits_for_the_agreement(shm: Path) -> None:
+    r = SnapshotRing(shm, rank=0, world_size=2, every="auto", budget=0.01)
+    assert r.due(0) and r.proposal() is None  # nothing measured: the first snapshot measures its cost
+    assert r.take(0, {"w": torch.zeros(4)}) and r.flush(10)
+    assert not r.due(1)  # no snapshot a rank alone decides on: the ranks agree first
+    r._step_s, r._cost_s, r._digest_s = 0.2, 0.001, 0.0  # 1 ms against 1 % of 200 ms: every step
+    assert r.proposal() == 1
+    r._cost_s = 0.05  # 50 ms: every 25 steps
+    assert r.proposal() == 25
+    r.agree(25, 11)
+    assert [s for s in range(0, 70) if r.due(s)] == [11, 36, 61]
+    r.agree(0, 70)
+    assert not any(r.due(s) for s in range(70, 200))
     r.close()
 
 

@@ -346,6 +346,22 @@ class CheckpointManager:
         return SnapshotRing(cfg.snapshot_dir, self.rank, self.world_size, every=cfg.snapshot,
                             budget=cfg.snapshot_budget, on_failure=failed)
 
+    def _snap_proposal(self) -> int | None:
+        """This rank's snapshot cadence for the agreement at a save (0: none here; None: not measured yet)."""
+        return 0 if self._snap is None else self._snap.proposal()
+
+    def _snap_agree(self, proposals: list[int | None], step: int) -> None:
+        """On the save worker, every rank with the same ``proposals``: the slowest rank's cadence, or none when a rank
+        has none (a snapshot is used only when every rank holds it). It takes effect after the next save's step: the
+        training thread waits at that save for this one's write, so no rank is past it yet."""
+        if self._snap is None or not self._snap.auto or any(p is None for p in proposals):
+            return
+        k = 0 if any(p == 0 for p in proposals) else max(int(p) for p in proposals)  # type: ignore[arg-type]
+        if self.rank == 0 and (self._snap.agreed is None or self._snap.agreed[0] != k):
+            logger.info("snapshots in node memory: %s", f"every {k} step(s) (the slowest rank's cost within "
+                        f"{self.config.snapshot_budget:.0%} of its step)" if k else "off (a rank has none)")
+        self._snap.agree(k, step + self._interval.steps + 1)
+
     @property
     def snapshot(self) -> Any:
         """This rank's :class:`~resilient.checkpoint.snapshot.ring.SnapshotRing`, None when the tier is off."""
@@ -614,12 +630,14 @@ class CheckpointManager:
         try:
             # each rank's error travels with its result: rank 0 alone reports the save, naming the first one
             results = self._gather((ok, self._my_bytes(d) if ok else 0, self._up.upload_floor(),
-                                    _one_line(error) if error is not None else None), self._pg)
+                                    _one_line(error) if error is not None else None, self._snap_proposal()),
+                                   self._pg)
         except FAILURES as e:
             job.tensors = {}
             self._settle(job, False, tier.name, _one_line(e), e)
             self._release(job)
             raise
+        self._snap_agree([r[4] for r in results], job.step)
         all_ok = all(r[0] for r in results)
         if not all_ok:
             first = next((r[3] for r in results if r[3]), None)
@@ -746,7 +764,8 @@ class CheckpointManager:
                 self._write_manifest(tmp_tier, job.step, per_rank)
         except FAILURES as e:
             ok, error = False, e
-        results = self._gather((ok, _one_line(error) if error is not None else None), self._pg)
+        results = self._gather((ok, _one_line(error) if error is not None else None, self._snap_proposal()), self._pg)
+        self._snap_agree([r[2] for r in results], job.step)
         if not all(r[0] for r in results):
             self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.PERSISTENT.value,
                        error=f"{type(error).__name__}: {error}" if error else "another rank failed")

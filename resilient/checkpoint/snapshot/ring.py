@@ -12,8 +12,11 @@ agreed at every restore and written into each later snapshot, so snapshots of tw
 restore from an older step) never mix. Each rank then checks its slot against its state (keys, shapes, dtypes,
 DTensor placements, world size) and its digest before any byte lands; only when every rank can, every rank loads.
 
-The cadence follows the cost: with ``every="auto"`` a snapshot is taken whenever its measured cost (the copy, plus the
-digest's CPU) stays within ``budget`` of the measured step time; a state of a few MiB is snapshotted every step.
+The cadence follows the cost: with ``every="auto"`` a snapshot is taken every k steps, k the smallest that keeps its
+measured cost (the copy, plus the digest's CPU) within ``budget`` of the measured step time on the slowest rank. The
+ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached, since a snapshot
+is only of use when every rank has one of the same step. Before the first agreement a rank takes one snapshot, at its
+first step, to measure the cost. A state of a few MiB is snapshotted every step.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class _Slot:
         self.map: mmap.mmap | None = None
         self.base: torch.Tensor | None = None
         self.size = 0
-        self.views: dict[str, torch.Tensor] = {}
+        self.dsts: list[torch.Tensor] = []  # one view of the mapping per tensor leaf, in the layout's order
         self.layout_key: Any = None
         self.layout_json = "[]"
         self.layout_hash = ""
@@ -125,7 +128,7 @@ class _Slot:
         ``/dev/shm`` here instead of a SIGBUS at the first write into a page the file system could not give."""
         if self.base is not None and self.size == size:
             return self.base
-        self.views, self.base, self.map = {}, None, None  # the old mapping goes with its last view
+        self.dsts, self.base, self.map = [], None, None  # the old mapping goes with its last view
         try:
             self.bin.unlink()
         except FileNotFoundError:
@@ -170,7 +173,7 @@ class SnapshotRing:
         self._next_slot = self._newer_free()
         self._on_failure = on_failure  # called once with the reason when the tier turns itself off
         self.off: str | None = None  # why snapshots stopped, once they did
-        self._next_step: int | None = None  # auto: the next step due
+        self._agreed: tuple[int, int] | None = None  # auto: (steps between snapshots, first step), agreed by all ranks
         self._last_call: float | None = None
         self._step_s: float | None = None  # EMA of the time between save() calls: the step
         self._cost_s: float | None = None  # EMA of a snapshot's cost: copy on this thread + digest on the other
@@ -193,6 +196,10 @@ class SnapshotRing:
             steps.append(-1 if head is None else int(head.get("step", -1)))
         return 0 if steps[0] <= steps[1] else 1
 
+    @property
+    def auto(self) -> bool:
+        return self.every == "auto"
+
     def observe_call(self) -> None:
         """Once per ``save()`` call: the step time the auto cadence measures against."""
         now = time.perf_counter()
@@ -206,7 +213,27 @@ class SnapshotRing:
             return False
         if isinstance(self.every, int):
             return self.every > 0 and (step + 1) % self.every == 0
-        return self._next_step is None or step >= self._next_step
+        agreed = self._agreed  # (steps between snapshots, from which step): written once by the save worker
+        if agreed is None:
+            return self.taken == 0  # one snapshot at the start measures the cost; then the ranks agree
+        k, start = agreed
+        return k > 0 and step >= start and (step - start) % k == 0
+
+    def proposal(self) -> int | None:
+        """This rank's cadence for the agreement (``agree``): steps between snapshots by its measured cost, 0 when the
+        tier is off here, None before anything was measured."""
+        if self.off is not None:
+            return 0
+        return self.cadence
+
+    @property
+    def agreed(self) -> tuple[int, int] | None:
+        return self._agreed
+
+    def agree(self, k: int, start: int) -> None:
+        """The cadence every rank agreed on (the slowest rank's), from step ``start`` on, which no rank has passed:
+        snapshots are only of use when every rank takes them at the same steps."""
+        self._agreed = (int(k), int(start))
 
     def take(self, step: int, state: Mapping[str, Any]) -> bool:
         """Copy ``state`` (after step ``step``) into the older slot; its commit follows on the ring's thread."""
@@ -241,9 +268,40 @@ class SnapshotRing:
     def _copy(self, slot: _Slot, state: Mapping[str, Any]) -> tuple[bytes, str, str]:
         dt = _dtensor_type()
         flat = flatten(plain_state(state))
-        layout: list[Leaf] = []
-        tensors: list[tuple[str, torch.Tensor]] = []
+        # one pass that only tells tensors from objects: the layout itself is rebuilt only when this key changes
+        # (per-leaf Python was most of a snapshot's cost: 4-5 ms a step for the GPT recipe's 129 tensors)
+        key: list[Any] = []
+        srcs: list[torch.Tensor] = []
         objects: dict[str, Any] = {}
+        for fqn, (path, v) in flat.items():
+            kind = _plain_tensor(v, dt)
+            if kind is None:
+                objects[fqn] = v
+                key.append(fqn)
+            elif kind == "t":
+                srcs.append(v)
+                key.append((fqn, v.dtype, v.shape))
+            else:
+                local = _local(v, dt)
+                srcs.append(local)
+                key.append((fqn, local.dtype, local.shape, v.placements, id(v.device_mesh)))
+        slot.invalidate()
+        if slot.layout_key != key:
+            self._layout(slot, flat, dt)
+            slot.layout_key = key
+        with torch.no_grad():
+            pairs = [(d, s) for d, s in zip(slot.dsts, srcs) if d.numel()]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [s.detach() for _, s in pairs])
+        buf = io.BytesIO()
+        if objects:
+            torch.save(objects, buf)
+        return buf.getvalue(), slot.layout_json, slot.layout_hash
+
+    @staticmethod
+    def _layout(slot: _Slot, flat: dict[str, tuple[tuple[Any, ...], Any]], dt: Any) -> None:
+        """The slot's layout and mapping for a state whose leaves changed (the first snapshot, or another model)."""
+        layout: list[Leaf] = []
         off = 0
         for fqn, (path, v) in flat.items():
             if not _json_path(path):
@@ -251,48 +309,26 @@ class SnapshotRing:
             kind = _plain_tensor(v, dt)
             if kind is None:
                 layout.append(Leaf(fqn, path, "o"))
-                objects[fqn] = v
                 continue
             local = _local(v, dt)
             n = local.numel() * local.element_size()
             layout.append(Leaf(fqn, path, kind, str(local.dtype).removeprefix("torch."), tuple(local.shape), off, n,
                                _dmeta(v) if kind == "d" else ""))
-            tensors.append((fqn, local))
             off += -(-n // 64) * 64
-        key_src = [(x.fqn, x.kind, x.dtype, x.shape, x.dmeta) for x in layout]
-        if slot.layout_key != key_src:
-            slot.invalidate()
-            base = slot.mapping(off)
-            slot.views = {}
-            if base is not None:
-                for leaf, (_, local) in zip((x for x in layout if x.kind != "o"), tensors):
-                    slot.views[leaf.fqn] = (base[leaf.offset:leaf.offset + leaf.nbytes].view(local.dtype)
-                                            .view(local.shape) if leaf.nbytes else torch.empty(0))
-            slot.layout_key = key_src
-            slot.layout_json = json.dumps([x.to_json() for x in layout])
-            slot.layout_hash = xxhash.xxh3_64_hexdigest(slot.layout_json.encode())
-        else:
-            slot.invalidate()
-        with torch.no_grad():
-            for fqn, local in tensors:
-                dst = slot.views[fqn]
-                if dst.numel():
-                    dst.copy_(local.detach())
-        buf = io.BytesIO()
-        if objects:
-            torch.save(objects, buf)
-        return buf.getvalue(), slot.layout_json, slot.layout_hash
+        base = slot.mapping(off)
+        slot.dsts = []
+        for leaf in layout:
+            if leaf.kind == "o":
+                continue
+            dtype = getattr(torch, leaf.dtype)
+            slot.dsts.append(base[leaf.offset:leaf.offset + leaf.nbytes].view(dtype).view(leaf.shape)
+                             if base is not None and leaf.nbytes else torch.empty(leaf.shape, dtype=dtype))
+        slot.layout_json = json.dumps([x.to_json() for x in layout])
+        slot.layout_hash = xxhash.xxh3_64_hexdigest(slot.layout_json.encode())
 
     def _learn(self, step: int, copy_s: float) -> None:
         cost = copy_s + self._digest_s
         self._cost_s = cost if self._cost_s is None else 0.7 * self._cost_s + 0.3 * cost
-        if isinstance(self.every, int):
-            return
-        if self._step_s is None or self._step_s <= 0:
-            self._next_step = step + 1  # the step time is not known yet: measure it
-            return
-        k = math.ceil(self._cost_s / (self.budget * self._step_s)) if self._cost_s > 0 else 1
-        self._next_step = step + max(1, min(_MAX_EVERY, k))
 
     @property
     def cadence(self) -> int | None:
@@ -301,6 +337,8 @@ class SnapshotRing:
             return self.every
         if self._cost_s is None or not self._step_s:
             return None
+        if self._cost_s <= 0:
+            return 1
         return max(1, min(_MAX_EVERY, math.ceil(self._cost_s / (self.budget * self._step_s))))
 
     def _commit_loop(self) -> None:
