@@ -288,16 +288,19 @@ def test_a_ring_of_another_rank_or_world_offers_nothing(shm: Path) -> None:
 
 def test_auto_cadence_follows_cost_over_step_time_and_waits_for_the_agreement(shm: Path) -> None:
     r = SnapshotRing(shm, rank=0, world_size=2, every="auto", budget=0.01)
-    assert r.due(0) and r.proposal() is None  # nothing measured: the first snapshot measures its cost
-    assert r.take(0, {"w": torch.zeros(4)}) and r.flush(10)
-    assert not r.due(1)  # no snapshot a rank alone decides on: the ranks agree first
+    assert r.due(0) and r.proposal() is None  # nothing measured: the first two snapshots measure its cost
+    assert r.take(0, {"w": torch.zeros(4)}) and r.flush(10) and r.due(1)
+    assert r.take(1, {"w": torch.zeros(4)}) and r.flush(10)
+    assert not r.due(2)  # no snapshot a rank alone decides on: the ranks agree first
     r._step_s, r._cost_s, r._digest_s = 0.2, 0.001, 0.0  # 1 ms against 1 % of 200 ms: every step
     assert r.proposal() == 1
     r._cost_s = 0.05  # 50 ms: every 25 steps
     assert r.proposal() == 25
-    r.agree(25, 11)
+    assert r.agree(25, 11)
     assert [s for s in range(0, 70) if r.due(s)] == [11, 36, 61]
-    r.agree(0, 70)
+    assert not r.agree(22, 50)  # within a quarter: the schedule in force stays
+    assert r.due(61) and not r.due(50)
+    assert r.agree(0, 70)
     assert not any(r.due(s) for s in range(70, 200))
     r.close()
 

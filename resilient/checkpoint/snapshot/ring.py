@@ -15,8 +15,8 @@ DTensor placements, world size) and its digest before any byte lands; only when 
 The cadence follows the cost: with ``every="auto"`` a snapshot is taken every k steps, k the smallest that keeps its
 measured cost (the copy, plus the digest's CPU) within ``budget`` of the measured step time on the slowest rank. The
 ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached, since a snapshot
-is only of use when every rank has one of the same step. Before the first agreement a rank takes one snapshot, at its
-first step, to measure the cost. A state of a few MiB is snapshotted every step.
+is only of use when every rank has one of the same step. Before the first agreement a rank takes two snapshots, at its
+first two steps, to measure the cost. A state of a few MiB is snapshotted every step.
 """
 
 from __future__ import annotations
@@ -178,6 +178,7 @@ class SnapshotRing:
         self._step_s: float | None = None  # EMA of the time between save() calls: the step
         self._cost_s: float | None = None  # EMA of a snapshot's cost: copy on this thread + digest on the other
         self._digest_s = 0.0
+        self._setup_s = 0.0  # of the snapshot being taken: time spent mapping a slot (left out of its cost)
         self._lock = threading.Lock()
         self._jobs: list[tuple[_Slot, dict[str, Any], bytes, str]] = []
         self._cv = threading.Condition(self._lock)
@@ -215,7 +216,7 @@ class SnapshotRing:
             return self.every > 0 and (step + 1) % self.every == 0
         agreed = self._agreed  # (steps between snapshots, from which step): written once by the save worker
         if agreed is None:
-            return self.taken == 0  # one snapshot at the start measures the cost; then the ranks agree
+            return self.taken < 2  # two snapshots at the start measure the cost; then the ranks agree
         k, start = agreed
         return k > 0 and step >= start and (step - start) % k == 0
 
@@ -230,10 +231,19 @@ class SnapshotRing:
     def agreed(self) -> tuple[int, int] | None:
         return self._agreed
 
-    def agree(self, k: int, start: int) -> None:
+    def agree(self, k: int, start: int) -> bool:
         """The cadence every rank agreed on (the slowest rank's), from step ``start`` on, which no rank has passed:
-        snapshots are only of use when every rank takes them at the same steps."""
-        self._agreed = (int(k), int(start))
+        snapshots are only of use when every rank takes them at the same steps. A cadence within a quarter of the
+        one in force keeps it (and its schedule): every change starts the schedule again ``start`` steps ahead, so a
+        cost that wavers between 6 and 7 steps must not move it at each save. Returns whether it changed; every rank
+        decides the same from the same proposals."""
+        k = int(k)
+        if self._agreed is not None:
+            old = self._agreed[0]
+            if k == old or (k > 0 and old > 0 and abs(k - old) <= 0.25 * old):
+                return False
+        self._agreed = (k, int(start))
+        return True
 
     def take(self, step: int, state: Mapping[str, Any]) -> bool:
         """Copy ``state`` (after step ``step``) into the older slot; its commit follows on the ring's thread."""
@@ -261,7 +271,8 @@ class SnapshotRing:
         self._next_slot = (self._next_slot + 1) % SLOTS
         self.taken += 1
         self.last_step = step
-        copy_s = time.perf_counter() - t0
+        copy_s = time.perf_counter() - t0 - self._setup_s
+        self._setup_s = 0.0
         self._learn(step, copy_s)
         return True
 
@@ -287,8 +298,12 @@ class SnapshotRing:
                 key.append((fqn, local.dtype, local.shape, v.placements, id(v.device_mesh)))
         slot.invalidate()
         if slot.layout_key != key:
+            t0 = time.perf_counter()
             self._layout(slot, flat, dt)
             slot.layout_key = key
+            # a slot's first snapshot maps and reserves its memory: not what the next ones cost (the cadence the
+            # ranks agree on comes from the first snapshot alone)
+            self._setup_s += time.perf_counter() - t0
         with torch.no_grad():
             pairs = [(d, s) for d, s in zip(slot.dsts, srcs) if d.numel()]
             if pairs:
@@ -328,7 +343,9 @@ class SnapshotRing:
 
     def _learn(self, step: int, copy_s: float) -> None:
         cost = copy_s + self._digest_s
-        self._cost_s = cost if self._cost_s is None else 0.7 * self._cost_s + 0.3 * cost
+        # the first snapshot of a process pays first calls (torch.save's, the copy kernels') several times over what
+        # the next ones cost (8.6 against about 2 ms for the GPT recipe): the second one replaces its figure
+        self._cost_s = cost if self._cost_s is None or self.taken <= 2 else 0.7 * self._cost_s + 0.3 * cost
 
     @property
     def cadence(self) -> int | None:
