@@ -312,14 +312,19 @@ def test_the_agents_directory_is_swept_when_its_owner_is_gone(tmp_path: Path) ->
         assert start is not None
         alive = tmp_path / f"{dirs.PREFIX}job-{p.pid}"
         alive.mkdir()
-        (alive / dirs.OWNER).write_text(f"{p.pid} {start}\n")
+        ns = os.readlink("/proc/self/ns/pid")
+        (alive / dirs.OWNER).write_text(f"{p.pid} {start} {ns}\n")
         reused = tmp_path / f"{dirs.PREFIX}job-reused"  # the pid lives, but it is another process now
         reused.mkdir()
-        (reused / dirs.OWNER).write_text(f"{p.pid} {int(start) - 1}\n")
+        (reused / dirs.OWNER).write_text(f"{p.pid} {int(start) - 1} {ns}\n")
+        other = tmp_path / f"{dirs.PREFIX}job-other-container"  # pids of another namespace say nothing here
+        other.mkdir()
+        (other / dirs.OWNER).write_text("1 1 pid:[1]\n")
         assert dirs.sweep(tmp_path) == [str(reused)]
         p.stdin.close()  # type: ignore[union-attr]
         p.wait(30)
         assert dirs.sweep(tmp_path) == [str(alive)]
+        assert other.exists()
     finally:
         if p.poll() is None:
             p.kill()
@@ -331,3 +336,36 @@ def test_the_agents_directory_is_swept_when_its_owner_is_gone(tmp_path: Path) ->
     dirs.remove_dir(mine)
     assert not Path(mine).exists()
     assert dirs.make_dir("x", root=tmp_path / "absent") is None
+
+
+def _mixed() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(33, 7, generator=g), "h": torch.randn(129, 3, generator=g).to(torch.bfloat16),
+            "i": torch.randint(0, 1 << 30, (17,), generator=g), "t": torch.randn(6, 8, generator=g).t(),
+            "z": torch.empty(0, 5), "s": torch.tensor(3.25), "b": torch.tensor([True, False])}
+
+
+def test_a_process_restores_its_own_snapshot_of_mixed_tensors_bit_exact(tmp_path: Path, shm: Path) -> None:
+    """One process, no group: bf16, integers, bools, a 0-d and a 0-size tensor, a non-contiguous source and target,
+    and objects; the newest snapshot wins over an older save on disk."""
+    from resilient.checkpoint import CheckpointManager
+
+    st = _mixed()
+    with CheckpointManager(local=tmp_path / "ckpt", interval=5, peer=False, snapshot=1, snapshot_dir=shm) as ck:
+        assert ck.restore({"m": st}) == 0
+        for step in range(7):
+            for v in st.values():
+                if v.dtype.is_floating_point:
+                    v.add_(1)
+            ck.save(step, {"m": st, "pos": {"step": step, "name": f"s{step}"}})
+        assert ck.wait(60) and ck.snapshot.flush(30)
+    want = {k: v.clone() for k, v in st.items()}
+    fresh = {k: torch.full_like(v, 7) for k, v in st.items()}
+    fresh["w"] = torch.zeros(7, 33).t()  # a non-contiguous target: bytes land in its own layout
+    state = {"m": fresh, "pos": {"step": -1, "name": ""}}
+    with CheckpointManager(local=tmp_path / "ckpt", interval=5, peer=False, snapshot=1, snapshot_dir=shm) as ck:
+        assert ck.restore(state) == 7  # the snapshot of step 6, not the save of step 4
+        assert ck.last_restore.tier == "snapshot"
+    assert state["pos"] == {"step": 6, "name": "s6"}
+    for k in want:
+        assert fresh[k].dtype == want[k].dtype and torch.equal(fresh[k], want[k]), k

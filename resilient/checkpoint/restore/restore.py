@@ -365,16 +365,16 @@ class Restorer(Component):
         if ring is not None:
             ring.epoch = gathered[0][2]
         candidates = sorted({s for v in views for steps in v.values() for s in steps}, reverse=True)
-        snap = _agreed_snapshot([g[1] for g in gathered])
-        if snap is not None and snap[0] >= (candidates[0] if candidates else -1):
-            got = self._try_snapshot(snap[0], snap[1], state, t0)
-            if got is not None:
-                return got
         if self.ctx.local is not None and self.ctx.local_rank == 0:
             # partial steps left by a crash are garbage now (nothing is writing before restore)
             for tier in (self.ctx.local, self.ctx.peer):
                 if tier is not None:
                     self._retain(tier, 10**9, pinned_from=None, drop_newer_partial=True)
+        snap = _agreed_snapshot([g[1] for g in gathered])
+        if snap is not None and snap[0] >= (candidates[0] if candidates else -1):
+            got = self._try_snapshot(snap[0], snap[1], state, t0)
+            if got is not None:
+                return got
         if not candidates:
             return RestoreResult(step=None, tier=None, seconds=time.perf_counter() - t0, bytes=0)
         failures = []

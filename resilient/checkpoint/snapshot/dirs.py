@@ -32,9 +32,16 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "?"
+
+
 def _owner_alive(d: Path) -> bool:
     try:
-        pid_s, start = (d / OWNER).read_text().split()
+        pid_s, start, ns = ((d / OWNER).read_text().split() + ["?"])[:3]
         pid = int(pid_s)
     except (OSError, ValueError):
         # no owner record: a directory being made this instant, or a foreign one; leave it unless its mtime is old
@@ -44,6 +51,8 @@ def _owner_alive(d: Path) -> bool:
             return time.time() - d.stat().st_mtime < 60
         except OSError:
             return False
+    if ns != _pid_namespace():
+        return True  # another container's agent sharing this /dev/shm: its pids mean nothing here
     return _start_time(pid) == start
 
 
@@ -84,7 +93,7 @@ def make_dir(run_id: str, root: str | os.PathLike[str] = DEFAULT_ROOT) -> str | 
         shutil.rmtree(d, ignore_errors=True)  # an earlier process of this pid (a reused pid): not ours to keep
         d.mkdir(mode=0o700)
         start = _start_time(os.getpid())
-        (d / OWNER).write_text(f"{os.getpid()} {start}\n")
+        (d / OWNER).write_text(f"{os.getpid()} {start} {_pid_namespace()}\n")
     except OSError as e:
         logger.warning("snapshot tier off: cannot make %s (%s)", d, e)
         shutil.rmtree(d, ignore_errors=True)

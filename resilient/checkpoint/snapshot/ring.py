@@ -427,15 +427,16 @@ class SnapshotRing:
 
     def prepare(self, step: int, epoch: str, state: Mapping[str, Any]) -> "_Load | str":
         """Check this rank's snapshot of ``step`` against ``state`` and its digest; the load to apply, or why not."""
-        slot = next((s for s in self._slots if (_read_head(s.record) or {}).get("step") == step), None)
+        slot = next((s for s in self._slots
+                     if ((h := _read_head(s.record) or {}).get("step"), h.get("epoch")) == (step, epoch)), None)
         if slot is None:
-            return f"no committed snapshot of step {step}"
+            return f"no committed snapshot of step {step} (lineage {epoch[:8]})"
         try:
             raw = slot.record.read_bytes()
             head_line, _, layout_text = raw.partition(b"\n")
             head = json.loads(head_line)
-            if head.get("epoch") != epoch:
-                return f"the snapshot of step {step} belongs to another lineage"
+            if (head.get("step"), head.get("epoch")) != (step, epoch):  # rewritten since it was offered
+                return f"the snapshot of step {step} was replaced"
             layout = [Leaf.from_json(v) for v in json.loads(layout_text)]
             data = _map_private(slot.bin, int(head["tensor_bytes"]))
             objects = slot.obj.read_bytes()
