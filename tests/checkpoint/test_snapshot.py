@@ -31,7 +31,8 @@ from resilient.events.ledger import read_events
 
 from .conftest import REPO, TRAIN, Workers, _child_env, ok
 from .test_distributed import assert_bit_exact, final
-from .test_reliability import tiny_disk  # noqa: F401 - a real full file system for the snapshots
+from .test_failed_saves import full_disk  # noqa: F401 - a real full file system for the snapshots
+from .test_reliability import tiny_disk  # noqa: F401 - the file system full_disk fills
 
 STEPS = 16
 INTERVAL = "4"  # disk saves after steps 3, 7, 11, 15: a kill after step 9 loses 2 steps without snapshots
@@ -159,22 +160,14 @@ def test_one_rank_without_snapshots_means_none_is_used(tmp_path: Path, shm: Path
 
 
 @pytest.mark.timeout(240)
-def test_a_full_shm_turns_the_tier_off_and_training_goes_on(tmp_path: Path, tiny_disk: Path,  # noqa: F811
+def test_a_full_shm_turns_the_tier_off_and_training_goes_on(tmp_path: Path, full_disk: Path,  # noqa: F811
                                                             workers: Workers, reference: list[dict]) -> None:
     """A real tmpfs with no room: the slot's memory is reserved up front (posix_fallocate), so the snapshot fails
     with ENOSPC at once instead of a SIGBUS later; the rank says so and trains on with its disk saves."""
-    filler = tiny_disk / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
-        except OSError:
-            pass
-    res = ok(_job(workers, tmp_path, tiny_disk, 0))
+    res = ok(_job(workers, tmp_path, full_disk, 0))
     assert all("the snapshot tier is off" in r.output for r in res), res[0].output[-3000:]
     assert_bit_exact(reference, final(tmp_path / "out", 2))
-    assert not list(tiny_disk.glob("rank*-slot*.json"))
+    assert not list(full_disk.glob("rank*-slot*.json"))
 
 
 # ---------------------------------------------------------------------------------------------- under resilient-run
