@@ -132,8 +132,10 @@ def test_bad_max_failed_saves_is_one_line_and_exit_2(tmp_path: Path, flag: list[
 
 @pytest.mark.timeout(300)
 def test_restart_that_finds_no_checkpoint_says_so(tmp_path: Path) -> None:
-    # rank 1 deletes the node's local tier once step 3 is saved, then dies: the restart finds no checkpoint
-    r = resilient_run(tmp_path, ["--max-restarts", "1", "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "2"],
+    # rank 1 deletes the node's local tier once step 3 is saved, then dies: the restart finds no checkpoint (no
+    # snapshots in node memory either: they would restore it)
+    r = resilient_run(tmp_path, ["--max-restarts", "1", "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "2",
+                                 "--ckpt-snapshot", "off"],
                       ["--steps", "8", "--out", str(tmp_path / "out")],
                       plan_env(WorkerFault(FaultHow.LOSE_DISK, rank=1, step=3)), timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -40,10 +40,11 @@ INTERVAL = "4"  # disk saves after steps 3, 7, 11, 15: a kill after step 9 loses
 
 @pytest.fixture
 def shm() -> Iterator[Path]:
-    """A snapshot directory in real memory (``/dev/shm``), as the agent makes one."""
+    """A snapshot directory in real memory (``/dev/shm``), as the agent makes one. Not named like an agent's: an
+    agent starting in a parallel test would take one without an owner record for a dead agent's, and sweep it."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this host")
-    d = Path(tempfile.mkdtemp(prefix="resilient-snap-test-", dir="/dev/shm"))
+    d = Path(tempfile.mkdtemp(prefix="snap-test-", dir="/dev/shm"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
@@ -313,11 +314,13 @@ def test_the_agents_directory_is_swept_when_its_owner_is_gone(tmp_path: Path) ->
         other = tmp_path / f"{dirs.PREFIX}job-other-container"  # pids of another namespace say nothing here
         other.mkdir()
         (other / dirs.OWNER).write_text("1 1 pid:[1]\n")
+        ownerless = tmp_path / f"{dirs.PREFIX}job-ownerless"  # being made this instant, or not an agent's
+        ownerless.mkdir()
         assert dirs.sweep(tmp_path) == [str(reused)]
         p.stdin.close()  # type: ignore[union-attr]
         p.wait(30)
         assert dirs.sweep(tmp_path) == [str(alive)]
-        assert other.exists()
+        assert other.exists() and ownerless.exists()
     finally:
         if p.poll() is None:
             p.kill()

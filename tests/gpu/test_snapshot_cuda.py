@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 def test_cuda_state_snapshot_round_trip_is_bit_exact(tmp_path: Path) -> None:
-    shm = Path(tempfile.mkdtemp(prefix="resilient-snap-gpu-", dir="/dev/shm"))
+    shm = Path(tempfile.mkdtemp(prefix="snap-test-gpu-", dir="/dev/shm"))
     try:
         g = torch.Generator(device="cuda").manual_seed(1)
         st = {"big": torch.randn(5 << 20, generator=g, device="cuda"),

@@ -44,11 +44,12 @@ def _owner_alive(d: Path) -> bool:
         pid_s, start, ns = ((d / OWNER).read_text().split() + ["?"])[:3]
         pid = int(pid_s)
     except (OSError, ValueError):
-        # no owner record: a directory being made this instant, or a foreign one; leave it unless its mtime is old
+        # no owner record: a directory being made this instant (an agent writes its record right after mkdir), or
+        # not an agent's at all; left alone unless untouched for an hour (then an empty one of a crashed agent)
         try:
             import time
 
-            return time.time() - d.stat().st_mtime < 60
+            return time.time() - d.stat().st_mtime < 3600
         except OSError:
             return False
     if ns != _pid_namespace():

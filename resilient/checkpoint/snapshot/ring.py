@@ -565,7 +565,9 @@ def _map_private(path: Path, size: int) -> Any:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size < size:
             raise ValueError(f"{path} holds {os.fstat(f.fileno()).st_size} bytes, the record says {size}")
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        # populated at once: one call maps every page, where the digest's first touch of each would fault singly
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def _write_file(path: Path, data: bytes) -> None:
