@@ -29,6 +29,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -479,7 +480,9 @@ class _Load:
     def apply(self, state: Mapping[str, Any]) -> None:
         """Land the snapshot in ``state``: tensors in place, objects and new entries set, Stateful objects loaded."""
         leaves, plain = self.plan
-        base = torch.frombuffer(self.data, dtype=torch.uint8) if self.data is not None else None
+        with warnings.catch_warnings():  # a read-only mapping: its tensors are only read from, never written
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            base = torch.frombuffer(self.data, dtype=torch.uint8) if self.data is not None else None
         dt = _dtensor_type()
         with torch.no_grad():
             for leaf in self.layout:
@@ -565,9 +568,10 @@ def _map_private(path: Path, size: int) -> Any:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size < size:
             raise ValueError(f"{path} holds {os.fstat(f.fileno()).st_size} bytes, the record says {size}")
-        # populated at once: one call maps every page, where the digest's first touch of each would fault singly
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # read-only and shared, populated at once: a writable private mapping populated is a copy of every page
+        # (1.46 s for 512 MB, against 0.10 s for the local tier's read), and pages faulted singly cost more than one call
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
 
 
 def _write_file(path: Path, data: bytes) -> None:
