@@ -114,6 +114,61 @@ def test_auto_cadence_is_agreed_so_every_rank_snapshots_the_same_steps(tmp_path:
     assert max(held[0]) >= 8, held  # the agreed schedule starts at step 3 + 4 + 1
 
 
+@pytest.mark.timeout(300)
+def test_the_cadence_carries_over_a_restart_so_snapshots_resume_at_once(tmp_path: Path, shm: Path,
+                                                                       workers: Workers,
+                                                                       reference: list[dict]) -> None:
+    """A worker killed before its attempt's first disk save must still find snapshots of that attempt: the attempt
+    after a restore snapshots from its first step under the cadence its predecessor's snapshots recorded, instead of
+    taking two and waiting for a disk save's agreement."""
+    res = _job(workers, tmp_path, shm, 0, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0)),
+               every="auto")
+    assert any(r.returncode != 0 for r in res)
+    before = {r: _heads(shm, r) for r in range(2)}
+    newest = {r: max(before[r].values(), key=lambda h: h["step"]) for r in range(2)}
+    k0 = newest[0]["every"]
+    assert isinstance(k0, int) and k0 >= 1 and newest[1]["every"] == k0, newest  # agreed at the save of step 3
+    epochs0 = {h["epoch"] for r in range(2) for h in before[r].values()}
+    # attempt 1 restores, then rank 1 dies after step 12: its first disk save (step 11) may not be committed
+    res = _job(workers, tmp_path, shm, 1, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=12, attempt=1)),
+               every="auto")
+    assert any(r.returncode != 0 for r in res)
+    for r in range(2):
+        ours = [h for h in _heads(shm, r).values() if h["epoch"] not in epochs0]
+        assert ours, f"rank {r}: attempt 1 took no snapshot before its first disk save"
+        assert all(h["every"] == k0 for h in ours), ours  # the carried cadence, not a measuring snapshot
+    steps1 = [sorted(h["step"] for h in _heads(shm, r).values() if h["epoch"] not in epochs0) for r in range(2)]
+    assert steps1[0] == steps1[1], steps1  # the same steps on both ranks: of use at the next restore
+    ok(_job(workers, tmp_path, shm, 2, every="auto"))
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+
+
+def test_a_restore_carries_the_slowest_recorded_cadence(shm: Path) -> None:
+    for d in "abcde":
+        (shm / d).mkdir()
+    a = SnapshotRing(shm / "a", rank=0, world_size=2, every="auto")
+    b = SnapshotRing(shm / "b", rank=1, world_size=2, every="auto")
+    for ring, k in ((a, 3), (b, 5)):
+        ring.agree(k, 0)
+        assert ring.take(6, {"w": torch.zeros(4)}) and ring.flush(10)
+    offers = [a.offer(), b.offer()]
+    assert [o.every for o in offers] == [3, 5]
+    fresh = SnapshotRing(shm / "c", rank=1, world_size=2, every="auto")  # a replacement node's empty memory
+    assert fresh.offer().every is None
+    assert fresh.resume([offers[0], fresh.offer()], 7) == 3  # takes the others' cadence
+    assert [s for s in range(7, 20) if fresh.due(s)] == [7, 10, 13, 16, 19]
+    again = SnapshotRing(shm / "a", rank=0, world_size=2, every="auto")
+    assert again.resume(offers, 7) == 5  # the slowest rank's
+    assert [s for s in range(7, 20) if again.due(s)] == [7, 12, 17]
+    first = SnapshotRing(shm / "d", rank=0, world_size=2, every="auto")  # nothing recorded anywhere: measure first
+    assert first.resume([first.offer(), fresh.offer()], 0) is None and first.due(0) and first.agreed is None
+    assert first.resume([first.offer(), None], 0) is None  # a rank without the tier: no snapshot is of use
+    fixed = SnapshotRing(shm / "e", rank=0, world_size=2, every=2)
+    assert fixed.resume(offers, 7) is None  # a fixed cadence is the user's
+    for ring in (a, b, fresh, again, first, fixed):
+        ring.close()
+
+
 def _flip(p: Path) -> None:
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0x40

@@ -348,8 +348,16 @@ class Restorer(Component):
         # a restore allocates an object per tensor (DCP's metadata, the plan): with a training process's
         # heap, the cyclic collector's full passes it triggers cost more than the reading itself (150-350 ms
         # measured on a 1,680-tensor state against 7 ms for the unpickling); nothing here makes cycles
+        self._offers: list[Any] | None = None
         with _gc_paused():
-            return self._restore(state)
+            res = self._restore(state)
+        ring = self.ctx.snapshot
+        if ring is not None and self._offers is not None:
+            k = ring.resume(self._offers, 0 if res.step is None else res.step + 1)
+            if k is not None and self.ctx.rank == 0:
+                logger.info("snapshots in node memory: every %d step(s) from step %d, as before the restart", k,
+                            0 if res.step is None else res.step + 1)
+        return res
 
     def _restore(self, state: Mapping[str, Any]) -> RestoreResult:
         """Each rank reads from the fastest tier holding a verified copy of each file, falling back
@@ -358,19 +366,20 @@ class Restorer(Component):
         """
         t0 = time.perf_counter()
         ring = self.ctx.snapshot
-        offer = ring.offer().held if ring is not None else None
+        offer = ring.offer() if ring is not None else None
         # one gather: every rank's committed steps per tier, its snapshots, and a new lineage for later snapshots
         gathered = self._gather((self._scan(), offer, uuid.uuid4().hex), self.ctx.pg)
         views = [g[0] for g in gathered]
         if ring is not None:
             ring.epoch = gathered[0][2]
+            self._offers = [g[1] for g in gathered]
         candidates = sorted({s for v in views for steps in v.values() for s in steps}, reverse=True)
         if self.ctx.local is not None and self.ctx.local_rank == 0:
             # partial steps left by a crash are garbage now (nothing is writing before restore)
             for tier in (self.ctx.local, self.ctx.peer):
                 if tier is not None:
                     self._retain(tier, 10**9, pinned_from=None, drop_newer_partial=True)
-        snap = _agreed_snapshot([g[1] for g in gathered])
+        snap = _agreed_snapshot([None if g[1] is None else g[1].held for g in gathered])
         if snap is not None and snap[0] >= (candidates[0] if candidates else -1):
             got = self._try_snapshot(snap[0], snap[1], state, t0)
             if got is not None:

@@ -15,8 +15,11 @@ DTensor placements, world size) and its digest before any byte lands; only when 
 The cadence follows the cost: with ``every="auto"`` a snapshot is taken every k steps, k the smallest that keeps its
 measured cost (the copy, plus the digest's CPU) within ``budget`` of the measured step time on the slowest rank. The
 ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached, since a snapshot
-is only of use when every rank has one of the same step. Before the first agreement a rank takes two snapshots, at its
-first two steps, to measure the cost. A state of a few MiB is snapshotted every step.
+is only of use when every rank has one of the same step. Each snapshot records the cadence it was taken under, and a
+restore carries it over (``resume``: the slowest rank's, from the first step after the restored one), so a worker
+killed before its attempt's first disk save still left snapshots to restore from. Only a job's first attempt, with no
+snapshot anywhere, takes two snapshots at its first two steps to measure the cost before the ranks agree. A state of
+a few MiB is snapshotted every step.
 """
 
 from __future__ import annotations
@@ -156,9 +159,11 @@ class _Slot:
 
 @dataclass
 class Offer:
-    """What a rank holds: its committed snapshots as (step, epoch)."""
+    """What a rank holds: its committed snapshots as (step, epoch), and the auto cadence its newest one was taken
+    under (None: not recorded, or not auto)."""
 
     held: list[tuple[int, str]]
+    every: int | None = None
 
 
 class SnapshotRing:
@@ -246,6 +251,21 @@ class SnapshotRing:
         self._agreed = (k, int(start))
         return True
 
+    def resume(self, offers: "list[Offer | None]", start: int) -> int | None:
+        """At a restore, every rank with the same ``offers`` (the gather's): carry the cadence the snapshots were taken
+        under over to this attempt from step ``start`` (the first it trains), the slowest rank's, so that snapshots
+        resume at once rather than after the attempt's first disk save agrees one anew. A rank without a recorded
+        cadence (a replacement node's fresh directory) takes the others'; when no rank recorded one, nothing changes.
+        Returns the cadence now agreed, or None."""
+        if not self.auto or self.off is not None or any(o is None for o in offers):
+            return None
+        ks = [o.every for o in offers if o is not None and o.every is not None]
+        if not ks:
+            return None
+        k = max(int(x) for x in ks)
+        self._agreed = (k, int(start))
+        return k
+
     def take(self, step: int, state: Mapping[str, Any]) -> bool:
         """Copy ``state`` (after step ``step``) into the older slot; its commit follows on the ring's thread."""
         t0 = time.perf_counter()
@@ -265,7 +285,8 @@ class SnapshotRing:
             return False
         slot.done.clear()
         head = {"v": VERSION, "step": step, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
-                "tensor_bytes": slot.size, "object_bytes": len(objects), "layout": key, "wall": time.time()}
+                "tensor_bytes": slot.size, "object_bytes": len(objects), "layout": key, "wall": time.time(),
+                "every": self._agreed[0] if self.auto and self._agreed is not None and self._agreed[0] > 0 else None}
         with self._cv:
             self._jobs.append((slot, head, objects, layout_json))
             self._cv.notify()
@@ -418,13 +439,18 @@ class SnapshotRing:
     def offer(self) -> Offer:
         """This rank's committed snapshots of this world size."""
         held = []
+        newest: tuple[int, int | None] | None = None
         if self.off is None:
             for s in self._slots:
                 head = _read_head(s.record)
                 if head and head.get("v") == VERSION and head.get("rank") == self.rank \
                         and head.get("world_size") == self.world_size:
-                    held.append((int(head["step"]), str(head["epoch"])))
-        return Offer(held)
+                    step = int(head["step"])
+                    held.append((step, str(head["epoch"])))
+                    every = head.get("every")
+                    if newest is None or step > newest[0]:
+                        newest = (step, int(every) if isinstance(every, int) and every > 0 else None)
+        return Offer(held, newest[1] if newest is not None else None)
 
     def prepare(self, step: int, epoch: str, state: Mapping[str, Any]) -> "_Load | str":
         """Check this rank's snapshot of ``step`` against ``state`` and its digest; the load to apply, or why not."""
