@@ -17,6 +17,40 @@ logger = logging.getLogger(__name__)
 Path_ = tuple[Any, ...]
 
 
+_DTENSOR: list[Any] = []
+
+
+def dtensor_type() -> Any:
+    """``torch.distributed.tensor.DTensor``, or None for a torch without it (whose states hold none)."""
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:
+            DTensor = None  # type: ignore[assignment,misc]
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def param_like(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Checkpoint key prefix (``optim.state.3``) -> the DTensor or GPU parameter of an optimizer in ``state``.
+
+    A fresh optimizer's state is empty, so a restore makes its targets itself; for a DTensor parameter (FSDP2,
+    tensor parallelism) they must be DTensors placed like the parameter, or the first step mixes DTensors with
+    plain tensors; for a parameter on a GPU they are made there, so the bytes go to the device once
+    (``load_state_dict`` would copy a host target to the device again, from pageable memory). The ids follow
+    ``Optimizer.state_dict``: parameters numbered in ``param_groups`` order."""
+    dt = dtensor_type()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.optim.Optimizer):
+            continue
+        params = [p for g in v.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            if (dt is not None and isinstance(p, dt)) or (isinstance(p, torch.Tensor) and p.is_cuda):
+                out[f"{k}.state.{i}"] = p
+    return out
+
+
 def is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 

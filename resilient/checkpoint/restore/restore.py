@@ -41,7 +41,8 @@ from resilient.checkpoint.api import (CheckpointError, CheckpointMismatchError, 
 from resilient.checkpoint.format.digests import map_verified, verify_bytes, verify_file
 from resilient.checkpoint.format.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
 from resilient.checkpoint.format.spans import Span
-from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
+from resilient.checkpoint.format.state import (dtensor_type, flatten, is_stateful, param_like, plain_state,
+                                               set_path)
 from resilient.checkpoint.replicate.transfer import Landed, Landing, run_transfers
 from resilient.checkpoint.restore.device import is_device
 from resilient.checkpoint.restore.load import (PIECE, THREADS, FileLoad, FileSource, Item, MemSource, RangeSource,
@@ -124,25 +125,12 @@ def _memory_budget() -> int:
         return 1 << 30
 
 
-_DTENSOR: list[Any] = []  # resolved once: asked for every target, several times per restore
-
-
-def _dtensor_type() -> Any:
-    if not _DTENSOR:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # a torch without DTensor has none in its state
-            DTensor = None  # type: ignore[assignment,misc]
-        _DTENSOR.append(DTensor)
-    return _DTENSOR[0]
-
-
 def _local_shard(v: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """A DTensor target's local tensor and the global offsets of its chunk (what DCP keys the chunk by), or
     None when ``v`` is not a DTensor. Bytes land in the local tensor: the DTensor is only a wrapper."""
     if type(v) is torch.Tensor or not isinstance(v, torch.Tensor):
         return None
-    dt = _dtensor_type()
+    dt = dtensor_type()
     if dt is None or not isinstance(v, dt):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -190,27 +178,6 @@ def _items_read_of(md: Any, load_sd: Mapping[str, Any]) -> list[tuple[Any, Any]]
                 if 0 in n or not all(o < a + b and a < o + s for o, s, a, b in zip(idx.offset, sizes, lo, n)):
                     continue  # no overlap (an empty local shard overlaps nothing)
         out.append((idx, info))
-    return out
-
-
-def _param_like(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Checkpoint key prefix (``optim.state.3``) -> the DTensor or GPU parameter of an optimizer in ``state``.
-
-    A fresh optimizer's state is empty, so restore makes its targets from the checkpoint's metadata; for a
-    DTensor parameter (FSDP2, tensor parallelism) they must be DTensors placed like the parameter, or the
-    first step mixes DTensors with plain tensors; for a parameter on a GPU they are made there, so the bytes
-    go to the device once, through restore's pinned buffers (``load_state_dict`` would copy a host target to
-    the device again, from pageable memory). The ids follow ``Optimizer.state_dict``: parameters numbered in
-    ``param_groups`` order."""
-    dt = _dtensor_type()
-    out: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        if not isinstance(v, torch.optim.Optimizer):
-            continue
-        params = [p for g in v.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            if (dt is not None and isinstance(p, dt)) or (isinstance(p, torch.Tensor) and p.is_cuda):
-                out[f"{k}.state.{i}"] = p
     return out
 
 
@@ -1227,7 +1194,7 @@ class Restorer(Component):
         missing, shape_mismatch = [], {}
         reshard: dict[str, str] = {}
         resized = world_old != self.ctx.world_size
-        params = _param_like(state)
+        params = param_like(state)
         for fqn, (path, v) in leaves.items():
             key = fqn
             if fqn in per_rank_keys:

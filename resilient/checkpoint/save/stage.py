@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from resilient.checkpoint.format.state import leaf_nbytes
+from resilient.checkpoint.format.state import dtensor_type, leaf_nbytes
 
 
 logger = logging.getLogger(__name__)
@@ -94,14 +94,6 @@ class _Arena:
         self._base, self._layout, self.buffers, self._registered = None, (), {}, False
 
 
-def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor has none in its state
-        return None
-    return DTensor
-
-
 class Stager:
     """Copies leaves into host buffers kept between saves (no allocation after the first save)."""
 
@@ -133,7 +125,7 @@ class Stager:
         only issued here: :meth:`synchronize` waits for them."""
         out: dict[str, Any] = {}
         on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fqn -> (leaf, its local tensor)
-        dt = _dtensor_type()
+        dt = dtensor_type()
         for fqn, v in leaves.items():
             if isinstance(v, torch.Tensor):
                 if not tensors:
@@ -153,7 +145,7 @@ class Stager:
         return out
 
     def _stage_tensor(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
-        dt = _dtensor_type()
+        dt = dtensor_type()
         if dt is not None and isinstance(t, dt):
             local = t.to_local()
             buf = self._buffer(fqn, local)
@@ -174,7 +166,7 @@ class Stager:
         by_device: dict[torch.device, list[str]] = {}
         for fqn, (_, local) in leaves.items():
             by_device.setdefault(local.device, []).append(fqn)
-        dt = _dtensor_type()
+        dt = dtensor_type()
         for device, fqns in by_device.items():
             stream = self._streams.get(device)
             if stream is None:

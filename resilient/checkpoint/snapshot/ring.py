@@ -42,7 +42,8 @@ import torch
 import xxhash
 
 from resilient.checkpoint.format.safe import safe_torch_load
-from resilient.checkpoint.format.state import flatten, is_stateful, plain_state, set_path
+from resilient.checkpoint.format.state import (dtensor_type, flatten, is_stateful, param_like, plain_state,
+                                               set_path)
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,6 @@ SLOTS = 2
 VERSION = 1
 _COMMIT_WAIT_S = 5.0  # the older slot's digest still running after this long: skip a snapshot rather than wait
 _MAX_EVERY = 100_000
-
-
-def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
 
 
 @dataclass(frozen=True)
@@ -299,7 +292,7 @@ class SnapshotRing:
         return True
 
     def _copy(self, slot: _Slot, state: Mapping[str, Any]) -> tuple[bytes, str, str]:
-        dt = _dtensor_type()
+        dt = dtensor_type()
         flat = flatten(plain_state(state))
         # one pass that only tells tensors from objects: the layout itself is rebuilt only when this key changes
         # (per-leaf Python was most of a snapshot's cost: 4-5 ms a step for the GPT recipe's 129 tensors)
@@ -481,7 +474,7 @@ class SnapshotRing:
             objs = safe_torch_load(io.BytesIO(objects), str(slot.obj)) if objects else {}
         except Exception as e:  # noqa: BLE001 - refused or corrupt objects: the disk tiers decide instead
             return f"snapshot of step {step}: objects refused ({e})"
-        plan = _plan_load(layout, state, _dtensor_type())
+        plan = _plan_load(layout, state, dtensor_type())
         if isinstance(plan, str):
             return f"snapshot of step {step} does not fit the state: {plan}"
         return _Load(step, layout, data, objs, plan)
@@ -497,7 +490,7 @@ class _Load:
     layout: list[Leaf]
     data: Any  # a private mapping of the slot's tensor bytes (None without tensors)
     objects: dict[str, Any]
-    plan: tuple[dict[str, tuple[tuple[Any, ...], Any]], dict[str, Any]]  # target leaves, plain state
+    plan: tuple[dict[str, tuple[tuple[Any, ...], Any]], dict[str, Any], dict[str, torch.Tensor]]  # see _plan_load
 
     @property
     def nbytes(self) -> int:
@@ -505,11 +498,11 @@ class _Load:
 
     def apply(self, state: Mapping[str, Any]) -> None:
         """Land the snapshot in ``state``: tensors in place, objects and new entries set, Stateful objects loaded."""
-        leaves, plain = self.plan
+        leaves, plain, like = self.plan
         with warnings.catch_warnings():  # a read-only mapping: its tensors are only read from, never written
             warnings.filterwarnings("ignore", message=".*not writable.*")
             base = torch.frombuffer(self.data, dtype=torch.uint8) if self.data is not None else None
-        dt = _dtensor_type()
+        dt = dtensor_type()
         with torch.no_grad():
             for leaf in self.layout:
                 if leaf.kind == "o":
@@ -521,6 +514,16 @@ class _Load:
                 target = leaves.get(leaf.fqn)
                 if target is not None:
                     _local(target[1], dt).copy_(src)
+                elif leaf.fqn in like:  # a fresh optimizer's moment: made like its parameter
+                    p = like[leaf.fqn]
+                    if dt is not None and isinstance(p, dt):
+                        local = _local(p, dt)
+                        buf = torch.empty(leaf.shape, dtype=dtype, device=local.device)
+                        buf.copy_(src)
+                        _set_new(plain, leaf.path, dt.from_local(buf, p.device_mesh, p.placements, run_check=False,
+                                                                 shape=p.shape, stride=p.stride()))
+                    else:
+                        _set_new(plain, leaf.path, src.to(p.device, copy=True))
                 else:  # under an empty dict of the state (a fresh optimizer's): made here
                     _set_new(plain, leaf.path, src.clone())
         for k, v in state.items():
@@ -530,11 +533,14 @@ class _Load:
                 state[k] = plain[k]
 
 
-def _plan_load(layout: list[Leaf], state: Mapping[str, Any], dt: Any) -> "tuple[dict, dict] | str":
-    """The target leaves and plain state for a load of ``layout``, or why the snapshot does not fit ``state``."""
+def _plan_load(layout: list[Leaf], state: Mapping[str, Any], dt: Any) -> "tuple[dict, dict, dict] | str":
+    """The target leaves, plain state and the parameters new leaves are made like (a fresh optimizer's moments)
+    for a load of ``layout``, or why the snapshot does not fit ``state``."""
     plain = plain_state(state)
     target = flatten(plain)
     saved = {x.fqn: x for x in layout}
+    params = param_like(state)  # a fresh optimizer's moments are made like these (DTensor, device)
+    like: dict[str, torch.Tensor] = {}
     empty = {fqn for fqn, (_, v) in target.items() if isinstance(v, Mapping) and not v}
     for fqn, (_, v) in target.items():
         leaf = saved.get(fqn)
@@ -562,9 +568,16 @@ def _plan_load(layout: list[Leaf], state: Mapping[str, Any], dt: Any) -> "tuple[
                       if ".".join(str(p) for p in leaf.path[:i]) in empty), None)
         if under is None:
             return f"{leaf.fqn!r} is in the snapshot but not in the state"
+        p = params.get(leaf.fqn.rpartition(".")[0])
         if leaf.kind == "d":
-            return f"{leaf.fqn!r}: a DTensor missing from the state (its mesh is unknown here)"
-    return target, plain
+            if p is None or not isinstance(p, dt):
+                return f"{leaf.fqn!r}: a DTensor missing from the state, and no DTensor parameter to place it like"
+            if _dmeta(p) != leaf.dmeta or tuple(_local(p, dt).shape) != leaf.shape:
+                return f"{leaf.fqn!r}: placed otherwise than its parameter in the state"
+            like[leaf.fqn] = p
+        elif p is not None and leaf.shape == tuple(p.shape):
+            like[leaf.fqn] = p  # a GPU parameter's moment: made on its device
+    return target, plain, like
 
 
 def _set_new(root: Any, path: tuple[Any, ...], value: Any) -> None:
