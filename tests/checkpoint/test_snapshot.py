@@ -354,6 +354,20 @@ def test_auto_cadence_follows_cost_over_step_time_and_waits_for_the_agreement(sh
     r.close()
 
 
+def test_a_new_cadence_starts_at_its_step_and_the_old_one_runs_until_then(shm: Path) -> None:
+    """Each agreed change takes effect an interval ahead (no rank has passed it); the steps in between keep the cadence
+    in force, so a cost that moves between 3 and 4 steps never leaves a kill without a recent snapshot."""
+    r = SnapshotRing(shm, rank=0, world_size=2, every="auto")
+    assert r.agree(3, 11)
+    assert r.agree(5, 40)  # agreed at the save of step 29: steps 30-39 keep every 3
+    assert [s for s in range(0, 60) if r.due(s)] == [11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 40, 45, 50, 55]
+    assert r.agree(2, 51)  # and again before 40 was reached by some rank: each segment starts at its own step
+    assert [s for s in range(30, 60) if r.due(s)] == [32, 35, 38, 40, 45, 50, 51, 53, 55, 57, 59]
+    assert r.take(52, {"w": torch.zeros(2)}) and r.flush(10)
+    assert r.offer().every == 2  # a snapshot records the cadence in force at its step
+    r.close()
+
+
 def test_the_agents_directory_is_swept_when_its_owner_is_gone(tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:

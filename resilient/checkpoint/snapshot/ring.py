@@ -14,8 +14,8 @@ DTensor placements, world size) and its digest before any byte lands; only when 
 
 The cadence follows the cost: with ``every="auto"`` a snapshot is taken every k steps, k the smallest that keeps its
 measured cost (the copy, plus the digest's CPU) within ``budget`` of the measured step time on the slowest rank. The
-ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached, since a snapshot
-is only of use when every rank has one of the same step. Each snapshot records the cadence it was taken under, and a
+ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached (the cadence in
+force until then), since a snapshot is only of use when every rank has one of the same step. Each snapshot records the cadence it was taken under, and a
 restore carries it over (``resume``: the slowest rank's, from the first step after the restored one), so a worker
 killed before its attempt's first disk save still left snapshots to restore from. Only a job's first attempt, with no
 snapshot anywhere, takes two snapshots at its first two steps to measure the cost before the ranks agree. A state of
@@ -173,6 +173,10 @@ class SnapshotRing:
         self._on_failure = on_failure  # called once with the reason when the tier turns itself off
         self.off: str | None = None  # why snapshots stopped, once they did
         self._agreed: tuple[int, int] | None = None  # auto: (steps between snapshots, first step), agreed by all ranks
+        # auto: every (first step, steps between snapshots) agreed, oldest first; the training thread reads it whole
+        # (one tuple, replaced by the save worker), so a new cadence takes over at its first step and the one before
+        # it goes on until then
+        self._schedule: tuple[tuple[int, int], ...] = ()
         self._last_call: float | None = None
         self._step_s: float | None = None  # EMA of the time between save() calls: the step
         self._cost_s: float | None = None  # EMA of a snapshot's cost: copy on this thread + digest on the other
@@ -213,11 +217,18 @@ class SnapshotRing:
             return False
         if isinstance(self.every, int):
             return self.every > 0 and (step + 1) % self.every == 0
-        agreed = self._agreed  # (steps between snapshots, from which step): written once by the save worker
-        if agreed is None:
-            return self.taken < 2  # two snapshots at the start measure the cost; then the ranks agree
-        k, start = agreed
-        return k > 0 and step >= start and (step - start) % k == 0
+        seg = self._segment_at(step)
+        if seg is None:
+            return not self._schedule and self.taken < 2  # two snapshots at the start measure the cost; then agree
+        start, k = seg
+        return k > 0 and (step - start) % k == 0
+
+    def _segment_at(self, step: int) -> tuple[int, int] | None:
+        """The agreed (first step, cadence) in force at ``step``, None before the first one starts."""
+        for seg in reversed(self._schedule):
+            if seg[0] <= step:
+                return seg
+        return None
 
     def proposal(self) -> int | None:
         """This rank's cadence for the agreement (``agree``): steps between snapshots by its measured cost, 0 when the
@@ -235,13 +246,16 @@ class SnapshotRing:
         snapshots are only of use when every rank takes them at the same steps. A cadence within a quarter of the
         one in force keeps it (and its schedule): every change starts the schedule again ``start`` steps ahead, so a
         cost that wavers between 6 and 7 steps must not move it at each save. Returns whether it changed; every rank
-        decides the same from the same proposals."""
+        decides the same from the same proposals. The cadence in force goes on until ``start``: changing it must not
+        leave the steps in between without snapshots."""
         k = int(k)
         if self._agreed is not None:
             old = self._agreed[0]
             if k == old or (k > 0 and old > 0 and abs(k - old) <= 0.25 * old):
                 return False
         self._agreed = (k, int(start))
+        kept = tuple(x for x in self._schedule if x[0] < start)[-2:]  # the training thread is past none of start
+        self._schedule = (*kept, (int(start), k))
         return True
 
     def resume(self, offers: "list[Offer | None]", start: int) -> int | None:
@@ -257,6 +271,7 @@ class SnapshotRing:
             return None
         k = max(int(x) for x in ks)
         self._agreed = (k, int(start))
+        self._schedule = ((int(start), k),)
         return k
 
     def take(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -279,7 +294,7 @@ class SnapshotRing:
         slot.done.clear()
         head = {"v": VERSION, "step": step, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
                 "tensor_bytes": slot.size, "object_bytes": len(objects), "layout": key, "wall": time.time(),
-                "every": self._agreed[0] if self.auto and self._agreed is not None and self._agreed[0] > 0 else None}
+                "every": ((self._segment_at(step) or (0, 0))[1] or None) if self.auto else None}
         with self._cv:
             self._jobs.append((slot, head, objects, layout_json))
             self._cv.notify()
