@@ -15,8 +15,8 @@ DTensor placements, world size) and its digest before any byte lands; only when 
 The cadence follows the cost: with ``every="auto"`` a snapshot is taken every k steps, k the smallest that keeps its
 measured cost (the copy, plus the digest's CPU) within ``budget`` of the measured step time on the slowest rank. The
 ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached (the cadence in
-force until then), since a snapshot is only of use when every rank has one of the same step. Each snapshot records the cadence it was taken under, and a
-restore carries it over (``resume``: the slowest rank's, from the first step after the restored one), so a worker
+force until then), since a snapshot is only of use when every rank has one of the same step. Each snapshot records
+the cadence it was taken under, and a restore carries it over (``resume``: the slowest rank's, from the first step after the restored one), so a worker
 killed before its attempt's first disk save still left snapshots to restore from. Only a job's first attempt, with no
 snapshot anywhere, takes two snapshots at its first two steps to measure the cost before the ranks agree. A state of
 a few MiB is snapshotted every step.
@@ -172,7 +172,6 @@ class SnapshotRing:
         self._next_slot = self._newer_free()
         self._on_failure = on_failure  # called once with the reason when the tier turns itself off
         self.off: str | None = None  # why snapshots stopped, once they did
-        self._agreed: tuple[int, int] | None = None  # auto: (steps between snapshots, first step), agreed by all ranks
         # auto: every (first step, steps between snapshots) agreed, oldest first; the training thread reads it whole
         # (one tuple, replaced by the save worker), so a new cadence takes over at its first step and the one before
         # it goes on until then
@@ -239,7 +238,8 @@ class SnapshotRing:
 
     @property
     def agreed(self) -> tuple[int, int] | None:
-        return self._agreed
+        """The newest agreed (steps between snapshots, first step), None before any."""
+        return (self._schedule[-1][1], self._schedule[-1][0]) if self._schedule else None
 
     def agree(self, k: int, start: int) -> bool:
         """The cadence every rank agreed on (the slowest rank's), from step ``start`` on, which no rank has passed:
@@ -249,11 +249,10 @@ class SnapshotRing:
         decides the same from the same proposals. The cadence in force goes on until ``start``: changing it must not
         leave the steps in between without snapshots."""
         k = int(k)
-        if self._agreed is not None:
-            old = self._agreed[0]
+        if self._schedule:
+            old = self._schedule[-1][1]
             if k == old or (k > 0 and old > 0 and abs(k - old) <= 0.25 * old):
                 return False
-        self._agreed = (k, int(start))
         kept = tuple(x for x in self._schedule if x[0] < start)[-2:]  # the training thread is past none of start
         self._schedule = (*kept, (int(start), k))
         return True
@@ -270,7 +269,6 @@ class SnapshotRing:
         if not ks:
             return None
         k = max(int(x) for x in ks)
-        self._agreed = (k, int(start))
         self._schedule = ((int(start), k),)
         return k
 
