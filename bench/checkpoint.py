@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="blocking,local,persistent,peer,hotswap,memory",
                     help="comma-separated sections to run")
     ap.add_argument("--states", default="large,gpt",
-                    help="peer and hotswap sections: which states (comma-separated: large, gpt)")
+                    help="peer and hotswap sections: which states (comma-separated: large, gpt, gpt_x10)")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     ap.add_argument("--work", default=None)
     ap.add_argument("--profile", action="store_true",
@@ -737,6 +737,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hotswap_worker:
         hotswap_worker(args.hotswap_worker, args.shape, mb, Path(args.work), args.reps or 0)
         return 0
+    states = args.states.split(",")
+    bad = [k for k in states if k not in ("large", "gpt", "gpt_x10")]
+    if bad:
+        ap.error(f"--states {','.join(bad)}: use large, gpt or gpt_x10 (comma-separated)")
     torch.set_num_threads(2)
     only = set(args.only.split(","))
     saves = args.saves or (3 if args.quick else 5)
