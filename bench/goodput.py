@@ -424,6 +424,8 @@ def progress(log: StepLog) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- (c) resilient-run
+SPARE_GRACE_S = 30.0  # how long the spare may outlive both of the job's first nodes (a swapped-in spare ends with them)
+
 def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], a: argparse.Namespace,
                   spare: bool = True) -> dict[str, Any]:
     from resilient.events.ledger import read_events
@@ -500,9 +502,17 @@ def run_resilient(d: Path, job: Path, job_args: list[str], faults: list[Fault], 
             n_before = len(nodes)
             procs = launch(run_dir, inject)
             last = nodes[n_before:]
+            both_gone: float | None = None
             while any(p.poll() is None for p in procs):
                 if time.monotonic() > deadline:
                     res["error"] = f"not done within {a.timeout:.0f} s"
+                    break
+                if both_gone is None and all(p.poll() is not None for p in procs[:2]):
+                    both_gone = time.monotonic()
+                if both_gone is not None and time.monotonic() - both_gone > SPARE_GRACE_S:
+                    # a and b are gone and the spare is not: it started after the job had stopped (a node lost
+                    # before it joined) and waits out the rendezvous' join timeout, as a late torchrun node does
+                    print(f"  the spare outlived both nodes by {SPARE_GRACE_S:g} s: ended", file=sys.stderr, flush=True)
                     break
                 time.sleep(0.1)  # waiting for the agents to end; they never wait on the driver
             if res.get("t0_after_launch_s") is None:

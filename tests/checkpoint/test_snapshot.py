@@ -121,7 +121,8 @@ def test_the_cadence_carries_over_a_restart_so_snapshots_resume_at_once(tmp_path
     """A worker killed before its attempt's first disk save must still find snapshots of that attempt: the attempt
     after a restore snapshots from its first step under the cadence its predecessor's snapshots recorded, instead of
     taking two and waiting for a disk save's agreement."""
-    res = _job(workers, tmp_path, shm, 0, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0)),
+    run = {"RESILIENT_RUN_DIR": str(tmp_path / "run")}  # the ledger, for the cadence events
+    res = _job(workers, tmp_path, shm, 0, {**run, **plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0))},
                every="auto")
     assert any(r.returncode != 0 for r in res)
     before = {r: _heads(shm, r) for r in range(2)}
@@ -130,7 +131,7 @@ def test_the_cadence_carries_over_a_restart_so_snapshots_resume_at_once(tmp_path
     assert isinstance(k0, int) and k0 >= 1 and newest[1]["every"] == k0, newest  # agreed at the save of step 3
     epochs0 = {h["epoch"] for r in range(2) for h in before[r].values()}
     # attempt 1 restores, then rank 1 dies after step 12: its first disk save (step 11) may not be committed
-    res = _job(workers, tmp_path, shm, 1, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=12, attempt=1)),
+    res = _job(workers, tmp_path, shm, 1, {**run, **plan_env(WorkerFault(FaultHow.KILL, rank=1, step=12, attempt=1))},
                every="auto")
     assert any(r.returncode != 0 for r in res)
     for r in range(2):
@@ -139,6 +140,16 @@ def test_the_cadence_carries_over_a_restart_so_snapshots_resume_at_once(tmp_path
         assert all(h["every"] == k0 for h in ours), ours  # the carried cadence, not a measuring snapshot
     steps1 = [sorted(h["step"] for h in _heads(shm, r).values() if h["epoch"] not in epochs0) for r in range(2)]
     assert steps1[0] == steps1[1], steps1  # the same steps on both ranks: of use at the next restore
+    # the ledger says so: attempt 0 agreed k0 at a disk save (from every rank's proposal), attempt 1 resumed it at
+    # its restore, from the step after the one it restored
+    cadence = [e for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_SNAPSHOT_CADENCE]
+    assert {e.rank for e in cadence} == {0}, cadence
+    agreed = [e.details for e in cadence if e.attempt == 0 and e.details["source"] == "agreed"]
+    assert agreed and agreed[-1]["every"] == k0 and len(agreed[-1]["proposals"]) == 2, cadence
+    resumed = [e.details for e in cadence if e.attempt == 1 and e.details["source"] == "resumed"]
+    restored = [e.details["step"] for e in read_events(tmp_path / "run")
+                if e.kind is EventKind.CKPT_RESTORE and e.attempt == 1 and e.rank == 0]
+    assert len(resumed) == 1 and resumed[0]["every"] == k0 and [resumed[0]["from_step"]] == [s + 1 for s in restored]
     ok(_job(workers, tmp_path, shm, 2, every="auto"))
     assert_bit_exact(reference, final(tmp_path / "out", 2))
 

@@ -320,10 +320,11 @@ class Restorer(Component):
             res = self._restore(state)
         ring = self.ctx.snapshot
         if ring is not None and self._offers is not None:
-            k = ring.resume(self._offers, 0 if res.step is None else res.step + 1)
+            start = 0 if res.step is None else res.step + 1
+            k = ring.resume(self._offers, start)
             if k is not None and self.ctx.rank == 0:
-                logger.info("snapshots in node memory: every %d step(s) from step %d, as before the restart", k,
-                            0 if res.step is None else res.step + 1)
+                logger.info("snapshots in node memory: every %d step(s) from step %d, as before the restart", k, start)
+                self._emit(EventKind.CKPT_SNAPSHOT_CADENCE, every=k, from_step=start, source="resumed")
         return res
 
     def _restore(self, state: Mapping[str, Any]) -> RestoreResult:

@@ -357,10 +357,13 @@ class CheckpointManager:
         if self._snap is None or not self._snap.auto or any(p is None for p in proposals):
             return
         k = 0 if any(p == 0 for p in proposals) else max(int(p) for p in proposals)  # type: ignore[arg-type]
-        if self._snap.agree(k, step + self._interval.steps + 1) and self.rank == 0:
-            logger.info("snapshots in node memory: %s", f"every {k} step(s) from step {step + self._interval.steps + 1} "
+        start = step + self._interval.steps + 1
+        if self._snap.agree(k, start) and self.rank == 0:
+            logger.info("snapshots in node memory: %s", f"every {k} step(s) from step {start} "
                         f"(the slowest rank's cost within {self.config.snapshot_budget:.0%} of its step)"
                         if k else "off (a rank has none)")
+            self._emit(EventKind.CKPT_SNAPSHOT_CADENCE, every=k, from_step=start, source="agreed",
+                       proposals=list(proposals))
 
     @property
     def snapshot(self) -> Any:
