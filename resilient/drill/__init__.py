@@ -26,6 +26,7 @@ _LAZY = {
     "InjectedFault": "resilient.drill.worker", "fail_at": "resilient.drill.worker",
     "maybe_fail": "resilient.drill.worker",
     "arm_checkpoint_faults": "resilient.drill.hooks", "after_save": "resilient.drill.hooks",
+    "settle": "resilient.drill.hooks",
 }
 
 __all__ = sorted(_LAZY)

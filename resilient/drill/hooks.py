@@ -91,6 +91,19 @@ def _wait_committed(manager: object, step: int) -> None:
             time.sleep(0.01)
 
 
+def settle(manager: object, timeout_s: float = _COMMIT_WAIT_S) -> None:
+    """Until no save this rank took part in is still in flight: its own part written (``wait()``) and every
+    step begun on a disk tier committed by the rank that commits it. A test calls it before a planned fault
+    meant to come *between* saves: on a loaded machine a background save can outlast several short steps, and
+    a rank killed while a peer is still in that save's collectives fails the save for real (a correct, recorded
+    ``ckpt_tier_failed``, but not the fault the test meant). Bounded like the commit wait of a fault."""
+    manager.wait(timeout=timeout_s, upload_timeout=timeout_s)  # type: ignore[attr-defined]
+    tiers = [getattr(manager, "local", None), getattr(manager, "persistent", None)]
+    for tier in [t for t in tiers if t is not None]:
+        for step in [s for s, done in tier.steps().items() if not done]:
+            _wait_committed(manager, step)
+
+
 def after_save(step: int, manager: object) -> None:
     """Call after each ``manager.save(step, ...)``: carries out this rank's kill-after-save and lose-disk
     faults of ``step`` (once the save is complete), and holds training at a planned mid-upload step until

@@ -154,6 +154,8 @@ def main() -> int:
     ap.add_argument("--persistent", default=None)
     ap.add_argument("--interval", default=None)
     ap.add_argument("--persistent-every", default=None)
+    ap.add_argument("--settle-before", type=int, default=None, metavar="STEP",
+                    help="before STEP, wait until no save is in flight (a planned fault then comes between saves)")
     ap.add_argument("--check-restore", action="store_true")
     ap.add_argument("--dcp-load", default=None, metavar="DIR")
     args = ap.parse_args()
@@ -186,6 +188,8 @@ def main() -> int:
         train_step(model, optim, step, dp_rank)
         ck.save(step, state)
         faults.after_save(step, ck)
+        if step + 1 == args.settle_before:  # a step's planned fault fires as the loop hands out that step
+            faults.settle(ck)
     if not ck.wait(timeout=120, upload_timeout=120):  # the last step's upload too: the tests read it back
         raise SystemExit("checkpoint saves and uploads did not finish within 120 s")
     trained = full_state(model, optim)
