@@ -42,6 +42,7 @@ LOG_LEVEL = "RESILIENT_LOG_LEVEL"  # log level of agents, supervisor and workers
 WORKER_LAUNCH = "RESILIENT_WORKER_LAUNCH"  # default of --worker-launch
 PRELOAD = "RESILIENT_PRELOAD"  # default of --preload
 SPARE_WAIT = "RESILIENT_SPARE_WAIT"  # default of --spare-wait (seconds)
+REPLACEMENT_WAIT = "RESILIENT_REPLACEMENT_WAIT"  # default of --replacement-wait (seconds)
 SUPERVISOR_TIMEOUT = "RESILIENT_SUPERVISOR_TIMEOUT"  # default of resilient-run --supervisor-timeout (seconds)
 PREEMPT_URL = "RESILIENT_PREEMPT_URL"  # an HTTP preemption-notice endpoint the agent polls
 COMPILE_CACHE = "RESILIENT_COMPILE_CACHE"  # "0" turns the torch.compile cache off

@@ -157,6 +157,10 @@ class JobView:
     # joining spares: agents that connected and are still warming up (within SupervisorConfig.spare_wait), oldest
     # first; an Ignore for a lost member while there are some waits for them (bounded by spare_wait)
     joining: tuple[str, ...] = ()
+    # --replacement-wait: seconds the oldest lost member still waits for a node to join in its place (0: none, or
+    # the wait is over); an Ignore for a lost member while it is > 0 is decided again when a spare is ready, or
+    # when it runs out
+    replacement_wait_left: float = 0.0
     # --nodes-per-replica K: a replica is K nodes of consecutive group ranks, and the job grows and shrinks by whole
     # replicas (the core refuses a ScaleDown or ScaleUp that would split one); None: every rank is a replica
     nodes_per_replica: int | None = None

@@ -32,6 +32,10 @@ class SupervisorConfig:
     # still warming up (a joining spare), before the job stops: a cold start here (import torch, the fork server)
     # took about 20 s on a loaded node, and a stop costs a requeue and a full restart, so a minute is cheap
     spare_wait: float = 60.0
+    # how long a lost member with no spare (ready or joining) and no room to shrink waits for a node to join in
+    # its place, counted from the loss, before the job stops: torchrun's agents wait up to the rendezvous join
+    # timeout for a replacement (a pod rescheduled by Kubernetes, a node requeued by Slurm); 0: stop at once
+    replacement_wait: float = 0.0
     # nodes per data-parallel replica (--nodes-per-replica): with it, a replica of this many consecutive nodes is the
     # unit the job grows and shrinks by, and --nnodes MIN and MAX must be multiples of it; None: every rank is a
     # replica
@@ -61,6 +65,9 @@ class SupervisorConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"SupervisorConfig.{name} must be a number of seconds > 0, got {v!r}")
+        v = self.replacement_wait
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"SupervisorConfig.replacement_wait must be a finite number of seconds >= 0, got {v!r}")
 
 
 def parse_nnodes(v: str) -> tuple[int, int]:
@@ -100,6 +107,13 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--spare-wait", "--spare_wait", type=float, default=os.environ.get(env.SPARE_WAIT, "60"),
                    help="seconds a lost node with no ready spare waits for a spare still warming up (joining) "
                         f"before the job stops (default 60, or {env.SPARE_WAIT}; argparse parses either)")
+    g.add_argument("--replacement-wait", "--replacement_wait", type=float,
+                   default=os.environ.get(env.REPLACEMENT_WAIT, "0"),
+                   help="seconds a lost node with no spare, when --nnodes MIN forbids shrinking, waits for a new "
+                        "node to join in its place (counted from the loss) before the job stops, as torchrun's "
+                        "agents wait for a replacement up to the rendezvous join timeout: a rescheduled pod or a "
+                        f"requeued node started with the same flags joins as a spare and is swapped in (default 0: "
+                        f"stop at once, or {env.REPLACEMENT_WAIT})")
     g.add_argument("--scale-up-wait", "--scale_up_wait", type=float, default=60.0,
                    help="seconds a decided scale-up waits for the next checkpoint boundary (so that nothing is "
                         "redone) before the spares are added anyway (default 60)")
@@ -136,4 +150,13 @@ def supervisor_config(a: argparse.Namespace, *, min_nodes: int, max_nodes: int, 
     return SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
                             max_restarts=max_restarts, node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
                             spare_wait=a.spare_wait, scale_up_wait=a.scale_up_wait, preempt_wait=a.preempt_wait,
+                            replacement_wait=_replacement_wait(a.replacement_wait),
                             nodes_per_replica=a.nodes_per_replica)
+
+
+def _replacement_wait(v: object) -> float:
+    """``--replacement-wait`` (0 allowed: it turns the wait off); ValueError naming the flag and its variable."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise ValueError(f"--replacement-wait must be a finite number of seconds >= 0 (flag or "
+                         f"{env.REPLACEMENT_WAIT}), got {v!r}")
+    return float(v)

@@ -224,6 +224,8 @@ class SupervisorCore:
         self._joining: dict[str, float] = {}  # node -> when its agent said it is arriving (connected, warming up)
         # lost members whose decision waits for a joining spare: (the loss, until when), oldest first
         self._awaiting: list[tuple[Event, float]] = []
+        # lost members the policy was asked about, with when it was first asked: --replacement-wait counts from then
+        self._lost_since: dict[str, float] = {}
         self._node_views: dict[str, tuple[tuple[Any, ...], NodeView]] = {}  # node -> (what it was made of, view)
         # no node's timer (cool-down, --node-timeout, forgetting) can fire before this: a pass does not look at every
         # node when none can be due (O(changes) per pass, not O(nodes)). Recomputed by the tick that scans; every
@@ -342,6 +344,17 @@ class SupervisorCore:
     def _joining_now(self, now: float) -> tuple[str, ...]:
         return tuple(n for n, t in self._joining.items() if now - t <= self.cfg.spare_wait)
 
+    def _replacement_left(self, now: float) -> float:
+        """Seconds the oldest lost member still waits for a node to join in its place (``replacement_wait``);
+        entries of nodes no longer lost members are dropped here, their one reader."""
+        members = set(self._assignment.members) if self._assignment is not None else set()
+        self._lost_since = {n: t for n, t in self._lost_since.items()
+                            if n in members and self._nodes.get(n) is not None
+                            and self._nodes[n].state is NodeState.LOST}
+        if not self._lost_since or self.cfg.replacement_wait <= 0:
+            return 0.0
+        return max(0.0, min(self._lost_since.values()) + self.cfg.replacement_wait - now)
+
     def view(self, now: float) -> JobView:
         gr = {n: i for i, n in enumerate(self._assignment.members)} if self._assignment else {}
         nodes = {}
@@ -364,7 +377,8 @@ class SupervisorCore:
                        attempt=self._assignment.attempt if self._assignment else 0, ckpt_steps=self._ckpt_steps,
                        recent=tuple(self._recent), failure_window=self.cfg.failure_window, now=now,
                        pending_scale_up=tuple(self._pending.spares) if self._pending else (),
-                       joining=self._joining_now(now), nodes_per_replica=self.cfg.nodes_per_replica)
+                       joining=self._joining_now(now), nodes_per_replica=self.cfg.nodes_per_replica,
+                       replacement_wait_left=self._replacement_left(now))
 
     def _prune(self, node: _Node, now: float) -> None:
         horizon = now - self.cfg.failure_window
@@ -633,8 +647,12 @@ class SupervisorCore:
             late = [n for n, t in self._joining.items() if now - t >= self.cfg.spare_wait]
             for n in late:
                 del self._joining[n]
-            logger.warning("no joining spare became ready within %g s (--spare-wait) for %s", self.cfg.spare_wait,
-                           lost.node)
+            if self._replacement_left(now) > 0 or self.cfg.replacement_wait <= 0:
+                logger.warning("no joining spare became ready within %g s (--spare-wait) for %s",
+                               self.cfg.spare_wait, lost.node)
+            else:
+                logger.warning("no node joined in place of %s within %g s (--replacement-wait)", lost.node,
+                               self.cfg.replacement_wait)
             out += self._decide(lost, now)
             if self._stopped or self._preempted_end:  # a job that ended grows no more
                 return out
@@ -770,6 +788,8 @@ class SupervisorCore:
         return action
 
     def _decide(self, event: Event, now: float) -> list[Decision]:
+        if event.kind is EventKind.AGENT_LOST and event.node is not None:
+            self._lost_since.setdefault(event.node, now)  # kept only while it is a lost member (see the view)
         view = self.view(now)
         fallback: str | None = None
         action: Action | None = None
@@ -861,8 +881,9 @@ class SupervisorCore:
                 if event.kind in WORKERS_STOPPED_KINDS:
                     raise _Invalid(f"ignore: {event.node}'s agent already stopped its workers for {event.kind.value}; "
                                    "ignoring it would leave the job idle")
-                if event.kind is EventKind.AGENT_LOST and event.node in lost_members and view.joining:
-                    return a  # waits for a joining spare, bounded by spare_wait (see _apply)
+                if (event.kind is EventKind.AGENT_LOST and event.node in lost_members
+                        and (view.joining or view.replacement_wait_left > 0)):
+                    return a  # waits for a joining spare or a replacement, bounded (see _apply)
                 left_lost(members)
                 return a
             if isinstance(a, Restart):
@@ -1010,9 +1031,10 @@ class SupervisorCore:
             return [Decision(self._id(), a, event, None, fallback)]
         if (event is not None and event.kind is EventKind.AGENT_LOST and event.node in members
                 and self._nodes[event.node].state is NodeState.LOST):
-            # Ignore of a lost member, allowed only while a spare is joining: decided again when one is ready,
-            # or when spare_wait has passed
-            self._awaiting.append((event, now + self.cfg.spare_wait))
+            # Ignore of a lost member, allowed only while a spare is joining or the replacement wait runs: decided
+            # again when a spare is ready, or when the wait has passed (spare_wait for a joining spare)
+            left = 0.0 if self._joining_now(now) else self._replacement_left(now)
+            self._awaiting.append((event, now + (left if left > 0 else self.cfg.spare_wait)))
         return [Decision(self._id(), a, event, None, fallback)]  # Ignore
 
     def _benched(self, a: Action, event: Event | None, cordoned: str | None) -> tuple[str, ...]:

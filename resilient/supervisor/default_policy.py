@@ -12,7 +12,9 @@ worker_exit / hang        ``Restart`` (in-job restart, same nodes and ranks): a 
                           restarting in place.
 agent_lost (node lost)    ``HotSwap`` to a spare; no spare: ``ScaleDown`` if MIN allows; else, while a spare
                           is joining (its agent connected, still warming up), ``Ignore``: the core waits for it
-                          up to ``--spare-wait`` seconds and asks again; else ``Stop``.
+                          up to ``--spare-wait`` seconds and asks again; else, within
+                          ``--replacement-wait`` of the loss, ``Ignore`` too: a node that joins in
+                          its place is swapped in; else ``Stop``.
 host / GPU unhealthy      ``HotSwap`` to a free spare, benched (it returns only once it reports healthy);
                           no spare: ``Ignore`` (the node still trains; a failing check is not a failure).
 node_joined (a spare)     ``ScaleUp`` when the job runs below MAX (carried out at the next checkpoint
@@ -212,6 +214,9 @@ class DefaultPolicy:
             return last_resort
         if view.joining:  # the core bounds the wait (--spare-wait), then asks again
             return Ignore(reason=f"{why}: no ready spare; waiting for joining spare(s) {', '.join(view.joining)}")
+        if view.replacement_wait_left > 0:  # the core asks again when a node joins, or when the wait is over
+            return Ignore(reason=f"{why}: no spare; waiting up to {view.replacement_wait_left:.0f} s more "
+                                 "(--replacement-wait) for a node to join in its place")
         return Stop(reason=f"{why}: no spare, and --nnodes min {view.min_nodes} forbids scaling down")
 
     def preempted(self, event: Event, view: JobView) -> Action:

@@ -191,7 +191,8 @@ def view_to_json(view: JobView) -> dict[str, Any]:
             "nproc_per_node": view.nproc_per_node, "restarts_left": view.restarts_left, "attempt": view.attempt,
             "ckpt_steps": dict(view.ckpt_steps), "recent": [e.to_json() for e in view.recent],
             "failure_window": view.failure_window, "now": view.now, "pending_scale_up": list(view.pending_scale_up),
-            "joining": list(view.joining), "nodes_per_replica": view.nodes_per_replica}
+            "joining": list(view.joining), "nodes_per_replica": view.nodes_per_replica,
+            "replacement_wait_left": view.replacement_wait_left}
 
 
 _ACTION_KINDS = {cls.kind: cls for cls in ACTIONS}

@@ -68,7 +68,8 @@ def _view_from_json(d: dict[str, Any]) -> Any:
                    nproc_per_node=d["nproc_per_node"], restarts_left=d["restarts_left"], attempt=d["attempt"],
                    ckpt_steps=d["ckpt_steps"], recent=tuple(Event.from_json(e) for e in d["recent"]),
                    failure_window=d["failure_window"], now=d["now"], pending_scale_up=tuple(d["pending_scale_up"]),
-                   joining=tuple(d.get("joining", ())), nodes_per_replica=d.get("nodes_per_replica"))
+                   joining=tuple(d.get("joining", ())), nodes_per_replica=d.get("nodes_per_replica"),
+                   replacement_wait_left=float(d.get("replacement_wait_left", 0.0)))
 
 
 def _send(conn: Any, msg: dict[str, Any]) -> None:

@@ -565,6 +565,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         overrides={"scale_down_first": (Expect("stop"),)},
     ),
     Scenario(
+        "lost_node_waits_for_a_replacement", "a node lost with no spare at --nnodes min, --replacement-wait 300: the "
+                                             "job waits; a node started in its place joins and is swapped in",
+        {**_TWO_AT_MIN, "replacement_wait": 300.0}, joins("a", "b") + (
+            On("agent_lost", "b", 5, attempt=None, details={"reason": "disconnected"}), crash("a", 5.5),
+            Seen(("a",), 60), Tick(61), Seen(("a",), 110), Arriving("n", 115), Join("n", 130)),
+        (Expect("ignore"), Expect("hot_swap", {"node": "b", "spare": "n"}, ("a", "n"))),
+        overrides={"scale_down_first": (Expect("stop"),)},
+    ),
+    Scenario(
+        "replacement_never_comes", "no node joins within --replacement-wait of the loss: stop then, not before",
+        {**_TWO_AT_MIN, "replacement_wait": 30.0}, joins("a", "b") + (
+            On("agent_lost", "b", 5, attempt=None, details={"reason": "disconnected"}),
+            Seen(("a",), 14), Tick(20), Seen(("a",), 28), Tick(34), Seen(("a",), 36), Tick(36)),
+        (Expect("ignore"), Expect("stop")),
+        overrides={"scale_down_first": (Expect("stop"),)},
+    ),
+    Scenario(
         "cordon_active_node", "cordoning an active node swaps in a spare, or scales down without one",
         {**_TWO, "max_nodes": 3}, joins("a", "b", "c", "s") + (crash("b", 5), crash("c", 6)),
         (Expect("hot_swap", {"node": "b", "spare": "s"}, ("a", "s", "c")),

@@ -1,0 +1,94 @@
+"""``--replacement-wait``: a node lost with no spare while ``--nnodes`` MIN forbids shrinking waits for a node to
+join in its place (torchrun's agents wait for a replacement up to the rendezvous join timeout), and the job
+stops once the wait is over, not before. Real agents, a real SIGKILL of a whole node, a new agent started in its
+place as a scheduler would (same flags, a new host name: here a new pid)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient.events.api import EventKind
+
+from .conftest import REPO, child_env, wait_for
+from .test_node_loss import GATE_STEP, STEPS, WORLD, NPROC, _start_job, assert_same, at_gate, final, node_name  # noqa: F401
+from .test_node_loss import reference_world  # noqa: F401  (the fixture)
+
+
+def _actions(c) -> list[dict]:
+    return [e.details for e in c.events() if e.kind == EventKind.ACTION]
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_lost_node_is_replaced_by_a_node_started_later_bit_exact(cluster_factory, tmp_path: Path,
+                                                                 reference_world) -> None:  # noqa: F811
+    """No spare and --nnodes 2: node b SIGKILLed at the gate; the supervisor waits (an ``ignore`` naming the
+    wait), the survivors' failing collectives are held for that decision, a node started afterwards joins, takes
+    b's ranks from the surviving tiers, and the job ends equal to an uninterrupted run."""
+    c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--replacement-wait", "240",
+                                    "--heartbeat-timeout", "300"], nproc=NPROC)
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _start_job(c, args)
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    b.kill()  # the whole node: agent, fork server, workers, local disk
+    waiting = wait_for(lambda: [d for d in _actions(c) if d.get("action") == "ignore"
+                                and "--replacement-wait" in str(d.get("reason"))], 60, "the decision to wait")
+    assert not [d for d in _actions(c) if d.get("action") == "stop"], _actions(c)
+    (gate / "go").touch()  # the survivors fail in their next collective: held for the waiting decision
+    new = c.start("new", args)
+    wait_for(lambda: a.proc.poll() is not None and new.proc.poll() is not None, 180, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert new.proc.returncode == 0, new.output()
+    swaps = [d for d in _actions(c) if d.get("action") == "hot_swap"]
+    assert [(d["action_args"]["node"], d["action_args"]["spare"]) for d in swaps] == [(node_name(b), node_name(new))], \
+        _actions(c)
+    assert waiting and not [d for d in _actions(c) if d.get("action") in ("stop", "restart")], _actions(c)
+    evs = c.events()
+    restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(new)]
+    assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
+    assert_same(reference_world, final(out, WORLD))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(240, func_only=True)
+def test_no_node_joins_within_the_wait_the_job_stops_naming_it(cluster_factory, tmp_path: Path) -> None:
+    """The replacement never comes: the job stops once --replacement-wait has passed since the loss, its reason
+    naming the flag, and the survivor's agent exits non-zero (a job that "succeeds" without its ranks would be
+    the worst kind of failure)."""
+    wait_s = 4.0
+    c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--replacement-wait", str(wait_s),
+                                    "--heartbeat-timeout", "300"], nproc=NPROC)
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _start_job(c, args)
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    b.kill()
+    wait_for(lambda: a.proc.poll() is not None, 120, "the survivor to end")
+    assert a.proc.returncode != 0, a.output()
+    evs = c.events()
+    lost = next(e for e in evs if e.kind == EventKind.AGENT_LOST and e.node == node_name(b))
+    acts = [e for e in evs if e.kind == EventKind.ACTION and e.details["action"] != "start"]
+    assert [e.details["action"] for e in acts] == ["ignore", "stop"], [e.details for e in acts]
+    assert "--replacement-wait" in acts[0].details["reason"]
+    assert "no spare" in acts[1].details["reason"], acts[1].details
+    # not before the wait (the supervisor's clock; its passes come every fraction of a second)
+    assert acts[1].wall - lost.wall >= wait_s - 0.05, (lost.wall, acts[1].wall)
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.parametrize("bad", ["-1", "inf", "nan"])
+def test_a_bad_replacement_wait_is_refused_naming_the_flag(tmp_path: Path, bad: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('the script ran')\n")
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "1",
+                        "--replacement-wait", bad, "--run-dir", str(tmp_path / "run"), str(script)],
+                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "the script ran" not in r.stdout, r.stdout[-2000:]
+    assert "--replacement-wait" in r.stderr and bad in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
