@@ -14,8 +14,22 @@ import pytest
 from resilient.events.api import EventKind
 
 from .conftest import REPO, child_env, wait_for
-from .test_node_loss import GATE_STEP, STEPS, WORLD, NPROC, _start_job, assert_same, at_gate, final, node_name  # noqa: F401
+from .test_node_loss import GATE_STEP, NPROC, STEPS, WORLD, _start_job, assert_same, at_gate, final, node_name
 from .test_node_loss import reference_world  # noqa: F401  (the fixture)
+
+
+def _node_lost_at_the_gate(cluster_factory, tmp_path: Path, wait_s: float) -> tuple:
+    """A 2-node job, no spare, ``--nnodes 2``, every rank at the gate, then node b SIGKILLed whole (agent, fork
+    server, workers, local disk). Returns the cluster, both nodes, the gate and the script's arguments."""
+    c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--replacement-wait", str(wait_s),
+                                    "--heartbeat-timeout", "300"], nproc=NPROC)  # the gate is a pause, not a hang
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(tmp_path / "out"), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _start_job(c, args)
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    b.kill()
+    return c, a, b, gate, args
 
 
 def _actions(c) -> list[dict]:
@@ -28,14 +42,7 @@ def test_lost_node_is_replaced_by_a_node_started_later_bit_exact(cluster_factory
     """No spare and --nnodes 2: node b SIGKILLed at the gate; the supervisor waits (an ``ignore`` naming the
     wait), the survivors' failing collectives are held for that decision, a node started afterwards joins, takes
     b's ranks from the surviving tiers, and the job ends equal to an uninterrupted run."""
-    c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--replacement-wait", "240",
-                                    "--heartbeat-timeout", "300"], nproc=NPROC)
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
-    a, b = _start_job(c, args)
-    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
-    b.kill()  # the whole node: agent, fork server, workers, local disk
+    c, a, b, gate, args = _node_lost_at_the_gate(cluster_factory, tmp_path, 240.0)
     waiting = wait_for(lambda: [d for d in _actions(c) if d.get("action") == "ignore"
                                 and "--replacement-wait" in str(d.get("reason"))], 60, "the decision to wait")
     assert not [d for d in _actions(c) if d.get("action") == "stop"], _actions(c)
@@ -51,7 +58,7 @@ def test_lost_node_is_replaced_by_a_node_started_later_bit_exact(cluster_factory
     evs = c.events()
     restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(new)]
     assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
-    assert_same(reference_world, final(out, WORLD))
+    assert_same(reference_world, final(tmp_path / "out", WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
@@ -61,14 +68,7 @@ def test_no_node_joins_within_the_wait_the_job_stops_naming_it(cluster_factory, 
     naming the flag, and the survivor's agent exits non-zero (a job that "succeeds" without its ranks would be
     the worst kind of failure)."""
     wait_s = 4.0
-    c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--replacement-wait", str(wait_s),
-                                    "--heartbeat-timeout", "300"], nproc=NPROC)
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
-    a, b = _start_job(c, args)
-    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
-    b.kill()
+    c, a, b, _, _ = _node_lost_at_the_gate(cluster_factory, tmp_path, wait_s)
     wait_for(lambda: a.proc.poll() is not None, 120, "the survivor to end")
     assert a.proc.returncode != 0, a.output()
     evs = c.events()
@@ -92,3 +92,17 @@ def test_a_bad_replacement_wait_is_refused_naming_the_flag(tmp_path: Path, bad: 
     assert r.returncode != 0 and "the script ran" not in r.stdout, r.stdout[-2000:]
     assert "--replacement-wait" in r.stderr and bad in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_replacement_wait_flag_and_variable_in_both_commands(monkeypatch) -> None:
+    from resilient import env
+    from resilient.launcher.args import parse
+    from resilient.supervisor import standalone
+
+    script = "tests/cluster/train.py"
+    assert parse(["--standalone", script]).supervisor.replacement_wait == 0.0
+    assert parse(["--standalone", "--replacement-wait", "600", script]).supervisor.replacement_wait == 600.0
+    base = ["--rdzv-endpoint", "127.0.0.1:29400", "--nnodes", "2", "--run-dir", "/tmp/never-made"]
+    assert standalone.parse([*base, "--replacement_wait", "90"]).supervisor.replacement_wait == 90.0
+    monkeypatch.setenv(env.REPLACEMENT_WAIT, "45")
+    assert parse(["--standalone", script]).supervisor.replacement_wait == 45.0
