@@ -133,30 +133,24 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
                         f"{env.JOB_SECRET} variable; else one is generated and shared through the store)")
 
 
-# the group's flags of seconds, each with the config field it sets
-_SECONDS_FLAGS = (("--node-timeout", "node_timeout"), ("--policy-timeout", "policy_timeout"),
-                  ("--spare-wait", "spare_wait"), ("--scale-up-wait", "scale_up_wait"),
-                  ("--preempt-wait", "preempt_wait"))
+# the group's flags of seconds, each with the config field it sets and whether 0 is allowed (it turns a wait off)
+_SECONDS_FLAGS = (("--node-timeout", "node_timeout", False), ("--policy-timeout", "policy_timeout", False),
+                  ("--spare-wait", "spare_wait", False), ("--scale-up-wait", "scale_up_wait", False),
+                  ("--preempt-wait", "preempt_wait", False), ("--replacement-wait", "replacement_wait", True))
 
 
 def supervisor_config(a: argparse.Namespace, *, min_nodes: int, max_nodes: int, nproc_per_node: int,
                       max_restarts: int) -> SupervisorConfig:
     """The :class:`SupervisorConfig` of :func:`add_supervisor_arguments`' flags in ``a`` and the command's own
     bounds: the one place both commands turn those flags into a config. ValueError names the flag."""
-    for flag, name in _SECONDS_FLAGS:
+    for flag, name, zero_ok in _SECONDS_FLAGS:
         v = getattr(a, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-            raise ValueError(f"{flag} must be a positive, finite number of seconds, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v if zero_ok else 0 < v) \
+                or not v < float("inf"):
+            raise ValueError(f"{flag} must be a {'' if zero_ok else 'positive, '}finite number of seconds"
+                             f"{' >= 0' if zero_ok else ''}, got {v!r}")
     return SupervisorConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
                             max_restarts=max_restarts, node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
                             spare_wait=a.spare_wait, scale_up_wait=a.scale_up_wait, preempt_wait=a.preempt_wait,
-                            replacement_wait=_replacement_wait(a.replacement_wait),
+                            replacement_wait=a.replacement_wait,
                             nodes_per_replica=a.nodes_per_replica)
-
-
-def _replacement_wait(v: object) -> float:
-    """``--replacement-wait`` (0 allowed: it turns the wait off); ValueError naming the flag and its variable."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-        raise ValueError(f"--replacement-wait must be a finite number of seconds >= 0 (flag or "
-                         f"{env.REPLACEMENT_WAIT}), got {v!r}")
-    return float(v)

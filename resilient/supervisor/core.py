@@ -347,6 +347,8 @@ class SupervisorCore:
     def _replacement_left(self, now: float) -> float:
         """Seconds the oldest lost member still waits for a node to join in its place (``replacement_wait``);
         entries of nodes no longer lost members are dropped here, their one reader."""
+        if not self._lost_since:
+            return 0.0  # every view asks: the common case costs nothing
         members = set(self._assignment.members) if self._assignment is not None else set()
         self._lost_since = {n: t for n, t in self._lost_since.items()
                             if n in members and self._nodes.get(n) is not None
