@@ -1,7 +1,8 @@
 """Automatic preload, in two parts. Before the first spawn: a static read (``ast``, nothing executed) of the entry
 script's and its local modules' top-level imports names the installed packages it will import, and the first fork
 server imports them once instead of every worker (:func:`entry_imports`); one that makes forking unsafe is left out
-(the server starts again without it) and denied from then on. After the first attempt, a fork server that has
+(the server starts again without it) and denied from then on; the costly defaults (``torch._dynamo``, DCP, our
+checkpointer) only when the program's code names what needs them (:func:`soft_needed`). After the first attempt, a fork server that has
 already imported what the workers imported replaces the current one at the next restart (a spare's at once), so
 heavy scripts restart as fast as with a hand-written ``--preload``; this learns what the static read misses
 (imports made by name, inside functions, or beyond the bound on files read).
@@ -29,12 +30,45 @@ from resilient.launcher.starters import ForkServer, ForkServerError, SpawnStarte
 logger = logging.getLogger(__name__)
 
 
-def preload_modules(cfg: AgentConfig) -> tuple[str, ...]:
+#: soft defaults that cost seconds of CPU to import, and the names whose presence in a program's code (a name, an
+#: attribute, an imported module or name) says its workers will import them. A program read whole (see
+#: :func:`soft_needed`) with none of them starts from a fork server without that module; a worker that imports it
+#: anyway teaches it to the next fork server, as any module.
+SOFT_EVIDENCE: dict[str, frozenset[str]] = {
+    # an optimizer's first step, DistributedDataParallel's construction, FSDP2's fully_shard and torch.compile each
+    # import it (as much CPU as torch itself)
+    "torch._dynamo": frozenset({"optim", "DistributedDataParallel", "DDP", "fully_shard", "FullyShardedDataParallel",
+                                "FSDP", "compile", "_dynamo", "dynamo", "ddp", "make_exact"}),
+    "torch.distributed.checkpoint": frozenset({"checkpoint", "CheckpointManager", "dcp"}),
+    "resilient.checkpoint.save.manager": frozenset({"checkpoint", "CheckpointManager"}),
+}
+#: packages whose use says nothing of the soft defaults by itself; any other installed package (a training
+#: framework) may import all of them
+NEUTRAL_PACKAGES = frozenset({"torch", "resilient", "numpy"})
+
+
+def soft_needed(found: tuple[str, ...], names: frozenset[str], complete: bool) -> frozenset[str] | None:
+    """The soft defaults a program's workers will import, from the static read: None (all of them) unless the read
+    was complete and names only the standard library, torch, numpy and resilient; then those of
+    :data:`SOFT_EVIDENCE` whose names appear in its code."""
+    if not complete:
+        return None
+    for e in found:
+        top = e.split(":", 1)[0].split(".", 1)[0]
+        if top not in sys.stdlib_module_names and top not in NEUTRAL_PACKAGES:
+            return None
+    return frozenset(m for m, why in SOFT_EVIDENCE.items() if why & names)
+
+
+def preload_modules(cfg: AgentConfig, soft_only: frozenset[str] | None = None) -> tuple[str, ...]:
     """What the fork server imports ahead of time: what every resilient worker imports anyway
-    (soft: a failure only costs speed), then the user's ``--preload`` modules (hard)."""
+    (soft: a failure only costs speed), then the user's ``--preload`` modules (hard). ``soft_only``: of the
+    costly soft defaults (:data:`SOFT_EVIDENCE`), only these (None: all)."""
     # DistributedDataParallel imports torch._dynamo on construction: seconds per restart otherwise
     soft = ["torch._dynamo", "torch.distributed.checkpoint", "torch.nn.parallel", "resilient.checkpoint.save.manager",
             "resilient.worker.steps"]
+    if soft_only is not None:
+        soft = [m for m in soft if m not in SOFT_EVIDENCE or m in soft_only]
     if (cfg.ckpt_persistent or "").startswith("gs://"):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             # gcsfs reads this at import, and the fork server imports it before a worker could set it;
@@ -96,8 +130,27 @@ def entry_imports(cmd: WorkerCommand, cwd: str, max_files: int = ENTRY_MAX_FILES
     return _entry_scan(cmd, cwd, max_files)[0]
 
 
-def _entry_scan(cmd: WorkerCommand, cwd: str, max_files: int = ENTRY_MAX_FILES) -> tuple[tuple[str, ...], bool]:
-    """:func:`entry_imports`, and whether the read was complete (every local file read, none skipped)."""
+def _names(tree: ast.Module) -> set[str]:
+    """Every identifier the code uses: names, attributes, and the parts of what it imports."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.alias):
+            out.update(node.name.split("."))
+            if node.asname:
+                out.add(node.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.update(node.module.split("."))
+    return out
+
+
+def _entry_scan(cmd: WorkerCommand, cwd: str, max_files: int = ENTRY_MAX_FILES,
+                idents: set[str] | None = None) -> tuple[tuple[str, ...], bool]:
+    """:func:`entry_imports`, and whether the read was complete (every local file read, none skipped); with
+    ``idents``, every identifier of the files read is added to it."""
     complete = True
     if cmd.kind == "script":
         entry = cmd.target if os.path.isabs(cmd.target) else os.path.join(cwd, cmd.target)
@@ -128,6 +181,8 @@ def _entry_scan(cmd: WorkerCommand, cwd: str, max_files: int = ENTRY_MAX_FILES) 
             logger.debug("entry imports: cannot read %s (%s); its imports are learned from the workers", path, e)
             complete = False
             continue
+        if idents is not None:
+            idents |= _names(tree)
         pkg_dir = os.path.dirname(path)
         for node in _top_level_imports(tree):
             if isinstance(node, ast.Import):
@@ -171,24 +226,31 @@ def stdlib_only(found: tuple[str, ...], complete: bool) -> bool:
     return complete and all(e.split(":", 1)[0].split(".", 1)[0] in sys.stdlib_module_names for e in found)
 
 
-def _static_entries(cfg: AgentConfig, run_dir: Path, denied: set[str]) -> tuple[str, ...]:
+def _static_entries(cfg: AgentConfig, run_dir: Path,
+                    denied: set[str]) -> tuple[tuple[str, ...], frozenset[str] | None]:
     """``=entry`` items for the first fork server: the entry script's imports, less the denied ones; with
     :data:`NO_TORCH` first when the program imports nothing beyond the standard library (nothing to warm: its
-    workers start from a server that skipped torch, seconds of CPU sooner)."""
+    workers start from a server that skipped torch, seconds of CPU sooner). And the costly soft defaults its
+    workers need (:func:`soft_needed`; None: all)."""
+    names: set[str] = set()
     try:
-        found, complete = _entry_scan(cfg.command, os.getcwd())
+        found, complete = _entry_scan(cfg.command, os.getcwd(), idents=names)
     except Exception as e:  # noqa: BLE001 - a speed-up only: never a reason for the launch to fail
         logger.debug("entry imports: not read (%s)", e)
-        return ()
+        return (), None
     if stdlib_only(found, complete) and not cfg.preload:
         logger.debug("entry imports: the standard library only; the fork server skips torch")
-        return (NO_TORCH,)
+        return (NO_TORCH,), None
+    soft = soft_needed(found, frozenset(names), complete)
+    if soft is not None and len(soft) < len(SOFT_EVIDENCE):
+        logger.debug("entry imports: nothing in the program uses %s; the fork server skips it",
+                     ", ".join(sorted(set(SOFT_EVIDENCE) - soft)))
     keep = tuple(e for e in found if e.split(":", 1)[0].split(".", 1)[0] not in denied
                  and e.split(":", 1)[0] not in denied)
     if keep:
         logger.info("preloading %d imports of the entry script in the fork server (%s%s)", len(keep),
                     ", ".join(keep[:5]), ", ..." if len(keep) > 5 else "")
-    return tuple(f"={e}" for e in keep)
+    return tuple(f"={e}" for e in keep), soft
 
 
 def _import_torch_unthreaded() -> None:
@@ -209,11 +271,11 @@ def _import_torch_unthreaded() -> None:
 
 
 def new_fork_server(cfg: AgentConfig, run_dir: Path, learned: tuple[str, ...],
-                    static: tuple[str, ...] = ()) -> ForkServer:
+                    static: tuple[str, ...] = (), soft_only: frozenset[str] | None = None) -> ForkServer:
     d = run_dir / "preload"
     if learned or static:
         d.mkdir(parents=True, exist_ok=True)
-    defaults = () if NO_TORCH in static else preload_modules(cfg)
+    defaults = () if NO_TORCH in static else preload_modules(cfg, soft_only)
     if defaults and "torch" not in sys.modules:
         _import_torch_unthreaded()
     return ForkServer(defaults + static + tuple(f"+{m}" for m in learned), tag=f"run={run_dir.resolve()}",
@@ -225,7 +287,8 @@ def first_starter(cfg: AgentConfig, run_dir: Path) -> WorkerStarter:
     if cfg.command.kind == "exec" or cfg.launch_method == WorkerLaunchMethod.SPAWN:
         return SpawnStarter()
     try:
-        return new_fork_server(cfg, run_dir, (), _static_entries(cfg, run_dir, _read_denied(run_dir)))
+        static, soft = _static_entries(cfg, run_dir, _read_denied(run_dir))
+        return new_fork_server(cfg, run_dir, (), static, soft)
     except OSError as e:
         logger.warning("fork server unavailable (%s); starting workers as fresh interpreters", e)
         return SpawnStarter()

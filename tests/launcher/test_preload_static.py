@@ -113,3 +113,61 @@ def test_a_standard_library_program_starts_from_a_fork_server_without_torch(tmp_
                       str(tmp_path / "run"), str(job / "train.py"), str(out)], cwd=tmp_path, timeout=140)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [torch_preloaded] * 2
+
+
+def _soft(tmp_path, code: str, **files: str):
+    from resilient.launcher.preload import _entry_scan, soft_needed
+
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    (tmp_path / "train.py").write_text(code)
+    names: set[str] = set()
+    found, complete = _entry_scan(WorkerCommand(target=str(tmp_path / "train.py")), str(tmp_path), idents=names)
+    return soft_needed(found, frozenset(names), complete)
+
+
+def test_costly_soft_preloads_follow_what_the_program_uses(tmp_path):
+    # torch alone: neither dynamo (an optimizer, DDP, FSDP2 or compile imports it) nor checkpointing
+    assert _soft(tmp_path, "import torch\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n") \
+        == frozenset()
+    # an optimizer made inside a function of a local module: dynamo
+    assert _soft(tmp_path, "import torch\nimport model\n",
+                 model="import torch\ndef make(p):\n    return torch.optim.AdamW(p)\n") == {"torch._dynamo"}
+    assert _soft(tmp_path, "from torch.nn.parallel import DistributedDataParallel as D\n") == {"torch._dynamo"}
+    # resilient's checkpoint manager: DCP and the manager, not dynamo
+    assert _soft(tmp_path, "import resilient\nck = resilient.CheckpointManager.from_env()\n") == {
+        "torch.distributed.checkpoint", "resilient.checkpoint.save.manager"}
+    # a framework may import anything; a read that is not complete knows nothing: every soft default
+    assert _soft(tmp_path, "import torch\nimport lightning\n") is None
+    (tmp_path / "broken.py").write_text("import x(\n")
+    assert _soft(tmp_path, "import torch\nimport broken\n") is None
+
+
+DYNAMO_PROBE = r'''
+import sys
+first = {m: m in sys.modules for m in ("torch", "torch._dynamo", "torch.distributed.checkpoint")}
+import json, os  # noqa: E402
+import torch  # noqa: E402,F401
+{extra}
+with open(os.path.join(sys.argv[1], "r" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(first, f)
+'''
+
+
+@pytest.mark.parametrize("extra, dynamo", [
+    ("", False),  # torch only: the fork server skips dynamo and DCP
+    ("opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)", True),
+])
+@pytest.mark.timeout(150)
+def test_a_torch_only_program_starts_from_a_fork_server_without_dynamo(tmp_path, extra, dynamo):
+    job, out = tmp_path / "job", tmp_path / "out"
+    job.mkdir()
+    out.mkdir()
+    (job / "train.py").write_text(DYNAMO_PROBE.replace("{extra}", extra))
+    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir",
+                      str(tmp_path / "run"), str(job / "train.py"), str(out)], cwd=tmp_path, timeout=140)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = {"torch": True, "torch._dynamo": dynamo, "torch.distributed.checkpoint": dynamo}
+    if dynamo:
+        want["torch.distributed.checkpoint"] = False  # no checkpointing named: DCP is still skipped
+    assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [want] * 2
