@@ -102,17 +102,23 @@ with open(os.path.join(sys.argv[1], "r" + os.environ["RANK"] + ".json"), "w") as
 ])
 @pytest.mark.timeout(150)
 def test_a_standard_library_program_starts_from_a_fork_server_without_torch(tmp_path, extra, torch_preloaded):
+    # broken.py: valid Python, but over the agent's ENTRY_MAX_BYTES: left unread, so what it imports is unknown
+    assert _probe(tmp_path, PROBE.replace("{extra}", extra), {"helper.py": b"import os\nimport collections\n",
+                  "broken.py": b"import os\n" + b"#" * (3 << 20) + b"\n"}) == [torch_preloaded] * 2
+
+
+def _probe(tmp_path, script: str, files: dict[str, bytes] | None = None) -> list:
+    """Run ``script`` (beside ``files``) on 2 workers; what each rank's probe wrote."""
     job, out = tmp_path / "job", tmp_path / "out"
     job.mkdir()
     out.mkdir()
-    (job / "train.py").write_text(PROBE.replace("{extra}", extra))
-    (job / "helper.py").write_text("import os\nimport collections\n")
-    # valid Python, but over the agent's ENTRY_MAX_BYTES: left unread, so what it imports is unknown
-    (job / "broken.py").write_bytes(b"import os\n" + b"#" * (3 << 20) + b"\n")
+    (job / "train.py").write_text(script)
+    for name, data in (files or {}).items():
+        (job / name).write_bytes(data)
     r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir",
                       str(tmp_path / "run"), str(job / "train.py"), str(out)], cwd=tmp_path, timeout=140)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [torch_preloaded] * 2
+    return [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)]
 
 
 def _soft(tmp_path, code: str, **files: str):
@@ -160,14 +166,6 @@ with open(os.path.join(sys.argv[1], "r" + os.environ["RANK"] + ".json"), "w") as
 ])
 @pytest.mark.timeout(150)
 def test_a_torch_only_program_starts_from_a_fork_server_without_dynamo(tmp_path, extra, dynamo):
-    job, out = tmp_path / "job", tmp_path / "out"
-    job.mkdir()
-    out.mkdir()
-    (job / "train.py").write_text(DYNAMO_PROBE.replace("{extra}", extra))
-    r = run_launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--run-dir",
-                      str(tmp_path / "run"), str(job / "train.py"), str(out)], cwd=tmp_path, timeout=140)
-    assert r.returncode == 0, r.stderr[-3000:]
-    want = {"torch": True, "torch._dynamo": dynamo, "torch.distributed.checkpoint": dynamo}
-    if dynamo:
-        want["torch.distributed.checkpoint"] = False  # no checkpointing named: DCP is still skipped
-    assert [json.loads((out / f"r{rank}.json").read_text()) for rank in (0, 1)] == [want] * 2
+    # no checkpointing named in either: DCP is skipped in both
+    want = {"torch": True, "torch._dynamo": dynamo, "torch.distributed.checkpoint": False}
+    assert _probe(tmp_path, DYNAMO_PROBE.replace("{extra}", extra)) == [want] * 2
