@@ -47,16 +47,19 @@ SOFT_EVIDENCE: dict[str, frozenset[str]] = {
 NEUTRAL_PACKAGES = frozenset({"torch", "resilient", "numpy"})
 
 
+def _package(entry: str) -> str:
+    """The top-level package of an :func:`entry_imports` entry (``module`` or ``module:name``)."""
+    return entry.split(":", 1)[0].split(".", 1)[0]
+
+
 def soft_needed(found: tuple[str, ...], names: frozenset[str], complete: bool) -> frozenset[str] | None:
     """The soft defaults a program's workers will import, from the static read: None (all of them) unless the read
     was complete and names only the standard library, torch, numpy and resilient; then those of
     :data:`SOFT_EVIDENCE` whose names appear in its code."""
     if not complete:
         return None
-    for e in found:
-        top = e.split(":", 1)[0].split(".", 1)[0]
-        if top not in sys.stdlib_module_names and top not in NEUTRAL_PACKAGES:
-            return None
+    if any(_package(e) not in sys.stdlib_module_names and _package(e) not in NEUTRAL_PACKAGES for e in found):
+        return None
     return frozenset(m for m, why in SOFT_EVIDENCE.items() if why & names)
 
 
@@ -223,7 +226,7 @@ def _entry_scan(cmd: WorkerCommand, cwd: str, max_files: int = ENTRY_MAX_FILES,
 def stdlib_only(found: tuple[str, ...], complete: bool) -> bool:
     """A program read whole whose every import is of the standard library: it never needs torch (a dynamic import
     of it is learned from the workers for the next restart, as any other module)."""
-    return complete and all(e.split(":", 1)[0].split(".", 1)[0] in sys.stdlib_module_names for e in found)
+    return complete and all(_package(e) in sys.stdlib_module_names for e in found)
 
 
 def _static_entries(cfg: AgentConfig, run_dir: Path,
@@ -245,8 +248,7 @@ def _static_entries(cfg: AgentConfig, run_dir: Path,
     if soft is not None and len(soft) < len(SOFT_EVIDENCE):
         logger.debug("entry imports: nothing in the program uses %s; the fork server skips it",
                      ", ".join(sorted(set(SOFT_EVIDENCE) - soft)))
-    keep = tuple(e for e in found if e.split(":", 1)[0].split(".", 1)[0] not in denied
-                 and e.split(":", 1)[0] not in denied)
+    keep = tuple(e for e in found if _package(e) not in denied and e.split(":", 1)[0] not in denied)
     if keep:
         logger.info("preloading %d imports of the entry script in the fork server (%s%s)", len(keep),
                     ", ".join(keep[:5]), ", ..." if len(keep) > 5 else "")
