@@ -94,13 +94,37 @@ class Cluster:
     def close(self) -> None:
         kill_sessions([n.proc for n in self.nodes])
 
+    def describe(self, tail: int = 2500) -> str:
+        """Each node's exit status (or "running") and the end of its log."""
+        out = []
+        for n in self.nodes:
+            rc = n.proc.poll()
+            try:
+                log = n.log.read_text(errors="replace")[-tail:]
+            except OSError as e:
+                log = f"(no log: {e})"
+            out.append(f"--- {self.tmp.name}/{n.name} (pid {n.proc.pid}): {'running' if rc is None else f'exit {rc}'}\n{log}")
+        return "\n".join(out)
+
     def leftovers(self) -> list[psutil.Process]:
         return session_procs(*(n.proc.pid for n in self.nodes))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A cluster test that failed reports each node's state and log end: a CI run keeps nothing else of them, and
+    "timed out waiting for X" alone does not say whether a node had exited, was still starting, or hung."""
+    rep = yield
+    clusters = getattr(item, "_clusters", None)
+    if rep.when == "call" and rep.failed and clusters:
+        rep.sections.append(("cluster nodes at the failure", "\n".join(c.describe() for c in clusters)))
+    return rep
+
+
 @pytest.fixture
-def cluster_factory(tmp_path: Path) -> Iterator:
+def cluster_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     made: list[Cluster] = []
+    request.node._clusters = made
 
     def make(nnodes: str, **kw) -> Cluster:
         c = Cluster(tmp_path / f"c{len(made)}", nnodes, **kw)

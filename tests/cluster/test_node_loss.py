@@ -185,9 +185,12 @@ def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory
     evs = c.events()
     acts = [e.details["action"] for e in evs if e.kind == EventKind.ACTION]
     assert "scale_down" in acts, acts
+    assert a.proc.poll() is None, f"node a exited ({a.proc.returncode}) instead of going on alone: {a.output()}"
     repaired = c.start("repaired", args)
-    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(repaired) for e in c.events()), 60,
+    joined = lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(repaired) for e in c.events())  # noqa: E731
+    wait_for(lambda: joined() or a.proc.poll() is not None or repaired.proc.poll() is not None, 90,
              "the repaired node to join")
+    assert joined(), f"no join: node a {a.proc.poll()}, repaired {repaired.proc.poll()} (exit statuses; None: running)"
     (gate / "go-8").touch()
     wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "scale_up"
                          and e.details.get("assignment") for e in c.events()) or a.proc.poll() is not None, 150,
