@@ -40,6 +40,18 @@ def test_ls_json_and_table(ckpt_dir: Path) -> None:
     assert r.returncode == 0 and "partial" in r.stdout and "step" in r.stdout
 
 
+def test_ls_starts_without_torch(ckpt_dir: Path) -> None:
+    """``ls`` reads manifests and markers only: importing torch would cost it seconds of CPU per call (DCP's
+    extension classes were once imported with the codec). ``verify`` loads items as restore does, with torch."""
+    code = ("import sys\nfrom resilient.cli import main\nrc = main(['ckpt', 'ls', sys.argv[1], '--json'])\n"
+            "print('torch' in sys.modules, file=sys.stderr)\nsys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(ckpt_dir)], cwd=REPO, env=_child_env(None), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [x["step"] for x in json.loads(r.stdout)] == [0, 1, 2, 3]
+    assert r.stderr.strip().splitlines()[-1] == "False", r.stderr
+
+
 def test_verify_finds_a_flipped_byte(ckpt_dir: Path) -> None:
     r = cli("verify", str(ckpt_dir))
     assert r.returncode == 0, r.stdout + r.stderr

@@ -13,8 +13,9 @@ and ``.metadata`` names the transform of every item (DCP's stream extensions) an
 a rank's coded file is sent as several part objects (``__0_0.distcp``, ``__0_0.p1.distcp``, ...; whole
 items each), listed in that rank's manifest like any file.
 
-* ``bgzstd`` -> descriptor ``resilient.bgzstd/1``: our :class:`ByteGroupZstd`. ``dcp.load`` reads it when
-  given :func:`extension_registry` (``FileSystemReader(path, _extension_registry=extension_registry())``);
+* ``bgzstd`` -> descriptor ``resilient.bgzstd/1``: our ``ByteGroupZstd`` (:mod:`.dcp_extension`, apart so that
+  this module imports without torch). ``dcp.load`` reads it when given ``extension_registry()``
+  (``FileSystemReader(path, _extension_registry=extension_registry())``);
   ``resilient ckpt export URL DIR`` writes a plain copy that needs nothing of this package.
 * ``zstd`` -> descriptor ``stream.zstd/1``: DCP's own ``ZStandard``; plain ``dcp.load`` reads it (with
   zstandard installed), at a lower ratio (no byte planes).
@@ -52,9 +53,6 @@ from typing import Any, IO, TypeVar
 
 import numpy as np
 import zstandard
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from resilient import env
 from resilient.checkpoint.api import CheckpointConfigError, CheckpointError, UnsafeCheckpointError
 from resilient.checkpoint.format.safe import safe_torch_load
@@ -327,6 +325,14 @@ def _one_descriptor(descriptors: Sequence[str]) -> Codec:
     raise CompressError(f"unsupported transform {ds!r}: expected one of {sorted(DESCRIPTOR.values())}")
 
 
+def _is_tensor_meta(meta: Any) -> bool:
+    # imported here, not at the top: this module serves `resilient ckpt ls`, which must start without torch
+    # (seconds of CPU); whoever holds a parsed .metadata has imported torch already
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return isinstance(meta, TensorStorageMetadata)
+
+
 def check_item(body: Any, descriptors: Sequence[str], metadata: Any, index: Any, what: str) -> None:
     """What ``resilient ckpt verify`` does for a coded item: decode it within its true size (a bomb raises
     :class:`~resilient.checkpoint.api.UnsafeCheckpointError` naming ``what``), check the decoded bytes'
@@ -348,7 +354,7 @@ def check_item(body: Any, descriptors: Sequence[str], metadata: Any, index: Any,
         raise CompressError(f"{item}: decoded record {bad} fails its crc32")
     obj = safe_torch_load(io.BytesIO(raw), what=item)
     meta = metadata.state_dict_metadata.get(index.fqn)
-    if isinstance(meta, TensorStorageMetadata):
+    if _is_tensor_meta(meta):
         import torch
 
         want = None if index.offset is None else tuple(index.offset)
@@ -385,7 +391,7 @@ def item_limit(metadata: Any, index: Any) -> int:
     import math
 
     meta = metadata.state_dict_metadata.get(index.fqn)
-    if not isinstance(meta, TensorStorageMetadata):
+    if not _is_tensor_meta(meta):
         return max_object_bytes()
     es = meta.properties.dtype.itemsize
     whole = math.prod(meta.size) * es
@@ -396,63 +402,14 @@ def item_limit(metadata: Any, index: Any) -> int:
     return whole + SAVE_SLACK
 
 
-class _EncodeOnClose(io.RawIOBase):
-    def __init__(self, output: IO[bytes], elem_size: int):
-        super().__init__()
-        self._out, self._es, self._buf = output, elem_size, bytearray()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        self._buf += mv
-        return len(mv)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._out.write(encode(self._buf, self._es))
-            self._buf = bytearray()
-        super().close()
-
-
-class ByteGroupZstd(StreamTransformExtension):
-    """DCP stream extension ``resilient.bgzstd/1``. For writing (``FileSystemWriter(...,
-    _extensions=[ByteGroupZstd(4)])``) the element size is the writer's; the stream records it, so
-    reading needs nothing but :func:`extension_registry`."""
-
-    def __init__(self, elem_size: int = 4):
-        super().__init__()
-        self.elem_size = elem_size
-
-    @staticmethod
-    def registry_name() -> str:
-        return "resilient.bgzstd"
-
-    @staticmethod
-    def from_descriptor(version: str) -> "ByteGroupZstd":
-        if str(version).partition(".")[0] != "1":
-            raise ValueError(f"resilient.bgzstd: unknown version {version!r}; upgrade resilient")
-        return ByteGroupZstd()
-
-    def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/1"
-
-    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return _EncodeOnClose(output, self.elem_size)  # type: ignore[return-value]
-
-    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return io.BytesIO(decode(input.read()))
-
-
-def extension_registry() -> ExtensionRegistry:
-    """DCP's registry (``stream.zstd``) plus ``resilient.bgzstd``: pass it to a reader as
-    ``_extension_registry``."""
-    reg = ExtensionRegistry()
-    reg.register(ByteGroupZstd)
-    return reg
-
-
 DESCRIPTOR = {Codec.BGZSTD: "resilient.bgzstd/1", Codec.ZSTD: "stream.zstd/1"}
 
 
+def __getattr__(name: str) -> Any:
+    # the DCP extension's names stay importable from here, where they were first documented; resolved on use
+    # so that importing this module does not import torch
+    if name in ("ByteGroupZstd", "extension_registry"):
+        from resilient.checkpoint.format import dcp_extension
+
+        return getattr(dcp_extension, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

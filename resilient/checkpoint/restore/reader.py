@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
 from resilient.checkpoint.api import UnsafeCheckpointError
-from resilient.checkpoint.format.codec import ItemTooLargeError, decode_item, extension_registry, item_limit
+from resilient.checkpoint.format.codec import ItemTooLargeError, decode_item, item_limit
+from resilient.checkpoint.format.dcp_extension import extension_registry
 from resilient.checkpoint.format.safe import load_metadata, safe_torch_load
 from resilient.checkpoint.restore.device import ChunkCopier
 
