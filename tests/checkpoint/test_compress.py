@@ -117,8 +117,6 @@ def test_dcp_writer_extension_round_trip(tmp_path: Path) -> None:
     got = _zeroed(s)
     dcp.load(got, storage_reader=FileSystemReader(tmp_path, _extension_registry=extension_registry()), no_dist=True)
     _same(s, got)
-    # the names first documented in the codec still resolve there (on use: the codec imports without torch)
-    assert coding.ByteGroupZstd is ByteGroupZstd and coding.extension_registry is extension_registry
     with pytest.raises(BaseException) as e:  # without the registry DCP names the extension it lacks (CheckpointException)
         dcp.load(_zeroed(s), storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert "resilient.bgzstd" in str(e.value)

@@ -403,13 +403,3 @@ def item_limit(metadata: Any, index: Any) -> int:
 
 
 DESCRIPTOR = {Codec.BGZSTD: "resilient.bgzstd/1", Codec.ZSTD: "stream.zstd/1"}
-
-
-def __getattr__(name: str) -> Any:
-    # the DCP extension's names stay importable from here, where they were first documented; resolved on use
-    # so that importing this module does not import torch
-    if name in ("ByteGroupZstd", "extension_registry"):
-        from resilient.checkpoint.format import dcp_extension
-
-        return getattr(dcp_extension, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
