@@ -100,7 +100,7 @@ class Cluster:
         for n in self.nodes:
             rc = n.proc.poll()
             try:
-                log = n.log.read_text(errors="replace")[-tail:]
+                log = n.text()[-tail:]
             except OSError as e:
                 log = f"(no log: {e})"
             out.append(f"--- {self.tmp.name}/{n.name} (pid {n.proc.pid}): {'running' if rc is None else f'exit {rc}'}\n{log}")

@@ -35,7 +35,7 @@ true size as ``.metadata`` records it (:func:`item_limit`: a tensor chunk's byte
 records; an object's, ``RESILIENT_CKPT_MAX_OBJECT_MB``), and a zstd frame that declares more is refused
 from its header. Someone who can write to a tier can make a few hundred KB decode to GBs and fix the
 manifests to match; restore, ``resilient ckpt export`` and ``verify`` refuse such an item as unsafe
-without allocating it. (DCP's own reader, given :func:`extension_registry`, reads a stream to its end:
+without allocating it. (DCP's own reader, given ``dcp_extension.extension_registry()``, reads a stream to its end:
 read untrusted copies through this package.)
 """
 
@@ -49,10 +49,11 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, IO, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import zstandard
+
 from resilient import env
 from resilient.checkpoint.api import CheckpointConfigError, CheckpointError, UnsafeCheckpointError
 from resilient.checkpoint.format.safe import safe_torch_load
