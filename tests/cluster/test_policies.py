@@ -85,19 +85,29 @@ def test_policy_that_stops_ends_the_job_with_its_reason(tmp_path: Path) -> None:
     assert end and "no second chances" in end[0].details["reason"]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(330)
 def test_more_agents_than_max_wait_as_spares_and_never_disturb_the_job(cluster_factory, tmp_path: Path) -> None:
     # one worker per node: the point is agents beyond --nnodes MAX waiting as spares, not the worker count
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "1", "--node-timeout", "20"])
-    out = tmp_path / "out"
+    out, gate = tmp_path / "out", tmp_path / "go"
     out.mkdir()
+    # the job forms as soon as two agents joined and then lasts a second: under load the third agent's start-up
+    # outlasted the whole job, and it waited --rendezvous-timeout for a store that had gone with the job. The
+    # workers wait at a gate until the third agent joined as a spare.
+    script = tmp_path / "gated.py"
+    script.write_text("import runpy, sys, time\nfrom pathlib import Path\nend = time.monotonic() + 120\n"
+                      f"while not Path({str(gate)!r}).exists() and time.monotonic() < end:\n    time.sleep(0.01)\n"
+                      f"runpy.run_path({str(CRASH_ONCE)!r}, run_name='__main__')\n")
     c.agent_cmd = lambda local, script_args, extra: [  # type: ignore[method-assign]
         sys.executable, "-m", "resilient.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{c.port}", "--local-addr", "127.0.0.1", "--run-dir", str(c.run_dir),
-        *c.flags, str(CRASH_ONCE), str(out)]
+        *c.flags, str(script), str(out)]
     first = c.start("n0", [])
     wait_for(lambda: _listening(c.port) or first.proc.poll() is not None, 60, "the first agent to host the store")
-    nodes = [first] + [c.start(f"n{i}", []) for i in (1, 2)]  # three agents for two places, all before the start
+    nodes = [first] + [c.start(f"n{i}", []) for i in (1, 2)]  # three agents for two places
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.details.get("spare") for e in c.events())
+             or any(n.proc.poll() is not None for n in nodes), 120, "the third agent to join as a spare")
+    gate.touch()
     wait_for(lambda: all(n.proc.poll() is not None for n in nodes), 150, "the job to end")
     assert [n.proc.returncode for n in nodes] == [0, 0, 0], [n.output() for n in nodes]
     evs = list(read_events(c.run_dir))
