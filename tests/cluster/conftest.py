@@ -3,6 +3,7 @@ tier, one rendezvous endpoint over loopback."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from tests._helpers.gcs import free_port
 from tests._helpers.procs import kill_sessions, session_procs
@@ -46,6 +48,10 @@ class Node:
     def text(self) -> str:
         """The whole log, for searching (torch's C++ tracebacks can push a line out of the end)."""
         return self.log.read_text(errors="replace")
+
+
+# per-step lines: they would drown out the decisions in a failure report
+_CHATTY = {EventKind.STEP, EventKind.LOG, EventKind.SECTION, EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE}
 
 
 class Cluster:
@@ -104,6 +110,11 @@ class Cluster:
             except OSError as e:
                 log = f"(no log: {e})"
             out.append(f"--- {self.tmp.name}/{n.name} (pid {n.proc.pid}): {'running' if rc is None else f'exit {rc}'}\n{log}")
+        # the ledger's decisions and joins say what the supervisor knew: a node log alone cannot say whether an
+        # agent had joined, as what, or what the job was waiting for
+        lines = [f"{e.kind.value} {e.node} {json.dumps(e.details, default=str)[:300]}" for e in self.events()
+                 if e.kind not in _CHATTY]
+        out.append(f"--- {self.tmp.name} ledger ({len(lines)} lines without steps and logs)\n" + "\n".join(lines[-40:]))
         return "\n".join(out)
 
     def leftovers(self) -> list[psutil.Process]:
