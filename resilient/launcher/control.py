@@ -171,7 +171,7 @@ class ControlClient:
         hosting = store is not None
         if store is None:
             try:
-                store = T.connect_store(host, port, c.rendezvous_timeout)
+                store = T.connect_store_waiting(host, port, c.rendezvous_timeout)
             except (RuntimeError, OSError) as e:  # torch's DistNetworkError: nothing answered within the timeout
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise StoreLost(f"no job's store answered at {host}:{port} within {c.rendezvous_timeout:g} s "

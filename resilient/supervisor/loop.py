@@ -65,6 +65,9 @@ class LoopConfig:
     #: stops with an error that says who is missing (torchrun's rendezvous ``join_timeout``, same default): a job
     #: whose nodes never all arrive must not hold its allocation silently forever
     join_timeout: float = 600.0
+    #: seconds between the lines that say the job is still forming (the first after this long too): a node that
+    #: waits for its peers must not look hung for the whole ``join_timeout``
+    say_forming_every: float = 15.0
     #: bound on every store call of the loop
     store_timeout: float = 30.0
     #: seconds the loop keeps serving after the job ended, for agents to read the final plan
@@ -81,7 +84,7 @@ class LoopConfig:
     min_term: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("tick", "last_call", "join_timeout", "store_timeout", "linger", "pause_after"):
+        for f in ("tick", "last_call", "join_timeout", "say_forming_every", "store_timeout", "linger", "pause_after"):
             v = getattr(self, f)
             if not (v == v and 0 <= v < float("inf")):
                 raise ValueError(f"LoopConfig.{f} must be a finite number >= 0, got {v}")
@@ -131,6 +134,7 @@ class SupervisorLoop:
         self._preempted_end = False  # the final plan says preempted
         self._published: int | None = None  # the newest round whose plan agents can read
         self._born = time.monotonic()  # join_timeout counts from here
+        self._say_forming_at = self._born + cfg.say_forming_every  # the next "still forming" line
         self._last_pass: float | None = None  # monotonic time of the last pass: a long gap is this loop's stall
         # node -> addr:port of the store it keeps bound to take over (its JOIN says it; a successor seeds it from
         # the plan it took over from): the succession order of every plan (default set-up only)
@@ -237,6 +241,8 @@ class SupervisorLoop:
             self._publish(a, action={"action": "start"}, decision_id=0)
         elif self.core.assignment is None and self.core.stopped is None and now - self._born > self.cfg.join_timeout:
             out += self.core.give_up_forming(self.cfg.join_timeout, now)
+        elif self.core.assignment is None and self.core.stopped is None and now >= self._say_forming_at:
+            self._say_forming(now)
         self._carry_out_pass(out, now)
         self._check_finished(now)
         if self.cfg.host_node is not None and (hello or gone or out or self._succession_said is None):
@@ -397,6 +403,14 @@ class SupervisorLoop:
         elif d.assignment is not None:
             logger.warning("supervisor: round %d of decision %d not published (%s)", d.assignment.round, d.id,
                            "the job already ended" if ended else f"decision {superseded_by} stops the job")
+
+    def _say_forming(self, now: float) -> None:
+        view = self.core.view(now)
+        self._say_forming_at = now + self.cfg.say_forming_every
+        came = ", ".join(view.nodes) or "none"
+        logger.warning("the job is forming: %d of --nnodes MIN %d node(s) joined in %.0f s (%s); waiting for the rest "
+                       "up to the rendezvous join_timeout (%.0f s left), then the job stops", len(view.nodes),
+                       view.min_nodes, now - self._born, came, max(0.0, self.cfg.join_timeout - (now - self._born)))
 
     def _woke(self, now: float, gap: float) -> None:
         """This loop did not run for ``gap`` seconds (its process was stopped, its host froze): the nodes' silence
