@@ -97,16 +97,34 @@ def node_name(n) -> str:
 
 @pytest.mark.timeout(240, func_only=True)
 def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path: Path, reference_world) -> None:
+    hot_swap_is_bit_exact(cluster_factory, tmp_path, reference_world, NPROC)
+
+
+@pytest.fixture(scope="module")
+def reference_eight(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same job on two nodes' worth of ranks with 8 workers a node (16), never interrupted."""
+    return _reference(tmp_path_factory, 16)
+
+
+@pytest.mark.timeout(480, func_only=True)
+def test_nodes_of_eight_workers_hot_swap_is_bit_exact(cluster_factory, tmp_path: Path, reference_eight) -> None:
+    """A GPU node's shape: 8 workers a node, a node of them lost, its 8 ranks restored on a spare from the
+    partner's replica (each local rank's own shard, none mixed up), bit-exact."""
+    hot_swap_is_bit_exact(cluster_factory, tmp_path, reference_eight, 8)
+
+
+def hot_swap_is_bit_exact(cluster_factory, tmp_path: Path, reference: list[dict], nproc: int) -> None:
+    world = 2 * nproc
     # the gate is a pause, not a hang: with the learned hang timeout (10 s) the wait for the spare's start-up
     # under load was taken for a hang, and a restart came before the swap
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
-                                    "--heartbeat-timeout", "300"], nproc=NPROC)
+                                    "--heartbeat-timeout", "300"], nproc=nproc)
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
     a, b = _start_job(c, args)
     spare = c.start("spare", args)  # joins mid-run: must not disturb the job
-    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    wait_for(lambda: at_gate(gate, world), 60 + 10 * nproc, "every rank at the gate")
     wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 60,
              "the spare to join")
     b.kill()  # the whole node: agent, fork server, workers, local disk
@@ -130,10 +148,13 @@ def test_node_lost_hot_swap_to_warm_spare_is_bit_exact(cluster_factory, tmp_path
     # the spare's workers got the lost node's ranks and restored its shards from a surviving tier
     spare_starts = [e for e in evs if e.kind == EventKind.ATTEMPT_START and e.node == node_name(spare)]
     b_ranks = {r for e in evs if e.kind == EventKind.ATTEMPT_START and e.node == node_name(b) for r in e.details["pids"]}
-    assert len(b_ranks) == NPROC and spare_starts and set(spare_starts[0].details["pids"]) == b_ranks
+    assert len(b_ranks) == nproc and spare_starts and set(spare_starts[0].details["pids"]) == b_ranks
     restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(spare)]
     assert restores and restores[-1].details["step"] == GATE_STEP and restores[-1].details["tier"] in ("peer", "persistent")
-    assert_same(reference_world, final(out, WORLD))
+    # each of the lost node's ranks restored the gate's step on the spare, none from the spare's own (empty) disk
+    assert {str(e.rank) for e in restores} == {str(r) for r in b_ranks}, [(e.rank, e.details) for e in restores]
+    assert all(e.details["step"] == GATE_STEP and "local" not in e.details.get("sources", ()) for e in restores)
+    assert_same(reference, final(out, world))
     # every node measured its clock against the supervisor's host when it joined (one host here: ~0)
     joined = [e for e in evs if e.kind == EventKind.RENDEZVOUS_DONE]
     assert {e.node for e in joined} == {node_name(a), node_name(b), node_name(spare)}
