@@ -18,9 +18,10 @@ from .test_node_loss import GATE_STEP, NPROC, STEPS, WORLD, _start_job, assert_s
 from .test_node_loss import reference_world  # noqa: F401  (the fixture)
 
 
-def _node_lost_at_the_gate(cluster_factory, tmp_path: Path, wait_s: float) -> tuple:
-    """A 2-node job, no spare, ``--nnodes 2``, every rank at the gate, then node b SIGKILLed whole (agent, fork
-    server, workers, local disk). Returns the cluster, both nodes, the gate and the script's arguments."""
+def _node_lost_at_the_gate(cluster_factory, tmp_path: Path, wait_s: float, lose: str = "b") -> tuple:
+    """A 2-node job, no spare, ``--nnodes 2``, every rank at the gate, then node ``lose`` SIGKILLed whole (agent,
+    fork server, workers, local disk; "a" hosts the store and the supervisor). Returns the cluster, both nodes (a,
+    b), the gate and the script's arguments."""
     c = cluster_factory("2", flags=["--max-restarts", "3", "--node-timeout", "20", "--replacement-wait", str(wait_s),
                                     "--heartbeat-timeout", "300"], nproc=NPROC)  # the gate is a pause, not a hang
     gate = tmp_path / "gate"
@@ -28,7 +29,7 @@ def _node_lost_at_the_gate(cluster_factory, tmp_path: Path, wait_s: float) -> tu
     args = ["--steps", str(STEPS), "--out", str(tmp_path / "out"), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
     a, b = _start_job(c, args)
     wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
-    b.kill()
+    (a if lose == "a" else b).kill()
     return c, a, b, gate, args
 
 
@@ -79,6 +80,39 @@ def test_no_node_joins_within_the_wait_the_job_stops_naming_it(cluster_factory, 
     assert "no spare" in acts[1].details["reason"], acts[1].details
     # not before the wait (the supervisor's clock; its passes come every fraction of a second)
     assert acts[1].wall - lost.wall >= wait_s - 0.05, (lost.wall, acts[1].wall)
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(360, func_only=True)
+def test_lost_host_with_no_spare_is_replaced_after_the_succession_bit_exact(cluster_factory, tmp_path: Path,
+                                                                           reference_world) -> None:  # noqa: F811
+    """The node lost is the one hosting the store and the supervisor (the default set-up, no standalone
+    supervisor), with no spare and --nnodes 2: node b takes both over, waits --replacement-wait from its own first
+    decision on the loss, a node started afterwards finds the job through the endpoint (the successor's pointer
+    there), is swapped in for the host, and the job ends equal to an uninterrupted run."""
+    c, host, b, gate, args = _node_lost_at_the_gate(cluster_factory, tmp_path, 240.0, lose="a")
+    waiting = wait_for(lambda: [d for d in _actions(c) if d.get("action") == "ignore"
+                                and "--replacement-wait" in str(d.get("reason"))] or b.proc.poll() is not None, 90,
+                       "the successor's decision to wait")
+    assert b.proc.poll() is None, b.output()
+    assert not [d for d in _actions(c) if d.get("action") == "stop"], _actions(c)
+    (gate / "go").touch()  # b's workers fail in their next collective: held for the waiting decision
+    new = c.start("new", args)
+    wait_for(lambda: b.proc.poll() is not None and new.proc.poll() is not None, 240, "the job to end")
+    assert b.proc.returncode == 0, b.output()
+    assert new.proc.returncode == 0, new.output()
+    assert "the job moved to" in new.text(), new.output()
+    evs = c.events()
+    taken = [e for e in evs if e.kind == EventKind.LOG and "succession" in e.details]
+    assert [(t.details["succession"]["from"], t.details["succession"]["to"]) for t in taken] == \
+        [(node_name(host), node_name(b))], [t.details for t in taken]
+    swaps = [d for d in _actions(c) if d.get("action") == "hot_swap"]
+    assert [(d["action_args"]["node"], d["action_args"]["spare"]) for d in swaps] == \
+        [(node_name(host), node_name(new))], _actions(c)
+    assert waiting and not [d for d in _actions(c) if d.get("action") in ("stop", "restart")], _actions(c)
+    restores = [e for e in evs if e.kind == EventKind.CKPT_RESTORE and e.node == node_name(new)]
+    assert restores and all(e.details["step"] == GATE_STEP for e in restores), [e.details for e in restores]
+    assert_same(reference_world, final(tmp_path / "out", WORLD))
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
