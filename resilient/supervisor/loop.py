@@ -88,8 +88,9 @@ class LoopConfig:
             v = getattr(self, f)
             if not (v == v and 0 <= v < float("inf")):
                 raise ValueError(f"LoopConfig.{f} must be a finite number >= 0, got {v}")
-        if self.tick <= 0 or self.join_timeout <= 0:
-            raise ValueError(f"LoopConfig.tick and join_timeout must be > 0, got {self.tick} and {self.join_timeout}")
+        if self.tick <= 0 or self.join_timeout <= 0 or self.say_forming_every <= 0:
+            raise ValueError(f"LoopConfig.tick, join_timeout and say_forming_every must be > 0, got {self.tick}, "
+                             f"{self.join_timeout} and {self.say_forming_every}")
         if self.pause_after <= self.tick:
             raise ValueError(f"LoopConfig.pause_after ({self.pause_after}) must be longer than tick ({self.tick})")
 

@@ -281,22 +281,20 @@ def connect_store_waiting(host: str, port: int, timeout: float, *, say_every: fl
     ``say_every`` seconds that it still waits (torch's own connect retries in silence, then prints a C++ trace per
     try); then it connects the store, every later call bounded by ``timeout``. Raises as :func:`connect_store`
     once nothing answered within ``timeout``."""
+    from resilient.supervisor.quorum import Reach, reach
+
     t0 = time.monotonic()
     deadline, say_at = t0 + timeout, t0 + say_every
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=min(1.0, max(0.01, deadline - time.monotonic()))).close()
-            break
-        except OSError:
-            now = time.monotonic()
-            if now >= deadline:
-                break  # the store's own connect below says what failed, as it always did
-            if now >= say_at:
-                say_at = now + say_every
-                logger.warning("no job's store answers at %s:%d after %.0f s (its host may not have started yet); "
-                               "still trying for up to %.0f s (--rendezvous-timeout)", host, port, now - t0,
-                               deadline - now)
-            time.sleep(min(0.2, max(0.0, deadline - now)))
+    while reach(f"{host}:{port}", min(1.0, max(0.01, deadline - time.monotonic()))) is not Reach.ACCEPTS:
+        now = time.monotonic()
+        if now >= deadline:
+            break  # the store's own connect below says what failed, as it always did
+        if now >= say_at:
+            say_at = now + say_every
+            logger.warning("no job's store answers at %s:%d after %.0f s (its host may not have started yet); "
+                           "still trying for up to %.0f s (--rendezvous-timeout)", host, port, now - t0,
+                           deadline - now)
+        time.sleep(min(0.2, max(0.0, deadline - now)))
     if time.monotonic() >= deadline:
         return connect_store(host, port, 1.0)  # nothing listened within the timeout: torch's error says so, briefly
     return connect_store(host, port, timeout)
