@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 from resilient.events.api import Event, EventKind
 
@@ -208,11 +208,63 @@ def event_from_json(d: Any) -> Event | None:
     return Event(**kw)
 
 
+# A ledger is mostly rank 0's STEP lines (one per step: 200,000 of them in a 33 MB ledger), and restarts, exits
+# and reports read it whole. Two byte-level shortcuts keep that from scaling with json.loads: the line format
+# of worker/steps.py's STEP formatter decoded by one match, and the leading "kind" our writers put first
+# (Event.to_json's field order) read to pass over lines of kinds a reader did not ask for, undecoded.
+_INT = rb"-?(?:0|[1-9][0-9]*)"
+_NUM = _INT + rb"(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+# a number json.loads makes a float of (a fraction or an exponent), as the formatter's %r of a float always is
+_FLOAT = _INT + rb"(?:\.[0-9]+(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)"
+_INT_OR_NULL = rb"(" + _INT + rb"|null)"
+_STEP_LINE = re.compile(
+    rb'\{"kind":"step","node":(?:"([^"\\\x00-\x1f\x7f-\xff]*)"|null),"rank":' + _INT_OR_NULL
+    + rb',"attempt":' + _INT_OR_NULL + rb',"details":\{"step":(' + _INT + rb'),"seconds":(' + _FLOAT
+    + rb'),"compute_seconds":(' + _FLOAT + rb')\},"wall":(' + _NUM + rb'),"mono":(' + _NUM
+    + rb'),"schema":(0|[1-9][0-9]*)\}[ \t\r\n]*')
+_LEADING_KIND = re.compile(rb'\s*\{\s*"kind"\s*:\s*"([a-z_]{1,64})"')
+
+
+def _step_line(m: re.Match[bytes]) -> Event | None:
+    node, rank, attempt, step, seconds, compute, wall, mono, schema = m.groups()
+    w, mo = float(wall), float(mono)  # event_from_json makes floats of them too
+    if not (math.isfinite(w) and 0 <= w < _WALL_MAX and math.isfinite(mo)):
+        return None
+    # every field is checked above, as Event's own __init__ would not: set them as one dict (a frozen
+    # dataclass's __init__ sets each through object.__setattr__, the larger part of the cost per line)
+    ev = object.__new__(Event)
+    ev.__dict__.update(kind=EventKind.STEP, node=None if node is None else node.decode("ascii"),
+                       rank=None if rank == b"null" else int(rank),
+                       attempt=None if attempt == b"null" else int(attempt),
+                       details={"step": int(step), "seconds": float(seconds), "compute_seconds": float(compute)},
+                       wall=w, mono=mo, schema=int(schema))
+    return ev
+
+
 def parse_line(raw: bytes | str) -> Event | None:
+    """The event one ledger line holds, or None when it is not a well-formed event."""
+    if isinstance(raw, bytes) and (m := _STEP_LINE.fullmatch(raw)) is not None:
+        try:
+            return _step_line(m)
+        except ValueError:  # an integer too long for int(): json.loads below says what it makes of it
+            pass
     try:
         return event_from_json(json.loads(raw))
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError); absurdly nested
         return None
+
+
+def _decode(raw: bytes, wanted: frozenset[str] | None) -> Event | Literal[False] | None:
+    """parse_line, or False for a line that names a known kind first and not one of ``wanted`` (None: every
+    kind is wanted); a line that does not start with its kind is decoded, so nothing asked for is lost."""
+    if wanted is None or "step" in wanted:
+        return parse_line(raw)
+    m = _LEADING_KIND.match(raw)
+    if m is not None:
+        kind = m.group(1).decode()
+        if kind in _KINDS and kind not in wanted:
+            return False
+    return parse_line(raw)
 
 
 @dataclass
@@ -227,8 +279,13 @@ class LedgerRead:
     files: list[Path] = field(default_factory=list)  # the ledger files read (one per writer)
 
 
-def _scan(f: BinaryIO, out: LedgerRead) -> Iterator[Event]:
-    """The well-formed events of an open ledger, counting lines and malformed ones into ``out``."""
+def _wanted(kinds: Collection[EventKind] | None) -> frozenset[str] | None:
+    return None if kinds is None else frozenset(EventKind(k).value for k in kinds)
+
+
+def _scan(f: BinaryIO, out: LedgerRead, wanted: frozenset[str] | None = None) -> Iterator[Event]:
+    """The well-formed events of an open ledger (of the ``wanted`` kinds' names; None: all), counting lines
+    and malformed ones into ``out``."""
     for raw in f:
         if not raw.endswith(b"\n"):
             out.cut_last_line = True
@@ -236,10 +293,10 @@ def _scan(f: BinaryIO, out: LedgerRead) -> Iterator[Event]:
         if not raw.strip():
             continue
         out.lines += 1
-        ev = parse_line(raw)
+        ev = _decode(raw, wanted)
         if ev is None:
             out.skipped += 1
-        else:
+        elif ev is not False and (wanted is None or ev.kind.value in wanted):
             yield ev
 
 
@@ -247,13 +304,13 @@ def _wall(ev: Event) -> float:
     return ev.wall
 
 
-def _read_files(files: list[Path], out: LedgerRead) -> list[Event]:
+def _read_files(files: list[Path], out: LedgerRead, wanted: frozenset[str] | None = None) -> list[Event]:
     """Every file whole (one open at a time: a run may have thousands), merged on wall time."""
     per_file: list[list[Event]] = []
     for p in files:
         one = LedgerRead(p)
         with open(p, "rb") as f:
-            per_file.append(list(_scan(f, one)))
+            per_file.append(list(_scan(f, one, wanted)))
         out.lines += one.lines
         out.skipped += one.skipped
         out.cut_last_line = out.cut_last_line or one.cut_last_line
@@ -262,12 +319,15 @@ def _read_files(files: list[Path], out: LedgerRead) -> list[Event]:
     return list(heapq.merge(*per_file, key=_wall))
 
 
-def read_events(path_or_dir: str | os.PathLike[str]) -> Iterator[Event]:
+def read_events(path_or_dir: str | os.PathLike[str], *,
+                kinds: Collection[EventKind] | None = None) -> Iterator[Event]:
     """Yield every well-formed event of a run (its directory, or its ``events.jsonl``), every writer's file
-    merged on wall time; or of one other ledger file given directly."""
+    merged on wall time; or of one other ledger file given directly. With ``kinds``, only events of those
+    kinds, the other lines passed over mostly undecoded (a reader that wants no STEP lines reads a long
+    run's ledger in a fraction of the time)."""
     p, files = _run_of(path_or_dir)
     out = LedgerRead(p, files=files)
-    yield from _read_files(files, out)
+    yield from _read_files(files, out, _wanted(kinds))
     if out.skipped:
         logger.debug("%s: %d malformed line(s) skipped", p, out.skipped)
 
@@ -339,6 +399,7 @@ class LedgerTail:
         self._listing: tuple[int, float, list[str]] | None = None  # (directory's mtime, monotonic time, names)
         self._chunk = chunk
         self.skipped = 0  # malformed lines seen (each once)
+        self.last_read = 0  # bytes the last read_new read: 0 when it found nothing new (caught up)
 
     def incomplete(self) -> str | None:
         """Why the run being followed lost events, or None (see :func:`ledger_incomplete`)."""
@@ -399,11 +460,13 @@ class LedgerTail:
         names = self._listed()
         batches: list[list[Event]] = []
         budget = max_bytes
+        self.last_read = 0
         for name in names:
             if budget is not None and budget <= 0:
                 break
             st = self._files.setdefault(name, _Followed())
             got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds)
+            self.last_read += used
             if budget is not None:
                 budget -= used
             if got:
@@ -454,10 +517,13 @@ class LedgerTail:
 
     def _parse(self, lines: Iterable[bytes], contains: bytes | None,
                kinds: Collection[EventKind] | None) -> Iterator[Event]:
+        wanted = _wanted(kinds)
         for raw in lines:
             if not raw.strip() or (contains is not None and contains not in raw):
                 continue
-            ev = parse_line(raw)
+            ev = _decode(raw, wanted)
+            if ev is False:
+                continue
             if ev is None:
                 self.skipped += 1
                 logger.debug("malformed ledger line skipped")

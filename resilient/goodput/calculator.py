@@ -656,6 +656,12 @@ def _step_of(ev: Event) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+# the kinds checkpoint_summary reads: a caller that reads the ledger for it alone reads only these
+CHECKPOINT_SUMMARY_KINDS = frozenset({EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_SAVE_FAILED,
+                                      EventKind.CKPT_TIER_FAILED, EventKind.CKPT_STOP,
+                                      EventKind.CKPT_RESTORE_MISSING})
+
+
 def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
     """Which steps were saved where, and which saves failed, from a run's events (see CheckpointSummary)."""
     evs = sorted(events, key=lambda e: e.wall)

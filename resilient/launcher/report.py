@@ -52,9 +52,10 @@ def close_checkpoints(end: Ending, ledger: Ledger, run_dir: Path, node: str, per
     the exit rules that depend on them give (``ckpt_stop_mark``: the workers' mark of saves that kept failing)."""
     try:
         from resilient.events.follow import read_events
-        from resilient.goodput.calculator import checkpoint_summary
+        from resilient.goodput.calculator import CHECKPOINT_SUMMARY_KINDS, checkpoint_summary
 
-        events = list(read_events(run_dir))
+        # at every exit: the STEP lines, most of a long run's ledger, are passed over undecoded
+        events = list(read_events(run_dir, kinds={EventKind.RUN_START, *CHECKPOINT_SUMMARY_KINDS}))
         mine = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_START and e.node == node]
         summary = checkpoint_summary(events[mine[-1]:] if mine else events)
     except Exception as e:  # noqa: BLE001 - a report: the exit goes on without it

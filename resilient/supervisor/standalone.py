@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from resilient import env as renv
+from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger, read_events
 from resilient.supervisor.api import PolicyError
 from resilient.supervisor.config import SupervisorConfig, add_supervisor_arguments, parse_nnodes, supervisor_config
@@ -190,7 +191,7 @@ def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
                      name=cfg.name)
     core = loop.core
     try:
-        past = list(read_events(run_dir))
+        past = list(read_events(run_dir, kinds={EventKind.ACTION}))  # resume adopts the decisions alone
     except FileNotFoundError:
         past = []
     if loop.resume(past, time.monotonic()) is not None and core.stopped is not None:

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 PRIOR_MTBF_ENV = env.CKPT_PRIOR_MTBF
 
 _READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
+_START_SLICE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class _LedgerFollower:
         new = self._tail.read_new(max_bytes, kinds=_READ_KINDS)
         self.events.extend(ev for ev in new if ev.kind is not EventKind.RESTART)
         return new
+
+    def caught_up(self) -> bool:
+        """Whether the last read_new found nothing new to read."""
+        return self._tail.last_read == 0
 
 
 class IntervalTuner:
@@ -307,23 +312,28 @@ class IntervalTuner:
                                  "unset it or give e.g. 21600 (6 h)")
             kwargs["prior_mtbf_s"] = v
         tuner = cls(**kwargs)
-        tuner._follower = _LedgerFollower(run_dir)
-        events = tuner._follower.read_new(max_bytes=None)
-        tuner._follow(force=True)
+        tuner._follower = follower = _LedgerFollower(run_dir)
         restarts: set[tuple[object, object]] = set()
-        for ev in events:
-            d = ev.details
-            try:
-                if ev.kind is EventKind.STEP:
-                    tuner.observe_step(float(d.get("seconds", 0.0)))
-                elif ev.kind is EventKind.CKPT_SAVE:
-                    tuner.observe_save(float(d.get("blocking_seconds", 0.0)))
-                elif ev.kind is EventKind.CKPT_TIER_DONE and str(d.get("tier")) == "persistent":
-                    tuner.observe_upload(float(d.get("seconds", 0.0)))
-                elif ev.kind is EventKind.RESTART:
-                    restarts.add((ev.attempt, d.get("attempt")))  # once per restart, however many nodes say so
-            except (TypeError, ValueError):
-                continue
+        # a week's ledger holds millions of STEP lines: read in slices, so that memory stays bounded by a
+        # slice's events, not the run's (read_new stops after about max_bytes; last_read 0: caught up)
+        while True:
+            events = follower.read_new(max_bytes=_START_SLICE_BYTES)
+            if follower.caught_up():
+                break
+            for ev in events:
+                d = ev.details
+                try:
+                    if ev.kind is EventKind.STEP:
+                        tuner.observe_step(float(d.get("seconds", 0.0)))
+                    elif ev.kind is EventKind.CKPT_SAVE:
+                        tuner.observe_save(float(d.get("blocking_seconds", 0.0)))
+                    elif ev.kind is EventKind.CKPT_TIER_DONE and str(d.get("tier")) == "persistent":
+                        tuner.observe_upload(float(d.get("seconds", 0.0)))
+                    elif ev.kind is EventKind.RESTART:
+                        restarts.add((ev.attempt, d.get("attempt")))  # once per restart, however many nodes say
+                except (TypeError, ValueError):
+                    continue
+        tuner._follow(force=True)
         for _ in restarts:
             tuner.observe_interruption()
         return tuner

@@ -1030,7 +1030,8 @@ class CheckpointManager:
         try:
             from resilient.events.ledger import read_events
 
-            events = [e for e in read_events(run_dir) if e.wall < self._t_created]
+            kinds = {EventKind.RUN_END, EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_SAVE_FAILED}
+            events = [e for e in read_events(run_dir, kinds=kinds) if e.wall < self._t_created]
         except (OSError, ValueError) as e:
             logger.debug("cannot read the ledger of %s: %s", run_dir, e)
             return
