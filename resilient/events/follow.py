@@ -44,6 +44,7 @@ import math
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -366,6 +367,25 @@ def read_ledgers(paths: Sequence[str | os.PathLike[str]]) -> LedgerRead:
 
 
 @dataclass
+class StepTally:
+    """The STEP lines of a ledger counted rather than returned as events (see ``LedgerTail.read_new``): a reader that
+    needs only their seconds (the interval tuner at a restart) pays no event per step."""
+    recent_max: int = 256
+    count: int = 0
+    seconds: float = 0.0  # their sum, in the order read
+    recent: deque[float] = field(default_factory=deque)  # the last ``recent_max`` of them, oldest first
+
+    def add(self, seconds: float) -> None:
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return  # not a duration: left out, as IntervalTuner.observe_step leaves it out
+        self.count += 1
+        self.seconds += seconds
+        self.recent.append(seconds)
+        if len(self.recent) > self.recent_max:
+            self.recent.popleft()
+
+
+@dataclass
 class _Followed:
     """One writer's file as a tail has read it so far."""
     offset: int = 0
@@ -453,10 +473,14 @@ class LedgerTail:
             self._files[name] = _Followed(offset=st.st_size, ino=st.st_ino, drop_to_newline=last != b"\n")
 
     def read_new(self, max_bytes: int | None = 64 << 20, *, contains: bytes | None = None,
-                 kinds: Collection[EventKind] | None = None) -> list[Event]:
+                 kinds: Collection[EventKind] | None = None, steps: StepTally | None = None,
+                 leave: int = 0) -> list[Event]:
         """The events appended since the last call (at most about ``max_bytes`` of them; None: all). With
         ``contains``, only lines holding those bytes are decoded (a follower that wants one kind skips the cost
-        of decoding every other line); with ``kinds``, only events of those kinds are returned."""
+        of decoding every other line); with ``kinds``, only events of those kinds are returned. With ``steps``,
+        the STEP lines in their writer's format (rank 0's, nearly every line of a long run) are added to it
+        instead of being returned, and each file is read only to ``leave`` bytes before its end, so that a
+        call without ``steps`` reads the newest lines as events."""
         names = self._listed()
         batches: list[list[Event]] = []
         budget = max_bytes
@@ -465,7 +489,7 @@ class LedgerTail:
             if budget is not None and budget <= 0:
                 break
             st = self._files.setdefault(name, _Followed())
-            got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds)
+            got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds, steps, leave)
             self.last_read += used
             if budget is not None:
                 budget -= used
@@ -476,7 +500,8 @@ class LedgerTail:
         return list(heapq.merge(*batches, key=_wall))
 
     def _read_file(self, path: Path, st: _Followed, budget: int | None, contains: bytes | None,
-                   kinds: Collection[EventKind] | None) -> tuple[list[Event], int]:
+                   kinds: Collection[EventKind] | None, steps: StepTally | None = None,
+                   leave: int = 0) -> tuple[list[Event], int]:
         try:
             if st.ino is not None:
                 now = os.stat(path)
@@ -496,8 +521,12 @@ class LedgerTail:
                 logger.warning("%s was replaced or truncated; reading it again from the start", path)
                 st.offset, st.partial, st.drop_to_newline = 0, b"", False
             st.ino = fst.st_ino
+            end = fst.st_size - leave if steps is not None else None
             while budget is None or read < budget:
-                buf = os.pread(fd, self._chunk, st.offset)
+                n = self._chunk if end is None else min(self._chunk, end - st.offset)
+                if n <= 0:
+                    break
+                buf = os.pread(fd, n, st.offset)
                 if not buf:
                     break
                 st.offset += len(buf)
@@ -510,10 +539,28 @@ class LedgerTail:
                         continue
                     lines.pop(0)
                     st.drop_to_newline = False
+                if steps is not None and (kinds is None or EventKind.STEP in kinds):
+                    lines = self._tally(lines, steps)
                 out.extend(self._parse(lines, contains, kinds))
         finally:
             os.close(fd)
         return out, read
+
+    @staticmethod
+    def _tally(lines: list[bytes], steps: StepTally) -> list[bytes]:
+        """Add the STEP lines in their writer's format to ``steps``; the other lines, to be parsed."""
+        rest: list[bytes] = []
+        for raw in lines:
+            m = _STEP_LINE.fullmatch(raw)
+            if m is None:
+                rest.append(raw)
+                continue
+            w = float(m.group(7))
+            if not (math.isfinite(w) and 0 <= w < _WALL_MAX and math.isfinite(float(m.group(8)))):
+                rest.append(raw)  # parse_line rejects it and counts it malformed
+                continue
+            steps.add(float(m.group(5)))
+        return rest
 
     def _parse(self, lines: Iterable[bytes], contains: bytes | None,
                kinds: Collection[EventKind] | None) -> Iterator[Event]:

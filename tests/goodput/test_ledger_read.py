@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from resilient.checkpoint.save import interval as interval_mod
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.events.api import EventKind
-from resilient.events.follow import _STEP_LINE, LedgerTail, event_from_json, parse_line, read_events
+from resilient.events.follow import _STEP_LINE, LedgerTail, StepTally, event_from_json, parse_line, read_events
 from resilient.goodput.calculator import CHECKPOINT_SUMMARY_KINDS
 
 
@@ -105,19 +105,65 @@ def test_a_reader_of_some_kinds_gets_what_a_full_read_filtered_would(crashed_run
     assert [e for e in tail.read_new(max_bytes=None, kinds=kinds)] == full
 
 
-def test_the_tuner_reads_a_ledger_in_slices_and_learns_what_one_read_would(crashed_run, tmp_path, monkeypatch):
+_RECENT_DEFAULT = interval_mod._RECENT_BYTES
+
+
+def _tuner_of_every_event(run) -> IntervalTuner:
+    """What the tuner learnt at a restart before: every event of the ledger observed in turn."""
+    t = IntervalTuner()
+    t._follower = interval_mod._LedgerFollower(run)
+    t._follower.read_new(max_bytes=None)
+    t._follow(force=True)
+    restarts = set()
+    for ev in read_events(run):
+        if ev.kind is EventKind.STEP:
+            t.observe_step(float(ev.details.get("seconds", 0.0)))
+        elif ev.kind is EventKind.CKPT_SAVE:
+            t.observe_save(float(ev.details.get("blocking_seconds", 0.0)))
+        elif ev.kind is EventKind.CKPT_TIER_DONE and ev.details.get("tier") == "persistent":
+            t.observe_upload(float(ev.details.get("seconds", 0.0)))
+        elif ev.kind is EventKind.RESTART:
+            restarts.add((ev.attempt, ev.details.get("attempt")))
+    for _ in restarts:
+        t.observe_interruption()
+    return t
+
+
+@pytest.mark.parametrize("recent", [_RECENT_DEFAULT, 2000, 0])  # all read as events / most steps summed / all summed
+def test_the_tuner_sums_old_steps_reads_in_slices_and_learns_what_every_event_would(crashed_run, tmp_path,
+                                                                                     monkeypatch, recent):
     run = _mixed_run(crashed_run, tmp_path)
-    whole = IntervalTuner.from_run_dir(run).inputs()
+    want = _tuner_of_every_event(run)
     monkeypatch.setattr(interval_mod, "_START_SLICE_BYTES", 300)  # a slice of about one line
-    sliced = IntervalTuner.from_run_dir(run)
-    assert sliced.inputs() == whole
-    assert whole["interruptions"] == 2  # the SIGKILL, and the restart line added
-    # the follower goes on from where the slices ended: a save written later is seen, none read twice
-    before = len(sliced._follower.events)
+    monkeypatch.setattr(interval_mod, "_RECENT_BYTES", recent)
+    got = IntervalTuner.from_run_dir(run)
+    g, w = got.inputs(), want.inputs()
+    assert g.keys() == w.keys()
+    # what the follower learns of interference comes from the newest lines read as events: from fewer than the
+    # follower keeps when _RECENT_BYTES is cut below its default, so only the rest is compared then
+    learnt = {"clean_step_seconds", "save_interference_seconds", "save_cost_seconds", "optimal_seconds",
+              "interval_steps"}
+    for k in w if recent == _RECENT_DEFAULT else w.keys() - learnt:  # the sums are taken in another order: to the last bits
+        assert g[k] == (w[k] if w[k] is None else pytest.approx(w[k], rel=1e-12)), k
+    # the same steps (fewer than the window holds here; their order across writers' files is the slices')
+    assert sorted(got._steps) == sorted(want._steps)
+    assert want.inputs()["interruptions"] == 2  # the SIGKILL, and the restart line added
+    if recent == 0:
+        # every step in its writer's format was only summed: the one STEP event is the line written otherwise
+        assert [e.details for e in got._follower.events if e.kind is EventKind.STEP] == [{"kind": "ckpt_save"}]
+    # the follower goes on from where the start ended: a save written later is seen, none read twice
+    before = len(got._follower.events)
     with open(run / "events.jsonl", "a") as f:
         f.write(json.dumps({"kind": "ckpt_save", "wall": 2e9, "details": {"step": 99}}) + "\n")
-    assert [e.details["step"] for e in sliced._follower.read_new()] == [99]
-    assert len(sliced._follower.events) == before + 1
+    assert [e.details["step"] for e in got._follower.read_new()] == [99]
+    assert len(got._follower.events) == before + 1
+
+
+def test_a_step_tally_leaves_out_what_is_no_duration_and_keeps_the_newest():
+    t = StepTally(recent_max=2)
+    for s in (0.5, -1.0, float("inf"), float("nan"), 0.25, 1.0):
+        t.add(s)
+    assert (t.count, t.seconds, list(t.recent)) == (3, 1.75, [0.25, 1.0])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -42,7 +42,7 @@ from typing import Any
 
 from resilient import env
 from resilient.events.api import Event, EventKind
-from resilient.events.follow import LedgerTail
+from resilient.events.follow import LedgerTail, StepTally
 from resilient.events.spans import CKPT_KINDS, finite, merge_spans, overlap_seconds, save_spans, stall_spans
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ PRIOR_MTBF_ENV = env.CKPT_PRIOR_MTBF
 
 _READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
 _START_SLICE_BYTES = 8 << 20
+_RECENT_BYTES = 2 << 20  # the newest lines read as events at a restart: more than the 4096 the follower keeps
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,11 @@ class _LedgerFollower:
         self._tail = LedgerTail(run_dir)
         self.events: deque[Event] = deque(maxlen=keep)
 
-    def read_new(self, max_bytes: int | None = 16 << 20) -> list[Event]:
-        """Keep what was written since the last call; returns the new step, checkpoint and restart events."""
-        new = self._tail.read_new(max_bytes, kinds=_READ_KINDS)
+    def read_new(self, max_bytes: int | None = 16 << 20, *, steps: StepTally | None = None,
+                 leave: int = 0) -> list[Event]:
+        """Keep what was written since the last call; returns the new step, checkpoint and restart events
+        (with ``steps``: STEP lines tallied there instead, to ``leave`` bytes before each file's end)."""
+        new = self._tail.read_new(max_bytes, kinds=_READ_KINDS, steps=steps, leave=leave)
         self.events.extend(ev for ev in new if ev.kind is not EventKind.RESTART)
         return new
 
@@ -314,26 +317,38 @@ class IntervalTuner:
         tuner = cls(**kwargs)
         tuner._follower = follower = _LedgerFollower(run_dir)
         restarts: set[tuple[object, object]] = set()
-        # a week's ledger holds millions of STEP lines: read in slices, so that memory stays bounded by a
-        # slice's events, not the run's (read_new stops after about max_bytes; last_read 0: caught up)
-        while True:
-            events = follower.read_new(max_bytes=_START_SLICE_BYTES)
-            if follower.caught_up():
-                break
-            for ev in events:
-                d = ev.details
-                try:
-                    if ev.kind is EventKind.STEP:
-                        tuner.observe_step(float(d.get("seconds", 0.0)))
-                    elif ev.kind is EventKind.CKPT_SAVE:
-                        tuner.observe_save(float(d.get("blocking_seconds", 0.0)))
-                    elif ev.kind is EventKind.CKPT_TIER_DONE and str(d.get("tier")) == "persistent":
-                        tuner.observe_upload(float(d.get("seconds", 0.0)))
-                    elif ev.kind is EventKind.RESTART:
-                        restarts.add((ev.attempt, d.get("attempt")))  # once per restart, however many nodes say
-                except (TypeError, ValueError):
-                    continue
+        # A week's ledger holds millions of STEP lines, and the whole job waits for rank 0 here. All but the
+        # newest _RECENT_BYTES of each file: STEP lines only summed (no event each); then the newest as events,
+        # which the follower keeps to learn the recent saves' interference. Read in slices, so that memory is
+        # bounded by a slice's events, not the run's (read_new stops after about max_bytes; caught up: 0 read).
+        tally = StepTally(recent_max=tuner._steps.maxlen or 256)
+        for steps in (tally, None):
+            while True:
+                events = follower.read_new(max_bytes=_START_SLICE_BYTES, steps=steps,
+                                           leave=_RECENT_BYTES if steps is not None else 0)
+                if follower.caught_up():
+                    break
+                tuner._absorb(events, restarts)
+            if steps is not None:
+                tuner._steps.extend(tally.recent)
+                tuner._uptime += tally.seconds
         tuner._follow(force=True)
         for _ in restarts:
             tuner.observe_interruption()
         return tuner
+
+    def _absorb(self, events: Iterable[Event], restarts: set[tuple[object, object]]) -> None:
+        """The observations of a ledger's events, read at the start (restarts: collected, counted once each)."""
+        for ev in events:
+            d = ev.details
+            try:
+                if ev.kind is EventKind.STEP:
+                    self.observe_step(float(d.get("seconds", 0.0)))
+                elif ev.kind is EventKind.CKPT_SAVE:
+                    self.observe_save(float(d.get("blocking_seconds", 0.0)))
+                elif ev.kind is EventKind.CKPT_TIER_DONE and str(d.get("tier")) == "persistent":
+                    self.observe_upload(float(d.get("seconds", 0.0)))
+                elif ev.kind is EventKind.RESTART:
+                    restarts.add((ev.attempt, d.get("attempt")))  # once per restart, however many nodes say so
+            except (TypeError, ValueError):
+                continue
