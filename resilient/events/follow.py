@@ -213,42 +213,41 @@ def event_from_json(d: Any) -> Event | None:
 # and reports read it whole. Two byte-level shortcuts keep that from scaling with json.loads: the line format
 # of worker/steps.py's STEP formatter decoded by one match, and the leading "kind" our writers put first
 # (Event.to_json's field order) read to pass over lines of kinds a reader did not ask for, undecoded.
-_INT = rb"-?(?:0|[1-9][0-9]*)"
-_NUM = _INT + rb"(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
-# a number json.loads makes a float of (a fraction or an exponent), as the formatter's %r of a float always is
-_FLOAT = _INT + rb"(?:\.[0-9]+(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)"
+# The formatter's numbers, bounded so that each converts without a check: ints of at most 18 digits; seconds
+# non-negative and finite, with a fraction or an exponent (json.loads makes floats of them, as the formatter's %r
+# of a float always is); a wall of 0 to 1e10 (to the year 2286, inside _WALL_MAX); a finite mono. A line outside
+# these bounds is decoded by json.loads, as any other line.
+_INT = rb"-?(?:0|[1-9][0-9]{0,17})"
 _INT_OR_NULL = rb"(" + _INT + rb"|null)"
+_EXP = rb"[eE][-+]?[0-9]{1,2}"
+_SECONDS = rb"(?:0|[1-9][0-9]{0,15})(?:\.[0-9]+(?:" + _EXP + rb")?|" + _EXP + rb")"
+_WALL = rb"(?:0|[1-9][0-9]{0,9})(?:\.[0-9]+)?"
+_MONO = rb"-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]+)?(?:" + _EXP + rb")?"
 _STEP_LINE = re.compile(
     rb'\{"kind":"step","node":(?:"([^"\\\x00-\x1f\x7f-\xff]*)"|null),"rank":' + _INT_OR_NULL
-    + rb',"attempt":' + _INT_OR_NULL + rb',"details":\{"step":(' + _INT + rb'),"seconds":(' + _FLOAT
-    + rb'),"compute_seconds":(' + _FLOAT + rb')\},"wall":(' + _NUM + rb'),"mono":(' + _NUM
-    + rb'),"schema":(0|[1-9][0-9]*)\}[ \t\r\n]*')
+    + rb',"attempt":' + _INT_OR_NULL + rb',"details":\{"step":(' + _INT + rb'),"seconds":(' + _SECONDS
+    + rb'),"compute_seconds":(' + _SECONDS + rb')\},"wall":(' + _WALL + rb'),"mono":(' + _MONO
+    + rb'),"schema":([0-9]{1,18})\}[ \t\r\n]*')
 _LEADING_KIND = re.compile(rb'\s*\{\s*"kind"\s*:\s*"([a-z_]{1,64})"')
 
 
-def _step_line(m: re.Match[bytes]) -> Event | None:
+def _step_line(m: re.Match[bytes]) -> Event:
     node, rank, attempt, step, seconds, compute, wall, mono, schema = m.groups()
-    w, mo = float(wall), float(mono)  # event_from_json makes floats of them too
-    if not (math.isfinite(w) and 0 <= w < _WALL_MAX and math.isfinite(mo)):
-        return None
-    # every field is checked above, as Event's own __init__ would not: set them as one dict (a frozen
-    # dataclass's __init__ sets each through object.__setattr__, the larger part of the cost per line)
+    # every field is bounded by the match, as Event's own __init__ would not check: set them as one dict (a
+    # frozen dataclass's __init__ sets each through object.__setattr__, the larger part of the cost per line)
     ev = object.__new__(Event)
     ev.__dict__.update(kind=EventKind.STEP, node=None if node is None else node.decode("ascii"),
                        rank=None if rank == b"null" else int(rank),
                        attempt=None if attempt == b"null" else int(attempt),
                        details={"step": int(step), "seconds": float(seconds), "compute_seconds": float(compute)},
-                       wall=w, mono=mo, schema=int(schema))
+                       wall=float(wall), mono=float(mono), schema=int(schema))  # event_from_json floats both too
     return ev
 
 
 def parse_line(raw: bytes | str) -> Event | None:
     """The event one ledger line holds, or None when it is not a well-formed event."""
     if isinstance(raw, bytes) and (m := _STEP_LINE.fullmatch(raw)) is not None:
-        try:
-            return _step_line(m)
-        except ValueError:  # an integer too long for int(): json.loads below says what it makes of it
-            pass
+        return _step_line(m)
     try:
         return event_from_json(json.loads(raw))
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError); absurdly nested
@@ -376,12 +375,15 @@ class StepTally:
     recent: deque[float] = field(default_factory=deque)  # the last ``recent_max`` of them, oldest first
 
     def add(self, seconds: float) -> None:
-        if not (seconds >= 0 and math.isfinite(seconds)):
-            return  # not a duration: left out, as IntervalTuner.observe_step leaves it out
-        self.count += 1
-        self.seconds += seconds
-        self.recent.append(seconds)
-        if len(self.recent) > self.recent_max:
+        self.extend((seconds,))
+
+    def extend(self, seconds: Iterable[float]) -> None:
+        # not a duration (negative, not finite): left out, as IntervalTuner.observe_step leaves it out
+        got = [s for s in seconds if s >= 0 and math.isfinite(s)]
+        self.count += len(got)
+        self.seconds += sum(got)
+        self.recent.extend(got[-self.recent_max:])
+        while len(self.recent) > self.recent_max:
             self.recent.popleft()
 
 
@@ -550,16 +552,15 @@ class LedgerTail:
     def _tally(lines: list[bytes], steps: StepTally) -> list[bytes]:
         """Add the STEP lines in their writer's format to ``steps``; the other lines, to be parsed."""
         rest: list[bytes] = []
+        seconds: list[bytes] = []
+        match = _STEP_LINE.fullmatch
         for raw in lines:
-            m = _STEP_LINE.fullmatch(raw)
+            m = match(raw)
             if m is None:
                 rest.append(raw)
-                continue
-            w = float(m.group(7))
-            if not (math.isfinite(w) and 0 <= w < _WALL_MAX and math.isfinite(float(m.group(8)))):
-                rest.append(raw)  # parse_line rejects it and counts it malformed
-                continue
-            steps.add(float(m.group(5)))
+            else:
+                seconds.append(m.group(5))
+        steps.extend(map(float, seconds))
         return rest
 
     def _parse(self, lines: Iterable[bytes], contains: bytes | None,
