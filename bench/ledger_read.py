@@ -75,6 +75,7 @@ def old_tuner():
     return t.inputs()["uptime_seconds"]
 
 def new_exit():
+    """close_checkpoints itself, as a launcher calls it at its exit (its lines to a buffer)."""
     from resilient.launcher.exit import Ending
     from resilient.launcher.report import close_checkpoints
     from resilient.events.ledger import Ledger
@@ -94,9 +95,10 @@ work = {("restart", "new"): lambda: IntervalTuner.from_run_dir(run_dir).inputs()
         ("report", "new"): lambda: report_for_run(run_dir).goodput,
         ("report", "old"): lambda: compute_report(old_events()).goodput}[(reader, mode)]
 t0 = time.perf_counter()
-work()
+answer = work()
 took = time.perf_counter() - t0
-print(json.dumps({"seconds": took, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": took, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "answer": answer}))
 '''
 
 STEP_LINE = ('{"kind":"step","node":"bench","rank":0,"attempt":%d,"details":{"step":%d,"seconds":%r,'
@@ -166,6 +168,13 @@ def main() -> int:
                     row[f"{mode}_seconds_min"], row[f"{mode}_seconds_max"] = min(secs), max(secs)
                     row[f"{mode}_peak_rss_mib"] = max(g["peak_rss_mib"] for g in got[mode])
                 row["speedup"] = row["old_seconds"] / row["new_seconds"] if row["new_seconds"] else None
+                # both readers must reach the same answer (the tuner's uptime, the report's goodput), or the
+                # comparison is of two different things
+                new, old = got["new"][0]["answer"], got["old"][0]["answer"]
+                row["same_answer"] = (new is None and old is None) or (
+                    new is not None and old is not None and abs(new - old) <= 1e-9 * max(1.0, abs(old)))
+                if not row["same_answer"]:
+                    raise SystemExit(f"{reader} at {steps} steps: new reader answered {new!r}, old {old!r}")
                 rows.append(row)
                 print(f"{steps:>8d} steps {reader:8s} new {row['new_seconds']:7.2f} s  old {row['old_seconds']:7.2f} s",
                       flush=True)
