@@ -186,7 +186,8 @@ def main() -> int:
     if not a.quick or a.out != ap.get_default("out"):
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "rows": rows, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            args = {**vars(a), "out": os.path.relpath(a.out, ROOT)}  # no path of this machine in the results
+            json.dump({"args": args, "rows": rows, "python": sys.version.split()[0], "cpus": os.cpu_count(),
                        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
         print(f"wrote {a.out}")
     return 0
