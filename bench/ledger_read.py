@@ -41,7 +41,8 @@ from pathlib import Path
 reader, mode, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.events.api import EventKind
-from resilient.goodput.calculator import CHECKPOINT_SUMMARY_KINDS, checkpoint_summary, compute_report, report_for_run
+from resilient.goodput.calculator import compute_report, report_for_run
+from resilient.goodput.checkpoints import CHECKPOINT_SUMMARY_KINDS, checkpoint_summary
 
 def old_events():
     """The decoding before: every line of every writer's file through json.loads and the event check."""

@@ -67,19 +67,21 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import heapq
 import logging
 import math
 import os
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from resilient.events.spans import background_spans, overlap_seconds, stall_spans
 from resilient.events.api import Event, EventKind
 from resilient.events.follow import read_ledger
+from resilient.goodput.columns import NO_ATTEMPT, ReportInputs, StepColumns, detail_number
+from resilient.goodput.paint import LayeredPainter
 from resilient.goodput.api import (
     CATEGORIES,
     PRODUCTIVE,
@@ -107,13 +109,7 @@ _MAX_CLOCK_OFFSET = 86400.0
 _L_BASE, _L_PHASE, _L_WAIT, _L_FAULT, _L_STEP, _L_STEP_EXCESS, _L_RESTORE, _L_SAVE = range(8)
 
 
-def _num(d: dict, key: str, default: float = 0.0) -> float:
-    v = d.get(key, default)
-    try:
-        f = float(v)
-    except (TypeError, ValueError, OverflowError):  # 10**400 is valid JSON
-        return default
-    return f if math.isfinite(f) else default
+_num = detail_number
 
 
 def _int_or_none(v: object) -> int | None:
@@ -140,54 +136,14 @@ class _Attempt:
     attempt: int
     start: float
     world_size: int | None = None
-    steps: list[Event] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
+    rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # its steps, in time order
+    events: list[Event] = field(default_factory=list)  # its other events
 
 
-class _Painter:
-    def __init__(self, lo: float, hi: float):
-        self.lo, self.hi = lo, hi
-        self._iv: list[tuple[float, float, int, int, str]] = []
-
-    def paint(self, start: float, end: float, layer: int, category: str) -> None:
-        s, e = max(start, self.lo), min(end, self.hi)
-        if e > s:
-            self._iv.append((s, e, layer, len(self._iv), category))
-
-    def sweep(self, extra_cuts: Iterable[float] = ()) -> list[Segment]:
-        """Elementary segments, each with the category of the highest layer covering it (last painted wins)."""
-        pts = {self.lo, self.hi}
-        for s, e, *_ in self._iv:
-            pts.add(s)
-            pts.add(e)
-        cuts = {c for c in extra_cuts if self.lo < c < self.hi}  # segments never merge across these
-        pts.update(cuts)
-        points = sorted(pts)
-        ivs = sorted(self._iv)
-        heap: list[tuple[int, int, float, str]] = []
-        out: list[Segment] = []
-        j = 0
-        for a, b in zip(points, points[1:]):
-            while j < len(ivs) and ivs[j][0] <= a:
-                s, e, layer, seq, cat = ivs[j]
-                heapq.heappush(heap, (-layer, -seq, e, cat))
-                j += 1
-            while heap and heap[0][2] <= a:
-                heapq.heappop(heap)
-            # a popped-late interval below the top may already be over; the top never is
-            cat = heap[0][3] if heap else Badput.OTHER.value
-            if out and out[-1].category == cat and out[-1].end == a and a not in cuts:
-                out[-1] = Segment(out[-1].start, b, cat)
-            else:
-                out.append(Segment(a, b, cat))
-        return out
-
-
-def apply_clock_offsets(events: Iterable[Event]) -> list[Event]:
-    """The events with each node's recorded ``clock_offset`` applied (see the module docstring)."""
-    evs = list(events)
+def _clock_offsets(events: Iterable[Event]) -> dict[str, list[tuple[float, float]]]:
+    """Each node's recorded clock offsets, as sorted (wall, offset) pairs (see the module docstring)."""
     offsets: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for ev in evs:
+    for ev in events:
         if ev.kind in _HOST_CLOCK_KINDS or "clock_offset" not in ev.details:
             continue
         off = _num(ev.details, "clock_offset", math.nan)
@@ -201,10 +157,14 @@ def apply_clock_offsets(events: Iterable[Event]) -> list[Event]:
             # shifting by noise would only reorder the node's last events around its loss
             off = 0.0
         offsets[ev.node].append((ev.wall, off))
-    if not offsets:
-        return evs
     for lst in offsets.values():
         lst.sort()
+    return offsets
+
+
+def _shift(evs: list[Event], offsets: dict[str, list[tuple[float, float]]]) -> list[Event]:
+    if not offsets:
+        return evs
     out = []
     for ev in evs:
         lst = offsets.get(ev.node) if ev.node is not None else None
@@ -217,10 +177,29 @@ def apply_clock_offsets(events: Iterable[Event]) -> list[Event]:
     return out
 
 
-def _paint_around(painter: _Painter, a: float, b: float, amount: float, layer: int, category: str,
-                  holes: Sequence[tuple[float, float]], hole_ends: Sequence[float]) -> None:
-    """Paint ``amount`` seconds of ``[a, b]`` from its start, skipping the ``holes`` (save stalls, painted
-    above), so that the step's productive, stalled and excess parts add up to the step."""
+def apply_clock_offsets(events: Iterable[Event]) -> list[Event]:
+    """The events with each node's recorded ``clock_offset`` applied (see the module docstring)."""
+    evs = list(events)
+    return _shift(evs, _clock_offsets(evs))
+
+
+def _shift_steps(steps: StepColumns, offsets: dict[str, list[tuple[float, float]]]) -> np.ndarray:
+    wall = steps.wall.copy()
+    for code, node in enumerate(steps.nodes):
+        lst = offsets.get(node) if node is not None else None
+        if not lst:
+            continue
+        mine = np.flatnonzero(steps.node == code)
+        at = np.array([w for w, _ in lst])
+        off = np.array([o for _, o in lst])[np.maximum(0, np.searchsorted(at, wall[mine], side="right") - 1)]
+        wall[mine] = np.where(off != 0, wall[mine] + off, wall[mine])
+    return wall
+
+
+def _paint_around(a: float, b: float, amount: float, holes: Sequence[tuple[float, float]], hole_ends: Sequence[float]) -> list[tuple[float, float]]:
+    """The pieces of ``[a, b]`` that ``amount`` seconds from its start take, skipping the ``holes`` (save stalls,
+    painted above), so that the step's productive, stalled and excess parts add up to the step."""
+    out = []
     t = a
     i = bisect.bisect_right(hole_ends, a)
     while amount > 0 and t < b:
@@ -230,39 +209,78 @@ def _paint_around(painter: _Painter, a: float, b: float, amount: float, layer: i
             continue
         end = min(b, holes[i][0] if i < len(holes) else b, t + amount)
         if end <= t:  # an amount below the clock's resolution at t
-            return
-        painter.paint(t, end, layer, category)
+            break
+        out.append((t, end))
         amount -= end - t
         t = end
+    return out
+
+
+def _meets(spans: Sequence[tuple[float, float]], ends: Sequence[float], a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Whether a span of ``spans`` (sorted, disjoint) starts before ``b`` among those ending after ``a``: where
+    :func:`overlap_seconds` has anything to add up."""
+    if not spans:
+        return np.zeros(len(a), dtype=bool)
+    starts = np.array([s for s, _ in spans])
+    i = np.searchsorted(np.asarray(ends), a, side="right")
+    inside = i < len(spans)
+    return inside & (starts[np.minimum(i, len(spans) - 1)] < b)
+
+
+def _median(x: np.ndarray) -> float:
+    """statistics.median's value (the mean of the middle two for an even count)."""
+    s = np.sort(x)
+    n = len(s)
+    return float(s[n // 2]) if n % 2 else (float(s[n // 2 - 1]) + float(s[n // 2])) / 2
+
+
+class _Order:
+    """The merged order of a run's events, ``sorted(events, key=wall)`` of the events in the order they were
+    added: other events and step rows compared by (wall, place added)."""
+
+    def __init__(self, wall: np.ndarray, seq: np.ndarray):
+        self.wall, self.seq = wall, seq
+
+    def steps_before(self, wall: float, seq: int) -> int:
+        lo = int(np.searchsorted(self.wall, wall, side="left"))
+        hi = int(np.searchsorted(self.wall, wall, side="right"))
+        return lo + int(np.searchsorted(self.seq[lo:hi], seq))
 
 
 @dataclass
-class _StepInfo:
-    net: float  # seconds, the save stalls inside it taken out
-    overlapped: bool  # background checkpoint work ran during it
+class _Session:
+    others: list[Event]
+    others_seq: list[int]
+    lo: int  # its steps: rows [lo, hi) of the sorted step columns
+    hi: int
+
+    def first_wall(self, wall: np.ndarray) -> float:
+        cands = [self.others[0].wall] if self.others else []
+        if self.hi > self.lo:
+            cands.append(float(wall[self.lo]))
+        return min(cands)
+
+    def last_wall(self, wall: np.ndarray) -> float:
+        cands = [self.others[-1].wall] if self.others else []
+        if self.hi > self.lo:
+            cands.append(float(wall[self.hi - 1]))
+        return max(cands)
 
 
-def _ended(evs: list[Event]) -> bool:
-    """A launch has ended when every node that announced RUN_START has written RUN_END (a node that left
-    early, e.g. scaled down, does not end the job)."""
-    started = {e.node for e in evs if e.kind is EventKind.RUN_START}
-    ended = {e.node for e in evs if e.kind is EventKind.RUN_END}
-    # a lost node (SIGKILLed, cut off) never writes RUN_END: its loss ends it, unless it was heard from again
-    last = {e.node: e.kind for e in evs}
-    lost = {n for n, k in last.items() if k is EventKind.AGENT_LOST}
-    return bool(ended) and started <= ended | lost
-
-
-def _sessions(evs: list[Event]) -> list[list[Event]]:
+def _sessions(others: list[Event], seqs: list[int], order: _Order, n_steps: int) -> list[_Session]:
     """Split at a RUN_START after the previous launch ended: a separate launch into the same run directory."""
-    out: list[list[Event]] = [[]]
+    out = [_Session([], [], 0, n_steps)]
     started: set[str] = set()
     ended: set[str] = set()
-    for ev in evs:
-        if ev.kind is EventKind.RUN_START and ended and started <= ended and out[-1]:
-            out.append([])
-            started, ended = set(), set()
-        out[-1].append(ev)
+    for ev, q in zip(others, seqs):
+        if ev.kind is EventKind.RUN_START and ended and started <= ended:
+            cut = order.steps_before(ev.wall, q)
+            if out[-1].others or cut > out[-1].lo:
+                out[-1].hi = cut
+                out.append(_Session([], [], cut, n_steps))
+                started, ended = set(), set()
+        out[-1].others.append(ev)
+        out[-1].others_seq.append(q)
         if ev.kind is EventKind.RUN_START:
             started.add(ev.node)
         elif ev.kind is EventKind.RUN_END:
@@ -270,142 +288,204 @@ def _sessions(evs: list[Event]) -> list[list[Event]]:
     return out
 
 
-def _attempts(session: int, evs: list[Event]) -> list[_Attempt]:
+def _ended(s: _Session, order: _Order, steps: StepColumns) -> bool:
+    """A launch has ended when every node that announced RUN_START has written RUN_END (a node that left
+    early, e.g. scaled down, does not end the job)."""
+    started = {e.node for e in s.others if e.kind is EventKind.RUN_START}
+    ended = {e.node for e in s.others if e.kind is EventKind.RUN_END}
+    if not ended:
+        return False
+    # a lost node (SIGKILLed, cut off) never writes RUN_END: its loss ends it, unless it was heard from again
+    last: dict[str, tuple[Event, int]] = {}
+    for e, q in zip(s.others, s.others_seq):
+        last[e.node] = (e, q)
+    codes = {n: i for i, n in enumerate(steps.nodes)}
+    lost = set()
+    for node, (e, q) in last.items():
+        if e.kind is not EventKind.AGENT_LOST:
+            continue
+        code = codes.get(node)
+        after = max(s.lo, order.steps_before(e.wall, q))
+        if code is None or not (steps.node[after:s.hi] == code).any():
+            lost.add(node)
+    return started <= ended | lost
+
+
+def _attempts(si: int, s: _Session, steps: StepColumns, wall: np.ndarray) -> list[_Attempt]:
     starts: dict[int, _Attempt] = {}
-    for ev in evs:
+    for ev in s.others:
         if ev.kind is EventKind.ATTEMPT_START:
             k = ev.attempt if ev.attempt is not None else _int_or_none(ev.details.get("attempt", len(starts)))
             if k is None:
                 k = len(starts)
             a = starts.get(k)
             if a is None:
-                starts[k] = a = _Attempt(session, k, ev.wall)
+                starts[k] = a = _Attempt(si, k, ev.wall)
             a.start = min(a.start, ev.wall)
             ws = ev.details.get("world_size")
             if isinstance(ws, int):
                 a.world_size = max(a.world_size or 0, ws)
+    rows = np.arange(s.lo, s.hi)
+    s_first = s.first_wall(wall)
     if not starts:
         # a ledger without agent events (e.g. a plain worker): attempts from the workers' attempt field
-        for ev in evs:
-            if ev.kind is EventKind.STEP:
-                k = ev.attempt or 0
-                a = starts.get(k)
-                t0 = ev.wall - _num(ev.details, "seconds")
-                if a is None:
-                    starts[k] = a = _Attempt(session, k, t0)
-                a.start = min(a.start, t0)
+        if len(rows):
+            ks = steps.attempt[rows]
+            ks = np.where(ks == NO_ATTEMPT, 0, ks)  # `attempt or 0`
+            t0s = wall[rows] - steps.seconds[rows]
+            uniq, first = np.unique(ks, return_index=True)
+            for j in np.argsort(first, kind="stable"):  # in the order the attempts first appear
+                mine = ks == uniq[j]
+                starts[int(uniq[j])] = _Attempt(si, int(uniq[j]), float(t0s[mine].min()))
         if not starts:
-            starts[0] = _Attempt(session, 0, evs[0].wall)
-        first = min(starts.values(), key=lambda a: a.start)
-        first.start = min(first.start, evs[0].wall)
+            starts[0] = _Attempt(si, 0, s_first)
+        first_att = min(starts.values(), key=lambda a: a.start)
+        first_att.start = min(first_att.start, s_first)
         for a in starts.values():  # a step's start may predate the first record; the run starts there
-            a.start = max(a.start, evs[0].wall)
+            a.start = max(a.start, s_first)
     ordered = sorted(starts.values(), key=lambda a: a.start)
     by_num = {a.attempt: a for a in ordered}
     begins = [a.start for a in ordered]
-    for ev in evs:
-        owner = None
-        if ev.kind is EventKind.STEP and ev.attempt is not None:
-            owner = by_num.get(ev.attempt)
-        if owner is None:
-            # the latest attempt spawned at or before this event
-            i = max(0, bisect.bisect_right(begins, ev.wall) - 1)
-            owner = ordered[i]
+    for ev in s.others:
+        # the latest attempt spawned at or before this event
+        owner = ordered[max(0, bisect.bisect_right(begins, ev.wall) - 1)]
         owner.events.append(ev)
-        if ev.kind is EventKind.STEP:
-            owner.steps.append(ev)
-        elif ev.kind is EventKind.SCALE:
+        if ev.kind is EventKind.SCALE:
             # an attempt's size is fixed at spawn; SCALE only fills it in when ATTEMPT_START did not say
             target = by_num.get(ev.attempt) if ev.attempt is not None else None
             ws = ev.details.get("new_world_size")
             if isinstance(ws, int) and target is not None and target.world_size is None:
                 target.world_size = ws
+    if len(rows):
+        # a step record names its attempt; one that does not (or names none spawned) goes by its time
+        owner = np.maximum(0, np.searchsorted(np.array(begins), wall[rows], side="right") - 1)
+        index = {id(a): i for i, a in enumerate(ordered)}
+        named = sorted((k, index[id(a)]) for k, a in by_num.items() if -(2**63) < k < 2**63)
+        if named:
+            keys = np.array([k for k, _ in named], dtype=np.int64)
+            to = np.array([i for _, i in named], dtype=np.int64)
+            att = steps.attempt[rows]
+            pos = np.minimum(np.searchsorted(keys, att), len(keys) - 1)
+            hit = (att != NO_ATTEMPT) & (keys[pos] == att)
+            owner[hit] = to[pos[hit]]
+        by_owner = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[by_owner], np.arange(len(ordered) + 1))
+        for i, a in enumerate(ordered):
+            a.rows = rows[by_owner[bounds[i]:bounds[i + 1]]]
     return ordered
 
 
-def compute_report(events: Iterable[Event], *, now: float | None = None,
-                   in_progress_step_cap: bool = True) -> GoodputReport:
+def _step_int(v: float) -> int:
+    return int(v) if math.isfinite(v) else 0
+
+
+def compute_report(events: Iterable[Event] | ReportInputs, *, now: float | None = None,
+                   in_progress_step_cap: bool = True, timeline: bool = True,
+                   _reference: bool = False) -> GoodputReport:
     """The goodput report of the events of one run directory (any order, any number of nodes).
 
-    ``now`` (wall seconds) is the end of a run still in progress; default: the current time.
+    ``now`` (wall seconds) is the end of a run still in progress; default: the current time. ``events`` may be
+    a :class:`~resilient.goodput.columns.ReportInputs` that holds them (a live collector's). ``timeline=False``
+    leaves ``timeline`` empty (two segments a step: the plot needs them, a figure does not).
+    ``_reference`` takes every step through the one-at-a-time code (tests compare the two).
     """
-    evs = sorted(apply_clock_offsets(events), key=lambda e: e.wall)
-    if not evs:
+    inp = events if isinstance(events, ReportInputs) else ReportInputs(events)
+    raw = inp.steps()
+    offsets = _clock_offsets(inp.others)
+    others_shifted = _shift(inp.others, offsets)
+    by_time = sorted(range(len(others_shifted)), key=lambda i: (others_shifted[i].wall, inp.others_seq[i]))
+    others = [others_shifted[i] for i in by_time]
+    others_seq = [inp.others_seq[i] for i in by_time]
+    shifted = _shift_steps(raw, offsets)
+    idx = np.lexsort((raw.seq, shifted))
+    steps = raw.take(idx)
+    wall = shifted[idx]
+    n = len(wall)
+    if not others and not n:
         raise EmptyLedgerError("the ledger holds no events: is this the run directory, and has the run started?")
-    sessions = _sessions(evs)
-    last = sessions[-1]
-    in_progress = not _ended(last)
-    t0 = evs[0].wall
-    t1 = evs[-1].wall
+    order = _Order(wall, steps.seq)
+    sessions = _sessions(others, others_seq, order, n)
+    in_progress = not _ended(sessions[-1], order, steps)
+    t0 = min(x for x in (others[0].wall if others else math.inf, float(wall[0]) if n else math.inf))
+    t1 = max(x for x in (others[-1].wall if others else -math.inf, float(wall[-1]) if n else -math.inf))
     if in_progress:
         t1 = max(t1, time.time() if now is None else now)
-    painter = _Painter(t0, t1)
+    cats = [PRODUCTIVE, *CATEGORIES]
+    painter = LayeredPainter(t0, t1, cats, base=Badput.OTHER.value)
 
     # A step record is kept iff no later record goes back to its step number or before (a rollback).
-    steps_all = [e for e in evs if e.kind is EventKind.STEP and "step" in e.details]
-    redone: set[int] = set()
-    low = math.inf
-    for ev in reversed(steps_all):
-        n = _num(ev.details, "step", math.inf)
-        if n >= low:
-            redone.add(id(ev))
-        low = min(low, n)
+    has_step = ~np.isnan(steps.step)
+    numbered = np.flatnonzero(has_step)
+    nums = steps.step[numbered]
+    low_after = np.append(np.minimum.accumulate(nums[::-1])[::-1][1:], math.inf) if len(nums) else nums
+    redone = np.zeros(n, dtype=bool)
+    redone[numbered] = nums >= low_after
 
     # when training was blocked by a save, and when checkpoint work ran behind it
-    stalls = stall_spans(evs)
+    stalls = stall_spans(others)
     stall_ends = [e for _, e in stalls]
-    bg = background_spans(evs)
+    bg = background_spans(others)
     bg_ends = [e for _, e in bg]
-    all_atts = [_attempts(si, sev) for si, sev in enumerate(sessions)]
-    info: dict[int, _StepInfo] = {}
-    clean_of: dict[int, list[float]] = {}  # id(attempt) → its clean samples
+    secs = steps.seconds
+    s_start = wall - secs
+    # a step's seconds less the save stalls inside it (never below 0: the stall is measured on wall clock values
+    # where a float's resolution is ~0.2 µs), and whether background checkpoint work ran during it; the overlap
+    # is added up one step at a time only for the steps a span meets (the rest have none)
+    net = np.maximum(0.0, secs)
+    overlapped = np.zeros(n, dtype=bool)
+    in_stall = np.ones(n, dtype=bool) if _reference else _meets(stalls, stall_ends, s_start, wall)
+    for i in np.flatnonzero(in_stall).tolist():
+        net[i] = max(0.0, secs[i] - overlap_seconds(s_start[i], wall[i], stalls, stall_ends))
+    in_bg = np.ones(n, dtype=bool) if _reference else _meets(bg, bg_ends, s_start, wall)
+    for i in np.flatnonzero(in_bg).tolist():
+        overlapped[i] = overlap_seconds(s_start[i], wall[i], bg, bg_ends) > 0
+    all_atts = [_attempts(si, s, steps, wall) for si, s in enumerate(sessions)]
+    clean_of: dict[int, np.ndarray] = {}  # id(attempt) → its clean samples
     for atts in all_atts:
         for att in atts:
-            att.steps.sort(key=lambda e: e.wall)
-            for e in att.steps:
-                d = _num(e.details, "seconds")
-                # never below 0: the stall is measured on wall clock values where a float's resolution is ~0.2 µs
-                info[id(e)] = _StepInfo(max(0.0, d - overlap_seconds(e.wall - d, e.wall, stalls, stall_ends)),
-                                        overlap_seconds(e.wall - d, e.wall, bg, bg_ends) > 0)
-            sample = att.steps[1:] if len(att.steps) > 1 else att.steps
-            clean_of[id(att)] = [info[id(e)].net for e in sample if not info[id(e)].overlapped]
-    run_clean = [x for xs in clean_of.values() for x in xs]
+            sample = att.rows[1:] if len(att.rows) > 1 else att.rows
+            clean_of[id(att)] = net[sample[~overlapped[sample]]]
+    run_clean = np.concatenate(list(clean_of.values())) if clean_of else np.empty(0)
 
     attempt_reports: list[AttemptReport] = []
     disruptions = 0
     attempt_cuts: list[tuple[float, AttemptReport]] = []
-    for si, sev in enumerate(sessions):
-        s_start = sev[0].wall
-        s_ended = _ended(sev)
-        s_end = sev[-1].wall if s_ended else t1
+    paint_rows: list[np.ndarray] = []  # steps in the order they are painted, with what their excess is set against
+    paint_clean: list[np.ndarray] = []
+    paint_first: list[np.ndarray] = []
+    paint_straggler: list[np.ndarray] = []
+    for si, sess in enumerate(sessions):
+        sev = sess.others
+        s_first = sess.first_wall(wall)
+        s_ended = _ended(sess, order, steps)
+        s_end = sess.last_wall(wall) if s_ended else t1
         run_end = next((e for e in reversed(sev) if e.kind is EventKind.RUN_END), None)
         atts = all_atts[si]
         counted_fault = False
         for k, att in enumerate(atts):
             nxt = atts[k + 1] if k + 1 < len(atts) else None
-            a_start = s_start if k == 0 else att.start
+            a_start = s_first if k == 0 else att.start
             bound = nxt.start if nxt else s_end
-            steps = att.steps
-            durs = [_num(e.details, "seconds") for e in steps]
+            rows = att.rows
             source: str | None = None
-            if clean_of[id(att)]:
-                clean, source = statistics.median(clean_of[id(att)]), "attempt"
-            elif steps and run_clean:
-                clean, source = statistics.median(run_clean), "run"
-            elif steps:
-                sample = steps[1:] if len(steps) > 1 else steps
-                clean, source = statistics.median(info[id(e)].net for e in sample), "all_steps"
+            if len(clean_of[id(att)]):
+                clean, source = _median(clean_of[id(att)]), "attempt"
+            elif len(rows) and len(run_clean):
+                clean, source = _median(run_clean), "run"
+            elif len(rows):
+                sample = rows[1:] if len(rows) > 1 else rows
+                clean, source = _median(net[sample]), "all_steps"
             else:
                 clean = 0.0
-            first_start = steps[0].wall - durs[0] if steps else None
-            last_end = steps[-1].wall if steps else None
+            first_start = float(s_start[rows[0]]) if len(rows) else None
+            last_end = float(wall[rows[-1]]) if len(rows) else None
             rep = AttemptReport(session=si, attempt=att.attempt, start=a_start, end=bound,
-                                world_size=att.world_size, steps=len(steps),
-                                steps_redone=sum(1 for e in steps if id(e) in redone),
+                                world_size=att.world_size, steps=len(rows),
+                                steps_redone=int(redone[rows].sum()),
                                 clean_step_seconds=clean if source else None, clean_step_source=source)
-            if steps:
-                rep.first_step = int(_num(steps[0].details, "step"))
-                rep.last_step = int(_num(steps[-1].details, "step"))
+            if len(rows):
+                rep.first_step = _step_int(float(steps.step[rows[0]]))
+                rep.last_step = _step_int(float(steps.step[rows[-1]]))
 
             # where the attempt ended: first fault, else a boundary event if another attempt follows
             floor = last_end if last_end is not None else att.start
@@ -441,7 +521,7 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
             attempt_cuts.append((a_start, rep))
 
             # layer 1: startup / recovery / after a final fault
-            if steps:
+            if first_start is not None:
                 painter.paint(a_start, first_start, _L_PHASE, Badput.STARTUP.value)
             else:
                 painter.paint(a_start, fault if fault is not None else bound, _L_PHASE, Badput.STARTUP.value)
@@ -473,33 +553,28 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
                     painter.paint(last_end, fault, _L_FAULT, Badput.WASTED_PROGRESS.value)
                 painter.paint(fault, detect, _L_FAULT, Badput.DETECTION.value)
 
-            # layers 4, 5: steps, and their time beyond the clean step time
-            straggler_from = min((e.wall for e in att.events if e.kind is EventKind.STRAGGLER), default=math.inf)
-            for i, (ev, d) in enumerate(zip(steps, durs)):
-                cat = Badput.WASTED_PROGRESS.value if id(ev) in redone else PRODUCTIVE
-                painter.paint(ev.wall - d, ev.wall, _L_STEP, cat)
-                si_ = info[id(ev)]
-                excess = si_.net - clean
-                if cat != PRODUCTIVE or excess <= 0:
-                    continue
-                if i == 0:
-                    why = Badput.STARTUP
-                elif si_.overlapped:
-                    # before straggler: the rank doing the checkpoint work is the one the detector flags
-                    why = Badput.CHECKPOINT_INTERFERENCE
-                elif ev.wall >= straggler_from:
-                    why = Badput.STRAGGLER_SLOWDOWN
-                else:
-                    why = Badput.STEP_SLOWDOWN
-                _paint_around(painter, ev.wall - d, ev.wall, excess, _L_STEP_EXCESS, why.value, stalls, stall_ends)
+            if len(rows):
+                paint_rows.append(rows)
+                paint_clean.append(np.full(len(rows), clean))
+                first = np.zeros(len(rows), dtype=bool)
+                first[0] = True
+                paint_first.append(first)
+                straggler_from = min((e.wall for e in att.events if e.kind is EventKind.STRAGGLER), default=math.inf)
+                paint_straggler.append(np.full(len(rows), straggler_from))
 
         if s_ended and not counted_fault and run_end is not None:
             code = run_end.details.get("exit_code")
             if code not in (0, None):
                 disruptions += 1
 
+    # layers 4, 5: steps, and their time beyond the clean step time
+    if paint_rows:
+        _paint_steps(painter, np.concatenate(paint_rows), np.concatenate(paint_clean), np.concatenate(paint_first),
+                     np.concatenate(paint_straggler), s_start, wall, net, overlapped, redone, stalls, stall_ends,
+                     _reference)
+
     # layers 6, 7: checkpoint restore and save stalls, whichever attempt they belong to
-    for ev in evs:
+    for ev in others:
         if ev.kind is EventKind.CKPT_RESTORE:
             painter.paint(ev.wall - _num(ev.details, "seconds"), ev.wall, _L_RESTORE,
                           Badput.CHECKPOINT_RESTORE.value)
@@ -508,21 +583,21 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
                           Badput.CHECKPOINT_SAVE_STALL.value)
 
     cut_points = [c for c, _ in attempt_cuts]
-    segments = painter.sweep(cut_points)
-    totals: dict[str, list[float]] = defaultdict(list)
-    per_attempt: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    swept = painter.sweep(cut_points, ordered=_reference)
+    seconds = swept.seconds
+    # each segment belongs to the attempt whose row it starts in
     starts_sorted = sorted(range(len(attempt_cuts)), key=lambda i: attempt_cuts[i][0])
-    cut_walls = [attempt_cuts[i][0] for i in starts_sorted]
-    for seg in segments:
-        totals[seg.category].append(seg.seconds)
-        if cut_walls:
-            i = max(0, bisect.bisect_right(cut_walls, seg.start) - 1)
-            per_attempt[starts_sorted[i]][seg.category].append(seg.seconds)
-    # time between sessions is cut at the next session's start; give it to the earlier session's last attempt
+    cut_walls = np.array([attempt_cuts[i][0] for i in starts_sorted])
+    owner = (np.array(starts_sorted, dtype=np.int64)[np.maximum(0, np.searchsorted(cut_walls, swept.start,
+                                                                                   side="right") - 1)]
+             if len(cut_walls) else np.full(len(seconds), -1, dtype=np.int64))
+    ncat = len(cats)
+    totals = _sums(seconds, swept.code, ncat)
+    per_attempt = _sums(seconds, owner * ncat + swept.code, len(attempt_cuts) * ncat)
     for idx, (_, rep) in enumerate(attempt_cuts):
-        cats = per_attempt.get(idx, {})
-        rep.productive_seconds = math.fsum(cats.get(PRODUCTIVE, []))
-        rep.badput_seconds = {c: math.fsum(cats.get(c, [])) for c in CATEGORIES}
+        sums = per_attempt[idx * ncat:(idx + 1) * ncat]
+        rep.productive_seconds = sums[0]
+        rep.badput_seconds = {c: sums[j] for j, c in enumerate(cats) if j}
     # each attempt's row runs to the next row's start (or the end)
     ordered = [attempt_cuts[i][1] for i in starts_sorted]
     for a, b in zip(ordered, ordered[1:]):
@@ -530,21 +605,63 @@ def compute_report(events: Iterable[Event], *, now: float | None = None,
     if ordered:
         ordered[-1].end = t1
 
-    wall = t1 - t0
-    productive = math.fsum(totals.get(PRODUCTIVE, []))
-    badput = {c: math.fsum(totals.get(c, [])) for c in CATEGORIES}
-    goodput = min(1.0, max(0.0, productive / wall)) if wall > 0 else 0.0
+    wall_seconds = t1 - t0
+    productive = totals[0]
+    badput = {c: totals[j] for j, c in enumerate(cats) if j}
+    goodput = min(1.0, max(0.0, productive / wall_seconds)) if wall_seconds > 0 else 0.0
     # every node may report the same restart: count each (launch, new attempt) once
-    restarts = len({(si, e.attempt, _int_or_none(e.details.get("attempt"))) for si, sev in enumerate(sessions) for e in sev
-                    if e.kind is EventKind.RESTART})
-    kept_steps = [e for e in steps_all if id(e) not in redone]
+    restarts = len({(si, e.attempt, _int_or_none(e.details.get("attempt"))) for si, s in enumerate(sessions)
+                    for e in s.others if e.kind is EventKind.RESTART})
+    segments = ([Segment(a, b, cats[c]) for a, b, c in zip(swept.start.tolist(), swept.end.tolist(),
+                                                           swept.code.tolist())] if timeline else [])
     return GoodputReport(
-        goodput=goodput, wall_seconds=wall, productive_seconds=productive, badput_seconds=badput,
+        goodput=goodput, wall_seconds=wall_seconds, productive_seconds=productive, badput_seconds=badput,
         disruptions=disruptions, attempts=ordered, start_wall=t0, end_wall=t1, in_progress=in_progress,
         restarts=restarts, sessions=len(sessions),
-        last_step=int(_num(steps_all[-1].details, "step")) if steps_all else None,
-        steps_recorded=len(steps_all), steps_redone=len(steps_all) - len(kept_steps), timeline=segments,
+        last_step=_step_int(float(steps.step[numbered[-1]])) if len(numbered) else None,
+        steps_recorded=len(numbered), steps_redone=int(redone.sum()), timeline=segments,
     )
+
+
+def _sums(seconds: np.ndarray, key: np.ndarray, nkeys: int) -> list[float]:
+    """Exact sums (math.fsum) of ``seconds`` by ``key`` (0 to nkeys - 1)."""
+    by = np.argsort(key, kind="stable")
+    bounds = np.searchsorted(key[by], np.arange(nkeys + 1))
+    return [math.fsum(seconds[by[bounds[j]:bounds[j + 1]]].tolist()) for j in range(nkeys)]
+
+
+def _paint_steps(painter: LayeredPainter, rows: np.ndarray, clean: np.ndarray, first: np.ndarray,
+                 straggler_from: np.ndarray, s_start: np.ndarray, wall: np.ndarray, net: np.ndarray,
+                 overlapped: np.ndarray, redone: np.ndarray, stalls: Sequence[tuple[float, float]],
+                 stall_ends: Sequence[float], reference: bool) -> None:
+    """Each step ``[wall - seconds, wall]`` productive (or wasted, if redone later), then its time beyond the
+    clean step time painted from its start and around its save stalls, in the category that explains it."""
+    a, b = s_start[rows], wall[rows]
+    kept = ~redone[rows]
+    painter.paint_many(a, b, _L_STEP, np.where(kept, painter.code(PRODUCTIVE),
+                                                painter.code(Badput.WASTED_PROGRESS.value)))
+    excess = net[rows] - clean
+    # before straggler: the rank doing the checkpoint work is the one the detector flags
+    why = np.select([first, overlapped[rows], b >= straggler_from],
+                    [painter.code(Badput.STARTUP.value), painter.code(Badput.CHECKPOINT_INTERFERENCE.value),
+                     painter.code(Badput.STRAGGLER_SLOWDOWN.value)], painter.code(Badput.STEP_SLOWDOWN.value))
+    want = kept & (excess > 0)
+    around = want & (np.ones(len(rows), dtype=bool) if reference else _meets(stalls, stall_ends, a, b))
+    # a step no stall meets takes its excess as one piece from its start; the rest go around their stalls
+    pos = [np.flatnonzero(want & ~around)]
+    ea = a[pos[0]]
+    eb = np.minimum(b[pos[0]], ea + excess[pos[0]])
+    pieces_a, pieces_b, piece_no = [ea], [eb], [np.zeros(len(ea), dtype=np.int64)]
+    for i in np.flatnonzero(around).tolist():
+        got = _paint_around(float(a[i]), float(b[i]), float(excess[i]), stalls, stall_ends)
+        if got:
+            pos.append(np.full(len(got), i))
+            pieces_a.append(np.array([p for p, _ in got]))
+            pieces_b.append(np.array([q for _, q in got]))
+            piece_no.append(np.arange(len(got)))
+    at, no = np.concatenate(pos), np.concatenate(piece_no)
+    by = np.lexsort((no, at))  # the order the steps are painted in, each step's pieces in order
+    painter.paint_many(np.concatenate(pieces_a)[by], np.concatenate(pieces_b)[by], _L_STEP_EXCESS, why[at[by]])
 
 
 def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None) -> GoodputReport:
@@ -561,143 +678,3 @@ def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None)
     rep.skipped_lines = read.skipped
     rep.ledger_incomplete = read.incomplete
     return rep
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-@dataclass
-class TierSaves:
-    """What one tier got of a run's saves, from its CKPT_TIER_DONE records."""
-
-    tier: str
-    count: int
-    newest: int | None
-
-
-@dataclass
-class CheckpointSummary:
-    """Which steps were saved where, and which saves failed (``resilient goodput`` and the launcher's closing
-    lines). A failed save is one that reached no tier: a CKPT_SAVE_FAILED record, or (ledgers written before that
-    record existed) a saved step with a tier failure and no tier that completed it."""
-
-    attempted: list[int] = field(default_factory=list)  # steps whose save began (CKPT_SAVE)
-    tiers: dict[str, TierSaves] = field(default_factory=dict)
-    failed: list[int] = field(default_factory=list)
-    first_error: str | None = None  # of the first failed save: "tier: error"
-    stopped: str | None = None  # the CKPT_STOP message, when failed saves stopped the job
-    restore_missing: list[int] = field(default_factory=list)  # steps a restart found nowhere (CKPT_RESTORE_MISSING)
-    state_undefined: str | None = None  # the first restore that found no usable step: what was missing, what would do
-    rank0: bool = False  # the ledger holds rank 0's checkpoint records (another node's own ledger may not)
-
-    def newest(self, tier: str | None = None) -> int | None:
-        if tier is not None:
-            t = self.tiers.get(tier)
-            return t.newest if t is not None else None
-        return max((t.newest for t in self.tiers.values() if t.newest is not None), default=None)
-
-    def not_durable(self, persistent: str = "persistent") -> tuple[int, int | None] | None:
-        """(newest saved step, newest step on ``persistent``) when the newest saved step is not there."""
-        newest = self.newest()
-        if not self.rank0 or newest is None:
-            return None
-        there = self.newest(persistent)
-        return None if there is not None and there >= newest else (newest, there)
-
-    def lines(self) -> list[str]:
-        if not self.attempted and not self.tiers and not self.failed and not self.state_undefined:
-            return []
-        order = {"local": 0, "peer": 1, "persistent": 2}
-        where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
-                          for t in sorted(self.tiers.values(), key=lambda t: (order.get(t.tier, 9), t.tier)))
-        out = [f"checkpoints: {len(self.attempted)} save(s); {where or 'no tier holds any step'}"]
-        if self.failed:
-            out.append(f"checkpoints: {len(self.failed)} failed save(s) (reached no tier): steps "
-                       f"{_steps_text(self.failed)}; first error: {self.first_error or 'unknown'}")
-        if self.restore_missing:
-            out.append(f"checkpoints: a restart found no checkpoint although steps {_steps_text(self.restore_missing)} "
-                       "were saved before; it started from step 0")
-        if self.state_undefined:
-            out.append(f"checkpoints: state undefined: {self.state_undefined}")
-        return out
-
-    def to_json(self) -> dict[str, object]:
-        return {"attempted": len(self.attempted), "newest": self.newest(),
-                "tiers": {t: {"count": v.count, "newest": v.newest} for t, v in self.tiers.items()},
-                "failed": {"count": len(self.failed), "steps": list(self.failed), "first_error": self.first_error},
-                "stopped": self.stopped, "restore_missing": list(self.restore_missing),
-                "state_undefined": self.state_undefined}
-
-
-def fleet_lines(events: Iterable[Event]) -> list[str]:
-    """What happened to the fleet beside the attempts: spares lost, failures by class (``resilient goodput``)."""
-    lost: list[str] = []
-    classes: dict[str, int] = defaultdict(int)
-    for ev in sorted(events, key=lambda e: e.wall):
-        if ev.kind is EventKind.SPARE_LOST:
-            lost.append(f"{ev.details.get('node') or ev.node} ({ev.details.get('cause') or 'unknown'})")
-        elif ev.kind is EventKind.WORKER_EXIT and ev.details.get("failure_class"):
-            classes[str(ev.details["failure_class"])] += 1
-    out = []
-    if classes:
-        out.append("failures by class: " + ", ".join(f"{c} {n}" for c, n in sorted(classes.items())))
-    if lost:
-        out.append(f"spares lost: {len(lost)}: " + "; ".join(lost[:8]) + (" …" if len(lost) > 8 else ""))
-    return out
-
-
-def _steps_text(steps: Sequence[int], most: int = 12) -> str:
-    s = list(steps)
-    if len(s) <= most:
-        return ", ".join(map(str, s))
-    return f"{', '.join(map(str, s[:most // 2]))}, … ({len(s) - most} more), {', '.join(map(str, s[-(most // 2):]))}"
-
-
-def _step_of(ev: Event) -> int | None:
-    v = ev.details.get("step")
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-# the kinds checkpoint_summary reads: a caller that reads the ledger for it alone reads only these
-CHECKPOINT_SUMMARY_KINDS = frozenset({EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_SAVE_FAILED,
-                                      EventKind.CKPT_TIER_FAILED, EventKind.CKPT_STOP,
-                                      EventKind.CKPT_RESTORE_MISSING})
-
-
-def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
-    """Which steps were saved where, and which saves failed, from a run's events (see CheckpointSummary)."""
-    evs = sorted(events, key=lambda e: e.wall)
-    out = CheckpointSummary()
-    attempted: set[int] = set()
-    done: dict[str, set[int]] = defaultdict(set)
-    failed_explicit: dict[int, str] = {}
-    tier_failed: dict[int, str] = {}
-    missing: set[int] = set()
-    for ev in evs:
-        step = _step_of(ev)
-        if ev.kind is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
-            out.state_undefined = out.state_undefined or str(ev.details.get("error") or "no usable step on any tier")
-        if ev.kind is EventKind.CKPT_SAVE and step is not None:
-            attempted.add(step)
-            out.rank0 = out.rank0 or ev.rank in (0, None)
-        elif ev.kind is EventKind.CKPT_TIER_DONE and step is not None:
-            done[str(ev.details.get("tier"))].add(step)
-            out.rank0 = out.rank0 or ev.rank in (0, None)
-        elif ev.kind is EventKind.CKPT_SAVE_FAILED and step is not None:
-            failed_explicit.setdefault(step, f"{ev.details.get('tier') or 'every tier'}: {ev.details.get('error')}")
-        elif ev.kind is EventKind.CKPT_TIER_FAILED and step is not None:
-            tier_failed.setdefault(step, f"{ev.details.get('tier')}: {ev.details.get('error')}")
-        elif ev.kind is EventKind.CKPT_STOP and out.stopped is None:
-            out.stopped = str(ev.details.get("message") or "")
-        elif ev.kind is EventKind.CKPT_RESTORE_MISSING:
-            missing.update(s for s in ev.details.get("attempted_steps") or () if isinstance(s, int))
-    reached = set().union(*done.values()) if done else set()
-    # a step that reached a tier later (saved again after a restart) is not a lost save
-    failed = {s: e for s, e in failed_explicit.items() if s not in reached}
-    for s, e in tier_failed.items():
-        if s in attempted and s not in reached and s not in failed:
-            failed[s] = e
-    out.attempted = sorted(attempted)
-    out.tiers = {t: TierSaves(t, len(s), max(s)) for t, s in done.items()}
-    out.failed = sorted(failed)
-    out.first_error = failed[out.failed[0]] if out.failed else None
-    out.restore_missing = sorted(missing)
-    return out

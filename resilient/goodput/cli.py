@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
-from resilient.goodput.calculator import checkpoint_summary, compute_report, fleet_lines
+from resilient.goodput.calculator import compute_report
+from resilient.goodput.checkpoints import checkpoint_summary, fleet_lines
 from resilient.events.follow import ledger_path, read_ledgers
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     try:
-        rep = compute_report(events, now=args.now)
+        # the segments (two a step) only for what draws or lists them
+        rep = compute_report(events, now=args.now, timeline=bool(args.plot or args.tensorboard or args.timeline))
     except GoodputError as e:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2

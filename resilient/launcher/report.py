@@ -52,7 +52,7 @@ def close_checkpoints(end: Ending, ledger: Ledger, run_dir: Path, node: str, per
     the exit rules that depend on them give (``ckpt_stop_mark``: the workers' mark of saves that kept failing)."""
     try:
         from resilient.events.follow import read_events
-        from resilient.goodput.calculator import CHECKPOINT_SUMMARY_KINDS, checkpoint_summary
+        from resilient.goodput.checkpoints import CHECKPOINT_SUMMARY_KINDS, checkpoint_summary
 
         # at every exit: the STEP lines, most of a long run's ledger, are passed over undecoded
         events = list(read_events(run_dir, kinds={EventKind.RUN_START, *CHECKPOINT_SUMMARY_KINDS}))

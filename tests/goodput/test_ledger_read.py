@@ -16,7 +16,7 @@ from resilient.checkpoint.save import interval as interval_mod
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.events.api import EventKind
 from resilient.events.follow import _STEP_LINE, LedgerTail, StepTally, event_from_json, parse_line, read_events
-from resilient.goodput.calculator import CHECKPOINT_SUMMARY_KINDS
+from resilient.goodput.checkpoints import CHECKPOINT_SUMMARY_KINDS
 
 
 def _slow(raw: bytes):

@@ -1,0 +1,150 @@
+"""Which steps a run saved where, which saves failed, and what happened to its fleet: read from its ledger for
+``resilient goodput`` and for the launcher's closing lines (which import this without the calculator and NumPy:
+an exit must be quick)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from resilient.events.api import Event, EventKind
+
+
+@dataclass
+class TierSaves:
+    """What one tier got of a run's saves, from its CKPT_TIER_DONE records."""
+
+    tier: str
+    count: int
+    newest: int | None
+
+
+@dataclass
+class CheckpointSummary:
+    """Which steps were saved where, and which saves failed (``resilient goodput`` and the launcher's closing
+    lines). A failed save is one that reached no tier: a CKPT_SAVE_FAILED record, or (ledgers written before that
+    record existed) a saved step with a tier failure and no tier that completed it."""
+
+    attempted: list[int] = field(default_factory=list)  # steps whose save began (CKPT_SAVE)
+    tiers: dict[str, TierSaves] = field(default_factory=dict)
+    failed: list[int] = field(default_factory=list)
+    first_error: str | None = None  # of the first failed save: "tier: error"
+    stopped: str | None = None  # the CKPT_STOP message, when failed saves stopped the job
+    restore_missing: list[int] = field(default_factory=list)  # steps a restart found nowhere (CKPT_RESTORE_MISSING)
+    state_undefined: str | None = None  # the first restore that found no usable step: what was missing, what would do
+    rank0: bool = False  # the ledger holds rank 0's checkpoint records (another node's own ledger may not)
+
+    def newest(self, tier: str | None = None) -> int | None:
+        if tier is not None:
+            t = self.tiers.get(tier)
+            return t.newest if t is not None else None
+        return max((t.newest for t in self.tiers.values() if t.newest is not None), default=None)
+
+    def not_durable(self, persistent: str = "persistent") -> tuple[int, int | None] | None:
+        """(newest saved step, newest step on ``persistent``) when the newest saved step is not there."""
+        newest = self.newest()
+        if not self.rank0 or newest is None:
+            return None
+        there = self.newest(persistent)
+        return None if there is not None and there >= newest else (newest, there)
+
+    def lines(self) -> list[str]:
+        if not self.attempted and not self.tiers and not self.failed and not self.state_undefined:
+            return []
+        order = {"local": 0, "peer": 1, "persistent": 2}
+        where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
+                          for t in sorted(self.tiers.values(), key=lambda t: (order.get(t.tier, 9), t.tier)))
+        out = [f"checkpoints: {len(self.attempted)} save(s); {where or 'no tier holds any step'}"]
+        if self.failed:
+            out.append(f"checkpoints: {len(self.failed)} failed save(s) (reached no tier): steps "
+                       f"{_steps_text(self.failed)}; first error: {self.first_error or 'unknown'}")
+        if self.restore_missing:
+            out.append(f"checkpoints: a restart found no checkpoint although steps {_steps_text(self.restore_missing)} "
+                       "were saved before; it started from step 0")
+        if self.state_undefined:
+            out.append(f"checkpoints: state undefined: {self.state_undefined}")
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {"attempted": len(self.attempted), "newest": self.newest(),
+                "tiers": {t: {"count": v.count, "newest": v.newest} for t, v in self.tiers.items()},
+                "failed": {"count": len(self.failed), "steps": list(self.failed), "first_error": self.first_error},
+                "stopped": self.stopped, "restore_missing": list(self.restore_missing),
+                "state_undefined": self.state_undefined}
+
+
+def fleet_lines(events: Iterable[Event]) -> list[str]:
+    """What happened to the fleet beside the attempts: spares lost, failures by class (``resilient goodput``)."""
+    lost: list[str] = []
+    classes: dict[str, int] = defaultdict(int)
+    for ev in sorted(events, key=lambda e: e.wall):
+        if ev.kind is EventKind.SPARE_LOST:
+            lost.append(f"{ev.details.get('node') or ev.node} ({ev.details.get('cause') or 'unknown'})")
+        elif ev.kind is EventKind.WORKER_EXIT and ev.details.get("failure_class"):
+            classes[str(ev.details["failure_class"])] += 1
+    out = []
+    if classes:
+        out.append("failures by class: " + ", ".join(f"{c} {n}" for c, n in sorted(classes.items())))
+    if lost:
+        out.append(f"spares lost: {len(lost)}: " + "; ".join(lost[:8]) + (" …" if len(lost) > 8 else ""))
+    return out
+
+
+def _steps_text(steps: Sequence[int], most: int = 12) -> str:
+    s = list(steps)
+    if len(s) <= most:
+        return ", ".join(map(str, s))
+    return f"{', '.join(map(str, s[:most // 2]))}, … ({len(s) - most} more), {', '.join(map(str, s[-(most // 2):]))}"
+
+
+def _step_of(ev: Event) -> int | None:
+    v = ev.details.get("step")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+# the kinds checkpoint_summary reads: a caller that reads the ledger for it alone reads only these
+CHECKPOINT_SUMMARY_KINDS = frozenset({EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_SAVE_FAILED,
+                                      EventKind.CKPT_TIER_FAILED, EventKind.CKPT_STOP,
+                                      EventKind.CKPT_RESTORE_MISSING})
+
+
+def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
+    """Which steps were saved where, and which saves failed, from a run's events (see CheckpointSummary)."""
+    evs = sorted(events, key=lambda e: e.wall)
+    out = CheckpointSummary()
+    attempted: set[int] = set()
+    done: dict[str, set[int]] = defaultdict(set)
+    failed_explicit: dict[int, str] = {}
+    tier_failed: dict[int, str] = {}
+    missing: set[int] = set()
+    for ev in evs:
+        step = _step_of(ev)
+        if ev.kind is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
+            out.state_undefined = out.state_undefined or str(ev.details.get("error") or "no usable step on any tier")
+        if ev.kind is EventKind.CKPT_SAVE and step is not None:
+            attempted.add(step)
+            out.rank0 = out.rank0 or ev.rank in (0, None)
+        elif ev.kind is EventKind.CKPT_TIER_DONE and step is not None:
+            done[str(ev.details.get("tier"))].add(step)
+            out.rank0 = out.rank0 or ev.rank in (0, None)
+        elif ev.kind is EventKind.CKPT_SAVE_FAILED and step is not None:
+            failed_explicit.setdefault(step, f"{ev.details.get('tier') or 'every tier'}: {ev.details.get('error')}")
+        elif ev.kind is EventKind.CKPT_TIER_FAILED and step is not None:
+            tier_failed.setdefault(step, f"{ev.details.get('tier')}: {ev.details.get('error')}")
+        elif ev.kind is EventKind.CKPT_STOP and out.stopped is None:
+            out.stopped = str(ev.details.get("message") or "")
+        elif ev.kind is EventKind.CKPT_RESTORE_MISSING:
+            missing.update(s for s in ev.details.get("attempted_steps") or () if isinstance(s, int))
+    reached = set().union(*done.values()) if done else set()
+    # a step that reached a tier later (saved again after a restart) is not a lost save
+    failed = {s: e for s, e in failed_explicit.items() if s not in reached}
+    for s, e in tier_failed.items():
+        if s in attempted and s not in reached and s not in failed:
+            failed[s] = e
+    out.attempted = sorted(attempted)
+    out.tiers = {t: TierSaves(t, len(s), max(s)) for t, s in done.items()}
+    out.failed = sorted(failed)
+    out.first_error = failed[out.failed[0]] if out.failed else None
+    out.restore_missing = sorted(missing)
+    return out
