@@ -1,7 +1,7 @@
 """The goodput report and the Prometheus collector on a long run's ledger, against the code of an earlier commit.
 
-Two readers compute a run's goodput report from its whole ledger: ``resilient goodput RUN_DIR`` (``report``:
-``report_for_run``) and the agent that serves ``--metrics-port`` (``scrape``: a ``LedgerCollector``'s first scrape,
+Two readers compute a run's goodput report from its whole ledger: ``resilient goodput RUN_DIR --json``
+(``report``: the command's own ``main``, reading, report and checkpoint lines) and the agent that serves ``--metrics-port`` (``scrape``: a ``LedgerCollector``'s first scrape,
 which reads the whole ledger, keeps what it read and computes the report; then the ledger grows by 1,000 steps
 and a second scrape reads them and computes the report again). The collector lives as long as the job, so what
 it keeps is what matters there: its process's resident memory after the first scrape. Each measurement runs in a
@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,10 +45,15 @@ def rss_mib():
 
 out = {}
 if reader == "report":
-    from resilient.goodput.calculator import report_for_run
+    import contextlib, io
+    from resilient.goodput.cli import main
+    buf = io.StringIO()
     t0 = time.perf_counter()
-    out["answer"] = report_for_run(run_dir).goodput
+    with contextlib.redirect_stdout(buf):
+        rc = main([str(run_dir), "--json"])
     out["seconds"] = time.perf_counter() - t0
+    assert rc == 0, rc
+    out["answer"] = json.loads(buf.getvalue())["goodput"]
 else:
     from resilient.goodput.metrics import LedgerCollector
     c = LedgerCollector(run_dir)
@@ -95,6 +101,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one measurement may take")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "report_scale.json"))
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still removes its worktree
     sizes = [20000] if a.quick else [int(x) for x in a.steps.split(",")]
     reps = 1 if a.quick else a.reps
     rows = []

@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, Protocol
 
 from resilient.events.api import Event, EventKind
 
@@ -248,10 +248,48 @@ def parse_line(raw: bytes | str) -> Event | None:
     """The event one ledger line holds, or None when it is not a well-formed event."""
     if isinstance(raw, bytes) and (m := _STEP_LINE.fullmatch(raw)) is not None:
         return _step_line(m)
+    return _json_event(raw)
+
+
+def _json_event(raw: bytes | str) -> Event | None:
     try:
         return event_from_json(json.loads(raw))
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError); absurdly nested
         return None
+
+
+class StepSink(Protocol):
+    """Takes a run's events as they are read, in each file's line order: the STEP lines of the formatter's own
+    format as their numbers (no event is built for them: a long run's ledger is nearly all of them), every other
+    well-formed line as an event (a STEP line in another spelling too)."""
+
+    def add(self, ev: Event) -> None: ...
+
+    def add_step(self, node: str | None, attempt: int | None, step: int, seconds: float, wall: float) -> None: ...
+
+
+def _feed(f: BinaryIO, out: LedgerRead, sink: StepSink) -> None:
+    """:func:`_scan` into a sink."""
+    match = _STEP_LINE.fullmatch
+    add, add_step = sink.add, sink.add_step
+    for raw in f:
+        if not raw.endswith(b"\n"):
+            out.cut_last_line = True
+            return
+        if not raw.strip():
+            continue
+        out.lines += 1
+        m = match(raw)
+        if m is not None:
+            node, _, attempt, step, seconds, _, wall, _, _ = m.groups()
+            add_step(None if node is None else node.decode("ascii"), None if attempt == b"null" else int(attempt),
+                     int(step), float(seconds), float(wall))
+            continue
+        ev = _json_event(raw)
+        if ev is None:
+            out.skipped += 1
+        else:
+            add(ev)
 
 
 def _decode(raw: bytes, wanted: frozenset[str] | None) -> Event | Literal[False] | None:
@@ -341,12 +379,14 @@ def read_ledger(path_or_dir: str | os.PathLike[str]) -> LedgerRead:
     return read_ledgers([path_or_dir])
 
 
-def read_ledgers(paths: Sequence[str | os.PathLike[str]]) -> LedgerRead:
+def read_ledgers(paths: Sequence[str | os.PathLike[str]], *, into: StepSink | None = None) -> LedgerRead:
     """Several run directories' ledgers read as one run: the nodes of one job that each kept a run directory of their
     own (a ``--run-dir`` per node, the supervisor's too), every writer's file of every directory merged on wall time,
     as one shared directory's are. A file named twice (a directory given twice) is read once; ``incomplete`` joins
     each directory's reason. Raises ``OSError`` (``FileNotFoundError`` with the first path that has no ledger as its
-    ``filename``) as :func:`read_ledger` does."""
+    ``filename``) as :func:`read_ledger` does. With ``into``, every event goes to that sink instead of ``events``
+    (which stays empty), file by file in line order, STEP lines as numbers: a report's reader holds no event per
+    step."""
     if not paths:
         raise ValueError("read_ledgers needs at least one run directory")
     runs = [_run_of(x) for x in paths]
@@ -359,7 +399,12 @@ def read_ledgers(paths: Sequence[str | os.PathLike[str]]) -> LedgerRead:
                 seen.add(key)
                 files.append(f)
     out = LedgerRead(runs[0][0], files=files)
-    out.events.extend(_read_files(files, out))
+    if into is None:
+        out.events.extend(_read_files(files, out))
+    else:
+        for p in files:  # one open at a time, as _read_files
+            with open(p, "rb") as f:
+                _feed(f, out, into)
     if out.skipped:
         logger.debug("%s: %d malformed line(s) skipped", out.path, out.skipped)  # callers report the count
     reasons = [r for p, _ in runs if (r := ledger_incomplete(p)) is not None]

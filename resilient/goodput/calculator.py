@@ -79,7 +79,7 @@ import numpy as np
 
 from resilient.events.spans import background_spans, overlap_seconds, stall_spans
 from resilient.events.api import Event, EventKind
-from resilient.events.follow import read_ledger
+from resilient.events.follow import read_ledgers
 from resilient.goodput.columns import NO_ATTEMPT, ReportInputs, StepColumns, detail_number
 from resilient.goodput.paint import LayeredPainter
 from resilient.goodput.api import (
@@ -664,17 +664,20 @@ def _paint_steps(painter: LayeredPainter, rows: np.ndarray, clean: np.ndarray, f
     painter.paint_many(np.concatenate(pieces_a)[by], np.concatenate(pieces_b)[by], _L_STEP_EXCESS, why[at[by]])
 
 
-def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None) -> GoodputReport:
-    """Read the run's ledger, every writer's file merged (a truncated last line and malformed lines are skipped,
-    and counted in ``skipped_lines``), and compute its report."""
+def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None,
+                   timeline: bool = True) -> GoodputReport:
+    """Read the run's ledger, every writer's file (a truncated last line and malformed lines are skipped,
+    and counted in ``skipped_lines``), and compute its report. Rank 0's step lines are read into columns, not
+    events."""
+    inputs = ReportInputs()
     try:
-        read = read_ledger(run_dir)
+        read = read_ledgers([run_dir], into=inputs)
     except FileNotFoundError:
         raise EmptyLedgerError(f"no ledger in {run_dir}: expected {os.path.join(run_dir, 'events.jsonl')} and its "
                                "writers' events.*.jsonl; pass the --run-dir the job was launched with") from None
-    if not read.events and read.skipped:
+    if not len(inputs) and read.skipped:
         raise GoodputError(f"{read.path} is not a ledger: none of its {read.lines} line(s) is an event")
-    rep = compute_report(read.events, now=now)
+    rep = compute_report(inputs, now=now, timeline=timeline)
     rep.skipped_lines = read.skipped
     rep.ledger_incomplete = read.incomplete
     return rep

@@ -14,6 +14,7 @@ from typing import Any
 from resilient.goodput.api import CATEGORIES, GoodputError, GoodputReport
 from resilient.goodput.calculator import compute_report
 from resilient.goodput.checkpoints import checkpoint_summary, fleet_lines
+from resilient.goodput.columns import ReportInputs
 from resilient.events.follow import ledger_path, read_ledgers
 
 logger = logging.getLogger(__name__)
@@ -125,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                   "event files", file=sys.stderr)
             return 2
     named = " ".join(args.run_dir)
+    # the report alone reads rank 0's step lines into columns (~45 bytes a step, no event each); the plot and the
+    # TensorBoard export draw every step, so they read events
+    inputs = None if args.plot or args.tensorboard else ReportInputs()
     try:
-        read = read_ledgers(args.run_dir)
+        read = read_ledgers(args.run_dir, into=inputs)
     except FileNotFoundError as e:
         where = _run_dir_of(e.filename, args.run_dir)
         print(f"resilient goodput: no ledger in {where} (expected events.jsonl and its writers' "
@@ -136,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"resilient goodput: cannot read the ledger in {named}: {e.strerror or e}", file=sys.stderr)
         return 2
-    events = read.events
-    if not events and read.skipped:
+    events = read.events if inputs is None else inputs.others
+    if not (read.events if inputs is None else len(inputs)) and read.skipped:
         print(f"resilient goodput: {read.path} is not a ledger: none of its {read.lines} line(s) is an event; "
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     try:
         # the segments (two a step) only for what draws or lists them
-        rep = compute_report(events, now=args.now, timeline=bool(args.plot or args.tensorboard or args.timeline))
+        rep = compute_report(events if inputs is None else inputs, now=args.now,
+                             timeline=bool(args.plot or args.tensorboard or args.timeline))
     except GoodputError as e:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2

@@ -79,20 +79,31 @@ class ReportInputs:
     def add(self, ev: Event) -> None:
         if ev.kind is EventKind.STEP:
             d = ev.details
-            self._wall.append(ev.wall)
-            self._seconds.append(detail_number(d, "seconds"))
-            self._step.append(detail_number(d, "step", math.inf) if "step" in d else math.nan)
             a = ev.attempt
-            self._attempt.append(a if isinstance(a, int) and not isinstance(a, bool) and -(2**63) < a < 2**63
-                                 else NO_ATTEMPT)
-            code = self._nodes.get(ev.node)
-            if code is None:
-                code = self._nodes[ev.node] = len(self._nodes)
-            self._node.append(code)
-            self._seq.append(self._n)
+            self._row(ev.node, a if isinstance(a, int) and not isinstance(a, bool) and -(2**63) < a < 2**63
+                      else NO_ATTEMPT, detail_number(d, "step", math.inf) if "step" in d else math.nan,
+                      detail_number(d, "seconds"), ev.wall)
         else:
             self.others.append(ev)
             self.others_seq.append(self._n)
+            self._n += 1
+
+    def add_step(self, node: str | None, attempt: int | None, step: int, seconds: float, wall: float) -> None:
+        """A STEP record given as its numbers (a ledger reader's fast path: ``read_ledgers(..., into=self)``):
+        what ``add`` of that record as an event keeps."""
+        self._row(node, NO_ATTEMPT if attempt is None else attempt, detail_number({"step": step}, "step", math.inf),
+                  seconds if math.isfinite(seconds) else 0.0, wall)
+
+    def _row(self, node: str | None, attempt: int, step: float, seconds: float, wall: float) -> None:
+        self._wall.append(wall)
+        self._seconds.append(seconds)
+        self._step.append(step)
+        self._attempt.append(attempt)
+        code = self._nodes.get(node)
+        if code is None:
+            code = self._nodes[node] = len(self._nodes)
+        self._node.append(code)
+        self._seq.append(self._n)
         self._n += 1
 
     def extend(self, events: Iterable[Event]) -> "ReportInputs":

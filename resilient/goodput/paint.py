@@ -39,7 +39,8 @@ class LayeredPainter:
         self.categories = list(categories)
         self._code = {c: i for i, c in enumerate(self.categories)}
         self.base = self._code[base]  # what no layer covers
-        # layer → parts painted in order: (starts, ends, codes) arrays, or one interval as a 1-tuple list entry
+        # layer → its parts in painting order, each (starts, ends, codes) arrays; single intervals wait in
+        # _singles until the layer's next bulk part or the sweep, so that they keep their place in that order
         self._layers: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._singles: dict[int, list[tuple[float, float, int]]] = {}
 

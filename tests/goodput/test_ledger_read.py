@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,8 +17,12 @@ from hypothesis import strategies as st
 from resilient.checkpoint.save import interval as interval_mod
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.events.api import EventKind
-from resilient.events.follow import _STEP_LINE, LedgerTail, StepTally, event_from_json, parse_line, read_events
+from resilient.events.follow import (_STEP_LINE, LedgerTail, StepTally, event_from_json, parse_line, read_events,
+                                     read_ledgers)
+from resilient.goodput import cli as goodput_cli
+from resilient.goodput.calculator import compute_report, report_for_run
 from resilient.goodput.checkpoints import CHECKPOINT_SUMMARY_KINDS
+from resilient.goodput.columns import ReportInputs
 
 
 def _slow(raw: bytes):
@@ -59,11 +65,45 @@ _int = st.one_of(st.integers(-5, 10**20).map(str), st.sampled_from(["null", "1.0
 @given(node=_node, rank=_int, attempt=_int, step=_int, seconds=_num, compute=_num, wall=_num, mono=_num,
        schema=_int, tail=st.sampled_from(["\n", "", "\r\n", " \n", "\x0c\n", "x\n"]))
 def test_step_shaped_lines_of_any_value_decode_as_json_would(node, rank, attempt, step, seconds, compute, wall,
-                                                              mono, schema, tail):
+                                                              mono, schema, tail, tmp_path_factory):
     raw = ('{"kind":"step","node":%s,"rank":%s,"attempt":%s,"details":{"step":%s,"seconds":%s,'
            '"compute_seconds":%s},"wall":%s,"mono":%s,"schema":%s}%s'
            % (node, rank, attempt, step, seconds, compute, wall, mono, schema, tail)).encode()
     assert _same(parse_line(raw), _slow(raw)), raw
+    # read into a report's columns (the line as numbers where it matches the formatter's format), it keeps what
+    # adding the decoded event keeps
+    path = tmp_path_factory.mktemp("line") / "events.jsonl"
+    path.write_bytes(raw)
+    fed = ReportInputs()
+    read_ledgers([path], into=fed)
+    ev = _slow(raw) if raw.endswith(b"\n") else None
+    added = ReportInputs([ev] if ev is not None else [])
+    assert fed.others == added.others and len(fed) == len(added)
+    a, b = fed.steps(), added.steps()
+    for col in ("wall", "seconds", "step", "attempt", "seq"):
+        assert np.array_equal(getattr(a, col), getattr(b, col), equal_nan=True), (col, raw)
+    assert [a.nodes[i] for i in a.node] == [b.nodes[i] for i in b.node]
+
+
+def test_a_report_read_into_columns_is_the_report_of_the_events(crashed_run, tmp_path, capsys):
+    run = _mixed_run(crashed_run, tmp_path)
+    events = list(read_events(run))
+    fed = ReportInputs()
+    read_ledgers([run], into=fed)
+    assert fed.step_count == sum(e.kind is EventKind.STEP for e in events) >= 40
+    assert not any(e.kind is EventKind.STEP and "compute_seconds" in e.details for e in fed.others)
+    now = max(e.wall for e in events) + 1.0
+    want = compute_report(events, now=now).to_json(timeline=True)
+    got = report_for_run(run, now=now).to_json(timeline=True)
+    assert got.pop("skipped_lines") == 3 and want.pop("skipped_lines") == 0  # _mixed_run's three bad lines
+    assert got == want
+    # the command: its report alone reads columns, with --plot it reads events; both print the same figures
+    outs = []
+    for extra in ([], ["--plot", str(tmp_path / "t.png")]):
+        assert goodput_cli.main([str(run), "--json", "--timeline", "--now", repr(now), *extra]) == 0
+        text = capsys.readouterr().out
+        outs.append(json.loads(text[:text.rindex("}") + 1]))
+    assert outs[0] == outs[1] and outs[0]["goodput"] == want["goodput"]
 
 
 def _mixed_run(crashed_run, tmp_path):
