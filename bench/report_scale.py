@@ -50,7 +50,7 @@ if reader == "report":
     buf = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf):
-        rc = main([str(run_dir), "--json"])
+        rc = main([str(run_dir), "--json", "--now", repr(1.7e9 + steps + 60.0)])  # the same end for both codes
     out["seconds"] = time.perf_counter() - t0
     assert rc == 0, rc
     out["answer"] = json.loads(buf.getvalue())["goodput"]
@@ -131,7 +131,10 @@ def main() -> int:
                         row[f"{mode}_peak_rss_mib"] = max(g["peak_rss_mib"] for g in got[mode])
                     row["speedup"] = row["before_seconds"] / row["new_seconds"]
                     new, old = got["new"][0]["answer"], got["before"][0]["answer"]
-                    row["same_answer"] = abs(new - old) <= 1e-9 * max(1.0, abs(old))
+                    # the collector reports a run in progress up to its own now, which moves between two processes
+                    # (~1e-7 of this ledger's wall a second); the command is given one --now
+                    tol = 1e-9 if reader == "report" else 1e-5
+                    row["same_answer"] = abs(new - old) <= tol * max(1e-3, abs(old))
                     if not row["same_answer"]:
                         raise SystemExit(f"{reader} at {steps} steps: new code answered {new!r}, before {old!r}")
                     rows.append(row)
