@@ -185,13 +185,18 @@ def main() -> int:
         print(f"{r['steps']:8d} {r['ledger_mib']:6.1f} {r['reader']:8s} {r['new_seconds']:7.2f} {r['old_seconds']:7.2f} "
               f"{r['speedup']:6.1f} {r['new_peak_rss_mib']:7.0f}M {r['old_peak_rss_mib']:7.0f}M")
     if not a.quick or a.out != ap.get_default("out"):
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "w") as f:
-            args = {**vars(a), "out": os.path.relpath(a.out, ROOT)}  # no path of this machine in the results
-            json.dump({"args": args, "rows": rows, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
-        print(f"wrote {a.out}")
+        write_results(a, rows)
     return 0
+
+
+def write_results(a: argparse.Namespace, rows: list[dict]) -> None:
+    """The rows and the arguments that made them, to ``a.out`` (a quick run writes only where told to)."""
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "w") as f:
+        args = {**vars(a), "out": os.path.relpath(a.out, ROOT)}  # no path of this machine in the results
+        json.dump({"args": args, "rows": rows, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
+    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

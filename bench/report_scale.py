@@ -1,14 +1,16 @@
 """The goodput report and the Prometheus collector on a long run's ledger, against the code of an earlier commit.
 
 Two readers compute a run's goodput report from its whole ledger: ``resilient goodput RUN_DIR --json``
-(``report``: the command's own ``main``, reading, report and checkpoint lines) and the agent that serves ``--metrics-port`` (``scrape``: a ``LedgerCollector``'s first scrape,
-which reads the whole ledger, keeps what it read and computes the report; then the ledger grows by 1,000 steps
-and a second scrape reads them and computes the report again). The collector lives as long as the job, so what
-it keeps is what matters there: its process's resident memory after the first scrape. Each measurement runs in a
-fresh process, against the same code at ``--before`` (a git worktree of that commit), interleaved, on the same
-synthetic ledgers as ``bench/ledger_read.py`` (the writers' own formats).
+(``report``: the command's own ``main``, reading, report and checkpoint lines) and the agent that serves
+``--metrics-port`` (``scrape``: a ``LedgerCollector`` started on the ledger scrapes until it has caught up, each
+scrape reading at most 64 MiB and keeping what it read; its report of the whole ledger is timed; then the ledger
+grows by 1,000 steps and the next scrape reads them and computes the report again). The collector lives as long
+as the job, so what it keeps matters there: its process's resident memory once caught up (an upper bound: freed
+memory the allocator keeps counts too). Each measurement runs in a fresh process, against the same code at
+``--before`` (a git worktree of that commit), interleaved, on the same synthetic ledgers as ``bench/ledger_read.py`` (the writers' own formats).
 
-    python bench/report_scale.py [--steps 20000,200000,1000000] [--reps 3] [--before REF] [--quick]
+    python bench/report_scale.py [--steps 20000,200000,1000000] [--reps 3] [--before REF] [--readers report,scrape]
+                                 [--quick]
 
 Prints a table and writes bench/results/report_scale.json.
 """
@@ -24,12 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from ledger_read import STEP_LINE, make_ledger  # noqa: E402  (one writer of the synthetic ledgers)
+from ledger_read import STEP_LINE, make_ledger, write_results  # noqa: E402  (one writer of the synthetic ledgers)
 
 READERS = ("report", "scrape")
 
@@ -57,13 +58,21 @@ if reader == "report":
 else:
     from resilient.goodput.metrics import LedgerCollector
     c = LedgerCollector(run_dir)
+    # an agent started on a long run's ledger: scrapes read at most 64 MiB each until they have caught up
     t0 = time.perf_counter()
-    fams = {m.name: m for m in c.collect()}
+    out["scrapes"] = 0
+    while True:
+        fams = {m.name: m for m in c.collect()}
+        out["scrapes"] += 1
+        if c._tail.last_read == 0:
+            break
     out["seconds"] = time.perf_counter() - t0
+    c._report = None  # the report of the whole ledger (catching up may have served one of a part)
+    fams = {m.name: m for m in c.collect()}
     out["report_seconds"] = c._report_cost
     out["answer"] = fams["resilient_goodput_ratio"].samples[0].value
     gc.collect()
-    out["held_rss_mib"] = rss_mib()  # what the agent keeps between scrapes
+    out["held_rss_mib"] = rss_mib()  # what the agent keeps between scrapes (at most)
     # the job goes on: 1,000 more steps, then a scrape that must compute the report again
     with open(run_dir / "events.jsonl", "a") as f:
         for s in range(steps, steps + 1000):
@@ -96,6 +105,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default="20000,200000,1000000", help="comma-separated run lengths in steps")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--readers", default=",".join(READERS), help="comma-separated, of: " + ", ".join(READERS))
     ap.add_argument("--before", default="e80adbb", help="the commit to compare against (its code, same ledgers)")
     ap.add_argument("--quick", action="store_true", help="one small ledger, one repetition (a smoke run)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one measurement may take")
@@ -104,6 +114,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still removes its worktree
     sizes = [20000] if a.quick else [int(x) for x in a.steps.split(",")]
     reps = 1 if a.quick else a.reps
+    readers = [r for r in a.readers.split(",") if r]
+    if not readers or set(readers) - set(READERS):
+        ap.error(f"--readers takes some of {', '.join(READERS)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
@@ -114,7 +127,7 @@ def main() -> int:
             for steps in sizes:
                 master = Path(tmp) / f"run-{steps}"
                 size = make_ledger(master, steps)
-                for reader in READERS:
+                for reader in readers:
                     got: dict[str, list[dict]] = {"new": [], "before": []}
                     for _ in range(reps):
                         for mode in ("new", "before"):  # interleaved: machine noise hits both alike
@@ -153,12 +166,7 @@ def main() -> int:
         print(f"{r['steps']:8d} {r['reader']:7s} {r['new_seconds']:7.2f} {r['before_seconds']:8.2f} "
               f"{r['speedup']:5.1f} {r['new_peak_rss_mib']:8.0f}M {r['before_peak_rss_mib']:10.0f}M {held} {nxt:>25s}")
     if not a.quick or a.out != ap.get_default("out"):
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "w") as f:
-            args = {**vars(a), "out": os.path.relpath(a.out, ROOT)}  # no path of this machine in the results
-            json.dump({"args": args, "rows": rows, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                       "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
-        print(f"wrote {a.out}")
+        write_results(a, rows)
     return 0
 
 

@@ -270,15 +270,26 @@ class StepSink(Protocol):
 
 def _feed(f: BinaryIO, out: LedgerRead, sink: StepSink) -> None:
     """:func:`_scan` into a sink."""
-    match = _STEP_LINE.fullmatch
-    add, add_step = sink.add, sink.add_step
+    lines = []
     for raw in f:
         if not raw.endswith(b"\n"):
             out.cut_last_line = True
-            return
+            break
+        lines.append(raw)
+        if len(lines) == 4096:
+            out.lines, out.skipped = _feed_lines(lines, sink, out.lines, out.skipped)
+            lines = []
+    out.lines, out.skipped = _feed_lines(lines, sink, out.lines, out.skipped)
+
+
+def _feed_lines(lines: Iterable[bytes], sink: StepSink, counted: int, skipped: int) -> tuple[int, int]:
+    """Whole lines into a sink, in order; returns the lines and malformed lines counted, these added."""
+    match = _STEP_LINE.fullmatch
+    add, add_step = sink.add, sink.add_step
+    for raw in lines:
         if not raw.strip():
             continue
-        out.lines += 1
+        counted += 1
         m = match(raw)
         if m is not None:
             node, _, attempt, step, seconds, _, wall, _, _ = m.groups()
@@ -287,9 +298,10 @@ def _feed(f: BinaryIO, out: LedgerRead, sink: StepSink) -> None:
             continue
         ev = _json_event(raw)
         if ev is None:
-            out.skipped += 1
+            skipped += 1
         else:
             add(ev)
+    return counted, skipped
 
 
 def _decode(raw: bytes, wanted: frozenset[str] | None) -> Event | Literal[False] | None:
@@ -523,13 +535,15 @@ class LedgerTail:
 
     def read_new(self, max_bytes: int | None = 64 << 20, *, contains: bytes | None = None,
                  kinds: Collection[EventKind] | None = None, steps: StepTally | None = None,
-                 leave: int = 0) -> list[Event]:
+                 leave: int = 0, into: StepSink | None = None) -> list[Event]:
         """The events appended since the last call (at most about ``max_bytes`` of them; None: all). With
         ``contains``, only lines holding those bytes are decoded (a follower that wants one kind skips the cost
         of decoding every other line); with ``kinds``, only events of those kinds are returned. With ``steps``,
         the STEP lines in their writer's format (rank 0's, nearly every line of a long run) are added to it
         instead of being returned, and each file is read only to ``leave`` bytes before its end, so that a
-        call without ``steps`` reads the newest lines as events."""
+        call without ``steps`` reads the newest lines as events. With ``into``, every line goes to that sink instead
+        (file by file in line order, the STEP lines of their writer's format as numbers) and nothing is returned:
+        a follower that keeps a report's columns builds no event a step."""
         names = self._listed()
         batches: list[list[Event]] = []
         budget = max_bytes
@@ -538,7 +552,7 @@ class LedgerTail:
             if budget is not None and budget <= 0:
                 break
             st = self._files.setdefault(name, _Followed())
-            got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds, steps, leave)
+            got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds, steps, leave, into)
             self.last_read += used
             if budget is not None:
                 budget -= used
@@ -550,7 +564,7 @@ class LedgerTail:
 
     def _read_file(self, path: Path, st: _Followed, budget: int | None, contains: bytes | None,
                    kinds: Collection[EventKind] | None, steps: StepTally | None = None,
-                   leave: int = 0) -> tuple[list[Event], int]:
+                   leave: int = 0, into: StepSink | None = None) -> tuple[list[Event], int]:
         try:
             if st.ino is not None:
                 now = os.stat(path)
@@ -588,6 +602,9 @@ class LedgerTail:
                         continue
                     lines.pop(0)
                     st.drop_to_newline = False
+                if into is not None:
+                    _, self.skipped = _feed_lines(lines, into, 0, self.skipped)
+                    continue
                 if steps is not None and (kinds is None or EventKind.STEP in kinds):
                     lines = self._tally(lines, steps)
                 out.extend(self._parse(lines, contains, kinds))

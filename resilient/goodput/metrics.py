@@ -52,21 +52,38 @@ class LedgerCollector(Collector):
         self._lock = threading.Lock()
         self._kinds: Counter[str] = Counter()
         self._last: dict[EventKind, Event] = {}
+        self._last_step: tuple[float, Any, Any] | None = None  # (wall, step, seconds) of the newest STEP record
         self._tier_done: dict[str, Event] = {}
         self._errors = RateLimitedLog(logger, 60.0)
 
     def _update(self) -> None:
-        for ev in self._tail.read_new():
-            self._inputs.add(ev)
-            self._kinds[ev.kind.value] += 1
-            prev = self._last.get(ev.kind)
-            if prev is None or ev.wall >= prev.wall:
-                self._last[ev.kind] = ev
-            if ev.kind is EventKind.CKPT_TIER_DONE:
-                tier = str(ev.details.get("tier"))
-                p = self._tier_done.get(tier)
-                if p is None or ev.wall >= p.wall:
-                    self._tier_done[tier] = ev
+        self._tail.read_new(into=self)  # rank 0's step lines come as numbers (add_step): no event a step
+
+    def add(self, ev: Event) -> None:
+        """An event the tail read (the tail's sink)."""
+        self._inputs.add(ev)
+        self._kinds[ev.kind.value] += 1
+        if ev.kind is EventKind.STEP:
+            self._newest_step(ev.wall, ev.details.get("step"), ev.details.get("seconds"))
+            return
+        prev = self._last.get(ev.kind)
+        if prev is None or ev.wall >= prev.wall:
+            self._last[ev.kind] = ev
+        if ev.kind is EventKind.CKPT_TIER_DONE:
+            tier = str(ev.details.get("tier"))
+            p = self._tier_done.get(tier)
+            if p is None or ev.wall >= p.wall:
+                self._tier_done[tier] = ev
+
+    def add_step(self, node: str | None, attempt: int | None, step: int, seconds: float, wall: float) -> None:
+        """A STEP line the tail read in its writer's format (the tail's sink)."""
+        self._inputs.add_step(node, attempt, step, seconds, wall)
+        self._kinds[EventKind.STEP.value] += 1
+        self._newest_step(wall, step, seconds)
+
+    def _newest_step(self, wall: float, step: Any, seconds: Any) -> None:
+        if self._last_step is None or wall >= self._last_step[0]:
+            self._last_step = (wall, step, seconds)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # scrapes may overlap; the tail and the event list are not thread-safe
@@ -121,11 +138,11 @@ class LedgerCollector(Collector):
                 yield _gauge(f"{p}_clean_step_seconds", "Clean step time of the current attempt (no checkpoint "
                              "work in flight): each step counts as productive for at most this long",
                              cur.clean_step_seconds)
-        step = self._last.get(EventKind.STEP)
-        if step is not None:
-            yield _gauge(f"{p}_last_step", "Last step recorded", _f(step.details.get("step")))
-            yield _gauge(f"{p}_step_seconds", "Wall time of the last recorded step", _f(step.details.get("seconds")))
-            yield _gauge(f"{p}_last_step_age_seconds", "Seconds since the last step was recorded", now - step.wall)
+        if self._last_step is not None:
+            wall, step, seconds = self._last_step
+            yield _gauge(f"{p}_last_step", "Last step recorded", _f(step))
+            yield _gauge(f"{p}_step_seconds", "Wall time of the last recorded step", _f(seconds))
+            yield _gauge(f"{p}_last_step_age_seconds", "Seconds since the last step was recorded", now - wall)
         save = self._last.get(EventKind.CKPT_SAVE)
         if save is not None:
             yield _gauge(f"{p}_checkpoint_save_blocking_seconds", "Blocking time of the last save",

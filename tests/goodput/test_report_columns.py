@@ -4,6 +4,7 @@ of the events they came from, however they were added; and the collector keeps a
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -14,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient.events import Event, EventKind, Ledger, read_events
+from resilient.events import Event, EventKind, read_events
+from resilient.events.follow import _STEP_LINE
 from resilient.goodput.calculator import compute_report
 from resilient.goodput.columns import ReportInputs
 from resilient.goodput.metrics import LedgerCollector
@@ -87,12 +89,18 @@ def test_a_layer_painted_in_bulk_equals_painting_it_in_order(ivs: list[tuple[int
 
 
 def _steps_ledger(run_dir: Path, t0: float, steps: int) -> None:
-    with Ledger(run_dir, node="n0") as led:
-        led.write(Event(EventKind.RUN_START, node="n0", wall=t0))
-        led.write(Event(EventKind.ATTEMPT_START, node="n0", attempt=0, details={"world_size": 2}, wall=t0 + 0.5))
-        for s in range(steps):
-            led.write(Event(EventKind.STEP, node="n0", rank=0, attempt=0, wall=t0 + 1.0 + s,
-                            details={"step": s, "seconds": 0.9 + (s % 3) * 0.01, "compute_seconds": 0.8}))
+    """A run's ledger whose even steps are written as the worker's formatter writes them (one compact line, read
+    as numbers) and odd ones in another spelling (read as events)."""
+    evs = [Event(EventKind.RUN_START, node="n0", wall=t0),
+           Event(EventKind.ATTEMPT_START, node="n0", attempt=0, details={"world_size": 2}, wall=t0 + 0.5)]
+    evs += [Event(EventKind.STEP, node="n0", rank=0, attempt=0, wall=t0 + 1.0 + s, mono=s,
+                  details={"step": s, "seconds": 0.9 + (s % 3) * 0.01, "compute_seconds": 0.8}) for s in range(steps)]
+    with open(run_dir / "events.jsonl", "w") as f:
+        for ev in evs:
+            compact = ev.kind is EventKind.STEP and ev.details["step"] % 2 == 0
+            f.write(json.dumps(ev.to_json(), separators=(",", ":") if compact else None) + "\n")
+    assert sum(bool(_STEP_LINE.fullmatch(raw)) for raw in (run_dir / "events.jsonl").read_bytes().splitlines()) \
+        == (steps + 1) // 2
 
 
 def test_the_collector_keeps_steps_as_columns_and_serves_the_calculators_figures(tmp_path: Path) -> None:
@@ -104,13 +112,17 @@ def test_the_collector_keeps_steps_as_columns_and_serves_the_calculators_figures
     held = c._inputs
     assert held.step_count == steps and len(held.others) == 2  # no Event kept per step
     assert held.nbytes() / steps <= 48
+    assert fams["resilient_ledger_events"].samples[-1].labels == {"kind": "step"}
+    assert fams["resilient_ledger_events"].samples[-1].value == steps
+    assert fams["resilient_last_step"].samples[0].value == steps - 1
     rep = compute_report(read_events(tmp_path), now=time.time())
     assert rep.goodput > 0.8
     assert fams["resilient_goodput_ratio"].samples[0].value == pytest.approx(rep.goodput, rel=0.01)
     # a step appended later is read by the next scrape and lands in the columns
-    with Ledger(tmp_path, node="n0") as led:
-        led.write(Event(EventKind.STEP, node="n0", rank=0, attempt=0, wall=t0 + 1.0 + steps,
-                        details={"step": steps, "seconds": 0.9}))
+    with open(tmp_path / "events.jsonl", "a") as f:  # the formatter's spelling
+        f.write(json.dumps(Event(EventKind.STEP, node="n0", rank=0, attempt=0, wall=t0 + 1.0 + steps, mono=0.0,
+                                 details={"step": steps, "seconds": 0.9, "compute_seconds": 0.8}).to_json(),
+                           separators=(",", ":")) + "\n")
     c._report = None
     fams = {m.name: m for m in c.collect()}
     assert held.step_count == steps + 1
