@@ -36,7 +36,8 @@ Layers, lowest first:
 
 Clock skew: an agent may record ``clock_offset`` (seconds to add to its node's clock to read the clock
 of the rendezvous store's host, measured when it joined; an offset within half its ``clock_rtt`` is
-measurement error and taken as 0) in the details of an event it writes. Every
+measurement error and taken as 0) in the details of an event it writes (not a STEP record: a worker's step
+lines never carry one, and are read as numbers alone). Every
 event of that node is then shifted by the latest offset it recorded at or before the event (the first
 one for earlier events), except the kinds the supervisor writes on the store host's own clock
 (``node_joined``, ``agent_lost``, ``action``). Offsets beyond a day are ignored as nonsense.
