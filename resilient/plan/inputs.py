@@ -97,7 +97,7 @@ def _mean(xs: list[float]) -> float | None:
 def measure_events(events: list[Event]) -> Measured:
     """The figures of the run these events describe (one run directory's ledger)."""
     try:
-        rep = compute_report(events)
+        rep = compute_report(events, timeline=False)  # the figures; the plan draws no time line of its own
     except GoodputError as e:
         raise PlanInputError(str(e)) from None
     evs = sorted(events, key=lambda e: e.wall)
