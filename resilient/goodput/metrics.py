@@ -41,7 +41,7 @@ class LedgerCollector(Collector):
 
     def __init__(self, run_dir: str | os.PathLike[str], *, max_cpu_share: float = 0.05):
         self.run_dir = str(run_dir)
-        # the report is recomputed from all events; on a long run that costs ~0.2 s per 100k steps, and node 0's
+        # the report is recomputed from all events; on a long run that costs ~0.15 s per 100k steps, and node 0's
         # agent shares the CPU with training: reuse the last report while recomputing would exceed this share
         self.max_cpu_share = max_cpu_share
         self._report: Any = None
