@@ -334,10 +334,11 @@ def _attempts(si: int, s: _Session, steps: StepColumns, wall: np.ndarray) -> lis
             ks = steps.attempt[rows]
             ks = np.where(ks == NO_ATTEMPT, 0, ks)  # `attempt or 0`
             t0s = wall[rows] - steps.seconds[rows]
-            uniq, first = np.unique(ks, return_index=True)
+            uniq, first, which = np.unique(ks, return_index=True, return_inverse=True)
+            earliest = np.full(len(uniq), np.inf)
+            np.minimum.at(earliest, which, t0s)
             for j in np.argsort(first, kind="stable"):  # in the order the attempts first appear
-                mine = ks == uniq[j]
-                starts[int(uniq[j])] = _Attempt(si, int(uniq[j]), float(t0s[mine].min()))
+                starts[int(uniq[j])] = _Attempt(si, int(uniq[j]), float(earliest[j]))
         if not starts:
             starts[0] = _Attempt(si, 0, s_first)
         first_att = min(starts.values(), key=lambda a: a.start)

@@ -91,8 +91,8 @@ class ReportInputs:
     def add_step(self, node: str | None, attempt: int | None, step: int, seconds: float, wall: float) -> None:
         """A STEP record given as its numbers (a ledger reader's fast path: ``read_ledgers(..., into=self)``):
         what ``add`` of that record as an event keeps."""
-        self._row(node, NO_ATTEMPT if attempt is None else attempt, detail_number({"step": step}, "step", math.inf),
-                  seconds if math.isfinite(seconds) else 0.0, wall)
+        # the reader's match bounds both numbers (an int of at most 18 digits, finite seconds): no check per line
+        self._row(node, NO_ATTEMPT if attempt is None else attempt, float(step), seconds, wall)
 
     def _row(self, node: str | None, attempt: int, step: float, seconds: float, wall: float) -> None:
         self._wall.append(wall)
