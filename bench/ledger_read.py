@@ -3,7 +3,10 @@
 A run's ledger holds one ``step`` line per step (rank 0's), so a week of 1 s steps is ~600,000 lines and ~100 MB.
 Three readers read it whole: a restarted rank 0 with ``--ckpt-interval auto`` (``IntervalTuner.from_run_dir``,
 before its first step: the whole job waits for it), every launcher at its exit (``close_checkpoints``: which
-steps went where) and ``resilient goodput`` (the report). Each is timed in a fresh process (as a restarted
+steps went where) and ``resilient goodput`` (the report). The launcher now follows the run's checkpoint records as
+they are written (``CheckpointFollower``), so its exit reads only what came since the follower's last look:
+``exit-followed`` times that exit, with the newest 1,000 steps' lines left to read, against the exit that reads
+the whole run (``exit``'s new reader). Each is timed in a fresh process (as a restarted
 worker is), with its peak resident memory, against the same reader fed by the decoding the ledger had before
 (``json.loads`` and the event check for every line, every event held in memory at once), in the same script on
 the same files.
@@ -13,7 +16,7 @@ formats them (tests/goodput/test_ledger_read.py checks that a real run's lines t
 checkpoint lines (a save every 100 steps, its local tier done) and restarts (one every 50,000 steps) through
 ``Ledger.emit``.
 
-    python bench/ledger_read.py [--steps 20000,200000,1000000] [--reps 3] [--quick]
+    python bench/ledger_read.py [--steps 20000,200000,1000000] [--reps 3] [--readers exit,exit-followed] [--quick]
 
 Prints a table and writes bench/results/ledger_read.json.
 """
@@ -32,13 +35,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-READERS = ("restart", "exit", "report")
+READERS = ("restart", "exit", "exit-followed", "report")
+# the exit with the launcher's follower reads what the run wrote since the follower's last look (every 5 s): here the
+# newest 1,000 steps' lines, as a run of 5 ms steps would leave
+TAIL_STEPS = 1000
 
 # one process per measurement: {reader} {mode} {run_dir} -> one JSON line (seconds, peak RSS)
 CHILD = r'''
 import json, resource, sys, time
 from pathlib import Path
 reader, mode, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+TAIL_BYTES = int(sys.argv[4])
 from resilient.checkpoint.save.interval import IntervalTuner
 from resilient.events.api import EventKind
 from resilient.goodput.calculator import compute_report, report_for_run
@@ -75,24 +82,59 @@ def old_tuner():
         t.observe_interruption()
     return t.inputs()["uptime_seconds"]
 
-def new_exit():
+def closing(text):
+    """The closing lines as one number (both readers must print the same)."""
+    import zlib
+    return zlib.crc32(text.encode())
+
+def new_exit(follower=None, where=None):
     """close_checkpoints itself, as a launcher calls it at its exit (its lines to a buffer)."""
     from resilient.launcher.exit import Ending
     from resilient.launcher.report import close_checkpoints
     from resilient.events.ledger import Ledger
     import contextlib, io, tempfile
-    with tempfile.TemporaryDirectory() as other, contextlib.redirect_stderr(io.StringIO()):
-        close_checkpoints(Ending(0, "succeeded"), Ledger(other, node="bench"), run_dir, "bench", None,
-                          lambda: None)
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as other, contextlib.redirect_stderr(out):
+        close_checkpoints(Ending(0, "succeeded"), Ledger(other, node="bench"), where or run_dir, "bench", None,
+                          lambda: None, follower)
+    return closing(out.getvalue())
 
 def old_exit():
     evs = old_events()
     mine = [i for i, e in enumerate(evs) if e.kind is EventKind.RUN_START and e.node == "bench"]
-    checkpoint_summary(evs[mine[-1]:] if mine else evs)
+    return closing("".join(f"resilient-run: {ln}\n" for ln in checkpoint_summary(evs[mine[-1]:] if mine else evs).lines()))
+
+def followed_exit():
+    """The exit with the launcher's follower, which read the run as it grew: all but the newest TAIL_BYTES (the
+    newest TAIL_STEPS steps' lines) were read before the exit (untimed: the run's life); the exit reads those and
+    sums up."""
+    import atexit, os, shutil, tempfile
+    from resilient.launcher.report import CheckpointFollower
+    src = run_dir / "events.jsonl"
+    size = src.stat().st_size
+    with open(src, "rb") as fh:
+        fh.seek(max(0, size - TAIL_BYTES - (1 << 16)))
+        before = fh.tell()
+        head = fh.read(size - TAIL_BYTES - before)
+        cut = before + head.rindex(b"\n") + 1
+        fh.seek(cut)
+        rest = fh.read()
+    where = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, where)
+    with open(src, "rb") as a, open(where / "events.jsonl", "wb") as b:
+        os.copy_file_range(a.fileno(), b.fileno(), cut)
+    f = CheckpointFollower(where, "bench", from_start=True)
+    f.poll()
+    with open(where / "events.jsonl", "ab") as fh:
+        fh.write(rest)
+    global t0
+    t0 = time.perf_counter()
+    return new_exit(f, where)
 
 work = {("restart", "new"): lambda: IntervalTuner.from_run_dir(run_dir).inputs()["uptime_seconds"],
         ("restart", "old"): old_tuner,
         ("exit", "new"): new_exit, ("exit", "old"): old_exit,
+        ("exit-followed", "new"): followed_exit, ("exit-followed", "old"): new_exit,
         ("report", "new"): lambda: report_for_run(run_dir).goodput,
         ("report", "old"): lambda: compute_report(old_events()).goodput}[(reader, mode)]
 t0 = time.perf_counter()
@@ -133,9 +175,10 @@ def make_ledger(run_dir: Path, steps: int) -> int:
     return (run_dir / "events.jsonl").stat().st_size
 
 
-def measure(reader: str, mode: str, run_dir: Path, timeout: float) -> dict:
+def measure(reader: str, mode: str, run_dir: Path, timeout: float, tail_bytes: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", CHILD, reader, mode, str(run_dir)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", CHILD, reader, mode, str(run_dir), str(tail_bytes)],
+                       capture_output=True, text=True,
                        timeout=timeout, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"{reader}/{mode} failed: {p.stderr[-2000:]}")
@@ -146,22 +189,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default="20000,200000,1000000", help="comma-separated run lengths in steps")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--readers", default=",".join(READERS), help=f"comma-separated, of {', '.join(READERS)}")
     ap.add_argument("--quick", action="store_true", help="one small ledger, one repetition (a smoke run)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one measurement may take")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "ledger_read.json"))
     a = ap.parse_args()
     sizes = [20000] if a.quick else [int(x) for x in a.steps.split(",")]
     reps = 1 if a.quick else a.reps
+    readers = [r for r in a.readers.split(",") if r]
+    if not readers or set(readers) - set(READERS):
+        ap.error(f"--readers takes some of {', '.join(READERS)}, got {a.readers!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for steps in sizes:
             run_dir = Path(tmp) / f"run-{steps}"
             size = make_ledger(run_dir, steps)
-            for reader in READERS:
+            for reader in readers:
                 got: dict[str, list[dict]] = {"new": [], "old": []}
                 for _ in range(reps):
                     for mode in ("new", "old"):  # interleaved: machine noise hits both alike
-                        got[mode].append(measure(reader, mode, run_dir, a.timeout))
+                        got[mode].append(measure(reader, mode, run_dir, a.timeout, size * TAIL_STEPS // steps))
                 row = {"steps": steps, "ledger_mib": round(size / 2**20, 1), "reader": reader, "reps": reps}
                 for mode in ("new", "old"):
                     secs = [g["seconds"] for g in got[mode]]
@@ -177,12 +224,12 @@ def main() -> int:
                 if not row["same_answer"]:
                     raise SystemExit(f"{reader} at {steps} steps: new reader answered {new!r}, old {old!r}")
                 rows.append(row)
-                print(f"{steps:>8d} steps {reader:8s} new {row['new_seconds']:7.2f} s  old {row['old_seconds']:7.2f} s",
+                print(f"{steps:>8d} steps {reader:13s} new {row['new_seconds']:7.2f} s  old {row['old_seconds']:7.2f} s",
                       flush=True)
-    print(f"\n{'steps':>8s} {'MiB':>6s} {'reader':8s} {'new s':>7s} {'old s':>7s} {'×':>6s} "
+    print(f"\n{'steps':>8s} {'MiB':>6s} {'reader':13s} {'new s':>7s} {'old s':>7s} {'×':>6s} "
           f"{'new RSS':>8s} {'old RSS':>8s}")
     for r in rows:
-        print(f"{r['steps']:8d} {r['ledger_mib']:6.1f} {r['reader']:8s} {r['new_seconds']:7.2f} {r['old_seconds']:7.2f} "
+        print(f"{r['steps']:8d} {r['ledger_mib']:6.1f} {r['reader']:13s} {r['new_seconds']:7.2f} {r['old_seconds']:7.2f} "
               f"{r['speedup']:6.1f} {r['new_peak_rss_mib']:7.0f}M {r['old_peak_rss_mib']:7.0f}M")
     if not a.quick or a.out != ap.get_default("out"):
         write_results(a, rows)

@@ -111,40 +111,76 @@ CHECKPOINT_SUMMARY_KINDS = frozenset({EventKind.CKPT_SAVE, EventKind.CKPT_TIER_D
 
 def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
     """Which steps were saved where, and which saves failed, from a run's events (see CheckpointSummary)."""
-    evs = sorted(events, key=lambda e: e.wall)
-    out = CheckpointSummary()
-    attempted: set[int] = set()
-    done: dict[str, set[int]] = defaultdict(set)
-    failed_explicit: dict[int, str] = {}
-    tier_failed: dict[int, str] = {}
-    missing: set[int] = set()
-    for ev in evs:
+    tally = CheckpointTally()
+    for ev in events:
+        tally.add(ev)
+    return tally.summary()
+
+
+class CheckpointTally:
+    """:func:`checkpoint_summary` kept up to date one event at a time, in any order: a follower of a growing ledger
+    (the launcher's, see :class:`resilient.launcher.report.CheckpointFollower`) adds what each look found, and at
+    the end reads the summary without reading the run again. Saved steps are kept as sets (what the summary counts);
+    where the summary names the first of something (the first failed save's error, the stop message), the earliest
+    by wall wins, ties going to the one added first: the answer of sorting every event by wall first."""
+
+    def __init__(self) -> None:
+        self._seq = 0  # order of adding: the tie-break a stable sort on wall gives
+        self._attempted: set[int] = set()
+        self._done: dict[str, set[int]] = defaultdict(set)
+        self._rank0 = False
+        # step -> ((wall, seq), error), the earliest kept
+        self._failed_explicit: dict[int, tuple[tuple[float, int], str]] = {}
+        self._tier_failed: dict[int, tuple[tuple[float, int], str]] = {}
+        self._stopped: tuple[tuple[float, int], str] | None = None
+        self._undefined: tuple[tuple[float, int], str] | None = None
+        self._missing: set[int] = set()
+
+    def add(self, ev: Event) -> None:
+        self._seq += 1
+        at = (ev.wall, self._seq)
         step = _step_of(ev)
-        if ev.kind is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
-            out.state_undefined = out.state_undefined or str(ev.details.get("error") or "no usable step on any tier")
-        if ev.kind is EventKind.CKPT_SAVE and step is not None:
-            attempted.add(step)
-            out.rank0 = out.rank0 or ev.rank in (0, None)
-        elif ev.kind is EventKind.CKPT_TIER_DONE and step is not None:
-            done[str(ev.details.get("tier"))].add(step)
-            out.rank0 = out.rank0 or ev.rank in (0, None)
-        elif ev.kind is EventKind.CKPT_SAVE_FAILED and step is not None:
-            failed_explicit.setdefault(step, f"{ev.details.get('tier') or 'every tier'}: {ev.details.get('error')}")
-        elif ev.kind is EventKind.CKPT_TIER_FAILED and step is not None:
-            tier_failed.setdefault(step, f"{ev.details.get('tier')}: {ev.details.get('error')}")
-        elif ev.kind is EventKind.CKPT_STOP and out.stopped is None:
-            out.stopped = str(ev.details.get("message") or "")
-        elif ev.kind is EventKind.CKPT_RESTORE_MISSING:
-            missing.update(s for s in ev.details.get("attempted_steps") or () if isinstance(s, int))
-    reached = set().union(*done.values()) if done else set()
-    # a step that reached a tier later (saved again after a restart) is not a lost save
-    failed = {s: e for s, e in failed_explicit.items() if s not in reached}
-    for s, e in tier_failed.items():
-        if s in attempted and s not in reached and s not in failed:
-            failed[s] = e
-    out.attempted = sorted(attempted)
-    out.tiers = {t: TierSaves(t, len(s), max(s)) for t, s in done.items()}
-    out.failed = sorted(failed)
-    out.first_error = failed[out.failed[0]] if out.failed else None
-    out.restore_missing = sorted(missing)
-    return out
+        k = ev.kind
+        if k is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
+            self._undefined = _earliest(self._undefined, at,
+                                        str(ev.details.get("error") or "no usable step on any tier"))
+        if k is EventKind.CKPT_SAVE and step is not None:
+            self._attempted.add(step)
+            self._rank0 = self._rank0 or ev.rank in (0, None)
+        elif k is EventKind.CKPT_TIER_DONE and step is not None:
+            self._done[str(ev.details.get("tier"))].add(step)
+            self._rank0 = self._rank0 or ev.rank in (0, None)
+        elif k is EventKind.CKPT_SAVE_FAILED and step is not None:
+            self._failed_explicit[step] = _earliest(
+                self._failed_explicit.get(step), at,
+                f"{ev.details.get('tier') or 'every tier'}: {ev.details.get('error')}")
+        elif k is EventKind.CKPT_TIER_FAILED and step is not None:
+            self._tier_failed[step] = _earliest(self._tier_failed.get(step), at,
+                                                f"{ev.details.get('tier')}: {ev.details.get('error')}")
+        elif k is EventKind.CKPT_STOP:
+            self._stopped = _earliest(self._stopped, at, str(ev.details.get("message") or ""))
+        elif k is EventKind.CKPT_RESTORE_MISSING:
+            self._missing.update(s for s in ev.details.get("attempted_steps") or () if isinstance(s, int))
+
+    def summary(self) -> CheckpointSummary:
+        out = CheckpointSummary()
+        reached = set().union(*self._done.values()) if self._done else set()
+        # a step that reached a tier later (saved again after a restart) is not a lost save
+        failed = {s: e for s, (_, e) in self._failed_explicit.items() if s not in reached}
+        for s, (_, e) in self._tier_failed.items():
+            if s in self._attempted and s not in reached and s not in failed:
+                failed[s] = e
+        out.attempted = sorted(self._attempted)
+        out.tiers = {t: TierSaves(t, len(s), max(s)) for t, s in self._done.items()}
+        out.failed = sorted(failed)
+        out.first_error = failed[out.failed[0]] if out.failed else None
+        out.stopped = self._stopped[1] if self._stopped is not None else None
+        out.state_undefined = self._undefined[1] if self._undefined is not None else None
+        out.restore_missing = sorted(self._missing)
+        out.rank0 = self._rank0
+        return out
+
+
+def _earliest(kept: tuple[tuple[float, int], str] | None, at: tuple[float, int],
+              text: str) -> tuple[tuple[float, int], str]:
+    return kept if kept is not None and kept[0] <= at else (at, text)

@@ -27,7 +27,8 @@ from resilient.launcher.control import ControlClient, JobEnded, JobRefused, Stor
 from resilient.launcher.exit import Ending, exit_code, failure_summary, preempted_cleanly, supervisor_unreachable
 from resilient.launcher.forward import Forwarder, start_forwarder
 from resilient.launcher.preload import Preloader, first_starter
-from resilient.launcher.report import close_checkpoints, describe, say_ledger_lost, start_metrics, why
+from resilient.launcher.report import (close_checkpoints, describe, follow_checkpoints, say_ledger_lost, start_metrics,
+                                       why)
 from resilient.launcher.starters import WorkerProc, WorkerStarter
 from resilient.launcher.workers import WorkerGroup, default_ckpt_local, record_previous_world, say_default_ckpt_local
 from resilient.launcher.workers import start_monitor, worker_env
@@ -103,9 +104,12 @@ class Agent:
         self.sel.register(self._sig_r, selectors.EVENT_READ, "signal")
         from resilient.logs import scrub_argv  # tokens passed as flags must not land in the ledger
 
+        follower = follow_checkpoints(self.run_dir, self.node)  # before RUN_START: it must see it
         self.ledger.emit(EventKind.RUN_START, argv=scrub_argv(sys.argv), run_id=c.run_id, nproc_per_node=c.nproc_per_node,
                          nnodes=f"{c.supervisor.min_nodes}:{c.supervisor.max_nodes}", launch=c.launch_method.value)
         end = Ending(1, "failed")
+        if follower is not None:
+            follower.start()
         if c.ckpt_snapshot != "off":
             from resilient.checkpoint.snapshot.dirs import make_dir
 
@@ -163,7 +167,7 @@ class Agent:
                 remove_dir(self.snapshot_dir)
             end = close_checkpoints(end, self.ledger, self.run_dir, self.node, self.cfg.ckpt_persistent,
                                      lambda: self.group.ckpt_stop_mark(self.restart_count, self.base_rank)
-                                     if self._ran else None)
+                                     if self._ran else None, follower)
             self.ledger.emit(EventKind.RUN_END, exit_code=end.code, reason=end.reason)
             self.ledger.close()
             say_ledger_lost(self.run_dir, self.ledger.path)
