@@ -6,7 +6,9 @@ before its first step: the whole job waits for it), every launcher at its exit (
 steps went where) and ``resilient goodput`` (the report). The launcher now follows the run's checkpoint records as
 they are written (``CheckpointFollower``), so its exit reads only what came since the follower's last look:
 ``exit-followed`` times that exit, with the newest 1,000 steps' lines left to read, against the exit that reads
-the whole run (``exit``'s new reader). Each is timed in a fresh process (as a restarted
+the whole run (``exit``'s new reader). Likewise rank 0's tuner writes what it took from the ledger beside it while the
+run trains (``interval_tuner.json``): ``restart-cached`` times a restart that reads on from a cache written 1,000
+steps before the ledger's end, against a restart that reads the whole ledger (``restart``'s new reader). Each is timed in a fresh process (as a restarted
 worker is), with its peak resident memory, against the same reader fed by the decoding the ledger had before
 (``json.loads`` and the event check for every line, every event held in memory at once), in the same script on
 the same files.
@@ -16,7 +18,7 @@ formats them (tests/goodput/test_ledger_read.py checks that a real run's lines t
 checkpoint lines (a save every 100 steps, its local tier done) and restarts (one every 50,000 steps) through
 ``Ledger.emit``.
 
-    python bench/ledger_read.py [--steps 20000,200000,1000000] [--reps 3] [--readers exit,exit-followed] [--quick]
+    python bench/ledger_read.py [--steps 20000,200000,1000000] [--reps 3] [--readers restart-cached,exit-followed] [--quick]
 
 Prints a table and writes bench/results/ledger_read.json.
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-READERS = ("restart", "exit", "exit-followed", "report")
+READERS = ("restart", "restart-cached", "exit", "exit-followed", "report")
 # the exit with the launcher's follower reads what the run wrote since the follower's last look (every 5 s): here the
 # newest 1,000 steps' lines, as a run of 5 ms steps would leave
 TAIL_STEPS = 1000
@@ -104,12 +106,10 @@ def old_exit():
     mine = [i for i, e in enumerate(evs) if e.kind is EventKind.RUN_START and e.node == "bench"]
     return closing("".join(f"resilient-run: {ln}\n" for ln in checkpoint_summary(evs[mine[-1]:] if mine else evs).lines()))
 
-def followed_exit():
-    """The exit with the launcher's follower, which read the run as it grew: all but the newest TAIL_BYTES (the
-    newest TAIL_STEPS steps' lines) were read before the exit (untimed: the run's life); the exit reads those and
-    sums up."""
+def cut_copy():
+    """A copy of the run as it stood TAIL_BYTES (the newest TAIL_STEPS steps' lines) before its end, and the rest
+    of its bytes: what a reader that followed the run had read, and what it has not yet."""
     import atexit, os, shutil, tempfile
-    from resilient.launcher.report import CheckpointFollower
     src = run_dir / "events.jsonl"
     size = src.stat().st_size
     with open(src, "rb") as fh:
@@ -123,6 +123,13 @@ def followed_exit():
     atexit.register(shutil.rmtree, where)
     with open(src, "rb") as a, open(where / "events.jsonl", "wb") as b:
         os.copy_file_range(a.fileno(), b.fileno(), cut)
+    return where, rest
+
+def followed_exit():
+    """The exit with the launcher's follower, which read the run as it grew: all but the newest TAIL_BYTES were
+    read before the exit (untimed: the run's life); the exit reads those and sums up."""
+    from resilient.launcher.report import CheckpointFollower
+    where, rest = cut_copy()
     f = CheckpointFollower(where, "bench", from_start=True)
     f.poll()
     with open(where / "events.jsonl", "ab") as fh:
@@ -131,10 +138,28 @@ def followed_exit():
     t0 = time.perf_counter()
     return new_exit(f, where)
 
+def cached_restart():
+    """A restart of rank 0 whose predecessor's tuner wrote its cache TAIL_BYTES before the ledger's end (untimed: the
+    run's life, a start and a look while training); the restart reads on from it."""
+    where, rest = cut_copy()
+    t = IntervalTuner.from_run_dir(where)
+    t.follow_every_s = 0.0
+    t.interval_steps()  # the save thread's look after a save, then the cache written
+    assert t.write_cache()
+    with open(where / "events.jsonl", "ab") as fh:
+        fh.write(rest)
+    global t0
+    t0 = time.perf_counter()
+    got = IntervalTuner.from_run_dir(where).inputs()
+    assert got["ledger_cache_used"], "the cache was not used"
+    return got["uptime_seconds"]
+
 work = {("restart", "new"): lambda: IntervalTuner.from_run_dir(run_dir).inputs()["uptime_seconds"],
         ("restart", "old"): old_tuner,
         ("exit", "new"): new_exit, ("exit", "old"): old_exit,
         ("exit-followed", "new"): followed_exit, ("exit-followed", "old"): new_exit,
+        ("restart-cached", "new"): cached_restart,
+        ("restart-cached", "old"): lambda: IntervalTuner.from_run_dir(run_dir).inputs()["uptime_seconds"],
         ("report", "new"): lambda: report_for_run(run_dir).goodput,
         ("report", "old"): lambda: compute_report(old_events()).goodput}[(reader, mode)]
 t0 = time.perf_counter()

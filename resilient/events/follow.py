@@ -512,6 +512,18 @@ class LedgerTail:
             self._listing = None
         return names
 
+    def marks(self) -> dict[str, tuple[int, int]]:
+        """Where this tail stands in each file it has read, at the end of the last whole line: ``{name: (inode,
+        offset)}``. A tail made later and given them (:meth:`resume`) reads on from there, as this one would."""
+        return {name: (st.ino, st.offset - len(st.partial)) for name, st in self._files.items()
+                if st.ino is not None and not st.drop_to_newline}
+
+    def resume(self, marks: dict[str, tuple[int, int]]) -> None:
+        """Read on from ``marks`` (of :meth:`marks`); a file whose inode is not the one marked, or that is shorter
+        than its mark, is read again from its start (the caller checks that what it holds came from these bytes)."""
+        for name, (ino, offset) in marks.items():
+            self._files[name] = _Followed(offset=int(offset), ino=int(ino))
+
     def skip_to_end(self) -> None:
         """Follow from now on: what the files hold now is passed over unread (without reading it: one stat per
         file, and one byte where a line may still be being written, whose rest is passed over too). Files that

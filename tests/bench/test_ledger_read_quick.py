@@ -1,7 +1,7 @@
 """bench/ledger_read.py --quick: each reader (a restart's tuner, an exit's checkpoint lines, the goodput report) is
-measured against the decoding before on the same synthetic ledger, the exit with the launcher's follower against the
-exit that reads the whole run, and both of each pair reach the same answer. No timing is
-asserted: load decides them."""
+measured against the decoding before on the same synthetic ledger, the exit with the launcher's follower and the
+restart with the tuner's cache against the exit and the restart that read the whole run, and both of each pair reach
+the same answer. No timing is asserted: load decides them."""
 import json
 import subprocess
 import sys
@@ -20,7 +20,7 @@ def test_quick_mode_measures_every_reader_against_the_old_decoding(tmp_path: Pat
                        text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["reader"] for r in rows] == ["restart", "exit", "exit-followed", "report"]
+    assert [r["reader"] for r in rows] == ["restart", "restart-cached", "exit", "exit-followed", "report"]
     for r in rows:
         assert r["steps"] == 20000 and r["ledger_mib"] > 1, r
         assert r["same_answer"] is True, r

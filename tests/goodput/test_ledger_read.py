@@ -179,6 +179,10 @@ def test_the_tuner_sums_old_steps_reads_in_slices_and_learns_what_every_event_wo
     got = IntervalTuner.from_run_dir(run)
     g, w = got.inputs(), want.inputs()
     assert g.keys() == w.keys()
+    # what the start read: the whole ledger, no cache beside it (the tuner observed by hand read nothing itself)
+    assert (g.pop("ledger_bytes_read_at_start"), g.pop("ledger_cache_used")) == (got._follower.bytes_read, False)
+    assert got._follower.bytes_read == sum(p.stat().st_size for p in run.glob("events*.jsonl"))
+    del w["ledger_bytes_read_at_start"], w["ledger_cache_used"]
     # what the follower learns of interference comes from the newest lines read as events: from fewer than the
     # follower keeps when _RECENT_BYTES is cut below its default, so only the rest is compared then
     learnt = {"clean_step_seconds", "save_interference_seconds", "save_cost_seconds", "optimal_seconds",

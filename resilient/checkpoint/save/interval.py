@@ -44,6 +44,7 @@ from resilient import env
 from resilient.events.api import Event, EventKind
 from resilient.events.follow import LedgerTail, StepTally
 from resilient.events.spans import CKPT_KINDS, finite, merge_spans, overlap_seconds, save_spans, stall_spans
+from resilient.checkpoint.save.tuner_cache import LedgerSums, TunerCache, read_cache, write_cache
 
 logger = logging.getLogger(__name__)
 
@@ -110,18 +111,34 @@ def save_costs(events: Iterable[Event]) -> SaveCosts:
 
 
 class _LedgerFollower:
-    """The step and checkpoint events of a growing ledger, read incrementally, the newest ``keep`` kept."""
+    """The step and checkpoint events of a growing ledger, read incrementally, the newest ``keep`` kept, and the
+    sums of everything read (``sums``: what a restarted tuner takes from the ledger, see :mod:`.tuner_cache`)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], keep: int = 4096):
+    def __init__(self, run_dir: str | os.PathLike[str], keep: int = 4096, sums: LedgerSums | None = None):
+        self.run_dir = run_dir
         self._tail = LedgerTail(run_dir)
         self.events: deque[Event] = deque(maxlen=keep)
+        self.sums = sums if sums is not None else LedgerSums()
+        self.bytes_read = 0  # over every read_new
+
+    def resume(self, cache: TunerCache) -> None:
+        """Go on from where a tuner that wrote ``cache`` stood (its sums, its newest events, its marks)."""
+        self._tail.resume(cache.marks)
+        self.sums = cache.sums
+        self.events.extend(cache.events)
+
+    def cache(self) -> TunerCache:
+        """Where the follower stands now: a copy, which later reads leave as it is."""
+        return TunerCache(self._tail.marks(), self.sums.copy(), list(self.events))
 
     def read_new(self, max_bytes: int | None = 16 << 20, *, steps: StepTally | None = None,
                  leave: int = 0) -> list[Event]:
         """Keep what was written since the last call; returns the new step, checkpoint and restart events
         (with ``steps``: STEP lines tallied there instead, to ``leave`` bytes before each file's end)."""
         new = self._tail.read_new(max_bytes, kinds=_READ_KINDS, steps=steps, leave=leave)
+        self.bytes_read += self._tail.last_read
         self.events.extend(ev for ev in new if ev.kind is not EventKind.RESTART)
+        self.sums.absorb(new)
         return new
 
     def caught_up(self) -> bool:
@@ -158,6 +175,13 @@ class IntervalTuner:
         self._follower: _LedgerFollower | None = None
         self._followed_at = -math.inf
         self.follow_every_s = 1.0  # re-read the ledger at most this often (it is read in the save thread)
+        # what the tuner took from the ledger, written beside it at most this often (see tuner_cache); the first
+        # time at the first look after the start
+        self.cache_every_s = 60.0
+        self._cached_at = -math.inf
+        # (bytes of the ledger read before the first step, whether on from a cache): from_run_dir's, for the ledger
+        self._start_read: tuple[int, bool] | None = None
+        self._pending_cache: TunerCache | None = None
         self._uptime = 0.0
         self._interruptions = 0
         self._current: int | None = None
@@ -269,6 +293,9 @@ class IntervalTuner:
             "interval_steps": self._current,
             "min_steps": self.min_steps,
             "max_steps": self.max_steps,
+            # what the start cost: a restart that reads on from the cache reads what was written since it
+            "ledger_bytes_read_at_start": self._start_read[0] if self._start_read else None,
+            "ledger_cache_used": self._start_read[1] if self._start_read else None,
         }
 
     def _maybe_log(self) -> None:
@@ -294,6 +321,9 @@ class IntervalTuner:
         try:
             f.read_new()
             costs = save_costs(f.events)
+            if not force and now - self._cached_at >= self.cache_every_s:
+                self._cached_at = now
+                self._pending_cache = f.cache()  # written by write_cache(), outside the caller's lock
         except Exception as e:  # noqa: BLE001 - a tuner must never stop a save; it keeps what it knew
             logger.debug("reading the ledger for save interference failed: %s", e)
             return
@@ -301,6 +331,15 @@ class IntervalTuner:
             self._clean_step = costs.clean_step_seconds
             self._interference.clear()
             self._interference.extend(costs.interference)
+
+    def write_cache(self) -> bool:
+        """Write what the tuner took from the ledger beside it, when a look since the last write made it due (at
+        most every ``cache_every_s``; see :mod:`.tuner_cache`): a restarted rank 0 then reads on from there. Call it
+        outside any lock the training thread takes: it serializes a few thousand events (~20 ms)."""
+        pending, self._pending_cache = self._pending_cache, None
+        if pending is None or self._follower is None:
+            return False
+        return write_cache(self._follower.run_dir, pending)
 
     # restarts ------------------------------------------------------------------------------------
     @classmethod
@@ -315,40 +354,31 @@ class IntervalTuner:
                                  "unset it or give e.g. 21600 (6 h)")
             kwargs["prior_mtbf_s"] = v
         tuner = cls(**kwargs)
-        tuner._follower = follower = _LedgerFollower(run_dir)
-        restarts: set[tuple[object, object]] = set()
+        window, recent = tuner._steps.maxlen or 256, tuner._saves.maxlen or 32
+        tuner._follower = follower = _LedgerFollower(run_dir, sums=LedgerSums.sized(window, recent))
+        cache = read_cache(run_dir, window, recent)
+        if cache is not None:  # what an earlier rank 0 took from the ledger: read on from where it stood
+            follower.resume(cache)
         # A week's ledger holds millions of STEP lines, and the whole job waits for rank 0 here. All but the
         # newest _RECENT_BYTES of each file: STEP lines only summed (no event each); then the newest as events,
         # which the follower keeps to learn the recent saves' interference. Read in slices, so that memory is
         # bounded by a slice's events, not the run's (read_new stops after about max_bytes; caught up: 0 read).
-        tally = StepTally(recent_max=tuner._steps.maxlen or 256)
+        tally = StepTally(recent_max=window)
         for steps in (tally, None):
             while True:
-                events = follower.read_new(max_bytes=_START_SLICE_BYTES, steps=steps,
-                                           leave=_RECENT_BYTES if steps is not None else 0)
+                follower.read_new(max_bytes=_START_SLICE_BYTES, steps=steps,
+                                  leave=_RECENT_BYTES if steps is not None else 0)
                 if follower.caught_up():
                     break
-                tuner._absorb(events, restarts)
             if steps is not None:
-                tuner._steps.extend(tally.recent)
-                tuner._uptime += tally.seconds
+                follower.sums.add_tally(tally)
+        sums = follower.sums
+        tuner._steps.extend(sums.steps)
+        tuner._uptime += sums.uptime
+        tuner._saves.extend(sums.saves)
+        tuner._uploads.extend(sums.uploads)
         tuner._follow(force=True)
-        for _ in restarts:
+        for _ in sums.restarts:
             tuner.observe_interruption()
+        tuner._start_read = (follower.bytes_read, cache is not None)
         return tuner
-
-    def _absorb(self, events: Iterable[Event], restarts: set[tuple[object, object]]) -> None:
-        """The observations of a ledger's events, read at the start (restarts: collected, counted once each)."""
-        for ev in events:
-            d = ev.details
-            try:
-                if ev.kind is EventKind.STEP:
-                    self.observe_step(float(d.get("seconds", 0.0)))
-                elif ev.kind is EventKind.CKPT_SAVE:
-                    self.observe_save(float(d.get("blocking_seconds", 0.0)))
-                elif ev.kind is EventKind.CKPT_TIER_DONE and str(d.get("tier")) == "persistent":
-                    self.observe_upload(float(d.get("seconds", 0.0)))
-                elif ev.kind is EventKind.RESTART:
-                    restarts.add((ev.attempt, d.get("attempt")))  # once per restart, however many nodes say so
-            except (TypeError, ValueError):
-                continue

@@ -168,6 +168,7 @@ class _Interval:
                                   stacklevel=3)
                 self.tuner = None
         self.next_save: int | None = None
+        self.recorded = False  # whether a decision of this manager's is in the ledger (CKPT_INTERVAL)
         self._last_call: float | None = None
         self.lock = threading.Lock()  # the tuner is fed from the training, save and upload threads
 
@@ -890,10 +891,17 @@ class CheckpointManager:
                 logger.warning("interval tuner failed (%s); keeping %d steps", e, iv.steps)
                 proposal = (iv.steps, iv.persistent_every, {})
         steps, every, inputs = self._bcast(proposal, self._pg)
-        changed = (steps, every) != (iv.steps, iv.persistent_every)
-        iv.steps, iv.persistent_every = steps, every
+        # each attempt's first decision is recorded too, changed or not: what it started from (and what its start
+        # read of the ledger cost) is then in the ledger
+        changed = (steps, every) != (iv.steps, iv.persistent_every) or not iv.recorded
+        iv.steps, iv.persistent_every, iv.recorded = steps, every, True
         if changed and self.rank == 0:
             self._emit(EventKind.CKPT_INTERVAL, interval=steps, persistent_every=every, inputs=inputs)
+        if self.rank == 0 and iv.tuner is not None:
+            try:
+                iv.tuner.write_cache()  # after the answer went out, outside the lock the training thread takes
+            except FAILURES as e:
+                logger.debug("interval tuner's cache not written: %s", e)
 
     # ------------------------------------------------------------------ wait / close
     @property
