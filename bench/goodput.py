@@ -24,8 +24,11 @@ loss kills the launcher and both workers; the driver then starts the same comman
 scheduler's requeue with a replacement node ready: generous to the baselines, which in real life wait
 minutes). The same requeue happens whenever a launcher exits before the job is done, resilient-run included (a
 scheduler requeues any job that exits early; its faults still to come keep their times on the first launch's
-clock). A fault that falls due while its target is not running (between attempts) is skipped and counted as
-skipped.
+clock). A fault that falls due while its target is not running (between attempts, or its launcher being
+started again) is carried out as soon as the target runs again, as resilient-run's injector does (its agent fires
+a due fault at its next pass while workers run): every launcher takes every fault of the schedule (``deferred``
+counts those carried out more than 0.5 s late; ``skipped``, those whose target never ran again). Until
+2026-12-03 the driver skipped them, so a baseline that was slow to restart took fewer faults than resilient-run.
 
 Goodput = useful steps x clean step time / wall time, the same for all three: useful steps are the job's
 steps (every run ends at the same step), the clean step time is the median step time of a fault-free run
@@ -336,12 +339,15 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
     cmd = baseline_cmd(name, a.max_restarts, job)
     log = StepLog(d / "out")
     pending = list(faults)
+    waiting: list[tuple[Fault, float]] = []  # fell due while the target was not running: (fault, when it fell due)
     res: dict[str, Any] = {"config": name, "injected": [], "skipped": [], "requeues": 0, "stall_requeues": 0,
                            "finished": False}
     launches = 0
+    last_launch = 0.0
 
     def launch() -> subprocess.Popen:
-        nonlocal launches
+        nonlocal launches, last_launch
+        last_launch = time.time()
         f = open(d / f"launcher-{launches}.log", "wb")
         launches += 1
         p = subprocess.Popen(cmd, cwd=d, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -365,26 +371,34 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
             now = time.time()
             last = max((r["step"] for r in log.of("step")), default=-1)
             while pending and pending[0].due(t0, now, last):
-                f = pending.pop(0)
+                waiting.append((pending.pop(0), now))
+            if waiting:
                 newest: dict[int, dict] = {}
                 for r in starts:  # the newest process of each rank
                     newest[r["rank"]] = r
-                entry = {**asdict(f), "wall": now}
-                if f.kind == "kill-node":
-                    if proc.poll() is None:
-                        kill_session(proc)
-                        res["injected"].append(entry)
-                    else:
-                        res["skipped"].append(entry)
-                    continue
-                target = job_proc(newest[f.target]) if f.target in newest else None
-                try:
-                    if target is None or target.status() == "stopped" or proc.poll() is not None:
-                        raise ProcessLookupError
-                    target.send_signal(signal.SIGKILL if f.kind == "kill-worker" else signal.SIGSTOP)
-                    res["injected"].append({**entry, "pid": target.pid})
-                except (ProcessLookupError, psutil.Error):  # not running now: between attempts
-                    res["skipped"].append(entry)
+                still = []
+                for f, fell_due in waiting:
+                    entry = {**asdict(f), "wall": now, "late_s": round(now - fell_due, 3)}
+                    if f.kind == "kill-node":
+                        # the node's launcher and workers: once the job runs on it again (after a requeue, once a
+                        # worker of the new launch started)
+                        if proc.poll() is None and any(r["t"] > last_launch for r in starts):
+                            kill_session(proc)
+                            res["injected"].append(entry)
+                        else:
+                            still.append((f, fell_due))
+                        continue
+                    target = job_proc(newest[f.target]) if f.target in newest else None
+                    try:
+                        # a stopped (hung) target takes it as resilient-run's injector gives it: a kill ends it, a
+                        # second stop does nothing more
+                        if target is None or proc.poll() is not None:
+                            raise ProcessLookupError
+                        target.send_signal(signal.SIGKILL if f.kind == "kill-worker" else signal.SIGSTOP)
+                        res["injected"].append({**entry, "pid": target.pid})
+                    except (ProcessLookupError, psutil.Error):  # not running now (between attempts): when it is
+                        still.append((f, fell_due))
+                waiting = still
             if log.records and len(log.records) != seen:
                 seen, quiet_since = len(log.records), time.monotonic()
             stalled = time.monotonic() - quiet_since > a.stall
@@ -409,6 +423,8 @@ def run_baseline(name: str, d: Path, job: Path, job_args: list[str], faults: lis
         kill_workers(log)
     res["wall_s"] = time.time() - t_launch
     res["t0_after_launch_s"] = (t0 - t_launch) if t0 else None
+    res["skipped"] = [{**asdict(f), "fell_due": w} for f, w in waiting]  # the job ended before its target ran again
+    res["deferred"] = sum(1 for e in res["injected"] if e.get("late_s", 0) > 0.5)
     res.update(progress(log))
     if not res["finished"]:
         res["log_tail"] = (d / f"launcher-{launches - 1}.log").read_text(errors="replace")[-3000:]
@@ -723,13 +739,14 @@ def print_table(results: dict[str, dict], a: argparse.Namespace) -> None:
     print(f"\ngoodput = useful steps x clean step time / wall time ({'quick' if a.quick else 'full'} mode, "
           f"MTBF {a.mtbf:g} s, seed {a.seed})")
     print(f"{'launcher':<15}{'goodput':>9}{'÷ torchrun':>12}{'ledger':>9}{'at tr step':>12}{'steps':>7}{'redone':>8}"
-          f"{'wall s':>9}{'startup s':>11}{'clean step s':>14}{'faults':>8}{'skipped':>9}{'requeues':>10}")
+          f"{'wall s':>9}{'startup s':>11}{'clean step s':>14}{'faults':>8}{'late':>6}{'skipped':>9}{'requeues':>10}")
     for n, r in results.items():
         ledger = (r.get("ledger") or {}).get("goodput")
         print(f"{n:<15}{fmt(r.get('goodput')):>9}{fmt(r.get('ratio_to_torchrun'), 2):>12}{fmt(ledger):>9}"
               f"{fmt(r.get('goodput_at_torchrun_step')):>12}{r.get('useful_steps', 0):>7}{r.get('steps_redone', 0):>8}"
               f"{fmt(r['wall_s'], 1):>9}{fmt(r.get('t0_after_launch_s'), 1):>11}{fmt(r.get('clean_step_s'), 4):>14}"
-              f"{len(r.get('injected', [])):>8}{len(r.get('skipped', [])):>9}{r.get('requeues', '-'):>10}")
+              f"{len(r.get('injected', [])):>8}{r.get('deferred', '-'):>6}{len(r.get('skipped', [])):>9}"
+              f"{r.get('requeues', '-'):>10}")
     print("ledger: resilient-run's own figure (resilient goodput RUN_DIR --json); at tr step: goodput with torchrun's "
           "clean step time for every launcher; startup: launch to the first worker's start")
 
