@@ -1,7 +1,8 @@
 """The goodput report and the Prometheus collector on a long run's ledger, against the code of an earlier commit.
 
 Two readers compute a run's goodput report from its whole ledger: ``resilient goodput RUN_DIR --json``
-(``report``: the command's own ``main``, reading, report and checkpoint lines) and the agent that serves
+(``report``: the command's own ``main``, reading, report and checkpoint lines; ``plot``: the same with ``--plot``,
+which draws every step and the report's time line) and the agent that serves
 ``--metrics-port`` (``scrape``: a ``LedgerCollector`` started on the ledger scrapes until it has caught up, each
 scrape reading at most 64 MiB and keeping what it read; its report of the whole ledger is timed; then the ledger
 grows by 1,000 steps and the next scrape reads them and computes the report again). The collector lives as long
@@ -9,7 +10,7 @@ as the job, so what it keeps matters there: its process's resident memory once c
 memory the allocator keeps counts too). Each measurement runs in a fresh process, against the same code at
 ``--before`` (a git worktree of that commit), interleaved, on the same synthetic ledgers as ``bench/ledger_read.py`` (the writers' own formats).
 
-    python bench/report_scale.py [--steps 20000,200000,1000000] [--reps 3] [--before REF] [--readers report,scrape]
+    python bench/report_scale.py [--steps 20000,200000,1000000] [--reps 3] [--before REF] [--readers report,scrape,plot]
                                  [--quick]
 
 Prints a table and writes bench/results/report_scale.json.
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from ledger_read import STEP_LINE, make_ledger, write_results  # noqa: E402  (one writer of the synthetic ledgers)
 
-READERS = ("report", "scrape")
+READERS = ("report", "scrape", "plot")
 
 # {reader} {run_dir} -> one JSON line; the code measured is whatever `resilient` PYTHONPATH gives
 CHILD = r'''
@@ -45,13 +46,14 @@ def rss_mib():
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 out = {}
-if reader == "report":
+if reader in ("report", "plot"):
     import contextlib, io
     from resilient.goodput.cli import main
     buf = io.StringIO()
+    plot = ["--plot", str(run_dir / "timeline.png")] if reader == "plot" else []
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf):
-        rc = main([str(run_dir), "--json", "--now", repr(1.7e9 + steps + 60.0)])  # the same end for both codes
+        rc = main([str(run_dir), "--json", "--now", repr(1.7e9 + steps + 60.0), *plot])  # the same end for both
     out["seconds"] = time.perf_counter() - t0
     assert rc == 0, rc
     out["answer"] = json.loads(buf.getvalue())["goodput"]
@@ -146,7 +148,7 @@ def main() -> int:
                     new, old = got["new"][0]["answer"], got["before"][0]["answer"]
                     # the collector reports a run in progress up to its own now, which moves between two processes
                     # (~1e-7 of this ledger's wall a second); the command is given one --now
-                    tol = 1e-9 if reader == "report" else 1e-5
+                    tol = 1e-5 if reader == "scrape" else 1e-9
                     row["same_answer"] = abs(new - old) <= tol * max(1e-3, abs(old))
                     if not row["same_answer"]:
                         raise SystemExit(f"{reader} at {steps} steps: new code answered {new!r}, before {old!r}")

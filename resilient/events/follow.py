@@ -512,6 +512,11 @@ class LedgerTail:
             self._listing = None
         return names
 
+    @property
+    def files(self) -> int:
+        """How many files this tail has looked at (each costs a ``stat`` per look while it is quiet)."""
+        return len(self._files)
+
     def marks(self) -> dict[str, tuple[int, int]]:
         """Where this tail stands in each file it has read, at the end of the last whole line: ``{name: (inode,
         offset)}``. A tail made later and given them (:meth:`resume`) reads on from there, as this one would."""

@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                   "event files", file=sys.stderr)
             return 2
     named = " ".join(args.run_dir)
-    # the report alone reads rank 0's step lines into columns (~45 bytes a step, no event each); the plot and the
-    # TensorBoard export draw every step, so they read events
-    inputs = None if args.plot or args.tensorboard else ReportInputs()
+    # rank 0's step lines read into columns (~45 bytes a step, no event each): the report, the plot and the
+    # TensorBoard export all take them so
+    inputs = ReportInputs()
     try:
         read = read_ledgers(args.run_dir, into=inputs)
     except FileNotFoundError as e:
@@ -140,14 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"resilient goodput: cannot read the ledger in {named}: {e.strerror or e}", file=sys.stderr)
         return 2
-    events = read.events if inputs is None else inputs.others
-    if not (read.events if inputs is None else len(inputs)) and read.skipped:
+    if not len(inputs) and read.skipped:
         print(f"resilient goodput: {read.path} is not a ledger: none of its {read.lines} line(s) is an event; "
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     try:
         # the segments (two a step) only for what draws or lists them
-        rep = compute_report(events if inputs is None else inputs, now=args.now,
+        rep = compute_report(inputs, now=args.now,
                              timeline=bool(args.plot or args.tensorboard or args.timeline))
     except GoodputError as e:
         print(f"resilient goodput: {e}", file=sys.stderr)
@@ -163,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from resilient.goodput.plot import plot_timeline
 
-        plot_timeline(events, rep, args.plot)
+        plot_timeline(inputs, rep, args.plot)
     if args.tensorboard:
         from resilient.goodput.tensorboard import TensorBoardUnavailable, export
 
         try:
-            export(events, rep, args.tensorboard)
+            export(inputs, rep, args.tensorboard)
         except TensorBoardUnavailable as e:
             print(f"resilient goodput: {e}", file=sys.stderr)
             return 2
@@ -176,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resilient goodput: cannot write TensorBoard files to {args.tensorboard}: {e.strerror or e}",
                   file=sys.stderr)
             return 2
-    ckpt = checkpoint_summary(events)  # which steps were saved where, which saves failed
+    ckpt = checkpoint_summary(inputs.others)  # which steps were saved where, which saves failed
     if args.json:
         print(json.dumps(dict(rep.to_json(timeline=args.timeline), checkpoints=ckpt.to_json()), indent=2))
     else:
         print_table(rep)
-        for line in ckpt.lines() + fleet_lines(events):
+        for line in ckpt.lines() + fleet_lines(inputs.others):
             print(line)
         if args.plot:
             print(f"timeline written to {args.plot}")

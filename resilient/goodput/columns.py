@@ -122,3 +122,28 @@ class ReportInputs:
         """Bytes the STEP columns take (the other events not counted)."""
         return sum(a.itemsize * len(a) for a in (self._wall, self._seconds, self._step, self._attempt, self._node,
                                                   self._seq))
+
+
+@dataclass(frozen=True)
+class StepPoints:
+    """The STEP records as a figure draws them: in wall-time order (ties in the order added), the step number 0
+    where a record has none (``step`` is NaN only where it was not a finite number: such a record is not placed on
+    the step axis), and which records were redone later (a later record of the same or an earlier step)."""
+
+    wall: np.ndarray
+    seconds: np.ndarray
+    step: np.ndarray
+    redone: np.ndarray  # bool
+
+    @classmethod
+    def of(cls, source: "Iterable[Event] | ReportInputs") -> "StepPoints":
+        inputs = source if isinstance(source, ReportInputs) else ReportInputs(source)
+        cols = inputs.steps()
+        order = np.argsort(cols.wall, kind="stable")
+        step = cols.step[order]
+        step = np.where(np.isnan(step), 0.0, step)  # no step number: drawn at 0, as a record of step 0
+        step = np.where(np.isfinite(step), step, np.nan)  # not a number: on no step axis
+        # redone: some later record has a step number at or below this one's
+        later = np.where(np.isnan(step), np.inf, step)[::-1]
+        low = np.minimum.accumulate(np.concatenate(([np.inf], later[:-1])))[::-1] if len(step) else later
+        return cls(cols.wall[order], cols.seconds[order], step, ~np.isnan(step) & (step >= low))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES, PRODUCTIVE, GoodputReport
+from resilient.goodput.columns import ReportInputs, StepPoints
 
 COLORS = {
     PRODUCTIVE: "#2ca02c",
@@ -24,7 +25,10 @@ COLORS = {
 }
 
 
-def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os.PathLike[str]) -> None:
+def plot_timeline(events: "Iterable[Event] | ReportInputs", report: GoodputReport,
+                  path: str | os.PathLike[str]) -> None:
+    """Draw the run (its events, or a :class:`~resilient.goodput.columns.ReportInputs` of them: a long run's
+    million step records as arrays, not events) and its ``report`` (with its time line) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
@@ -33,7 +37,9 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
     from matplotlib.patches import Patch
 
     t0 = report.start_wall
-    evs = sorted(events, key=lambda e: e.wall)
+    inputs = events if isinstance(events, ReportInputs) else ReportInputs(events)
+    evs = sorted(inputs.others, key=lambda e: e.wall)  # every record but the steps
+    pts = StepPoints.of(inputs)
     fig, (ax_band, ax_step, ax_prog) = plt.subplots(
         3, 1, figsize=(14, 8.5), sharex=True, gridspec_kw={"height_ratios": [1.1, 3, 2]})
     gp = f"{report.goodput:.1%}"
@@ -55,20 +61,15 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
                    frameon=False)
 
     # 2: step times, saves, uploads, faults, detections
-    steps = [e for e in evs if e.kind is EventKind.STEP]
-    redone_ids = _redone(steps)
-    kept = [e for e in steps if id(e) not in redone_ids]
-    lost = [e for e in steps if id(e) in redone_ids]
-    for group, color, label in ((kept, COLORS[PRODUCTIVE], "step (kept)"), (lost, COLORS["wasted_progress"],
-                                                                              "step (redone later)")):
-        if group:
-            ax_step.plot([e.wall - t0 for e in group], [float(e.details.get("seconds", 0.0)) for e in group],
-                         ".", ms=4, color=color, label=label)
+    for group, color, label in ((~pts.redone, COLORS[PRODUCTIVE], "step (kept)"),
+                                (pts.redone, COLORS["wasted_progress"], "step (redone later)")):
+        if group.any():
+            ax_step.plot(pts.wall[group] - t0, pts.seconds[group], ".", ms=4, color=color, label=label)
     saves = [e for e in evs if e.kind is EventKind.CKPT_SAVE]
     for i, e in enumerate(saves):
         ax_step.axvline(e.wall - t0, color=COLORS["checkpoint_save_stall"], lw=0.8, alpha=0.6,
                         label="checkpoint save" if i == 0 else None)
-    ymax = max([float(e.details.get("seconds", 0.0)) for e in steps] or [1.0]) * 1.15 or 1.0
+    ymax = (float(pts.seconds.max()) if len(pts.seconds) else 1.0) * 1.15 or 1.0
     tiers = sorted({str(e.details.get("tier")) for e in evs if e.kind is EventKind.CKPT_TIER_DONE})
     for ti, tier in enumerate(tiers):
         y = ymax * (1.0 + 0.07 * (ti + 1))
@@ -99,9 +100,8 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, path: str | os
     ax_step.grid(alpha=0.3)
 
     # 3: progress (step number) and world size
-    if steps:
-        ax_prog.plot([e.wall - t0 for e in steps], [float(e.details.get("step", 0)) for e in steps], ".",
-                     ms=3, color="#333333", label="step number")
+    if len(pts.wall):
+        ax_prog.plot(pts.wall - t0, pts.step, ".", ms=3, color="#333333", label="step number")
     ax_prog.set_ylabel("step")
     ax_prog.set_xlabel("seconds since start")
     ax_prog.grid(alpha=0.3)
@@ -135,17 +135,3 @@ def _label(cat: str, report: GoodputReport) -> str:
     secs = report.productive_seconds if cat == PRODUCTIVE else report.badput_seconds[cat]
     share = secs / report.wall_seconds if report.wall_seconds > 0 else 0.0
     return f"{cat.replace('_', ' ')} {share:.1%}"
-
-
-def _redone(steps: list[Event]) -> set[int]:
-    out: set[int] = set()
-    low = float("inf")
-    for e in reversed(steps):
-        try:
-            n = float(e.details.get("step", 0))
-        except (TypeError, ValueError):
-            continue
-        if n >= low:
-            out.add(id(e))
-        low = min(low, n)
-    return out

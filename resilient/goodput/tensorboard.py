@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
-from resilient.events.api import Event, EventKind
+from resilient.events.api import Event
 from resilient.goodput.api import CATEGORIES, PRODUCTIVE, GoodputReport
+from resilient.goodput.columns import ReportInputs, StepPoints
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ def _sample_times(rep: GoodputReport, max_points: int) -> list[int]:
     return xs
 
 
-def export(events: Sequence[Event], rep: GoodputReport, logdir: str | os.PathLike[str], *,
+def export(events: "Iterable[Event] | ReportInputs", rep: GoodputReport, logdir: str | os.PathLike[str], *,
            max_points: int = 500) -> Path:
-    """Write the scalars of ``rep`` (computed from ``events``) to a new event file under ``logdir``."""
+    """Write the scalars of ``rep`` (computed from ``events``, or a
+    :class:`~resilient.goodput.columns.ReportInputs` of them) to a new event file under ``logdir``."""
     SummaryWriter = _writer_class()
     out = Path(logdir)
     if out.exists() and not out.is_dir():
@@ -84,14 +86,11 @@ def export(events: Sequence[Event], rep: GoodputReport, logdir: str | os.PathLik
             for c in CATEGORIES:
                 w.add_scalar(f"badput/{c}", acc.get(c, 0.0) + partial.get(c, 0.0), x, walltime=t)
         last_step = 0
-        for e in sorted((e for e in events if e.kind is EventKind.STEP), key=lambda e: e.wall):
-            try:
-                n, secs = int(e.details["step"]), float(e.details["seconds"])
-            except (KeyError, TypeError, ValueError, OverflowError):
-                continue
-            if math.isfinite(secs):
-                w.add_scalar("step/seconds", secs, n, walltime=e.wall)
-                last_step = max(last_step, n)
+        pts = StepPoints.of(events)
+        for n, secs, wall in zip(pts.step.tolist(), pts.seconds.tolist(), pts.wall.tolist()):
+            if math.isfinite(n):  # a record whose step is not a number is on no step axis
+                w.add_scalar("step/seconds", secs, int(n), walltime=wall)
+                last_step = max(last_step, int(n))
         w.add_scalar("summary/goodput", rep.goodput, last_step, walltime=rep.end_wall)
         wall = rep.wall_seconds or 1.0
         for c in CATEGORIES:

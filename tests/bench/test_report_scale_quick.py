@@ -1,6 +1,6 @@
-"""bench/report_scale.py --quick: the goodput report and the Prometheus collector's scrapes are measured against the
-code of another commit (here HEAD, which every clone has) on the same synthetic ledger, and both reach the same
-answer. No timing is asserted: load decides them."""
+"""bench/report_scale.py --quick: the goodput report (alone and with --plot) and the Prometheus collector's scrapes
+are measured against the code of another commit (here HEAD, which every clone has) on the same synthetic ledger, and
+both reach the same answer. No timing is asserted: load decides them."""
 import json
 import subprocess
 import sys
@@ -19,7 +19,7 @@ def test_quick_mode_measures_the_report_and_a_scrape_against_another_commit(tmp_
                        capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["reader"] for r in rows] == ["report", "scrape"]
+    assert [r["reader"] for r in rows] == ["report", "scrape", "plot"]
     for r in rows:
         assert r["steps"] == 20000 and r["same_answer"] is True, r
         assert r["new_seconds"] > 0 and r["before_seconds"] > 0 and r["new_peak_rss_mib"] > 0, r
