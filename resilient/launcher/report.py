@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from resilient.events import EventKind, Ledger
+from resilient.events.follow import LedgerTail, ledger_incomplete, read_events
+from resilient.goodput.checkpoints import (CHECKPOINT_SUMMARY_KINDS, CheckpointSummary, CheckpointTally,
+                                           checkpoint_summary)
 from resilient.launcher.api import PREEMPTED_EXIT_CODE, AgentConfig, Outcome, WorkerExit
 from resilient.launcher.exit import Ending, checkpoint_exit, read_error_file
 
@@ -63,15 +66,11 @@ class CheckpointFollower:
 
     def __init__(self, run_dir: Path, node: str, *, interval: float = 5.0, rescan: float = 30.0,
                  from_start: bool = False):
-        from resilient.events.follow import LedgerTail
-        from resilient.goodput.checkpoints import CHECKPOINT_SUMMARY_KINDS, CheckpointTally
-
         if not 0 < interval <= 3600:
             raise ValueError(f"CheckpointFollower interval must be between 0 and 3600 seconds, got {interval!r}")
         self.node = node
         self.interval = interval
         self._kinds = frozenset({EventKind.RUN_START, *CHECKPOINT_SUMMARY_KINDS})
-        self._tally_type = CheckpointTally
         self._tally = CheckpointTally()
         self._since = float("-inf")  # wall of this node's newest RUN_START seen: older records are not this launch's
         self._tail = LedgerTail(run_dir, rescan=rescan)
@@ -110,7 +109,7 @@ class CheckpointFollower:
             for ev in evs:  # one look's events come merged on wall
                 if ev.kind is EventKind.RUN_START:
                     if ev.node == self.node and ev.wall >= self._since:
-                        self._since, self._tally = ev.wall, self._tally_type()
+                        self._since, self._tally = ev.wall, CheckpointTally()
                     continue
                 if ev.wall >= self._since:
                     self._tally.add(ev)
@@ -118,9 +117,8 @@ class CheckpointFollower:
             self.added += n
             return n
 
-    def finish(self, timeout: float = 5.0) -> object | None:
-        """Stop following, take the last look and return the summary (a
-        :class:`~resilient.goodput.checkpoints.CheckpointSummary`); None when a look failed or the thread's look did
+    def finish(self, timeout: float = 5.0) -> CheckpointSummary | None:
+        """Stop following, take the last look and return the summary; None when a look failed or the thread's look did
         not end within ``timeout`` (a stalled volume): the caller then reads the run itself."""
         self._stop.set()
         if not self._lock.acquire(timeout=timeout):
@@ -156,9 +154,6 @@ def close_checkpoints(end: Ending, ledger: Ledger, run_dir: Path, node: str, per
         if summary is not None:
             logger.debug("checkpoint summary from the run followed as it grew (%d record(s))", follower.added)
         else:
-            from resilient.events.follow import read_events
-            from resilient.goodput.checkpoints import CHECKPOINT_SUMMARY_KINDS, checkpoint_summary
-
             # the STEP lines, most of a long run's ledger, are passed over undecoded
             events = list(read_events(run_dir, kinds={EventKind.RUN_START, *CHECKPOINT_SUMMARY_KINDS}))
             mine = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_START and e.node == node]
@@ -196,8 +191,6 @@ def start_metrics(cfg: AgentConfig, run_dir: Path, *, hosts_supervisor: bool) ->
 
 def say_ledger_lost(run_dir: Path, ledger_path: object) -> None:
     """The final word on a ledger that lost events (any writer of this run dir: the agent, a worker)."""
-    from resilient.events.follow import ledger_incomplete
-
     lost = ledger_incomplete(run_dir)
     if lost is not None:
         print(f"resilient-run: {lost} ({ledger_path}); `resilient goodput` reports the run as "
