@@ -64,6 +64,10 @@ _WRITER_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 _KINDS = {k.value: k for k in EventKind}
 # Unix seconds: 0 to year ~5000; a wall outside would stretch the run's time line to nonsense
 _WALL_MAX = 1e11
+# a quiet look at a run costs a ``stat`` per writer's file; followers that look again and again space their looks by
+# this much per file, so that one follower makes at most ~500 stats a second on a shared volume with thousands of
+# writers' files (1,000 nodes x 8 workers), where a stat is a round trip to the file server
+STAT_SECONDS = 0.002
 
 
 def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
@@ -516,6 +520,11 @@ class LedgerTail:
     def files(self) -> int:
         """How many files this tail has looked at (each costs a ``stat`` per look while it is quiet)."""
         return len(self._files)
+
+    def spacing(self, base: float) -> float:
+        """Seconds to leave between two looks of a follower that would look every ``base`` seconds: at least
+        :data:`STAT_SECONDS` per file followed."""
+        return max(base, len(self._files) * STAT_SECONDS)
 
     def marks(self) -> dict[str, tuple[int, int]]:
         """Where this tail stands in each file it has read, at the end of the last whole line: ``{name: (inode,

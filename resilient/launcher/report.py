@@ -50,9 +50,6 @@ def _raised(f: WorkerExit) -> str:
     return f": {d['exc_type']}: {d.get('message') or ''}{at}"
 
 
-_STAT_SECONDS = 0.002  # the follower's look spacing per file followed
-
-
 class CheckpointFollower:
     """The run's checkpoint records followed while it trains, so that the closing lines at exit read only what was
     written since the last look. Read at exit, a week's ledger (a million step lines, 166 MB) cost 0.7 s between the
@@ -88,9 +85,7 @@ class CheckpointFollower:
         return self
 
     def _run(self) -> None:
-        # every look stats each writer's file: on a shared volume with thousands of them (every node's workers),
-        # the looks are spaced so that an agent makes at most ~500 stats a second
-        while not self._stop.wait(max(self.interval, self._tail.files * _STAT_SECONDS)):
+        while not self._stop.wait(self._tail.spacing(self.interval)):  # see STAT_SECONDS
             self.poll()
 
     def poll(self) -> int:

@@ -117,9 +117,10 @@ class SupervisorLoop:
         self._refused_seen: set[tuple[str, str]] = set()  # (job, node) already in the ledger
         self._refusals_due = 0.0
         # checkpoint boundaries (a deferred ScaleUp waits for one) are written by workers to the ledger only
-        self._tail = LedgerTail(ledger.path.parent) if ledger is not None else None
+        self._tail = LedgerTail(ledger.path.parent, rescan=30.0) if ledger is not None else None
         if self._tail is not None:
             self._tail.read_new()  # the past is not news
+        self._tail_due = 0.0  # monotonic: the next look at the ledger (spaced by its files, see STAT_SECONDS)
         store.set(self.chan.keys.presence, f"{cfg.advertise_addr}:{self.presence.port}")
         self._round_stores: dict[int, Any] = {}
         self._spare_store: Any = None  # the next round's store, made ahead of time
@@ -218,10 +219,11 @@ class SupervisorLoop:
             # a standalone supervisor's plans name no spares between rounds: those that joined count from their hello
             view = self.core.view(now)
             self.quorum.grow([n for n in hello if (v := view.nodes.get(n)) is not None and v.state is NodeState.SPARE])
-        if self._tail is not None:
+        if self._tail is not None and now >= self._tail_due:
             # only checkpoint boundaries matter here: every other line is skipped undecoded
             for ev in self._tail.read_new(contains=_LEDGER_CONTAINS, kinds=LEDGER_KINDS):
                 out += self.core.handle(ev, now)
+            self._tail_due = now + self._tail.spacing(0.0)
         # members that reported done in this pass's messages end the job before any timer is looked at: a
         # finished job is never failed by a loss or a silence noticed after the fact. Not when their done decided a
         # new round (a preempted node's agreed save carried out as a swap or scale-down): the job goes on in it

@@ -5,6 +5,7 @@ The gates are files in ``$DRILL_DIR``; every wait on them is bounded (``DRILL_WA
 * ``DRILL_HOLD_UPLOAD=S``: on rank 0, right after its first ``.distcp`` file of step ``S`` reached the
   persistent tier, the upload touches ``upload-in-flight`` and waits for ``store-killed``: the test kills
   the store with step ``S`` half uploaded, never before, never after.
+* ``DRILL_PERSISTENT_TIMEOUT_S=S``: the bound on one call to the persistent store (``persistent_timeout_s``).
 * ``DRILL_GATES=G:FILE[,G:FILE...]``: at step ``G`` every rank touches ``at-<G>-<rank>`` and waits for
   ``FILE``. The outage drill holds training at step 8 until the store is dead (so that the next saves
   happen during the outage, however fast training is) and at step 16 until it is back (so that the run is
@@ -58,6 +59,18 @@ def _install() -> None:
 
         tiers.FsspecTier.put_file = put_file  # type: ignore[method-assign]
         tiers.FsspecTier.write_bytes = write_bytes  # type: ignore[method-assign]
+    bound = os.environ.get("DRILL_PERSISTENT_TIMEOUT_S")
+    if bound:
+        # the bound on one call to the store (default 30 s): what a call to the killed store waits before it is given
+        # up; the drill's calls move a few KiB to a store on loopback, so a shorter bound only shortens the outage
+        from resilient.checkpoint.save.manager import CheckpointManager
+
+        orig_from_env = CheckpointManager.from_env.__func__  # type: ignore[attr-defined]
+
+        def from_env(cls, **overrides):  # type: ignore[no-untyped-def]
+            return orig_from_env(cls, **{"persistent_timeout_s": float(bound), **overrides})
+
+        CheckpointManager.from_env = classmethod(from_env)  # type: ignore[method-assign,assignment]
     gates = {int(g): f for g, f in (x.split(":") for x in os.environ.get("DRILL_GATES", "").split(",") if x)}
     if gates:
         from resilient.checkpoint.save.manager import CheckpointManager

@@ -86,7 +86,9 @@ def test_store_killed_mid_upload_then_back(tmp_path: Path, gcs: GCS) -> None:
     run, drill = tmp_path / "run", tmp_path / "drill"
     drill.mkdir()
     env = {**gcs.env(), "DRILL_DIR": str(drill), "DRILL_HOLD_UPLOAD": str(HELD),
-           "DRILL_GATES": f"8:store-killed,{GATE}:store-back"}
+           "DRILL_GATES": f"8:store-killed,{GATE}:store-back",
+           # a call to the dead store is given up after 10 s instead of 30 (a few KiB on loopback: ample)
+           "DRILL_PERSISTENT_TIMEOUT_S": "10"}
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir", str(run),
            "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-persistent", url, "--ckpt-interval", str(INTERVAL),
            "--ckpt-persistent-every", "1", "--upload-grace", "120",

@@ -116,7 +116,8 @@ class _LedgerFollower:
 
     def __init__(self, run_dir: str | os.PathLike[str], keep: int = 4096, sums: LedgerSums | None = None):
         self.run_dir = run_dir
-        self._tail = LedgerTail(run_dir)
+        # rescan: a directory of thousands of writers' files is listed again only when its time changed
+        self._tail = LedgerTail(run_dir, rescan=30.0)
         self.events: deque[Event] = deque(maxlen=keep)
         self.sums = sums if sums is not None else LedgerSums()
         self.bytes_read = 0  # over every read_new
@@ -140,6 +141,10 @@ class _LedgerFollower:
         self.events.extend(ev for ev in new if ev.kind is not EventKind.RESTART)
         self.sums.absorb(new)
         return new
+
+    def spacing(self, base: float) -> float:
+        """Seconds between two looks of a follower that would look every ``base`` (see ``LedgerTail.spacing``)."""
+        return self._tail.spacing(base)
 
     def caught_up(self) -> bool:
         """Whether the last read_new found nothing new to read."""
@@ -315,7 +320,7 @@ class IntervalTuner:
         if f is None:
             return
         now = time.monotonic()
-        if not force and now - self._followed_at < self.follow_every_s:
+        if not force and now - self._followed_at < f.spacing(self.follow_every_s):
             return
         self._followed_at = now
         try:
