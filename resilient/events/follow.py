@@ -574,11 +574,13 @@ class LedgerTail:
         batches: list[list[Event]] = []
         budget = max_bytes
         self.last_read = 0
+        # paths as strings: a quiet look is a stat per file, and building a Path per file cost as much as the stat
+        root = os.fspath(self.run_dir) + os.sep
         for name in names:
             if budget is not None and budget <= 0:
                 break
             st = self._files.setdefault(name, _Followed())
-            got, used = self._read_file(self.run_dir / name, st, budget, contains, kinds, steps, leave, into)
+            got, used = self._read_file(root + name, st, budget, contains, kinds, steps, leave, into)
             self.last_read += used
             if budget is not None:
                 budget -= used
@@ -588,7 +590,7 @@ class LedgerTail:
             return batches[0]
         return list(heapq.merge(*batches, key=_wall))
 
-    def _read_file(self, path: Path, st: _Followed, budget: int | None, contains: bytes | None,
+    def _read_file(self, path: str, st: _Followed, budget: int | None, contains: bytes | None,
                    kinds: Collection[EventKind] | None, steps: StepTally | None = None,
                    leave: int = 0, into: StepSink | None = None) -> tuple[list[Event], int]:
         try:
