@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+import numpy as np
+
 from resilient.events.api import Event, EventKind
 from resilient.goodput.api import CATEGORIES, PRODUCTIVE, GoodputReport
 from resilient.goodput.columns import ReportInputs, StepPoints
+from resilient.goodput.thin import band, envelope
 
 COLORS = {
     PRODUCTIVE: "#2ca02c",
@@ -23,6 +26,11 @@ COLORS = {
     "waiting_for_spares": "#8c564b",
     "other": "#c7c7c7",
 }
+# above this many segments or points in a panel, it is drawn per column of time (see goodput/thin.py): COLUMNS is
+# about twice the figure's width in pixels, so the thinned drawing shows what the full one could
+THIN_ABOVE = 20_000
+COLUMNS = 3_000
+SAVE_LINES = 200  # more saves than this are ticks along the panel's bottom, not full-height lines
 
 
 def plot_timeline(events: "Iterable[Event] | ReportInputs", report: GoodputReport,
@@ -47,8 +55,13 @@ def plot_timeline(events: "Iterable[Event] | ReportInputs", report: GoodputRepor
                  f"{len(report.attempts)} attempt(s){' · in progress' if report.in_progress else ''}", fontsize=12)
 
     # 1: where the time went
-    for cat in (PRODUCTIVE, *CATEGORIES):
-        spans = [(s.start - t0, s.seconds) for s in report.timeline if s.category == cat]
+    by_cat: dict[str, list[tuple[float, float]]] = {c: [] for c in (PRODUCTIVE, *CATEGORIES)}
+    for s in report.timeline:
+        by_cat[s.category].append((s.start - t0, s.seconds))
+    width = max(report.wall_seconds, 1e-9)
+    if len(report.timeline) > THIN_ABOVE:
+        by_cat = band(by_cat, 0.0, width, COLUMNS)
+    for cat, spans in by_cat.items():
         if spans:
             ax_band.broken_barh(spans, (0, 1), facecolors=COLORS[cat], edgecolor="none")
     ax_band.set_yticks([])
@@ -64,9 +77,18 @@ def plot_timeline(events: "Iterable[Event] | ReportInputs", report: GoodputRepor
     for group, color, label in ((~pts.redone, COLORS[PRODUCTIVE], "step (kept)"),
                                 (pts.redone, COLORS["wasted_progress"], "step (redone later)")):
         if group.any():
-            ax_step.plot(pts.wall[group] - t0, pts.seconds[group], ".", ms=4, color=color, label=label)
+            if group.sum() > THIN_ABOVE:  # each column's range of step times
+                x, lo, hi = envelope(pts.wall[group] - t0, pts.seconds[group], 0.0, width, COLUMNS)
+                ax_step.vlines(x, lo, hi, colors=color, lw=0.8, label=label)
+            else:
+                ax_step.plot(pts.wall[group] - t0, pts.seconds[group], ".", ms=4, color=color, label=label)
     saves = [e for e in evs if e.kind is EventKind.CKPT_SAVE]
-    for i, e in enumerate(saves):
+    if len(saves) > SAVE_LINES:
+        # a line per save would cover the panel: a tick per column of time that holds a save, along the bottom
+        x, _, _ = envelope(np.array([e.wall - t0 for e in saves]), np.zeros(len(saves)), 0.0, width, COLUMNS)
+        ax_step.plot(x, np.full(len(x), 0.02), "|", ms=9, color=COLORS["checkpoint_save_stall"],
+                     transform=ax_step.get_xaxis_transform(), label="checkpoint save")
+    for i, e in enumerate(saves if len(saves) <= SAVE_LINES else ()):
         ax_step.axvline(e.wall - t0, color=COLORS["checkpoint_save_stall"], lw=0.8, alpha=0.6,
                         label="checkpoint save" if i == 0 else None)
     ymax = (float(pts.seconds.max()) if len(pts.seconds) else 1.0) * 1.15 or 1.0
@@ -100,7 +122,10 @@ def plot_timeline(events: "Iterable[Event] | ReportInputs", report: GoodputRepor
     ax_step.grid(alpha=0.3)
 
     # 3: progress (step number) and world size
-    if len(pts.wall):
+    if len(pts.wall) > THIN_ABOVE:
+        x, lo, hi = envelope(pts.wall - t0, pts.step, 0.0, width, COLUMNS)
+        ax_prog.vlines(x, lo, hi, colors="#333333", lw=1.5, label="step number")
+    elif len(pts.wall):
         ax_prog.plot(pts.wall - t0, pts.step, ".", ms=3, color="#333333", label="step number")
     ax_prog.set_ylabel("step")
     ax_prog.set_xlabel("seconds since start")
