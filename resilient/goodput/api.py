@@ -54,6 +54,21 @@ class Segment:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class TimelineArrays:
+    """The time line as arrays, a segment an entry, in time order: ``start`` and ``end`` (wall seconds, float64)
+    and ``code``, an index into ``(PRODUCTIVE, *CATEGORIES)``. What :attr:`GoodputReport.timeline` holds as one
+    object a segment (two a step: 2 million objects at a million steps), for readers of a long run. Typed ``Any``:
+    numpy arrays, and this contract file stays free of numpy."""
+
+    start: Any
+    end: Any
+    code: Any
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
 @dataclass
 class AttemptReport:
     """One attempt (one set of worker processes) of one launch ("session") of the run.
@@ -105,6 +120,8 @@ class GoodputReport:
     steps_recorded: int = 0
     steps_redone: int = 0
     timeline: list[Segment] = field(default_factory=list, repr=False)
+    # the same time line as arrays, filled whether or not ``timeline`` was asked for (the figure draws from it)
+    timeline_arrays: TimelineArrays | None = field(default=None, repr=False, compare=False)
     skipped_lines: int = 0  # malformed ledger lines left out of the accounting
     # why the ledger lost events (a writer could not write it: full disk, quota), None when it lost none: its
     # last events may be missing, so "in progress" may be a run that ended

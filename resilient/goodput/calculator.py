@@ -87,6 +87,7 @@ from resilient.goodput.api import (
     CATEGORIES,
     PRODUCTIVE,
     AttemptReport,
+    TimelineArrays,
     Badput,
     EmptyLedgerError,
     GoodputError,
@@ -622,6 +623,7 @@ def compute_report(events: Iterable[Event] | ReportInputs, *, now: float | None 
         restarts=restarts, sessions=len(sessions),
         last_step=_step_int(float(steps.step[numbered[-1]])) if len(numbered) else None,
         steps_recorded=len(numbered), steps_redone=int(redone.sum()), timeline=segments,
+        timeline_arrays=TimelineArrays(swept.start, swept.end, swept.code),
     )
 
 

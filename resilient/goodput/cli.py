@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the segments (two a step) only for what draws or lists them
         rep = compute_report(inputs, now=args.now,
-                             timeline=bool(args.plot or args.tensorboard or args.timeline))
+                             timeline=bool(args.tensorboard or args.timeline))
     except GoodputError as e:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -55,15 +56,27 @@ def plot_timeline(events: "Iterable[Event] | ReportInputs", report: GoodputRepor
                  f"{len(report.attempts)} attempt(s){' · in progress' if report.in_progress else ''}", fontsize=12)
 
     # 1: where the time went
-    by_cat: dict[str, list[tuple[float, float]]] = {c: [] for c in (PRODUCTIVE, *CATEGORIES)}
-    for s in report.timeline:
-        by_cat[s.category].append((s.start - t0, s.seconds))
+    cats = (PRODUCTIVE, *CATEGORIES)
+    arrays = report.timeline_arrays
+    by_cat: dict[str, Any] = {}
+    if arrays is not None:  # the report's arrays: no object a segment
+        start, end, code = (np.asarray(a) for a in (arrays.start, arrays.end, arrays.code))
+        for i, c in enumerate(cats):
+            mask = code == i
+            by_cat[c] = np.column_stack((start[mask] - t0, end[mask] - start[mask]))
+        n = len(arrays)
+    else:
+        by_cat = {c: [] for c in cats}
+        for s in report.timeline:
+            by_cat[s.category].append((s.start - t0, s.seconds))
+        n = len(report.timeline)
     width = max(report.wall_seconds, 1e-9)
-    if len(report.timeline) > THIN_ABOVE:
+    if n > THIN_ABOVE:
         by_cat = band(by_cat, 0.0, width, COLUMNS)
     for cat, spans in by_cat.items():
-        if spans:
-            ax_band.broken_barh(spans, (0, 1), facecolors=COLORS[cat], edgecolor="none")
+        if len(spans):
+            ax_band.broken_barh([(float(a), float(b)) for a, b in spans], (0, 1), facecolors=COLORS[cat],
+                                edgecolor="none")
     ax_band.set_yticks([])
     ax_band.set_ylim(0, 1)
     ax_band.set_ylabel("time\nspent", rotation=0, ha="right", va="center")

@@ -117,3 +117,25 @@ def test_plot_of_a_long_run_is_drawn_per_column_and_a_short_one_as_before(tmp_pa
             assert calls.count("band") == 1 and calls.count("envelope") >= 2, calls
         else:
             assert calls == [], calls
+
+
+@pytest.mark.timeout(120)
+def test_the_reports_timeline_arrays_are_its_segments(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.ledger_read import make_ledger
+    from resilient.goodput.api import CATEGORIES, PRODUCTIVE
+    from resilient.goodput.calculator import compute_report
+    from resilient.goodput.columns import ReportInputs
+    from resilient.events import read_events
+
+    make_ledger(tmp_path / "run", 3000)  # faults, restarts, saves: every kind of segment the bench writes
+    inputs = ReportInputs(read_events(tmp_path / "run"))
+    full = compute_report(inputs, now=1.7e9 + 3060.0, timeline=True)
+    bare = compute_report(inputs, now=1.7e9 + 3060.0, timeline=False)
+    cats = (PRODUCTIVE, *CATEGORIES)
+    for rep in (full, bare):
+        a = rep.timeline_arrays
+        assert a is not None and len(a) == len(full.timeline) > 3000
+        assert [(s, e, cats[c]) for s, e, c in zip(a.start.tolist(), a.end.tolist(), a.code.tolist())] == \
+            [(s.start, s.end, s.category) for s in full.timeline]
+    assert bare.timeline == []
