@@ -75,6 +75,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -383,13 +384,14 @@ def _step_int(v: float) -> int:
 
 
 def compute_report(events: Iterable[Event] | ReportInputs, *, now: float | None = None,
-                   in_progress_step_cap: bool = True, timeline: bool = True,
+                   in_progress_step_cap: bool = True, timeline: bool | Literal["arrays"] = True,
                    _reference: bool = False) -> GoodputReport:
     """The goodput report of the events of one run directory (any order, any number of nodes).
 
     ``now`` (wall seconds) is the end of a run still in progress; default: the current time. ``events`` may be
     a :class:`~resilient.goodput.columns.ReportInputs` that holds them (a live collector's). ``timeline=False``
-    leaves ``timeline`` empty (two segments a step: the plot needs them, a figure does not).
+    leaves ``timeline`` and ``timeline_arrays`` empty (the figures need no time line); ``"arrays"`` fills only
+    ``timeline_arrays`` (what the plot draws from: no object a segment, two segments a step).
     ``_reference`` takes every step through the one-at-a-time code (tests compare the two).
     """
     inp = events if isinstance(events, ReportInputs) else ReportInputs(events)
@@ -616,14 +618,14 @@ def compute_report(events: Iterable[Event] | ReportInputs, *, now: float | None 
     restarts = len({(si, e.attempt, _int_or_none(e.details.get("attempt"))) for si, s in enumerate(sessions)
                     for e in s.others if e.kind is EventKind.RESTART})
     segments = ([Segment(a, b, cats[c]) for a, b, c in zip(swept.start.tolist(), swept.end.tolist(),
-                                                           swept.code.tolist())] if timeline else [])
+                                                           swept.code.tolist())] if timeline is True else [])
     return GoodputReport(
         goodput=goodput, wall_seconds=wall_seconds, productive_seconds=productive, badput_seconds=badput,
         disruptions=disruptions, attempts=ordered, start_wall=t0, end_wall=t1, in_progress=in_progress,
         restarts=restarts, sessions=len(sessions),
         last_step=_step_int(float(steps.step[numbered[-1]])) if len(numbered) else None,
         steps_recorded=len(numbered), steps_redone=int(redone.sum()), timeline=segments,
-        timeline_arrays=TimelineArrays(swept.start, swept.end, swept.code),
+        timeline_arrays=TimelineArrays(swept.start, swept.end, swept.code) if timeline else None,
     )
 
 
@@ -669,7 +671,7 @@ def _paint_steps(painter: LayeredPainter, rows: np.ndarray, clean: np.ndarray, f
 
 
 def report_for_run(run_dir: str | os.PathLike[str], *, now: float | None = None,
-                   timeline: bool = True) -> GoodputReport:
+                   timeline: bool | Literal["arrays"] = True) -> GoodputReport:
     """Read the run's ledger, every writer's file (a truncated last line and malformed lines are skipped,
     and counted in ``skipped_lines``), and compute its report. Rank 0's step lines are read into columns, not
     events."""

@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
               "pass the run directory the job was launched with", file=sys.stderr)
         return 2
     try:
-        # the segments (two a step) only for what draws or lists them
+        # the segments (two a step) only for what lists them; the figure draws from the arrays
         rep = compute_report(inputs, now=args.now,
-                             timeline=bool(args.tensorboard or args.timeline))
+                             timeline=True if args.tensorboard or args.timeline else "arrays" if args.plot else False)
     except GoodputError as e:
         print(f"resilient goodput: {e}", file=sys.stderr)
         return 2

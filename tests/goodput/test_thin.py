@@ -131,7 +131,10 @@ def test_the_reports_timeline_arrays_are_its_segments(tmp_path: Path) -> None:
     make_ledger(tmp_path / "run", 3000)  # faults, restarts, saves: every kind of segment the bench writes
     inputs = ReportInputs(read_events(tmp_path / "run"))
     full = compute_report(inputs, now=1.7e9 + 3060.0, timeline=True)
-    bare = compute_report(inputs, now=1.7e9 + 3060.0, timeline=False)
+    bare = compute_report(inputs, now=1.7e9 + 3060.0, timeline="arrays")
+    # what a live collector keeps between scrapes: no time line in either form
+    none = compute_report(inputs, now=1.7e9 + 3060.0, timeline=False)
+    assert none.timeline == [] and none.timeline_arrays is None and none.goodput == full.goodput
     cats = (PRODUCTIVE, *CATEGORIES)
     for rep in (full, bare):
         a = rep.timeline_arrays
