@@ -40,7 +40,9 @@ def _install() -> None:
     if hold >= 0 and rank == 0:
         from resilient.checkpoint.storage import tiers
 
-        orig_put, orig_write = tiers.FsspecTier.put_file, tiers.FsspecTier.write_bytes
+        # the bounded tier's calls, not the store's: the hold is outside the bound on one call, which would
+        # otherwise give the held call up while the store is still alive (and a retry would finish the step)
+        orig_put, orig_write = tiers.BoundedTier.put_file, tiers.BoundedTier.write_bytes
         held: list[bool] = []
 
         def after(self, step, name):  # type: ignore[no-untyped-def]
@@ -57,8 +59,8 @@ def _install() -> None:
             orig_write(self, step, name, data)  # a file of one part goes up in one request
             after(self, step, name)
 
-        tiers.FsspecTier.put_file = put_file  # type: ignore[method-assign]
-        tiers.FsspecTier.write_bytes = write_bytes  # type: ignore[method-assign]
+        tiers.BoundedTier.put_file = put_file  # type: ignore[method-assign]
+        tiers.BoundedTier.write_bytes = write_bytes  # type: ignore[method-assign]
     bound = os.environ.get("DRILL_PERSISTENT_TIMEOUT_S")
     if bound:
         # the bound on one call to the store (default 30 s): what a call to the killed store waits before it is given
