@@ -120,7 +120,8 @@ class GoodputReport:
     steps_recorded: int = 0
     steps_redone: int = 0
     timeline: list[Segment] = field(default_factory=list, repr=False)
-    # the same time line as arrays, filled whether or not ``timeline`` was asked for (the figure draws from it)
+    # the same time line as arrays (the figure draws from them), filled when a time line was asked for: with
+    # ``timeline="arrays"`` (see compute_report) only these, without ``timeline``'s object a segment
     timeline_arrays: TimelineArrays | None = field(default=None, repr=False, compare=False)
     skipped_lines: int = 0  # malformed ledger lines left out of the accounting
     # why the ledger lost events (a writer could not write it: full disk, quota), None when it lost none: its

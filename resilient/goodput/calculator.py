@@ -88,12 +88,12 @@ from resilient.goodput.api import (
     CATEGORIES,
     PRODUCTIVE,
     AttemptReport,
-    TimelineArrays,
     Badput,
     EmptyLedgerError,
     GoodputError,
     GoodputReport,
     Segment,
+    TimelineArrays,
 )
 
 logger = logging.getLogger(__name__)
