@@ -34,9 +34,10 @@ sys.path.insert(0, str(HERE.parent))
 from resilient.events.api import Event, EventKind  # noqa: E402
 from resilient.events.follow import STAT_SECONDS, LedgerTail  # noqa: E402
 
-# each follower's look period before spacing (seconds): the supervisor's loop tick, the tuner's follow_every_s and
-# the checkpoint follower's interval (defaults in supervisor/loop.py, checkpoint/save/interval.py, launcher/report.py)
-FOLLOWERS = {"supervisor": 0.05, "interval tuner": 1.0, "checkpoint follower": 5.0}
+# each follower's look period before spacing (seconds: the supervisor's loop tick, the tuner's follow_every_s, the
+# checkpoint follower's interval; defaults in supervisor/loop.py, checkpoint/save/interval.py, launcher/report.py),
+# and whether it already spaced its looks and kept its listing before (the checkpoint follower did)
+FOLLOWERS = {"supervisor": (0.05, False), "interval tuner": (1.0, False), "checkpoint follower": (5.0, True)}
 
 
 def make_run(root: Path, files: int, lines: int = 4) -> Path:
@@ -87,13 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             run = make_run(root, n)
             # before: the supervisor's and the tuner's tails listed the directory at every look (no rescan)
             before, after = quiet_look(run, a.reps, None), quiet_look(run, a.reps, 30.0)
-            for who, period in FOLLOWERS.items():
-                old_period = period
+            for who, (period, spaced_before) in FOLLOWERS.items():
                 new_period = max(period, n * STAT_SECONDS)
-                rescan_before = who == "checkpoint follower"  # it already spaced its looks and kept its listing
-                b = after if rescan_before else before
-                if who == "checkpoint follower":
-                    old_period = new_period
+                old_period = new_period if spaced_before else period
+                b = after if spaced_before else before
                 rows.append({"files": n, "follower": who, "look_s": after["seconds"],
                              "look_cpu_s": after["cpu_seconds"], "look_before_s": b["seconds"],
                              "period_before_s": old_period, "period_s": new_period,

@@ -5,7 +5,6 @@ each column's range of step times and step numbers. Checked against brute force 
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +96,6 @@ def test_bad_columns_or_range_name_what_is_wrong() -> None:
 @pytest.mark.timeout(180)
 def test_plot_of_a_long_run_is_drawn_per_column_and_a_short_one_as_before(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.ledger_read import make_ledger
     from resilient.goodput.cli import main
 
@@ -121,7 +119,6 @@ def test_plot_of_a_long_run_is_drawn_per_column_and_a_short_one_as_before(tmp_pa
 
 @pytest.mark.timeout(120)
 def test_the_reports_timeline_arrays_are_its_segments(tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.ledger_read import make_ledger
     from resilient.goodput.api import CATEGORIES, PRODUCTIVE
     from resilient.goodput.calculator import compute_report
