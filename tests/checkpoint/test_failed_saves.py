@@ -7,7 +7,9 @@ The failing tier is a real full filesystem (a tmpfs filled to its last byte): ev
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -176,3 +178,86 @@ def test_wait_is_false_after_a_failed_save_and_alone_the_stop_raises(tmp_path: P
         assert good.wait(60) is True and good.last_saved_step == 0 and good.last_save_reached_a_tier is True
     finally:
         good.close(timeout=60)
+
+
+
+@pytest.mark.timeout(120)
+def test_full_disk_and_dead_store_count_as_failed_saves(tmp_path: Path, full_disk: Path, gcs,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the local tier is full, so each save goes to the persistent tier as an upload of its in-memory copy, and that
+    # store is dead (its server killed): no save reaches a tier. Each counts as failed once its upload failed, and
+    # max_failed_saves of them stop the job as a full disk alone does
+    for k in [k for k in os.environ if k.startswith(("RESILIENT_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(k)
+    gcs.make_bucket("dead")
+    gcs.stop()
+    model = torch.nn.Linear(4, 4)
+    ck = CheckpointManager(local=full_disk / "ckpt", persistent="gs://dead/run", interval=1, persistent_every=1,
+                           peer=False, max_failed_saves=2, persistent_timeout_s=2, upload_retries=0,
+                           upload_grace_s=60, restore_probe_s=1)
+    try:
+        with pytest.raises(CheckpointSavesFailedError, match=r"2 checkpoint saves in a row reached no tier") as e:
+            for step in range(6):
+                assert ck.save(step, {"model": model})
+                # the save went out as an upload (the local write failed): wait() is False once that upload failed
+                assert ck.wait(60) is False and ck.last_save_reached_a_tier is False
+        assert step == 3, step  # counted at the next save after each upload failed: saves 0 and 1, stop at 3
+        assert e.value.steps == [0, 1] and e.value.tier == "persistent", (e.value.steps, e.value.tier)
+        assert "its upload failed after the local write failed" in (e.value.error or ""), e.value.error
+    finally:
+        ck.close(timeout=60)
+
+
+
+@pytest.mark.timeout(120)
+def test_an_upload_that_fails_after_a_newer_save_reached_a_tier_is_reported_not_counted(
+        tmp_path: Path, full_disk: Path, gcs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # step 0 goes out only as an upload (full disk) to a store that hangs (SIGSTOP); the disk is freed and step 1
+    # reaches the local tier while that upload still waits; then the upload fails. Step 0 reached no tier (reported),
+    # but the failed saves "in a row" are those after the newest save that reached one: none, so no stop
+    for k in [k for k in os.environ if k.startswith(("RESILIENT_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(k)
+    gcs.make_bucket("hung")
+    model = torch.nn.Linear(4, 4)
+    ck = CheckpointManager(local=full_disk / "ckpt", persistent="gs://hung/run", interval=1, persistent_every=1,
+                           peer=False, max_failed_saves=1, persistent_timeout_s=5, upload_retries=0,
+                           upload_grace_s=60, restore_probe_s=1)
+    os.kill(gcs.proc.pid, signal.SIGSTOP)
+    try:
+        assert ck.save(0, {"model": model})
+        assert ck.wait(60, upload_timeout=0) is False  # saved as a queued upload, which is still waiting
+        (full_disk / "filler").unlink()
+        assert ck.save(1, {"model": model})
+        assert ck.wait(60) is True  # both uploads failed, but step 1 is on the local tier: a saved step
+        assert ck.last_saved_step == 1
+        with caplog.at_level(logging.WARNING, logger="resilient.checkpoint.save.manager"):
+            assert ck.save(2, {"model": model})
+            assert ck.wait(60, upload_timeout=0) in (True, False)
+            assert ck.save(3, {"model": model})  # no stop: nothing failed after step 1
+        lines = [r.getMessage() for r in caplog.records if "checkpoint of step 0 failed" in r.getMessage()]
+        assert len(lines) == 1 and "its upload failed" in lines[0] and "step 1 has since reached a tier" in lines[0], \
+            lines
+    finally:
+        os.kill(gcs.proc.pid, signal.SIGCONT)
+        ck.close(timeout=60)
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_and_full_store_stop_the_job(tmp_path: Path, full_disk: Path) -> None:
+    # the same under resilient-run, with the persistent tier on a full filesystem too (a shared volume that filled
+    # up): the job stops with its own code after --ckpt-max-failed-saves saves that reached no tier, where it used to
+    # train on to the end and exit 0 with no checkpoint anywhere
+    r = resilient_run(tmp_path, ["--max-restarts", "2", "--ckpt-local", str(full_disk / "ckpt"), "--ckpt-interval", "2",
+                                 "--ckpt-persistent", f"file://{full_disk}/store", "--ckpt-persistent-every", "1",
+                                 "--ckpt-max-failed-saves", "3"],
+                      ["--steps", "100000", "--out", str(tmp_path / "out")], {}, timeout=240)
+    run = tmp_path / "run"
+    assert r.returncode == CKPT_FAILED_EXIT_CODE, r.stderr[-4000:]
+    failed = events(run, EventKind.CKPT_SAVE_FAILED)
+    assert len(failed) >= 3 and all(d["tier"] == "persistent" for d in failed), failed
+    assert "No space left on device" in failed[0]["error"], failed
+    stop = events(run, EventKind.CKPT_STOP)
+    assert len(stop) == 1 and stop[0]["tier"] == "persistent" and len(stop[0]["steps"]) == 3, stop
+    assert f"the job stopped (exit {CKPT_FAILED_EXIT_CODE})" in r.stderr
+    assert "persistent tier file://" in r.stderr, r.stderr[-4000:]
+    assert len(events(run, EventKind.ATTEMPT_START)) == 1 and not events(run, EventKind.RESTART)

@@ -292,6 +292,10 @@ class CheckpointManager:
         # written by the save worker only (see last_saved_step)
         self._saved_step: int | None = None
         self._failed_streak: list[tuple[int, str | None, str | None]] = []  # (step, tier, error) in a row
+        self._newest_reached: int | None = None  # the newest step that reached a tier (the streak is after it)
+        # steps that reached the persistent tier only as a queued upload of their in-memory copy (their local write
+        # failed): counted, as reached or failed, once their upload's outcome is agreed (_count_uploads)
+        self._via_upload: set[int] = set()
         self._stop: dict[str, Any] | None = None
         self._traceback_written = False
         self._t_created = time.time()
@@ -506,28 +510,72 @@ class CheckpointManager:
     def _settle(self, job: _SaveJob, reached: bool, tier: str | None, error: str | None,
                 exc: BaseException | None = None) -> None:
         """Record whether ``job`` reached a tier. Save worker only, on every rank with the same ``reached``
-        (each caller decides from a collective result), once per job."""
+        (each caller decides from a collective result), once per job. A job saved only as a queued upload
+        (``job.via_upload``) counts as reached for ``wait()`` until its upload fails, and toward the failed saves
+        once its upload's outcome is agreed (:meth:`_count_uploads`)."""
         if job.reached is not None:
             return
         job.reached = reached
-        if reached:
-            self._failed_streak.clear()
+        if reached and job.via_upload:
+            self._via_upload.add(job.step)
             return
-        self._failed_streak.append((job.step, tier, error))
+        self._count(job.step, reached, tier, error, exc)
+
+    def _count_uploads(self, known: list[dict[int, tuple[bool, str | None]]]) -> None:
+        """Count the saves that went to the persistent tier only as a queued upload, now that their uploads'
+        outcomes are known. ``known`` is every rank's part of a gather (what each rank's uploader already decided,
+        the same outcome on every rank but learnt at different times): its union is the same on every rank, so
+        every rank counts the same saves at the same save and reads the same stop verdict. Without this, a full
+        disk and a dead store together trained on without a checkpoint and never stopped."""
+        merged: dict[int, tuple[bool, str | None]] = {}
+        for part in known:
+            for step, (landed, error) in (part or {}).items():
+                if step not in merged or (not landed and merged[step][1] is None):
+                    merged[step] = (landed, error)
+        decided = sorted(s for s in merged if s in self._via_upload)
+        for step in decided:
+            self._via_upload.discard(step)
+            landed, error = merged[step]
+            self._count(step, landed, TierName.PERSISTENT.value,
+                        None if landed else f"its upload failed after the local write failed: "
+                                            f"{error or 'on another rank'}")
+        if decided:
+            # the uploader takes the newest pending step and drops the older ones: those are never decided (and
+            # reached no tier, but a newer save's upload stands for them)
+            self._via_upload = {s for s in self._via_upload if s > decided[-1]}
+
+    def _uploads_known(self) -> dict[int, tuple[bool, str | None]]:
+        """This rank's part of :meth:`_count_uploads`' gather: the queued uploads of the failed local writes whose
+        outcome this rank's uploader decided."""
+        out = self._up.outcomes
+        return {s: (out[s], self._up.errors.get(s)) for s in self._via_upload if s in out}
+
+    def _count(self, step: int, reached: bool, tier: str | None, error: str | None,
+               exc: BaseException | None = None) -> None:
+        """The failed saves in a row are the failed saves newer than the newest save that reached a tier; at
+        ``max_failed_saves`` of them the next ``save()`` stops the job."""
+        if reached:
+            self._newest_reached = step if self._newest_reached is None else max(self._newest_reached, step)
+            self._failed_streak = [f for f in self._failed_streak if f[0] > step]
+            return
+        older = self._newest_reached is not None and step < self._newest_reached
+        if not older:
+            self._failed_streak.append((step, tier, error))
         n = self.config.max_failed_saves
         assert isinstance(n, int)
         streak = len(self._failed_streak)
         if exc is not None:
-            self._write_traceback(job.step, exc)
+            self._write_traceback(step, exc)
         if self.rank == 0:
-            then = ("training goes on without checkpoints (max_failed_saves=0)" if n == 0 else
+            then = (f"step {self._newest_reached} has since reached a tier" if older else
+                    "training goes on without checkpoints (max_failed_saves=0)" if n == 0 else
                     f"the job stops after {n} in a row" if streak < n else "stopping the job")
             where = f"{tier} tier: " if tier else ""
             logger.warning("checkpoint of step %d failed, it reached no tier (%s%s); %d failed save(s) in a row, %s",
-                           job.step, where, error or "failed on another rank", streak, then)
-            self._emit(EventKind.CKPT_SAVE_FAILED, step=job.step, tier=tier, error=error or "failed on another rank",
+                           step, where, error or "failed on another rank", streak, then)
+            self._emit(EventKind.CKPT_SAVE_FAILED, step=step, tier=tier, error=error or "failed on another rank",
                        consecutive=streak, max_failed_saves=n)
-        if n and streak >= n and self._stop is None:
+        if n and streak >= n and self._stop is None and not older:
             first = next(((t, e) for _, t, e in self._failed_streak if e), (tier, error))
             steps = [s for s, _, _ in self._failed_streak]
             where = {TierName.LOCAL.value: f"local tier {self.local.root}" if self.local is not None else "local tier",
@@ -634,7 +682,8 @@ class CheckpointManager:
         try:
             # each rank's error travels with its result: rank 0 alone reports the save, naming the first one
             results = self._gather((ok, self._my_bytes(d) if ok else 0, self._up.upload_floor(),
-                                    _one_line(error) if error is not None else None, self._snap_proposal()),
+                                    _one_line(error) if error is not None else None, self._snap_proposal(),
+                                    self._uploads_known()),
                                    self._pg)
         except FAILURES as e:
             job.tensors = {}
@@ -642,6 +691,7 @@ class CheckpointManager:
             self._release(job)
             raise
         self._snap_agree([r[4] for r in results], job.step)
+        self._count_uploads([r[5] for r in results])  # before this save's own outcome: they are older
         all_ok = all(r[0] for r in results)
         if not all_ok:
             first = next((r[3] for r in results if r[3]), None)
@@ -986,6 +1036,10 @@ class CheckpointManager:
         final = self._upload_final(timeout)
         self.wait(timeout)  # False also for a failed save: what is still running is looked at below
         self._closed = True
+        if self._via_upload and (self._last_job is None or self._last_job.done.is_set()):
+            # saves whose only copy was an upload that failed after the last save: in the ledger and the closing
+            # summary too (no collective: the save worker is idle, and only rank 0 reports)
+            self._count_uploads([self._uploads_known()])
         saving = self._last_job is not None and not self._last_job.done.is_set()
         uploading = self._uploader is not None and not self._up.drain(time.monotonic())
         finished = not saving and not uploading

@@ -57,6 +57,7 @@ class Uploader(Component):
         self.requested_max: int | None = None  # newest step ever asked of the persistent tier
         self.outcomes: dict[int, bool] = {}  # step -> whether every rank's files landed (the same on every rank)
         self.last_error: str | None = None  # this rank's error of the last failed upload
+        self.errors: dict[int, str] = {}  # step -> this rank's error of its failed upload (set before outcomes)
         self._collective = threading.Event()  # set while the upload thread is inside a collective on its group
 
     def start(self, on_start: Callable[[], Any] | None = None) -> None:
@@ -253,6 +254,7 @@ class Uploader(Component):
             self.last_error = (_one_line(error) if not isinstance(error, CheckpointError) else str(error)) \
                 if error is not None else "failed on another rank"
             self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=TierName.PERSISTENT.value, error=self.last_error)
+            self.errors[step] = self.last_error
         with self._up_cv:
             self.outcomes[step] = landed
         return landed
