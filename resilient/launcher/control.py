@@ -244,8 +244,14 @@ class ControlClient:
         self._endpoint = (host, port)
         logger.debug("joined the job at %s:%s in %.3fs (hosting: %s)", host, port, time.monotonic() - t0, hosting)
 
-    def _standby_body(self) -> dict[str, str]:
-        return {} if self._standby is None else {"standby": self._standby.addr}
+    def _standby_body(self) -> dict[str, object]:
+        """What a join says beside its workers: the address of its standby store, and its ``--node-rank`` under
+        a static rendezvous (the supervisor orders the job's first members by it, as torchrun does)."""
+        body: dict[str, object] = {} if self._standby is None else {"standby": self._standby.addr}
+        rank = self.cfg.rdzv_configs.get("rank") if self.cfg.rdzv_backend == "static" else None
+        if rank is not None:
+            body["node_rank"] = int(rank)  # type: ignore[call-overload]
+        return body
 
     def _warm_watching_the_door(self, warm: Callable[[], object]) -> None:
         """``warm()`` (seconds: importing torch in the fork server) while watching the door: a job that ends while

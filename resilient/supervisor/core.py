@@ -159,6 +159,7 @@ class _Node:
     failures: collections.deque = field(default_factory=collections.deque)  # times
     stragglers: collections.deque = field(default_factory=collections.deque)
     returns_at: float | None = None  # benched (CORDONED with a cool-down): when it may be a spare again
+    node_rank: int | None = None  # torchrun's --node-rank under a static rendezvous: the job's first order
 
 
 @dataclass
@@ -389,19 +390,26 @@ class SupervisorCore:
                 q.popleft()
 
     # ------------------------------------------------------------------------------------------ joining
-    def join(self, node: str, nproc: int, now: float) -> list[Decision]:
+    def join(self, node: str, nproc: int, now: float, node_rank: int | None = None) -> list[Decision]:
+        """``node_rank``: the node's torchrun ``--node-rank`` under a static rendezvous, which orders the job's
+        first members (and so their group ranks) as torchrun does; later joins ignore it (a spare takes the place of
+        the node it replaces)."""
         self._timers_due = float("-inf")
         if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
             raise ValueError(f"join: nproc of {node} must be an integer >= 1, got {nproc!r}")
+        if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0):
+            raise ValueError(f"join: node_rank of {node} must be an integer >= 0 or None, got {node_rank!r}")
         n = self._nodes.get(node)
         self._joining.pop(node, None)
         ev = Event(kind=EventKind.NODE_JOINED, node=node, attempt=None, details={"nproc": nproc},
                    mono=now, wall=time.time())
+        if node_rank is not None:
+            ev.details["node_rank"] = node_rank
         if self._assignment is None:
             if n is None:
-                self._nodes[node] = _Node(node, nproc, now, now)
+                self._nodes[node] = _Node(node, nproc, now, now, node_rank=node_rank)
             else:
-                n.nproc, n.last_seen = nproc, now
+                n.nproc, n.last_seen, n.node_rank = nproc, now, node_rank
             ev.details["spare"] = False
             self._recent.append(ev)
             return []
@@ -463,7 +471,14 @@ class SupervisorCore:
             raise RuntimeError("form: the job already has an assignment; changes go through handle()")
         if len(self._nodes) < self.cfg.min_nodes:
             raise RuntimeError(f"form: {len(self._nodes)} node(s) joined, min_nodes is {self.cfg.min_nodes}")
-        order = list(self._nodes)
+        # torchrun's static rendezvous gives node --node-rank N the group ranks after those of nodes 0..N-1; nodes
+        # without one (another rendezvous) keep their join order, after those with one
+        order = sorted(self._nodes, key=lambda n: (self._nodes[n].node_rank is None, self._nodes[n].node_rank or 0))
+        ranks = [self._nodes[n].node_rank for n in order if self._nodes[n].node_rank is not None]
+        if len(set(ranks)) < len(ranks):
+            logger.warning("nodes share a --node-rank (%s): those are ordered by when they joined",
+                           ", ".join(f"{n}={self._nodes[n].node_rank}" for n in order
+                                     if ranks.count(self._nodes[n].node_rank) > 1))
         size = min(len(order), self.cfg.max_nodes)
         k = self.cfg.nodes_per_replica
         if k:

@@ -341,7 +341,11 @@ class SupervisorLoop:
             if isinstance(msg.get("standby"), str):
                 self._standby[node] = msg["standby"]
             logger.info("node %s %s (%d workers)", node, "joined again" if msg.get("rejoin") else "joined", nproc)
-            out = self.core.join(node, nproc, now)
+            rank = msg.get("node_rank")
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+                logger.warning("node %s sent a bad node_rank %r: ordered by when it joined", node, rank)
+                rank = None
+            out = self.core.join(node, nproc, now, node_rank=rank)
             a = self.core.assignment
             if msg.get("done") and a is not None and msg.get("round") == a.round:
                 self._done.add(node)  # its workers finished while this supervisor was away

@@ -101,6 +101,26 @@ def test_ready_and_form() -> None:
         core.form(15.0)
 
 
+def test_form_orders_members_by_node_rank_then_join_order(caplog: pytest.LogCaptureFixture) -> None:
+    # torchrun's static rendezvous: --node-rank orders the group ranks; nodes without one follow in join order, and
+    # the highest node ranks are the ones left as spares
+    core = SupervisorCore(cfg(min_nodes=3, max_nodes=3))
+    for name, rank in (("late0", 2), ("x", None), ("first", 0), ("mid", 1), ("y", None)):
+        core.join(name, 2, 0.0, node_rank=rank)
+    a = core.form(1.0)
+    assert a.members == ("first", "mid", "late0") and a.spares == ("x", "y"), a
+    assert a.base_rank("first") == 0 and a.base_rank("late0") == 4 and a.group_rank("mid") == 1
+    dup = SupervisorCore(cfg(min_nodes=2, max_nodes=2))
+    dup.join("b", 2, 0.0, node_rank=0)
+    dup.join("a", 2, 0.0, node_rank=0)
+    with caplog.at_level("WARNING", logger="resilient.supervisor.core"):
+        assert dup.form(1.0).members == ("b", "a")
+    assert "nodes share a --node-rank (b=0, a=0)" in caplog.text
+    for bad in (-1, True, "0", 1.0):
+        with pytest.raises(ValueError, match="node_rank of z must be an integer >= 0"):
+            core.join("z", 2, 2.0, node_rank=bad)
+
+
 def test_events_before_formation_are_only_recorded() -> None:
     core = SupervisorCore(cfg())
     core.join("a", 2, 0.0)
