@@ -1,8 +1,10 @@
 """What following a quiet run costs when its directory holds thousands of writers' files.
 
-Three followers look at the run again and again while it trains: the supervisor (for checkpoint boundaries, every
-pass of its loop), rank 0's interval tuner (``--ckpt-interval auto``, after saves) and each agent's follower of
-the checkpoint records (for its closing lines). A look at a run where nothing was written costs a ``stat`` per
+Two followers look at the whole run again and again while it trains: rank 0's interval tuner (``--ckpt-interval
+auto``, after saves) and each agent's follower of the checkpoint records (for its closing lines). The supervisor
+was a third (for checkpoint boundaries, at every pass of its loop): it now reads no ledger, each agent forwards its
+own node's boundaries from its own host's files (``resilient/launcher/forward.py``), so it is not measured here;
+``bench/results/ledger_looks.json`` of the round before has its rows. A look at a run where nothing was written costs a ``stat`` per
 writer's file (and a directory listing). On a shared volume, with every node's workers writing to the same run
 directory (1,000 nodes x 8 workers), that is thousands of round trips to the file server per look.
 
@@ -14,7 +16,7 @@ here, on a local disk, where a stat costs a microsecond; on a network volume eac
 so the stats per second are the figure to read.
 
     python bench/ledger_looks.py [--files 8,1000,8000] [--reps 5] [--out bench/results/ledger_looks.json]
-    python bench/ledger_looks.py --quick     # 8 and 400 files, 2 repetitions
+    python bench/ledger_looks.py --quick     # 8 and 1,000 files, 2 repetitions
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ sys.path.insert(0, str(HERE.parent))
 from resilient.events.api import Event, EventKind  # noqa: E402
 from resilient.events.follow import STAT_SECONDS, LedgerTail  # noqa: E402
 
-# each follower's look period before spacing (seconds: the supervisor's loop tick, the tuner's follow_every_s, the
-# checkpoint follower's interval; defaults in supervisor/loop.py, checkpoint/save/interval.py, launcher/report.py),
-# and whether it already spaced its looks and kept its listing before (the checkpoint follower did)
-FOLLOWERS = {"supervisor": (0.05, False), "interval tuner": (1.0, False), "checkpoint follower": (5.0, True)}
+# each follower's look period before spacing (seconds: the tuner's follow_every_s, the checkpoint follower's
+# interval; defaults in checkpoint/save/interval.py, launcher/report.py), and whether it already spaced its looks and
+# kept its listing before (the checkpoint follower did)
+FOLLOWERS = {"interval tuner": (1.0, False), "checkpoint follower": (5.0, True)}
 
 
 def make_run(root: Path, files: int, lines: int = 4) -> Path:
@@ -70,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", default="8,1000,8000", help="comma-separated numbers of writers' files")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="8 and 400 files, 2 repetitions")
+    ap.add_argument("--quick", action="store_true", help="8 and 1,000 files, 2 repetitions")
     ap.add_argument("--out", default=str(HERE / "results" / "ledger_looks.json"))
     a = ap.parse_args(argv)
     if a.quick:
-        a.files, a.reps = "8,400", 2
+        a.files, a.reps = "8,1000", 2
     try:
         counts = [int(x) for x in a.files.split(",") if x]
     except ValueError:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in counts:
             run = make_run(root, n)
-            # before: the supervisor's and the tuner's tails listed the directory at every look (no rescan)
+            # before: the tuner's tail listed the directory at every look (no rescan)
             before, after = quiet_look(run, a.reps, None), quiet_look(run, a.reps, 30.0)
             for who, (period, spaced_before) in FOLLOWERS.items():
                 new_period = max(period, n * STAT_SECONDS)

@@ -59,7 +59,7 @@ class Agent:
         self.monitor_socket: str | None = None
         self.snapshot_dir: str | None = None  # this node's snapshots in memory (made in run(), removed at its end)
         self.metrics = None
-        self.forward: Forwarder | None = None  # this node's checkpoint events to a supervisor elsewhere
+        self.forward: Forwarder | None = None  # this node's checkpoint events to the supervisor
         self.failures: list[WorkerExit] = []  # appended by _add_failure only
         self._hang_note = ""
         self._ckpt_default_said = False
@@ -135,8 +135,8 @@ class Agent:
             if self._signal is not None:
                 return 1
             self.metrics = start_metrics(c, self.run_dir, hosts_supervisor=self.control.sup_loop is not None)
-            if self.control.sup_loop is None:  # a supervisor hosted here follows this run directory itself
-                self.forward = start_forwarder(self.run_dir, self.node)
+            # this node's checkpoint boundaries to the supervisor, wherever it runs (here too: it reads no ledger)
+            self.forward = start_forwarder(self.run_dir, self.node)
             end = self._follow()
         except JobEnded as e:
             # a spare that arrived as the job ended: it ends the way the job did, like the spares that had joined
@@ -373,7 +373,7 @@ class Agent:
         """The pass's control work: automatic preload, then heartbeat, reconnect and the next plan (no supervisor
         pass here: the loop's own thread ticks; kicks follow only this agent's reports)."""
         self.preload.refresh(self.group, self.node_round.active, self.control.fetch_learned, self.control.publish_learned)
-        if self.forward is not None and self.control.sup_loop is None:  # hosting after a succession: it follows it
+        if self.forward is not None:
             self.forward.pump(self.control.report)
         return self.control.poll(self.node_round, self._done_round) if plans else None
 

@@ -1,17 +1,18 @@
 """What the supervisor needs from a node's ledger, sent to it over the control channel.
 
 The supervisor learns the job's checkpoint boundaries (a deferred ``ScaleUp`` waits for the next local one) from
-``ckpt_tier_done`` events, which global rank 0's checkpointer writes to its node's ledger and nowhere else; the
-supervisor follows the ledger of its own run directory (:mod:`resilient.supervisor.loop`). When the nodes share
-nothing but the network (each its own ``--run-dir``), the node of rank 0 need not be the supervisor's, which would
-then never see a boundary, and a scale-up would wait out the whole ``scale_up_wait``. So every agent that does not
-host the supervisor follows its own run directory for its own node's events of :data:`SUPERVISOR_KINDS` and sends
-each one to the supervisor (``ControlClient.report``, which keeps what it cannot send until the supervisor is back).
+``ckpt_tier_done`` events, which global rank 0's checkpointer writes to its node's ledger and nowhere else. The
+nodes may share nothing but the network (each its own ``--run-dir``), and the node of rank 0 need not be the
+supervisor's; and where they share a run directory, it holds a file per writing process, thousands in a large job,
+which a supervisor following the whole directory would stat at each look (its boundaries then came up to files ×
+2 ms late, and its loop waited on the volume). So every agent, the one hosting the supervisor too, follows only
+its own host's files for its own node's events of :data:`SUPERVISOR_KINDS` and sends each one to the supervisor
+(``ControlClient.report``, which keeps what it cannot send until the supervisor is back); the supervisor reads no
+ledger.
 
-A duplicate does no harm, and a shared run directory makes one (the supervisor reads such an event from the ledger
-and from the forward): the core keeps only the newest step per tier, and a reported event goes to the core only,
-never into the supervisor's ledger, so every report built from the ledger counts it once. The agent that hosts the
-supervisor forwards nothing: its supervisor follows the same run directory as it.
+A duplicate does no harm (two agents on one host in a shared run directory each read the other's files, but send
+only their own node's events): the core keeps only the newest step per tier, and a reported event goes to the core
+only, never into the supervisor's ledger, so every report built from the ledger counts it once.
 
 The files are read on a thread of this class (a shared volume can hold a read for seconds, and the agent's loop
 must not wait on it); the events found wait in a bounded queue, and the agent's loop sends them (:meth:`pump`) from
@@ -35,8 +36,8 @@ from resilient.supervisor.api import LEDGER_KINDS
 
 logger = logging.getLogger(__name__)
 
-#: the kinds the supervisor's loop takes from its own run directory's ledger (every other event it needs from a node
-#: the agent reports itself: worker exits, detector events); the loop's own set, not a copy of it
+#: the kinds the supervisor needs from the workers' ledger lines (every other event it needs from a node the agent
+#: reports itself: worker exits, detector events)
 SUPERVISOR_KINDS: frozenset[EventKind] = LEDGER_KINDS
 
 # events remembered as forwarded: a file read again from its start (replaced or truncated under the tail) sends

@@ -113,9 +113,9 @@ FAILURE_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG, EventKind.AGEN
 HEALTH_KINDS = frozenset({EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY})
 # the node's agent stopped its workers before reporting these: an Ignore would leave the job idle for good
 WORKERS_STOPPED_KINDS = frozenset({EventKind.WORKER_EXIT, EventKind.HANG})
-# what the supervisor's loop takes from its own run directory's ledger, not from the agents' reports; an agent that
-# does not host it forwards its own node's events of these kinds (:mod:`resilient.launcher.forward`), for nodes
-# that share nothing but the network
+# what workers write only to their node's ledger and the supervisor still needs (checkpoint boundaries): every
+# agent follows its own node's ledger files for these and forwards them (:mod:`resilient.launcher.forward`); the
+# supervisor reads no ledger (a shared run directory of thousands of writers' files would cost it a look each)
 LEDGER_KINDS = frozenset({EventKind.CKPT_TIER_DONE})
 
 

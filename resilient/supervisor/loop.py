@@ -27,8 +27,7 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
-from resilient.events.follow import LedgerTail
-from resilient.supervisor.api import LEDGER_KINDS, NodeState
+from resilient.supervisor.api import NodeState
 from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.core import Assignment, Decision, SupervisorCore
 from resilient.supervisor.quorum import Count, Quorum, Reach, reach
@@ -40,14 +39,12 @@ from resilient.supervisor.transport import (
 logger = logging.getLogger(__name__)
 
 # A node's detector events that an agent forwards for a decision; the rest stay in the node's ledger. (Worker
-# exits are reported by the agent itself, checkpoint boundaries are read from the ledger by the loop.)
+# exits are reported by the agent itself; checkpoint boundaries are forwarded from the node's ledger files by its
+# agent, see resilient.launcher.forward: this loop reads no ledger.)
 FORWARDED = frozenset({
     EventKind.HANG, EventKind.STRAGGLER, EventKind.HOST_UNHEALTHY, EventKind.GPU_UNHEALTHY,
     EventKind.PREEMPTION_NOTICE,
 })
-
-# one kind: a line without its name is skipped undecoded (every other line of a busy ledger)
-_LEDGER_CONTAINS = f'"{next(iter(LEDGER_KINDS)).value}"'.encode() if len(LEDGER_KINDS) == 1 else None
 
 
 @dataclass
@@ -116,11 +113,6 @@ class SupervisorLoop:
         self._refused_log = RateLimitedLog(logger)
         self._refused_seen: set[tuple[str, str]] = set()  # (job, node) already in the ledger
         self._refusals_due = 0.0
-        # checkpoint boundaries (a deferred ScaleUp waits for one) are written by workers to the ledger only
-        self._tail = LedgerTail(ledger.path.parent, rescan=30.0) if ledger is not None else None
-        if self._tail is not None:
-            self._tail.read_new()  # the past is not news
-        self._tail_due = 0.0  # monotonic: the next look at the ledger (spaced by its files, see STAT_SECONDS)
         store.set(self.chan.keys.presence, f"{cfg.advertise_addr}:{self.presence.port}")
         self._round_stores: dict[int, Any] = {}
         self._spare_store: Any = None  # the next round's store, made ahead of time
@@ -219,11 +211,6 @@ class SupervisorLoop:
             # a standalone supervisor's plans name no spares between rounds: those that joined count from their hello
             view = self.core.view(now)
             self.quorum.grow([n for n in hello if (v := view.nodes.get(n)) is not None and v.state is NodeState.SPARE])
-        if self._tail is not None and now >= self._tail_due:
-            # only checkpoint boundaries matter here: every other line is skipped undecoded
-            for ev in self._tail.read_new(contains=_LEDGER_CONTAINS, kinds=LEDGER_KINDS):
-                out += self.core.handle(ev, now)
-            self._tail_due = now + self._tail.spacing(0.0)
         # members that reported done in this pass's messages end the job before any timer is looked at: a
         # finished job is never failed by a loss or a silence noticed after the fact. Not when their done decided a
         # new round (a preempted node's agreed save carried out as a swap or scale-down): the job goes on in it

@@ -224,6 +224,10 @@ def test_scale_down_then_back_up_with_on_scale_and_exact_samples(cluster_factory
     acts = [e.details for e in evs if e.kind == EventKind.ACTION]
     kinds = [d["action"] for d in acts]
     assert kinds.count("scale_down") == 1 and "scale_up" in kinds, kinds
+    # carried out at the boundary, which rank 0's node (a, hosting the supervisor) forwards from its ledger files
+    # (the supervisor reads no ledger), not after --scale-up-wait
+    ups = [d for d in acts if d["action"] == "scale_up" and d.get("assignment")]
+    assert ups and "checkpoint boundary" in str(ups[-1].get("reason")), ups
     worlds = [e.details["world_size"] for e in evs if e.kind == EventKind.ATTEMPT_START]
     assert worlds[0] == WORLD and NPROC in worlds and worlds[-1] == WORLD, worlds
     scale = [json.loads(x) for x in (out / "scale.jsonl").read_text().splitlines()]

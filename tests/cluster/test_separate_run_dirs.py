@@ -2,8 +2,8 @@
 the supervisor can learn the job's checkpoint boundaries only from what the agents send it. A spare joining a job
 below ``--nnodes`` MAX is taken in at the next boundary, not after ``scale_up_wait``, and the job ends bit-exact.
 
-The run on a shared run directory, where the supervisor reads the boundaries from the ledger as well, is covered by
-``test_node_loss.py::test_scale_down_then_back_up_with_on_scale_and_exact_samples``."""
+The run on a shared run directory, where the agent hosting the supervisor forwards them the same way (the supervisor
+reads no ledger), is covered by ``test_node_loss.py::test_scale_down_then_back_up_with_on_scale_and_exact_samples``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Followers of a run space their looks by the number of writers' files (``STAT_SECONDS`` a file): on a shared
-volume with thousands of them a quiet look is thousands of stats, and the supervisor looked at every pass of its
-loop (20 a second), rank 0's tuner every second. A few files change nothing: the base period stands."""
+volume with thousands of them a quiet look is thousands of stats, and rank 0's tuner looked every second. A few
+files change nothing: the base period stands. (The supervisor, which looked at every pass of its loop, now reads no
+ledger: each agent forwards its own node's checkpoint boundaries, see ``tests/cluster/test_node_loss.py``.)"""
 
 from __future__ import annotations
 
@@ -61,36 +62,3 @@ def test_tuner_looks_again_only_after_the_spacing_unless_forced(tmp_path: Path) 
     t2 = IntervalTuner.from_run_dir(_run(tmp_path, 1, "small"))
     assert t2._follower is not None and t2._follower.spacing(t2.follow_every_s) == t2.follow_every_s
 
-
-@pytest.mark.timeout(60)
-def test_supervisor_reads_the_ledger_at_every_pass_for_a_few_files_and_spaced_for_thousands(tmp_path: Path) -> None:
-    from resilient.events.ledger import Ledger
-    from resilient.supervisor import transport as T
-    from resilient.supervisor.config import SupervisorConfig
-    from resilient.supervisor.core import SupervisorCore
-    from resilient.supervisor.loop import LoopConfig, SupervisorLoop
-
-    def boundary(run: Path, step: int) -> None:
-        _write(run / "events.n0-r0.jsonl", step, EventKind.CKPT_TIER_DONE, tier="local")
-
-    for files, spaced in ((4, False), (1000, True)):
-        run = _run(tmp_path, files, f"run{files}")
-        store = T.connect_store("127.0.0.1", 0, 10.0, is_master=True)
-        job = f"spacing{files}"
-        assert T.claim_job(store, job, hosting=True, timeout=10.0) == job
-        cfg = SupervisorConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1, node_timeout=600.0)
-        loop = SupervisorLoop(LoopConfig(core=cfg, last_call=0.0, advertise_addr="127.0.0.1", linger=0.0),
-                              store, T.Signer(b"k" * 32, job), Ledger(run, node="supervisor"), SupervisorCore(cfg))
-        try:
-            tail = loop._tail
-            assert tail is not None
-            loop.step(100.0)  # the first pass looks
-            boundary(run, 1)
-            loop.step(100.0 + 0.05)  # the next pass (the loop's tick)
-            read_at_next_pass = tail.last_read > 0
-            assert read_at_next_pass is not spaced, (files, tail.last_read)
-            if spaced:
-                loop.step(100.0 + 1000 * STAT_SECONDS + 0.01)  # once the spacing has passed, the boundary is read
-                assert tail.last_read > 0
-        finally:
-            loop.presence.close()
