@@ -69,6 +69,7 @@ class Agent:
         self._interruptible = False
         self.node_round = NodeRound(world_size=cfg.nproc_per_node)  # replaced whole, by _follow only
         self._ran = False
+        self._sat_out = False  # a round since it last trained left this node out (spare, benched)
         self._t_join = time.monotonic()
         self.injector = Injector(cfg.inject, self.ledger) if cfg.inject else None
         self._done_round: int | None = None  # the round whose workers all finished here
@@ -193,6 +194,7 @@ class Agent:
             a = Assignment.from_json(plan["assignment"])
             if self.node not in a.members:
                 self.node_round = NodeRound(round=a.round, role=NodeRole.SPARE, world_size=a.world_size)
+                self._sat_out = True  # its world record is stale once it trains again (see record_previous_world)
                 self.control.ack(self.round)
                 if was_active:
                     logger.warning("this node left the active set (%s); waiting as a spare", plan["action"])
@@ -227,8 +229,10 @@ class Agent:
                              group_world_size=self.node_round.group_world_size, seconds=round(time.monotonic() - self._t_join, 4),
                              **({} if clk is None else {"clock_offset": round(clk.offset, 6), "clock_rtt": round(clk.rtt, 6)}))
         prev = a.previous_world_size  # type: ignore[attr-defined]
-        if prev is not None and prev != a.world_size:  # type: ignore[attr-defined]
-            record_previous_world(self.run_dir, prev, self.node_round.previous_dp_size)
+        if prev is not None:
+            record_previous_world(self.run_dir, prev, self.node_round.previous_dp_size, attempt=attempt,
+                                  sat_out=self._sat_out or not self._ran)
+        self._sat_out = False
         if self._ran:
             cause, lag = last or ("peer_failed", 0.0)
             self.ledger.emit(EventKind.RESTART, attempt=attempt, cause=cause, detect_seconds=round(lag, 4),

@@ -124,14 +124,27 @@ def start_monitor(cfg: AgentConfig, ledger: object, group_rank: int, default_loc
     return sock, monitor
 
 
-def record_previous_world(run_dir: Path, previous_world_size: int, previous_dp_size: int | None = None) -> None:
-    """A node that did not train before has no world record: give it the previous world (and data-parallel
-    size, default the world size), so its ranks run the ``on_scale`` callbacks like everyone else's."""
+def record_previous_world(run_dir: Path, previous_world_size: int, previous_dp_size: int | None = None, *,
+                          attempt: int | None = None, sat_out: bool = False) -> None:
+    """Before a round's workers start on a node that did not train in the round before (``sat_out``: a spare, a
+    node benched or lost and back): give its run directory the previous round's world (and data-parallel size,
+    default the world size), so its ranks run the ``on_scale`` callbacks like everyone else's. Without a record
+    (a node that never trained here) always; over a record this machine wrote for an attempt other than the round
+    before (``attempt`` - 1): that one is this node's own, from before it sat out, where every other node's
+    record is of the round they trained in since. A record another machine wrote (a shared run directory), or one
+    of the round before, is the job's: it stays."""
     from resilient.worker.scale import read_world, record_world
 
-    if read_world(run_dir) is None:
+    rec = read_world(run_dir)
+    stale = (rec is not None and sat_out and attempt is not None and rec.attempt != attempt - 1
+             and rec.host == socket.gethostname())
+    if rec is None or stale:
+        if stale:
+            logger.info("this node's world record (world %d, attempt %s) is from before it sat out: recording the "
+                        "previous round's world %d", rec.world_size, rec.attempt, previous_world_size)  # type: ignore[union-attr]
         try:
-            record_world(run_dir, previous_world_size, previous_dp_size)
+            record_world(run_dir, previous_world_size, previous_dp_size,
+                         attempt=None if attempt is None else attempt - 1)
         except (OSError, ValueError) as e:
             logger.warning("cannot record the previous world size: %s", e)
 

@@ -7,9 +7,11 @@ world differs, calls the registered callbacks before the first step. Writing onl
 what keeps a slow-starting rank from reading its own attempt's record; writing on every node is what gives
 each node's run directory (shared or not) the record.
 
-The launcher needs nothing else for nodes that trained before. A node that did not (a hot spare joining
-the job) has no record: the supervisor/agent calls :func:`record_world` with the *previous* world on that
-node's run directory before spawning its workers, so its ranks call the callbacks like everyone else.
+The launcher needs nothing else for nodes that trained in the round before. A node that did not has no record
+(a hot spare joining the job), or, with a run directory of its own, a stale one (a node lost or benched and back:
+its record is of the world it last trained in, while the others' is of the round they trained in since): the
+agent records the *previous* round's world on that node's run directory before spawning its workers
+(:func:`resilient.launcher.workers.record_previous_world`), so its ranks call the callbacks like everyone else.
 
 The data-parallel size is ``RESILIENT_DP_SIZE`` as ``resilient-run`` sets it (the number of replicas with
 ``--nodes-per-replica``, else the world size); the reason is that of the supervisor's action that started
@@ -42,14 +44,17 @@ class WorldRecord:
     dp_size: int
     attempt: int | None = None
     wall: float = 0.0
+    host: str | None = None  # the machine that wrote it (records written before it was kept have none)
 
 
 def read_world(run_dir: str | os.PathLike[str]) -> WorldRecord | None:
     path = Path(run_dir) / WORLD_RECORD
     try:
         d = json.loads(path.read_text())
+        host = d.get("host")
         return WorldRecord(world_size=int(d["world_size"]), dp_size=int(d["dp_size"]),
-                           attempt=d.get("attempt"), wall=float(d.get("wall", 0.0)))
+                           attempt=d.get("attempt"), wall=float(d.get("wall", 0.0)),
+                           host=host if isinstance(host, str) else None)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -63,7 +68,7 @@ def record_world(run_dir: str | os.PathLike[str], world_size: int, dp_size: int 
     if world_size < 1 or (dp_size is not None and dp_size < 1):
         raise ValueError(f"world_size and dp_size must be >= 1, got {world_size} and {dp_size}")
     rec = WorldRecord(world_size=world_size, dp_size=world_size if dp_size is None else dp_size,
-                      attempt=attempt, wall=time.time())
+                      attempt=attempt, wall=time.time(), host=socket.gethostname())
     path = Path(run_dir) / WORLD_RECORD
     # unique per writer: nodes sharing one run directory may write at the same moment
     tmp = path.with_name(f".{WORLD_RECORD}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")

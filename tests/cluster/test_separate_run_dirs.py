@@ -90,3 +90,38 @@ def test_spare_taken_in_at_the_next_boundary_when_every_node_has_its_own_run_dir
         d = torch.load(out / f"rank{r}.pt", weights_only=False)
         assert_same(replayed, {"model": d["model"], "optim": d["optim"]}, f"rank {r} against the replay")
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_a_node_back_with_its_own_run_dir_runs_on_scale_like_the_others(cluster_factory, tmp_path: Path) -> None:
+    # each node its own run directory: node b trains in world 2 (its record says 2), is lost, the job goes on alone
+    # (world 1), and b comes back with the same run directory. In the grown world every rank must see 1 -> 2; b's
+    # ranks read their own, stale record (2 -> 2) and skipped on_scale, where a callback scales the learning rate
+    c = cluster_factory("1:2", nproc=1, flags=["--max-restarts", "4", "--node-timeout", "20", "--heartbeat-timeout",
+                                               "300", "--rdzv-conf", "last_call_timeout=300"])
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", "16", "--out", str(out), "--gate", str(gate), "--gate-step", "4", "8", "12",
+            "--gate-on-resume", "--step-sleep", "0.05"]
+    dirs = {n: c.tmp / f"run-{n}" for n in ("a", "b")}
+    a = c.start("a", args, extra=["--run-dir", str(dirs["a"])])
+    wait_for(lambda: _listening(c.port) or a.proc.poll() is not None, 60, "node a to host the store")
+    b = c.start("b", args, extra=["--run-dir", str(dirs["b"])])
+    wait_for(lambda: at_gate(gate, 2) or a.proc.poll() is not None, 90, "both ranks at the first gate")
+    assert json.loads((dirs["b"] / "world.json").read_text())["world_size"] == 2  # what b comes back with
+    b.kill()
+    (gate / "go").touch()
+    wait_for(lambda: at_gate(gate, 1, "-8") or a.proc.poll() is not None, 90, "node a to go on alone")
+    back = c.start("b-back", args, extra=["--run-dir", str(dirs["b"])])
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(back) for e in _events(dirs["a"]))
+             or back.proc.poll() is not None, 90, "node b to join again")
+    (gate / "go-8").touch()
+    wait_for(lambda: _scale_up(dirs["a"]) is not None or a.proc.poll() is not None, 150, "the scale-up")
+    (gate / "go-12").touch()
+    wait_for(lambda: all(n.proc.poll() is not None for n in (a, back)), 150, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert back.proc.returncode == 0, back.output()
+    scale = [json.loads(x) for x in (out / "scale.jsonl").read_text().splitlines()]
+    assert {(d["old"], d["new"]) for d in scale} == {(2, 1), (1, 2)}, scale
+    assert sorted(d["rank"] for d in scale if (d["old"], d["new"]) == (1, 2)) == [0, 1], scale
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")

@@ -130,6 +130,39 @@ def test_record_world_is_atomic_and_validated(tmp_path):
     assert read_world(tmp_path) is None
 
 
+def test_previous_world_is_recorded_for_a_node_that_sat_out_and_only_over_its_own_stale_record(tmp_path):
+    import socket
+
+    from resilient.launcher.workers import record_previous_world
+
+    def rec(d):
+        r = read_world(d)
+        return None if r is None else (r.world_size, r.dp_size, r.attempt)
+
+    fresh = tmp_path / "fresh"  # a hot spare: no record at all
+    fresh.mkdir()
+    record_previous_world(fresh, 4, 2, attempt=3, sat_out=True)
+    assert rec(fresh) == (4, 2, 2) and read_world(fresh).host == socket.gethostname()
+    own = tmp_path / "own"  # back after being lost: its own record from attempt 0, world 8
+    own.mkdir()
+    record_world(own, 8, attempt=0)
+    record_previous_world(own, 4, attempt=3, sat_out=False)  # trained in the round before: its record stands
+    assert rec(own) == (8, 8, 0)
+    record_previous_world(own, 4, attempt=3, sat_out=True)
+    assert rec(own) == (4, 4, 2)
+    shared = tmp_path / "shared"  # a shared run directory: another machine wrote the job's record since
+    shared.mkdir()
+    (shared / "world.json").write_text(json.dumps({"world_size": 6, "dp_size": 6, "attempt": 1, "wall": 1.0,
+                                                   "host": "another-machine"}))
+    record_previous_world(shared, 4, attempt=3, sat_out=True)
+    assert rec(shared) == (6, 6, 1)
+    previous = tmp_path / "previous"  # a record of the round before is the job's, whoever wrote it
+    previous.mkdir()
+    record_world(previous, 6, attempt=2)
+    record_previous_world(previous, 4, attempt=3, sat_out=True)
+    assert rec(previous) == (6, 6, 2)
+
+
 def test_config_errors_name_the_field():
     from resilient.signals.api import MonitorConfig
 
