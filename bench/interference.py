@@ -24,8 +24,11 @@ included, at the sparsest measured interval) and the interval the real ``Interva
 the clean step: overhead = cost / (interval x clean step).
 
 On a CPU machine training and the checkpoint threads compete for the same cores (``--threads`` intra-op threads
-per rank, 1 by default, so two ranks fill two cores); on a GPU job the step runs on the GPU and the threads
-compete only with the data loader and Python, so these figures bound the GPU case from above.
+per rank, 1 by default, so two ranks fill two cores). ``--device cuda`` puts the model and its optimizer state on
+the GPU (rank r on GPU r modulo the GPUs there; each step ends with a device synchronisation, so the wall is the
+GPU's), and the checkpoint's staging becomes a device-to-host copy. The ranks still talk over gloo (it reduces CUDA
+tensors through host memory): on a machine of one GPU, NCCL refuses two ranks on one device. ``--world 1`` runs one
+rank (no DDP traffic, no peer tier): the step is the GPU's alone.
 
     python bench/interference.py [--reps 5] [--steps 30] [--intervals 1,10] [--levers 0,19,idle]
         [--writers stock,record] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent] [--profile PREFIX]
@@ -115,6 +118,10 @@ def _lever(text: str) -> int | str:
 
 def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Namespace, out: str) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     for k in [k for k in os.environ if k.startswith("RESILIENT_")]:
         del os.environ[k]  # no ledger, no agent: the manager alone
     torch.set_num_threads(args.threads)
@@ -127,18 +134,18 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
         _profiled_save_loop(args.profile)
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = CorpusWindows(load_corpus(), cfg.seq_len)
     g = torch.Generator().manual_seed(rank)
     state = {"model": model, "optim": optim}
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=device)
 
     def train_step() -> None:
         idx = torch.randint(len(data), (args.batch,), generator=g).tolist()
-        x = torch.stack([data[j][0] for j in idx])
-        y = torch.stack([data[j][1] for j in idx])
+        x = torch.stack([data[j][0] for j in idx]).to(device)
+        y = torch.stack([data[j][1] for j in idx]).to(device)
         optim.zero_grad(set_to_none=True)
         logits = ddp(x)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -146,6 +153,8 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
         optim.step()
         loss_sum.copy_(loss.detach())
         dist.all_reduce(loss_sum)  # as the recipe does: the step's mean loss on every rank
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's wall is the GPU's, not its launch's
 
     for _ in range(args.warmup):
         train_step()
@@ -164,7 +173,7 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
             if case["tier"] != "none":
                 _use_writer(case["writer"])
                 ck = CheckpointManager(
-                    local=str(d / "local{node}"), peer=case["tier"] != "local",
+                    local=str(d / "local{node}"), peer=case["tier"] != "local" and world > 1,
                     persistent=f"file://{d / 'store'}" if case["tier"] == "persistent" else None,
                     interval=1, persistent_every=1, keep_local=2, keep_peer=2, keep_persistent=2,
                     background_nice=case["nice"], upload_grace_s=120, collective_timeout_s=300)
@@ -210,7 +219,9 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
             dist.barrier()
             shutil.rmtree(d, ignore_errors=True)
     if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "state_bytes_per_rank": nbytes}))
+        Path(out).write_text(json.dumps({"rows": rows, "state_bytes_per_rank": nbytes,
+                                         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                                         else "cpu"}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -286,6 +297,8 @@ def main() -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step per rank")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and its state live")
+    ap.add_argument("--world", type=int, choices=(1, 2), default=2, help="ranks (1: no DDP traffic, no peer tier)")
     ap.add_argument("--root", default=None, help="where the tiers go (default: a temporary directory)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "interference.json"))
     ap.add_argument("--summarise", metavar="JSON", default=None,
@@ -299,6 +312,10 @@ def main() -> int:
         ap.error("--writers: record, stock")
     if any(t not in TIERS for t in args.tiers):
         ap.error(f"--tiers: each of {', '.join(TIERS)}")
+    if args.world == 1 and "peer" in args.tiers:
+        ap.error("--tiers: the peer tier needs a partner rank; with --world 1 use local,persistent")
+    if args.device == "cuda" and not args.summarise and not torch.cuda.is_available():
+        ap.error("--device cuda: this machine's torch sees no CUDA GPU")
     if any(args.steps % n for n in args.intervals):
         ap.error("--steps must be a multiple of every interval")
     t0 = time.time()
@@ -308,29 +325,32 @@ def main() -> int:
         for k in ("reps", "steps"):
             setattr(args, k, old[k])
         args.n_layer, args.d_model, args.batch = (old["model"][k] for k in ("n_layer", "d_model", "batch"))
+        args.device, args.world = old["model"].get("device", "cpu"), old["model"].get("ranks", 2)
         args.intervals = sorted({r["interval"] for r in old["cases"].values()})
-        data = {"rows": old["rows"], "state_bytes_per_rank": old["state_bytes_per_rank"]}
+        data = {"rows": old["rows"], "state_bytes_per_rank": old["state_bytes_per_rank"],
+                "device_name": old["model"].get("device_name", "cpu")}
         load0, t0 = tuple(old["load_before"]), time.time() - old["seconds"]
     else:
         root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="interference-"))
         root.mkdir(parents=True, exist_ok=True)
         raw = root / "rows.json"
         try:
-            mp.start_processes(_rank_main, args=(2, f"file://{root / 'rdzv'}", str(root), args, str(raw)), nprocs=2,
-                               start_method="spawn")
+            mp.start_processes(_rank_main, args=(args.world, f"file://{root / 'rdzv'}", str(root), args, str(raw)),
+                               nprocs=args.world, start_method="spawn")
             data = json.loads(raw.read_text())
         finally:
             if not args.root:
                 shutil.rmtree(root, ignore_errors=True)
     summary = summarise(data["rows"], args)
     result = {"bench": "interference", "model": {"n_layer": args.n_layer, "d_model": args.d_model,
-                                                 "batch": args.batch, "ranks": 2, "threads_per_rank": args.threads},
+                                                 "batch": args.batch, "ranks": args.world, "threads_per_rank": args.threads,
+                                                 "device": args.device, "device_name": data.get("device_name", "cpu")},
               "state_bytes_per_rank": data["state_bytes_per_rank"], "reps": args.reps, "steps": args.steps,
               "cpus": os.cpu_count(), "load_before": load0,
               "load_after": json.loads(Path(args.summarise).read_text())["load_after"] if args.summarise
               else os.getloadavg(),
               "seconds": time.time() - t0, "torch": torch.__version__, **summary, "rows": data["rows"]}
-    print(f"\nGPT {args.n_layer}x{args.d_model}, state {data['state_bytes_per_rank'] / 2**20:.1f} MiB a rank "
+    print(f"\nGPT {args.n_layer}x{args.d_model} on {data.get('device_name', 'cpu')}, {args.world} rank(s), state {data['state_bytes_per_rank'] / 2**20:.1f} MiB a rank "
           f"(model + AdamW), clean step {summary['clean_step_s'] * 1e3:.1f} ms "
           f"({(summary['cpu_per_clean_step_s'] or 0) * 1e3:.1f} ms CPU), {args.reps} reps x {args.steps} "
           f"steps; load {load0[0]:.1f} -> {result['load_after'][0]:.1f}")
