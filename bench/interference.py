@@ -12,7 +12,9 @@ time on the training thread, with:
 each saved every step (``--intervals 1``) and every N steps (a save at the first step of each period of N, so each
 save's background work falls inside the window), and each with every lever value of ``--levers``
 (``CheckpointConfig.background_nice``: 0 leaves the threads at the process's priority; 1-19 a nice value per
-thread; ``idle`` SCHED_IDLE) and of ``--writers`` (the local tier's writer: ``record``, ours, which writes each
+thread; ``idle`` SCHED_IDLE), of ``--switch-intervals`` (the interpreter's GIL switch interval, ``sys.setswitchinterval``,
+while the window runs: how long a thread that wants the GIL waits before asking its holder to let go; Python's default
+is 5 ms) and of ``--writers`` (the local tier's writer: ``record``, ours, which writes each
 tensor's record from a template and hashes as it writes; ``stock``, DCP's ``FileSystemWriter`` with the manifest
 read back, as before it). ``--profile PREFIX`` runs rank 0's save worker under cProfile. Cases run interleaved:
 each repetition runs every case once, in an order of its own. A case's overhead is its window's wall over the baseline's of the same repetition, minus one; the table
@@ -31,7 +33,7 @@ tensors through host memory): on a machine of one GPU, NCCL refuses two ranks on
 rank (no DDP traffic, no peer tier): the step is the GPU's alone.
 
     python bench/interference.py [--reps 5] [--steps 30] [--intervals 1,10] [--levers 0,19,idle]
-        [--writers stock,record] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent] [--profile PREFIX]
+        [--writers stock,record] [--switch-intervals 0.005,0.0005] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -56,16 +58,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes" / "pytorch"))
 
 TIERS = ("local", "peer", "persistent")
+DEFAULT_SWITCH_S = 0.005  # CPython's own
 
 
 def _cases(args: argparse.Namespace) -> list[dict]:
-    out = [{"name": "none", "tier": "none", "nice": 0, "interval": 1, "writer": "record"}]
+    out = [{"name": "none", "tier": "none", "nice": 0, "interval": 1, "writer": "record", "switch": DEFAULT_SWITCH_S}]
     for interval in args.intervals:
         for tier in args.tiers:
             for nice in args.levers:
                 for writer in args.writers:
-                    out.append({"name": f"{tier}/every{interval}/nice={nice}/{writer}", "tier": tier, "nice": nice,
-                                "interval": interval, "writer": writer})
+                    for sw in args.switch_intervals:
+                        name = f"{tier}/every{interval}/nice={nice}/{writer}" + (
+                            f"/switch={sw * 1e3:g}ms" if sw != DEFAULT_SWITCH_S else "")
+                        out.append({"name": name, "tier": tier, "nice": nice, "interval": interval, "writer": writer,
+                                    "switch": sw})
     return out
 
 
@@ -187,6 +193,7 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
                     train_step()
             dist.barrier()
             times, blocking, saves = [], 0.0, 0
+            sys.setswitchinterval(case["switch"])
             t_start, cpu_start = time.perf_counter(), time.process_time()
             for i in range(args.steps):
                 t0 = time.perf_counter()
@@ -199,6 +206,7 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
                 step_no += 1
                 times.append(time.perf_counter() - t0)
             wall = time.perf_counter() - t_start
+            sys.setswitchinterval(DEFAULT_SWITCH_S)
             if ck is not None:
                 ck.wait(timeout=300, upload_timeout=300)
             # CPU time of the whole process (training, checkpoint and gloo threads), the window's saves finished:
@@ -260,9 +268,11 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
         else None
     out = {}
     for name, c in cases.items():
-        tier, every, nice, *writer = name.split("/")
+        tier, every, nice, *rest = name.split("/")
+        writer = next((x for x in rest if not x.startswith("switch=")), "stock")
+        switch = next((x.split("=", 1)[1] for x in rest if x.startswith("switch=")), f"{DEFAULT_SWITCH_S * 1e3:g}ms")
         s = {"tier": tier, "interval": int(every[len("every"):]), "background_nice": nice.split("=", 1)[1],
-             "writer": writer[0] if writer else "stock",
+             "writer": writer, "switch_interval": switch,
              "overhead_median": statistics.median(c["overhead"]), "overhead_min": min(c["overhead"]),
              "overhead_max": max(c["overhead"]), "cost_per_save_s": statistics.median(c["cost_per_save_s"]),
              "blocking_per_save_s": statistics.median(c["blocking_per_save_s"]),
@@ -288,6 +298,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--intervals", default="1,10", help="save every N steps, comma-separated")
     ap.add_argument("--levers", default="0", help="background_nice values, comma-separated")
+    ap.add_argument("--switch-intervals", default=str(DEFAULT_SWITCH_S),
+                    help="GIL switch intervals in seconds while a window runs, comma-separated (Python's default 0.005)")
     ap.add_argument("--tiers", default=",".join(TIERS))
     ap.add_argument("--writers", default="stock,record",
                     help="the local tier's writer, comma-separated: record (ours) or stock (DCP's FileSystemWriter)")
@@ -306,6 +318,12 @@ def main() -> int:
     args = ap.parse_args()
     args.intervals = [int(x) for x in args.intervals.split(",")]
     args.levers = [_lever(x) for x in args.levers.split(",")]
+    try:
+        args.switch_intervals = [float(x) for x in args.switch_intervals.split(",")]
+    except ValueError:
+        ap.error(f"--switch-intervals: seconds, comma-separated (such as 0.005,0.0005), got {args.switch_intervals!r}")
+    if any(not 0 < x <= 1 for x in args.switch_intervals):
+        ap.error("--switch-intervals: each above 0 and at most 1 s")
     args.tiers = [t.strip() for t in args.tiers.split(",")]
     args.writers = [w.strip() for w in args.writers.split(",")]
     if any(w not in ("record", "stock") for w in args.writers):
@@ -350,17 +368,19 @@ def main() -> int:
               "load_after": json.loads(Path(args.summarise).read_text())["load_after"] if args.summarise
               else os.getloadavg(),
               "seconds": time.time() - t0, "torch": torch.__version__, **summary, "rows": data["rows"]}
-    print(f"\nGPT {args.n_layer}x{args.d_model} on {data.get('device_name', 'cpu')}, {args.world} rank(s), state {data['state_bytes_per_rank'] / 2**20:.1f} MiB a rank "
+    print(f"\nGPT {args.n_layer}x{args.d_model} on {data.get('device_name', 'cpu')}, {args.world} rank(s), "
+          f"state {data['state_bytes_per_rank'] / 2**20:.1f} MiB a rank "
           f"(model + AdamW), clean step {summary['clean_step_s'] * 1e3:.1f} ms "
           f"({(summary['cpu_per_clean_step_s'] or 0) * 1e3:.1f} ms CPU), {args.reps} reps x {args.steps} "
           f"steps; load {load0[0]:.1f} -> {result['load_after'][0]:.1f}")
-    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'writer':>6} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
+    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'writer':>6} {'switch':>7} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
           f"{'block ms':>8} {'cpu/save ms':>11} {'auto every':>10} {'auto ovh':>8}")
     for s in sorted(summary["cases"].values(), key=lambda s: (s["interval"], TIERS.index(s["tier"]),
-                                                              str(s["background_nice"]), s["writer"])):
+                                                              str(s["background_nice"]), s["writer"],
+                                                              -float(s["switch_interval"].rstrip("ms")))):
         auto = (f"{s['auto_interval_steps']:>10d} {s['auto_overhead'] * 100:>7.2f}%"
                 if "auto_interval_steps" in s else f"{'':>10} {'':>8}")
-        print(f"{s['tier']:<11} {s['interval']:>5d} {s['background_nice']:>5} {s['writer']:>6} "
+        print(f"{s['tier']:<11} {s['interval']:>5d} {s['background_nice']:>5} {s['writer']:>6} {s['switch_interval']:>7} "
               f"{s['overhead_median'] * 100:>8.1f}% "
               f"[{s['overhead_min'] * 100:>6.1f}%, {s['overhead_max'] * 100:>6.1f}%] "
               f"{s['cost_per_save_s'] * 1e3:>12.1f} {s['blocking_per_save_s'] * 1e3:>8.1f} "

@@ -1,6 +1,7 @@
 """bench/interference.py at tiny sizes: the one-rank shape (what ``--device cuda --world 1`` measures on a GPU)
-gives every case its overhead against its own repetition's baseline and records where it ran; a peer tier with
-one rank, or CUDA on a machine without it, is a usage error. No timing is asserted: load decides the figures."""
+gives every case its overhead against its own repetition's baseline and records where it ran, each GIL switch
+interval a case of its own; a peer tier with one rank, CUDA on a machine without it, or a switch interval that is not a
+positive number of seconds is a usage error. No timing is asserted: load decides the figures."""
 import json
 import subprocess
 import sys
@@ -19,13 +20,15 @@ TINY = ["--reps", "1", "--steps", "2", "--warmup", "1", "--intervals", "1", "--w
 def test_one_rank_local_and_persistent_cases_are_measured_against_the_baseline(tmp_path: Path) -> None:
     out = tmp_path / "i.json"
     p = subprocess.run([sys.executable, str(BENCH), *TINY, "--world", "1", "--tiers", "local,persistent",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100)
+                        "--switch-intervals", "0.005,0.0005", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=100)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["model"]["ranks"] == 1 and doc["model"]["device"] == "cpu" and doc["model"]["device_name"] == "cpu"
-    assert sorted(doc["cases"]) == ["local/every1/nice=0/record", "persistent/every1/nice=0/record"]
-    assert sorted(r["case"] for r in doc["rows"]) == ["local/every1/nice=0/record", "none",
-                                                      "persistent/every1/nice=0/record"]
+    assert sorted(doc["cases"]) == ["local/every1/nice=0/record", "local/every1/nice=0/record/switch=0.5ms",
+                                    "persistent/every1/nice=0/record", "persistent/every1/nice=0/record/switch=0.5ms"]
+    assert sorted(r["case"] for r in doc["rows"]) == sorted(["none", *doc["cases"]])
+    assert {c["switch_interval"] for c in doc["cases"].values()} == {"5ms", "0.5ms"}
     for c in doc["cases"].values():
         assert c["blocking_per_save_s"] > 0 and "auto_overhead" in c, c
     assert "1 rank(s)" in p.stdout
@@ -41,6 +44,8 @@ def test_one_rank_local_and_persistent_cases_are_measured_against_the_baseline(t
 @pytest.mark.parametrize("extra, names", [
     (["--world", "1", "--tiers", "local,peer"], "--world 1"),
     (["--device", "cuda"], "no CUDA GPU"),
+    (["--switch-intervals", "0.005,0"], "--switch-intervals"),
+    (["--switch-intervals", "fast"], "--switch-intervals"),
 ])
 def test_bad_shapes_are_usage_errors(tmp_path: Path, extra: list[str], names: str) -> None:
     if "cuda" in extra and torch.cuda.is_available():
