@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-PARTS = ("health", "staging", "pytest", "restart", "titan")
+PARTS = ("health", "staging", "pytest", "restart", "interference", "titan")
 
 
 def read_env() -> dict[str, Any]:

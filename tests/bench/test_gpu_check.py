@@ -35,6 +35,9 @@ def test_dry_run_runs_every_part_and_writes_one_summary(tmp_path: Path) -> None:
     assert tests["failed"] == 0 and tests["passed"] + tests["skipped"] >= 1, tests
     for t in tests["tests"]:  # on CPU every CUDA-only test says why it did not run
         assert t["verdict"] == "passed" or t.get("why"), t
+    interference = parts["interference"]
+    assert interference["status"] == "ok" and interference["figures"]["model"]["device"] == "cpu", interference
+    assert list(interference["figures"]["cases"]) == ["local/every1/nice=0/record"], interference["figures"]["cases"]
     assert parts["titan"]["status"] == "skipped" and parts["titan"]["reason"], parts["titan"]
     for name in parts:  # the table names each part
         assert name in p.stdout
