@@ -32,6 +32,19 @@ GPU's), and the checkpoint's staging becomes a device-to-host copy. The ranks st
 tensors through host memory): on a machine of one GPU, NCCL refuses two ranks on one device. ``--world 1`` runs one
 rank (no DDP traffic, no peer tier): the step is the GPU's alone.
 
+``--step launch`` stands in for a GPU job's training thread on a CPU machine: each step is ``--launch-ops`` pairs of
+tiny tensor operations, dispatch-bound as kernel launches are (each gives up the GIL and takes it back), while the
+state saved is still the model's and AdamW's. ``--pin`` (Linux) puts rank r's training thread on CPU r and every
+other thread of the rank (the checkpoint's among them) on the CPUs past the ranks', so that no save takes a core
+from training.
+
+Where a save's cost goes, from the training thread's own accounting (``/proc/self/task/<tid>/schedstat``) against
+the baseline of the same repetition, per save: ``staging`` (CPU inside ``save()``: the copy to host memory),
+``waiting`` (off the CPU inside ``save()``: the previous save still writing), ``slower`` (the training thread's own
+CPU time beyond the baseline's, staging excluded: the same instructions running slower beside the save, its bytes
+through the shared caches), ``no core`` (runnable, waiting for a CPU) and ``off CPU`` (blocked outside ``save()``:
+the GIL held by the save's Python, locks; on a GPU also waits for the device beyond the baseline's).
+
     python bench/interference.py [--reps 5] [--steps 30] [--intervals 1,10] [--levers 0,19,idle]
         [--writers stock,record] [--switch-intervals 0.005,0.0005] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent] [--profile PREFIX]
 """
@@ -46,6 +59,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +136,15 @@ def _lever(text: str) -> int | str:
     return "idle" if t == "idle" else int(t)
 
 
+def _thread_sched() -> tuple[float, float]:
+    """The calling thread's seconds on a CPU and seconds runnable but waiting for one (Linux; zeros elsewhere)."""
+    try:
+        on, wait, _ = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()
+        return int(on) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
 def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Namespace, out: str) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     device = torch.device("cpu")
@@ -162,6 +185,21 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the step's wall is the GPU's, not its launch's
 
+    tiny = torch.ones(4)
+
+    def launch_step() -> None:
+        t = tiny
+        for _ in range(args.launch_ops):
+            t = t * 1.0 + 0.0  # each operation releases the GIL and takes it back, as a kernel launch does
+        dist.all_reduce(loss_sum)  # the ranks in step, as DDP keeps them
+
+    train_step()  # the optimizer's state exists before any save, whatever the step
+    if args.step == "launch":
+        train_step = launch_step  # noqa: F811 - the stand-in replaces the model's step from here on
+    if args.pin:
+        others = set(range(world, os.cpu_count() or world + 1))
+        os.sched_setaffinity(0, others)  # threads made from here on (the checkpoint's) inherit it
+
     for _ in range(args.warmup):
         train_step()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
@@ -178,6 +216,8 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
             d = Path(root) / f"r{rep}c{ci}"
             if case["tier"] != "none":
                 _use_writer(case["writer"])
+                if args.pin:
+                    os.sched_setaffinity(0, others)  # the manager's threads off the training thread's CPU
                 ck = CheckpointManager(
                     local=str(d / "local{node}"), peer=case["tier"] != "local" and world > 1,
                     persistent=f"file://{d / 'store'}" if case["tier"] == "persistent" else None,
@@ -191,21 +231,25 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
             else:
                 for _ in range(2):
                     train_step()
+            if args.pin:
+                os.sched_setaffinity(0, {rank})
             dist.barrier()
-            times, blocking, saves = [], 0.0, 0
+            times, blocking, blocking_cpu, saves = [], 0.0, 0.0, 0
             sys.setswitchinterval(case["switch"])
-            t_start, cpu_start = time.perf_counter(), time.process_time()
+            t_start, cpu_start, sched_start = time.perf_counter(), time.process_time(), _thread_sched()
             for i in range(args.steps):
                 t0 = time.perf_counter()
                 train_step()
                 if ck is not None and i % case["interval"] == 0:
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     ck.save(step_no, state)
                     blocking += time.perf_counter() - t1
+                    blocking_cpu += time.thread_time() - c1
                     saves += 1
                 step_no += 1
                 times.append(time.perf_counter() - t0)
             wall = time.perf_counter() - t_start
+            sched = _thread_sched()
             sys.setswitchinterval(DEFAULT_SWITCH_S)
             if ck is not None:
                 ck.wait(timeout=300, upload_timeout=300)
@@ -215,7 +259,8 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
             if ck is not None:
                 ck.close(timeout=300)
             mine = {"rep": rep, "case": case["name"], "wall": wall, "median_step": statistics.median(times),
-                    "blocking": blocking, "saves": saves, "cpu": cpu}
+                    "blocking": blocking, "saves": saves, "cpu": cpu, "blocking_cpu": blocking_cpu,
+                    "train_on_cpu": sched[0] - sched_start[0], "train_no_core": sched[1] - sched_start[1]}
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
             if rank == 0:
@@ -263,6 +308,13 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
         c["cost_per_save_s"].append((r["wall"] - b["wall"]) / max(1, r["saves"]))
         c["blocking_per_save_s"].append(r["blocking"] / max(1, r["saves"]))
         c["median_step_s"].append(r["median_step"])
+        if "train_on_cpu" in r and "train_on_cpu" in b:
+            n = max(1, r["saves"])
+            d_wall, d_on = r["wall"] - b["wall"], r["train_on_cpu"] - b["train_on_cpu"]
+            d_wait, waiting = r["train_no_core"] - b["train_no_core"], r["blocking"] - r["blocking_cpu"]
+            for k, v in (("staging", r["blocking_cpu"]), ("waiting", waiting), ("slower", d_on - r["blocking_cpu"]),
+                         ("no_core", d_wait), ("off_cpu", d_wall - d_on - d_wait - waiting)):
+                c.setdefault(f"split_{k}_s", []).append(v / n)
     clean = statistics.median(b["wall"] / args.steps for b in base.values())
     cpu_step = statistics.median(b["cpu"] / args.steps for b in base.values()) if all("cpu" in b for b in base.values()) \
         else None
@@ -278,6 +330,9 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
              "blocking_per_save_s": statistics.median(c["blocking_per_save_s"]),
              "median_step_s": statistics.median(c["median_step_s"]), "overheads": c["overhead"],
              "cpu_per_save_s": statistics.median(c["cpu_per_save_s"]) if c["cpu_per_save_s"] else None}
+        if "split_staging_s" in c:  # where a save's cost went, per save (see the module's docstring)
+            s["split_per_save_s"] = {k[len("split_"):-2]: statistics.median(v) for k, v in c.items()
+                                     if k.startswith("split_")}
         out[name] = s
     sparsest = max(args.intervals)
     for name, s in out.items():
@@ -311,6 +366,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and its state live")
     ap.add_argument("--world", type=int, choices=(1, 2), default=2, help="ranks (1: no DDP traffic, no peer tier)")
+    ap.add_argument("--step", choices=("model", "launch"), default="model",
+                    help="the training step: the model's, or a stand-in for a GPU job's launches (--launch-ops)")
+    ap.add_argument("--launch-ops", type=int, default=1500, help="with --step launch: operation pairs a step")
+    ap.add_argument("--pin", action="store_true",
+                    help="Linux: rank r's training thread on CPU r, every other thread past the ranks' CPUs")
     ap.add_argument("--root", default=None, help="where the tiers go (default: a temporary directory)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "interference.json"))
     ap.add_argument("--summarise", metavar="JSON", default=None,
@@ -330,6 +390,10 @@ def main() -> int:
         ap.error("--writers: record, stock")
     if any(t not in TIERS for t in args.tiers):
         ap.error(f"--tiers: each of {', '.join(TIERS)}")
+    if args.launch_ops < 1:
+        ap.error(f"--launch-ops: at least 1, got {args.launch_ops}")
+    if args.pin and (not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) <= args.world):
+        ap.error(f"--pin needs Linux and more CPUs than ranks ({os.cpu_count()} CPUs, {args.world} rank(s))")
     if args.world == 1 and "peer" in args.tiers:
         ap.error("--tiers: the peer tier needs a partner rank; with --world 1 use local,persistent")
     if args.device == "cuda" and not args.summarise and not torch.cuda.is_available():
@@ -344,6 +408,8 @@ def main() -> int:
             setattr(args, k, old[k])
         args.n_layer, args.d_model, args.batch = (old["model"][k] for k in ("n_layer", "d_model", "batch"))
         args.device, args.world = old["model"].get("device", "cpu"), old["model"].get("ranks", 2)
+        args.step, args.launch_ops = old["model"].get("step", "model"), old["model"].get("launch_ops", args.launch_ops)
+        args.pin = old["model"].get("pin", False)
         args.intervals = sorted({r["interval"] for r in old["cases"].values()})
         data = {"rows": old["rows"], "state_bytes_per_rank": old["state_bytes_per_rank"],
                 "device_name": old["model"].get("device_name", "cpu")}
@@ -362,7 +428,8 @@ def main() -> int:
     summary = summarise(data["rows"], args)
     result = {"bench": "interference", "model": {"n_layer": args.n_layer, "d_model": args.d_model,
                                                  "batch": args.batch, "ranks": args.world, "threads_per_rank": args.threads,
-                                                 "device": args.device, "device_name": data.get("device_name", "cpu")},
+                                                 "device": args.device, "device_name": data.get("device_name", "cpu"),
+                                                 "step": args.step, "launch_ops": args.launch_ops, "pin": args.pin},
               "state_bytes_per_rank": data["state_bytes_per_rank"], "reps": args.reps, "steps": args.steps,
               "cpus": os.cpu_count(), "load_before": load0,
               "load_after": json.loads(Path(args.summarise).read_text())["load_after"] if args.summarise
@@ -374,7 +441,8 @@ def main() -> int:
           f"({(summary['cpu_per_clean_step_s'] or 0) * 1e3:.1f} ms CPU), {args.reps} reps x {args.steps} "
           f"steps; load {load0[0]:.1f} -> {result['load_after'][0]:.1f}")
     print(f"{'tier':<11} {'every':>5} {'nice':>5} {'writer':>6} {'switch':>7} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
-          f"{'block ms':>8} {'cpu/save ms':>11} {'auto every':>10} {'auto ovh':>8}")
+          f"{'block ms':>8} {'cpu/save ms':>11} {'auto every':>10} {'auto ovh':>8}   per save, ms: staging waiting "
+          f"slower no-core off-CPU")
     for s in sorted(summary["cases"].values(), key=lambda s: (s["interval"], TIERS.index(s["tier"]),
                                                               str(s["background_nice"]), s["writer"],
                                                               -float(s["switch_interval"].rstrip("ms")))):
@@ -384,7 +452,10 @@ def main() -> int:
               f"{s['overhead_median'] * 100:>8.1f}% "
               f"[{s['overhead_min'] * 100:>6.1f}%, {s['overhead_max'] * 100:>6.1f}%] "
               f"{s['cost_per_save_s'] * 1e3:>12.1f} {s['blocking_per_save_s'] * 1e3:>8.1f} "
-              f"{(s['cpu_per_save_s'] or 0) * 1e3:>11.1f} {auto}")
+              f"{(s['cpu_per_save_s'] or 0) * 1e3:>11.1f} {auto}"
+              + ("   " + " ".join(f"{s['split_per_save_s'][k] * 1e3:>{w}.1f}" for k, w in
+                                  (("staging", 7), ("waiting", 7), ("slower", 6), ("no_core", 7), ("off_cpu", 7)))
+                 if "split_per_save_s" in s else ""))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -3,6 +3,7 @@ gives every case its overhead against its own repetition's baseline and records 
 interval a case of its own; a peer tier with one rank, CUDA on a machine without it, or a switch interval that is not a
 positive number of seconds is a usage error. No timing is asserted: load decides the figures."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,9 @@ def test_one_rank_local_and_persistent_cases_are_measured_against_the_baseline(t
     for c in doc["cases"].values():
         assert c["blocking_per_save_s"] > 0 and "auto_overhead" in c, c
     assert "1 rank(s)" in p.stdout
+    for c in doc["cases"].values():  # where each save's cost went, from the training thread's own accounting
+        assert set(c["split_per_save_s"]) == {"staging", "waiting", "slower", "no_core", "off_cpu"}, c
+        assert c["split_per_save_s"]["staging"] > 0, c
     # summarising the result again reads its shape back from it
     again = tmp_path / "again.json"
     p = subprocess.run([sys.executable, str(BENCH), "--summarise", str(out), "--out", str(again)], cwd=ROOT,
@@ -40,12 +44,29 @@ def test_one_rank_local_and_persistent_cases_are_measured_against_the_baseline(t
     assert json.loads(again.read_text())["model"] == doc["model"]
 
 
+@pytest.mark.timeout(120)
+def test_the_launch_bound_stand_in_pinned_apart_from_the_saves(tmp_path: Path) -> None:
+    # a GPU job's training thread on a CPU machine: dispatch-bound operations, on its own CPU
+    out = tmp_path / "launch.json"
+    p = subprocess.run([sys.executable, str(BENCH), *TINY, "--world", "1", "--tiers", "local", "--step", "launch",
+                        "--launch-ops", "50", "--pin", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=100)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["model"]["step"] == "launch" and doc["model"]["launch_ops"] == 50 and doc["model"]["pin"] is True
+    # the optimizer's state was made before the stand-in took over: the saved state is the model's and AdamW's
+    assert doc["state_bytes_per_rank"] > 3 * 50_000, doc["state_bytes_per_rank"]
+    assert list(doc["cases"]) == ["local/every1/nice=0/record"]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("extra, names", [
     (["--world", "1", "--tiers", "local,peer"], "--world 1"),
     (["--device", "cuda"], "no CUDA GPU"),
     (["--switch-intervals", "0.005,0"], "--switch-intervals"),
     (["--switch-intervals", "fast"], "--switch-intervals"),
+    (["--step", "launch", "--launch-ops", "0"], "--launch-ops"),
+    (["--pin", "--world", "2"] if (os.cpu_count() or 1) <= 2 else ["--step", "gpu"], "--"),
 ])
 def test_bad_shapes_are_usage_errors(tmp_path: Path, extra: list[str], names: str) -> None:
     if "cuda" in extra and torch.cuda.is_available():
