@@ -346,7 +346,8 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
     return {"clean_step_s": clean, "cpu_per_clean_step_s": cpu_step, "cases": out}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (a usage error exits 2 naming the flag)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per case (a multiple of every interval)")
@@ -375,7 +376,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "interference.json"))
     ap.add_argument("--summarise", metavar="JSON", default=None,
                     help="no run: summarise the rows of an earlier result again (its settings are read from it)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.intervals = [int(x) for x in args.intervals.split(",")]
     args.levers = [_lever(x) for x in args.levers.split(",")]
     try:
@@ -400,6 +401,11 @@ def main() -> int:
         ap.error("--device cuda: this machine's torch sees no CUDA GPU")
     if any(args.steps % n for n in args.intervals):
         ap.error("--steps must be a multiple of every interval")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     t0 = time.time()
     load0 = os.getloadavg()
     if args.summarise:

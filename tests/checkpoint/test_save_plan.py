@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import Workers, ok
+from .test_reliability import tiny_disk  # noqa: F401 - the fixture of a real full disk
 
 SCRIPT = r'''
 import json, os, sys
@@ -117,3 +118,109 @@ def test_a_tensor_reshaped_or_retyped_in_place_is_planned_again(tmp_path: Path) 
         dcp.load(into, checkpoint_id=str(tmp_path / str(i)))
         assert into["a"].shape == s["a"].shape and into["a"].dtype == s["a"].dtype, (i, into["a"])
         assert torch.equal(into["a"], s["a"]) and into["n"] == s["n"], (i, into)
+
+
+SHORT = r'''
+import json, os, sys
+import torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from resilient.checkpoint import CheckpointManager
+from resilient.checkpoint.format.safe import load_metadata
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+root, full_at = sys.argv[1], int(sys.argv[2])
+mine = os.path.join(root, f"local{rank}")  # each rank its own node (LOCAL_WORLD_SIZE=1), rank 1's maybe a tiny disk
+ck = CheckpointManager(local=os.path.join(root, "local{node}"), interval=1, peer=False, keep_local=100,
+                       max_failed_saves=0)
+planner = lambda: ck._planners["local"]
+states, outcome, short = {}, {}, {}
+for step in range(1, 8):
+    g = torch.Generator().manual_seed(step)  # new values every step, the same layout
+    s = {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(1024, generator=g),
+         "h": torch.randn(33, generator=g).to(torch.bfloat16), "noise": torch.randn(3) + rank, "pos": step * 10 + rank}
+    if step == full_at and rank == 1:  # a real full disk under rank 1's save of this step
+        with open(os.path.join(mine, "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20)); f.flush()
+            except OSError:
+                pass
+    states[step] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+    assert ck.save(step, s, force=True)
+    outcome[step] = ck.wait(60)
+    short[step] = planner().short_saves
+    if step == full_at and rank == 1:
+        os.unlink(os.path.join(mine, "filler"))
+    dist.barrier()
+ck.close(60)
+import shutil
+loaded, same_metadata = {}, None
+for step, saved in states.items():
+    d = os.path.join(mine, f"step_{step:08d}")
+    committed = [None, None]
+    dist.all_gather_object(committed, os.path.exists(os.path.join(d, "COMMITTED")))
+    if not all(committed):
+        loaded[step] = "missing"
+        continue
+    # each node's directory holds its own rank's file: stock dcp.load reads both, as a restore gathers them
+    both = os.path.join(root, "both", f"step_{step:08d}")
+    os.makedirs(both, exist_ok=True)
+    for n in os.listdir(d):
+        if n.endswith(".distcp") or (rank == 0 and n == ".metadata"):
+            shutil.copy(os.path.join(d, n), both)
+    dist.barrier()
+    d = both
+    key = {k: (f"__rank{rank}__.{k}" if k == "noise" else k) for k in saved if k != "pos"}
+    into = {key[k]: torch.empty_like(saved[k]) for k in key}
+    dcp.load(into, checkpoint_id=d)
+    bad = [k for k in key if not torch.equal(into[key[k]], saved[k])]
+    loaded[step] = not bad or bad
+md = {s: load_metadata(open(os.path.join(mine, f"step_{s:08d}", ".metadata"), "rb").read(), what="m")
+      for s in (1, 3)}
+same_metadata = (md[1].state_dict_metadata == md[3].state_dict_metadata and md[1].storage_data == md[3].storage_data
+                 and md[3].storage_meta is not None and str(md[3].storage_meta.checkpoint_id).endswith("step_00000003"))
+with open(os.path.join(root, f"out{rank}.json"), "w") as f:
+    json.dump({"outcome": outcome, "loaded": loaded, "short": short, "same_metadata": same_metadata}, f)
+dist.destroy_process_group()
+'''
+
+
+def _short_run(tmp_path: Path, workers: Workers, full_at: int, rank1_dir: Path | None = None) -> list[dict]:
+    import json
+
+    script = tmp_path / "short.py"
+    script.write_text(SHORT)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    if rank1_dir is not None:
+        (root / "local1").symlink_to(rank1_dir)
+    ok(workers.run(script, [str(root), str(full_at)], 2, local_world_size=1))
+    return [json.loads((root / f"out{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(120)
+def test_a_save_laid_out_as_the_last_agrees_its_metadata_without_dcps_gathers(tmp_path: Path,
+                                                                              workers: Workers) -> None:
+    # the first save is planned through DCP; every later one reuses the plan and the metadata (its write results
+    # the same on both ranks), and each step loads bit-exact through stock dcp.load, per-rank values included
+    for r, out in enumerate(_short_run(tmp_path, workers, full_at=0)):
+        assert all(out["outcome"].values()), (r, out)
+        assert all(v is True for v in out["loaded"].values()), (r, out)
+        assert out["short"] == {str(s): s - 1 for s in range(1, 8)}, (r, out["short"])
+        # the short path's .metadata is DCP's for this step: same tensors and byte ranges, this step's own id
+        assert out["same_metadata"] is True, (r, out)
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_under_a_short_save_fails_it_on_every_rank_and_the_next_plans_afresh(
+        tmp_path: Path, workers: Workers, tiny_disk: Path) -> None:  # noqa: F811
+    outs = _short_run(tmp_path, workers, full_at=5, rank1_dir=tiny_disk)
+    for r, out in enumerate(outs):
+        # step 5's write failed on rank 1 only: both ranks learn it, neither commits it
+        assert out["outcome"] == {"1": True, "2": True, "3": True, "4": True, "5": False, "6": True, "7": True}, \
+            (r, out)
+        assert out["loaded"]["5"] == "missing" and all(out["loaded"][str(s)] is True for s in (1, 2, 3, 4, 6, 7)), \
+            (r, out)
+        # saves 2-4 short; 5 failed (every rank forgot its plan); 6 planned through DCP again; 7 short again
+        assert out["short"] == {"1": 0, "2": 1, "3": 2, "4": 3, "5": 3, "6": 3, "7": 4}, (r, out["short"])

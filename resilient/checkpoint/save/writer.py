@@ -294,7 +294,9 @@ class _HashedFile:
 class RecordWriter(FileSystemWriter):
     """``FileSystemWriter`` for one file per rank (one writing thread) whose tensor records are written from
     templates; the files are the same DCP files. :attr:`entries`: after ``write_data``, the manifest entry of
-    each file every one of whose tensors went through a template (a file with another tensor has none)."""
+    each file every one of whose tensors went through a template (a file with another tensor has none).
+    :attr:`results` (this rank's write results) and :attr:`all_results` (every rank's, on the coordinator, after
+    ``finish``) let the next save tell that its files came out laid out alike (``plan.save``)."""
 
     def __init__(self, path: str | os.PathLike[str], sync_files: bool = True, entries: bool = True,
                  block: int = BLOCK) -> None:
@@ -304,6 +306,12 @@ class RecordWriter(FileSystemWriter):
         self.entries: dict[str, FileEntry] = {}
         self.templated = 0
         self.fallbacks = 0
+        self.results: list[WriteResult] | None = None
+        self.all_results: list[list[WriteResult]] | None = None
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata=metadata, results=results)
+        self.all_results = results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if _dcp_fs._write_item is not _STOCK_WRITE_ITEM:
@@ -354,6 +362,7 @@ class RecordWriter(FileSystemWriter):
                 os.fsync(stream.fileno())
         if whole and self._hash:
             self.entries[name] = entry
+        self.results = results
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
