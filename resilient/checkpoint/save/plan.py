@@ -121,7 +121,9 @@ def save(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, process
         if _save_state_dict is None:  # pragma: no cover
             dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
             return
-        if _ready_everywhere(_ready(state, writer, planner, process_group, no_dist), process_group, no_dist):
+        # a writer that keeps no results (in-memory, direct) never takes the short path: no collective to ask
+        if hasattr(writer, "results") and all(_gather(_ready(state, writer, planner, process_group, no_dist),
+                                                      process_group, no_dist)):
             if _save_unchanged(state, writer, planner, process_group, no_dist):
                 planner.short_saves += 1
                 return
@@ -145,7 +147,7 @@ def _ready(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, proce
     """This rank can save with the plan and the metadata of the last save: the same layout, DCP's caches in place,
     and the last save's write results kept (on the coordinator, every rank's)."""
     key = planner._cached_plans_key
-    if planner._results is None or not hasattr(writer, "results") or key not in SavePlanner._cached_final_save_plan:
+    if planner._results is None or key not in SavePlanner._cached_final_save_plan:
         return False
     if _coordinator(process_group, no_dist) and (planner._all_results is None
                                                  or key not in SavePlanner._cached_metadata):
@@ -154,12 +156,13 @@ def _ready(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, proce
     return layout is not None and layout == planner._layout and key in SavePlanner._cached_save_plan
 
 
-def _ready_everywhere(mine: bool, process_group: Any, no_dist: bool) -> bool:
+def _gather(mine: Any, process_group: Any, no_dist: bool) -> list[Any]:
+    """Every rank's ``mine``, in rank order (this rank's alone without a process group)."""
     if no_dist:
-        return mine
+        return [mine]
     everyone: list[Any] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(everyone, mine, group=process_group)
-    return all(everyone)
+    return everyone
 
 
 def _save_unchanged(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, process_group: Any,
@@ -185,11 +188,7 @@ def _save_unchanged(state: dict[str, Any], writer: Any, planner: CachedSavePlann
         same = fut.value() == planner._results
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = e
-    if no_dist:
-        everyone = [(same, error)]
-    else:
-        everyone = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(everyone, (same, _portable(error)), group=process_group)
+    everyone = _gather((same, error if no_dist else _portable(error)), process_group, no_dist)
     failures = {r: e for r, (_, e) in enumerate(everyone) if e is not None}
     if failures:  # as DCP raises it: every rank's error, the first failed rank's first
         raise CheckpointException("write", {r: (e, None) for r, e in failures.items()})
