@@ -134,7 +134,7 @@ mine = os.path.join(root, f"local{rank}")  # each rank its own node (LOCAL_WORLD
 ck = CheckpointManager(local=os.path.join(root, "local{node}"), interval=1, peer=False, keep_local=100,
                        max_failed_saves=0)
 planner = lambda: ck._planners["local"]
-states, outcome, short = {}, {}, {}
+states, outcome, short, memo, patched = {}, {}, {}, {}, {}
 for step in range(1, 8):
     g = torch.Generator().manual_seed(step)  # new values every step, the same layout
     s = {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(1024, generator=g),
@@ -150,6 +150,8 @@ for step in range(1, 8):
     assert ck.save(step, s, force=True)
     outcome[step] = ck.wait(60)
     short[step] = planner().short_saves
+    memo[step] = planner().records.hits
+    patched[step] = planner().records.patched
     if step == full_at and rank == 1:
         os.unlink(os.path.join(mine, "filler"))
     dist.barrier()
@@ -176,12 +178,17 @@ for step, saved in states.items():
     dcp.load(into, checkpoint_id=d)
     bad = [k for k in key if not torch.equal(into[key[k]], saved[k])]
     loaded[step] = not bad or bad
-md = {s: load_metadata(open(os.path.join(mine, f"step_{s:08d}", ".metadata"), "rb").read(), what="m")
-      for s in (1, 3)}
+import pickle
+raw = {s: open(os.path.join(mine, f"step_{s:08d}", ".metadata"), "rb").read() for s in (1, 3, 4)}
+md = {s: load_metadata(raw[s], what="m") for s in raw}
+# step 4's .metadata came from step 3's bytes with its own ids: it must be exactly what pickling it gives
 same_metadata = (md[1].state_dict_metadata == md[3].state_dict_metadata and md[1].storage_data == md[3].storage_data
-                 and md[3].storage_meta is not None and str(md[3].storage_meta.checkpoint_id).endswith("step_00000003"))
+                 and md[3].storage_meta is not None and str(md[3].storage_meta.checkpoint_id).endswith("step_00000003")
+                 and str(md[4].storage_meta.checkpoint_id).endswith("step_00000004")
+                 and md[4].storage_meta.save_id != md[3].storage_meta.save_id
+                 and pickle.dumps(md[4]) == raw[4] and md[4].storage_data == md[1].storage_data)
 with open(os.path.join(root, f"out{rank}.json"), "w") as f:
-    json.dump({"outcome": outcome, "loaded": loaded, "short": short, "same_metadata": same_metadata}, f)
+    json.dump({"outcome": outcome, "loaded": loaded, "short": short, "memo": memo, "patched": patched, "same_metadata": same_metadata}, f)
 dist.destroy_process_group()
 '''
 
@@ -208,6 +215,12 @@ def test_a_save_laid_out_as_the_last_agrees_its_metadata_without_dcps_gathers(tm
         assert all(out["outcome"].values()), (r, out)
         assert all(v is True for v in out["loaded"].values()), (r, out)
         assert out["short"] == {str(s): s - 1 for s in range(1, 8)}, (r, out["short"])
+        # every save after the first wrote its records from the last one's (the staging buffers are the same
+        # tensors from save to save) and still wrote each step's own values
+        assert out["memo"] == {str(s): s - 1 for s in range(1, 8)}, (r, out["memo"])
+        # rank 0 writes .metadata: from the first short save on, from the last file's bytes with this save's ids
+        assert out["patched"] == ({str(s): s - 1 for s in range(1, 8)} if r == 0 else {str(s): 0 for s in range(1, 8)}), \
+            (r, out["patched"])
         # the short path's .metadata is DCP's for this step: same tensors and byte ranges, this step's own id
         assert out["same_metadata"] is True, (r, out)
 
@@ -224,3 +237,5 @@ def test_a_full_disk_under_a_short_save_fails_it_on_every_rank_and_the_next_plan
             (r, out)
         # saves 2-4 short; 5 failed (every rank forgot its plan); 6 planned through DCP again; 7 short again
         assert out["short"] == {"1": 0, "2": 1, "3": 2, "4": 3, "5": 3, "6": 3, "7": 4}, (r, out["short"])
+        # the failed save forgot the records with the plan: save 6 wrote from the state again, 7 from its records
+        assert out["memo"]["7"] == out["memo"]["6"] + 1 and out["memo"]["6"] == out["memo"]["5"], (r, out["memo"])

@@ -13,9 +13,10 @@
   broadcasts the finished metadata back (both pickled, one entry per tensor), under the GIL of the process that trains:
   measured, a third of the checkpoint thread's hold of the GIL a save, which a GPU job's launch-bound training thread
   waits out. When the plan was reused and a rank's writer laid its file out as at the last save (the same write
-  results: names, offsets, lengths), the metadata is the last save's: :func:`save` then agrees that in one small
-  gather and the coordinator writes ``.metadata`` from the results it kept (``_save_unchanged``), as DCP's
-  ``finish`` would from gathered ones. Any difference, any rank not ready, any failure: DCP's own path, as before.
+  results: names, offsets, lengths), the metadata is the last save's: :func:`save` then agrees that in small
+  tensor all-reduces (no pickling; gloo waits outside the GIL) and the coordinator writes ``.metadata`` from the
+  results it kept (``_save_unchanged``), as DCP's ``finish`` would from gathered ones. Any difference, any rank not
+  ready, any failure: DCP's own path, as before (the failures' texts travel as objects, on that path alone).
 * **Per-key telemetry.** ``dcp.save`` wraps the ``state_dict()`` call of every top-level key in a logging
   decorator that builds a message dict (a uuid, the group's ranks) even when nothing logs it. Our states are
   flat (one key per leaf, Stateful objects already replaced), so that was one wrapper per tensor; :func:`save`
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from resilient.checkpoint.api import CheckpointError
+from resilient.checkpoint.save.writer import RecordMemo
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class CachedSavePlanner(DefaultSavePlanner):
         self._results: list[Any] | None = None
         self._all_results: list[list[Any]] | None = None
         self.short_saves = 0  # saves whose metadata was agreed without DCP's gathers (``_save_unchanged``)
+        # the record writer's per-tensor records of the last write of this planner's plan (``save/writer.py``)
+        self.records = RecordMemo()
 
     def create_local_plan(self) -> SavePlan:
         # DCP builds every write item again at each save (about 40 us a tensor) only to find the plan equal to the
@@ -74,6 +78,7 @@ class CachedSavePlanner(DefaultSavePlanner):
             self.plan = SavePlanner._cached_save_plan[self._cached_plans_key]
             return SavePlan([], usable=False)
         self._layout = layout
+        self.records.clear()  # they hold the tensors of the old layout
         return super().create_local_plan()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
@@ -89,6 +94,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         """Drop this planner's cached plans (after a failed save, so every rank plans afresh; at close)."""
         self._layout = None
         self._results = self._all_results = None
+        self.records.clear()
         for attr in _CACHES:
             getattr(SavePlanner, attr).pop(self._cached_plans_key, None)
 
@@ -122,8 +128,8 @@ def save(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, process
             dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
             return
         # a writer that keeps no results (in-memory, direct) never takes the short path: no collective to ask
-        if hasattr(writer, "results") and all(_gather(_ready(state, writer, planner, process_group, no_dist),
-                                                      process_group, no_dist)):
+        if hasattr(writer, "results") and not _any(not _ready(state, writer, planner, process_group, no_dist),
+                                                   process_group, no_dist):
             if _save_unchanged(state, writer, planner, process_group, no_dist):
                 planner.short_saves += 1
                 return
@@ -156,6 +162,21 @@ def _ready(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, proce
     return layout is not None and layout == planner._layout and key in SavePlanner._cached_save_plan
 
 
+def _max(mine: int, process_group: Any, no_dist: bool) -> int:
+    """The largest of every rank's ``mine``: one all-reduce of one number (an object collective pickles and makes
+    two transfers, under the GIL of the process that trains; gloo waits for the others outside it)."""
+    if no_dist:
+        return mine
+    t = torch.tensor([mine], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process_group)
+    return int(t.item())
+
+
+def _any(flag: bool, process_group: Any, no_dist: bool) -> bool:
+    """Whether ``flag`` holds on any rank."""
+    return _max(int(flag), process_group, no_dist) > 0
+
+
 def _gather(mine: Any, process_group: Any, no_dist: bool) -> list[Any]:
     """Every rank's ``mine``, in rank order (this rank's alone without a process group)."""
     if no_dist:
@@ -165,10 +186,14 @@ def _gather(mine: Any, process_group: Any, no_dist: bool) -> list[Any]:
     return everyone
 
 
+# a rank's verdict on its write in :func:`_save_unchanged`; the group's is the largest
+_SAME, _DIFFERENT, _FAILED = 0, 1, 2
+
+
 def _save_unchanged(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, process_group: Any,
                     no_dist: bool) -> bool:
-    """Every rank ready (:func:`_ready`): write this rank's file with the cached plan, agree in one gather that
-    every rank's write results are the last save's, and have the coordinator write ``.metadata`` from the results
+    """Every rank ready (:func:`_ready`): write this rank's file with the cached plan, agree in one all-reduce
+    that every rank's write results are the last save's, and have the coordinator write ``.metadata`` from the results
     it kept, as DCP's ``finish`` does from gathered ones. False when a rank's results differ (the caller plans and
     writes again); a failure on any rank raises on every rank, naming each rank's."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -188,23 +213,24 @@ def _save_unchanged(state: dict[str, Any], writer: Any, planner: CachedSavePlann
         same = fut.value() == planner._results
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = e
-    everyone = _gather((same, error if no_dist else _portable(error)), process_group, no_dist)
-    failures = {r: e for r, (_, e) in enumerate(everyone) if e is not None}
-    if failures:  # as DCP raises it: every rank's error, the first failed rank's first
-        raise CheckpointException("write", {r: (e, None) for r, e in failures.items()})
-    if not all(s for s, _ in everyone):
+    verdict = _max(_FAILED if error is not None else _SAME if same else _DIFFERENT, process_group, no_dist)
+    if verdict == _FAILED:  # as DCP raises it: every rank's error, the first failed rank's first
+        everyone = _gather(error if no_dist else _portable(error), process_group, no_dist)
+        raise CheckpointException("write", {r: (e, None) for r, e in enumerate(everyone) if e is not None})
+    if verdict == _DIFFERENT:
         return False
-    done: list[Any] = [None]
+    failed: BaseException | None = None
     if coordinator:
         try:
             writer.finish(metadata=SavePlanner._cached_metadata[planner._cached_plans_key],
                           results=planner._all_results)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
-            done[0] = _portable(e)
-    if not no_dist:
-        dist.broadcast_object_list(done, src=dist.get_global_rank(process_group, 0) if process_group is not None
-                                   else 0, group=process_group)
-    if done[0] is not None:
+            failed = _portable(e)
+    if _any(failed is not None, process_group, no_dist):
+        done: list[Any] = [failed]
+        if not no_dist:
+            dist.broadcast_object_list(done, src=dist.get_global_rank(process_group, 0) if process_group is not None
+                                       else 0, group=process_group)
         raise CheckpointException("finish", {0: (done[0], None)})
     return True
 

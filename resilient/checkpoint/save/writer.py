@@ -12,6 +12,14 @@ larger storage after DCP's own clone, a subclass, a layout other than strided) o
 is written by ``torch.save`` as DCP does, and its file then gets no precomputed entry. Where DCP's per-item write
 has been wrapped (the drills' kill in the middle of a write wraps it), the whole file goes DCP's way.
 
+A checkpointer writes the same tensors (its staging buffers) with the same plan at every save; a
+:class:`RecordMemo` keeps what each tensor's record is made of (its template, a view of its bytes, its write
+result) from one write to the next, so a save of the same layout looks nothing up again: about 20 us a tensor
+of the checkpoint thread's hold of the GIL, which a GPU job's training thread waits out. It also keeps the bytes
+of the last ``.metadata`` written for the same metadata and write results: the next one differs only in the save's
+ids (its directory, a uuid), strings of the same lengths, which are put in their place (``pickle`` of one entry
+per tensor again, the rest of that hold, is skipped); where that cannot be done exactly DCP's ``finish`` pickles.
+
 :class:`MemoryWriter` writes into memory: the files of one step as bytes, for a tier that cannot be written
 through the local disk (a full or failed local tier still owes the persistent tier its step)."""
 
@@ -20,6 +28,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 import struct
 import threading
 import zipfile
@@ -27,7 +36,7 @@ import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import crc32c as _crc
@@ -36,11 +45,12 @@ import torch.distributed.checkpoint.filesystem as _dcp_fs
 import xxhash as _xxh
 from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem, FileSystemWriter, _StorageInfo,
                                                      _StoragePrefix)
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from resilient.checkpoint.api import FileEntry
+from resilient.checkpoint.api import DCP_METADATA, FileEntry
 from resilient.checkpoint.format.digests import BLOCK
 
 logger = logging.getLogger(__name__)
@@ -291,6 +301,83 @@ class _HashedFile:
                          xxh3=tuple(xxh))
 
 
+@dataclass(frozen=True)
+class _Record:
+    """One tensor's record as a write laid it out: ``src`` the state's tensor (at ``ptr``), ``mv`` its bytes."""
+
+    fqn: str
+    src: torch.Tensor
+    ptr: int
+    mv: memoryview
+    tpl: _Template
+    result: WriteResult
+
+
+class RecordMemo:
+    """The records of the last write of ``plan``, every one of its tensors through a template, for the next write
+    of the same plan over the same tensors (:meth:`RecordWriter.write_data` fills it; its owner, the planner that
+    made the plan, clears it when the state's layout changes). It holds the tensors it names: after a layout
+    change their memory is freed only when it is cleared."""
+
+    def __init__(self) -> None:
+        self.plan: SavePlan | None = None
+        self.records: list[_Record] = []
+        self.hits = 0  # writes that took their records from here
+        self.patched = 0  # .metadata files written from the last one's bytes
+        self._md: tuple[Any, Any, list[bytes], bytes] | None = None  # metadata, results, ids, the file's bytes
+
+    def clear(self) -> None:
+        self.plan, self.records, self._md = None, [], None
+
+    def keep_metadata(self, metadata: Any, results: Any, meta: StorageMeta | None, blob: bytes) -> None:
+        """``blob``: the ``.metadata`` written for ``metadata`` and ``results`` with ``meta``'s ids."""
+        ids = _ids(meta)
+        self._md = None if ids is None else (metadata, results, ids, blob)
+
+    def metadata_bytes(self, metadata: Any, results: Any, meta: StorageMeta | None) -> bytes | None:
+        """The bytes of ``.metadata`` for ``metadata`` and ``results`` (the last ones kept) with ``meta``'s ids:
+        the last file's, each of its ids (one pickled string each, the same length) replaced. None where that
+        cannot be done exactly: other metadata, ids of other lengths, an id found other than once."""
+        if self._md is None or self._md[0] is not metadata or self._md[1] is not results:
+            return None
+        old, new = self._md[2], _ids(meta)
+        if new is None or len(new) != len(old):
+            return None
+        blob = self._md[3]
+        for a, b in zip(old, new):
+            if a == b:
+                continue
+            if len(a) != len(b) or blob.count(a) != 1:
+                return None
+            blob = blob.replace(a, b)
+        return blob
+
+    def holds(self, plan: SavePlan, state: dict[str, Any] | None) -> bool:
+        """The records are ``plan``'s, and every tensor is the one they were made from, where it was."""
+        if plan is not self.plan or state is None:
+            return False
+        get = state.get
+        return all(get(r.fqn) is r.src and r.src.data_ptr() == r.ptr for r in self.records)
+
+
+def _ids(meta: StorageMeta | None) -> list[bytes] | None:
+    """A save's ids as they are pickled in its ``.metadata`` (protocol 4's short strings: the path's parts and the
+    save's uuid), or None for a shape this does not cover."""
+    if meta is None or meta.load_id is not None or meta.modules or not isinstance(meta.save_id, str):
+        return None
+    cid = meta.checkpoint_id
+    parts = list(cid.parts) if isinstance(cid, PurePosixPath) else [cid] if isinstance(cid, str) else None
+    if parts is None or pickle.DEFAULT_PROTOCOL < 4:
+        return None
+    out = []
+    for p in parts + [meta.save_id]:
+        b = p.encode()
+        if len(b) > 255:
+            return None
+        out.append(b"\x8c" + bytes([len(b)]) + b)  # SHORT_BINUNICODE
+    return out
+
+
 class RecordWriter(FileSystemWriter):
     """``FileSystemWriter`` for one file per rank (one writing thread) whose tensor records are written from
     templates; the files are the same DCP files. :attr:`entries`: after ``write_data``, the manifest entry of
@@ -308,9 +395,26 @@ class RecordWriter(FileSystemWriter):
         self.fallbacks = 0
         self.results: list[WriteResult] | None = None
         self.all_results: list[list[WriteResult]] | None = None
+        self._memo: RecordMemo | None = None  # the planner's, from write_data: finish has no planner
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata=metadata, results=results)
+        memo, meta = self._memo, self.storage_meta()
+        blob = memo.metadata_bytes(metadata, results, meta) if memo is not None else None
+        if blob is None:
+            super().finish(metadata=metadata, results=results)
+            if memo is not None:  # the file just written, from the page cache: no second pickle of it
+                with self.fs.create_stream(self.fs.concat_path(self.path, DCP_METADATA), "rb") as f:
+                    memo.keep_metadata(metadata, results, meta, f.read())
+        else:
+            metadata.storage_meta = meta  # as DCP's finish leaves it
+            tmp = self.fs.concat_path(self.path, f"{DCP_METADATA}.tmp")
+            with self.fs.create_stream(tmp, "wb") as f:
+                f.write(blob)
+                if self.sync_files:
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.fs.rename(tmp, self.fs.concat_path(self.path, DCP_METADATA))
+            memo.patched += 1
         self.all_results = results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -325,10 +429,12 @@ class RecordWriter(FileSystemWriter):
         with self.fs.create_stream(path, "wb") as stream:
             out = _HashedFile(stream, hashed=self._hash, block=self._block)
 
-            def result(item: Any, offset: int) -> None:
+            def result(item: Any, offset: int) -> WriteResult:
                 n = out.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                           storage_data=_StorageInfo(name, offset, n)))
+                r = WriteResult(index=item.result.index if isinstance(item, _Record) else item.index,
+                                size_in_bytes=n, storage_data=_StorageInfo(name, offset, n))
+                results.append(r)
+                return r
 
             # as DCP orders them: byte items first, then tensors in plan order
             for item in (i for i in plan.items if i.type == WriteItemType.BYTE_IO):
@@ -336,26 +442,24 @@ class RecordWriter(FileSystemWriter):
                 offset = out.tell()
                 out.write(data.getbuffer())
                 result(item, offset)
-            for item in (i for i in plan.items if i.type != WriteItemType.BYTE_IO):
-                t = planner.resolve_data(item).detach().cpu()
-                if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                    t = t.clone()  # DCP's own rule: a view into a larger storage is saved as its own bytes
-                offset = out.tell()
-                tpl = TEMPLATES.get(t) if _plain(t) else None
-                if tpl is None:
-                    whole = False
-                    self.fallbacks += 1
-                    b = io.BytesIO()
-                    torch.save(t, b)
-                    out.write(b.getbuffer())
-                else:
-                    self.templated += 1
-                    mv = _data_view(t)
+            memo: RecordMemo | None = getattr(planner, "records", None)
+            self._memo = memo
+            if memo is not None and memo.holds(plan, getattr(planner, "state_dict", None)):
+                for rec in memo.records:
+                    offset = out.tell()
+                    mv, tpl = rec.mv, rec.tpl
                     out.write(tpl.head)
                     layout.append((offset, offset + len(tpl.head), len(mv)))
                     out.write(mv)
                     out.write(tpl.tail_for(zlib.crc32(mv) if tpl.crc and len(mv) else 0))
-                result(item, offset)
+                    if rec.result.storage_data.offset == offset:  # the byte items kept their sizes
+                        results.append(rec.result)
+                    else:
+                        result(rec, offset)
+                self.templated += len(memo.records)
+                memo.hits += 1
+            else:
+                whole = self._write_tensors(plan, planner, out, layout, result, memo)
             entry = out.entry(tuple(layout))
             if self.sync_files:
                 stream.flush()
@@ -366,3 +470,41 @@ class RecordWriter(FileSystemWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _write_tensors(self, plan: SavePlan, planner: SavePlanner, out: _HashedFile,
+                       layout: list[tuple[int, int, int]], result: Any, memo: RecordMemo | None) -> bool:
+        """The plan's tensors in plan order, each through its template where it has one (else ``torch.save``);
+        True when every one had. ``memo`` gets their records when every one was also written from the state's
+        own tensor (no copy of it made here)."""
+        whole = True
+        records: list[_Record] = []
+        for item in (i for i in plan.items if i.type != WriteItemType.BYTE_IO):
+            src = planner.resolve_data(item)
+            t = src.detach().cpu()
+            if type(t) is torch.Tensor and t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # DCP's own rule: a view into a larger storage is saved as its own bytes
+            offset = out.tell()
+            tpl = TEMPLATES.get(t) if _plain(t) else None
+            if tpl is None:
+                whole = False
+                self.fallbacks += 1
+                b = io.BytesIO()
+                torch.save(t, b)
+                out.write(b.getbuffer())
+                result(item, offset)
+                continue
+            self.templated += 1
+            mv = _data_view(t)
+            out.write(tpl.head)
+            layout.append((offset, offset + len(tpl.head), len(mv)))
+            out.write(mv)
+            out.write(tpl.tail_for(zlib.crc32(mv) if tpl.crc and len(mv) else 0))
+            r = result(item, offset)
+            if memo is not None and type(src) is torch.Tensor and src.device.type == "cpu" \
+                    and t.data_ptr() == src.data_ptr():
+                records.append(_Record(item.index.fqn, src, src.data_ptr(), mv, tpl, r))
+        if memo is not None:
+            memo.clear()
+            if whole and len(records) == sum(1 for i in plan.items if i.type != WriteItemType.BYTE_IO):
+                memo.plan, memo.records = plan, records
+        return whole
