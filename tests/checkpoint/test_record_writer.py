@@ -147,3 +147,60 @@ def test_a_wrapped_dcp_item_write_sees_every_item(tmp_path, monkeypatch):
     assert w.templated == 0 and w.entries == {}
     assert {k for k, v in state.items() if isinstance(v, torch.Tensor)} <= set(seen)
     _same(state, _load(state, d))
+
+
+def test_records_kept_from_the_last_write_follow_new_values_and_step_aside_for_other_tensors(tmp_path):
+    """The planner's ``RecordMemo``: saves of the same buffers with new values write each save's own bytes from the
+    kept records; a buffer replaced by another tensor (same shape) or a key pointing at another buffer makes the
+    writer look every tensor up again; ``.metadata`` from the last file's bytes is what pickling it gives, and a
+    directory whose name has another length falls back to DCP's own ``finish``."""
+    import pickle
+
+    from resilient.checkpoint.save import plan
+
+    state = {k: v for k, v in _plain_state().items() if k != "note"}
+    planner = plan.CachedSavePlanner("test")
+    memo = planner.records
+
+    def save(name: str, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel():
+                v.copy_(torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point()
+                        else torch.randint(0, 2, v.shape, generator=g).to(v.dtype))
+        state["step"] = seed
+        d = tmp_path / name
+        d.mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan.save(state, RecordWriter(d), planner, None, no_dist=True)
+        _same(state, _load(state, d))  # this save's own values, bit-exact
+        md = (d / ".metadata").read_bytes()
+        back = load_metadata(md, what=".metadata")
+        assert pickle.dumps(back) == md and str(back.storage_meta.checkpoint_id) == str(d)
+
+    try:
+        save("step_01", 1)
+        assert (memo.hits, memo.patched) == (0, 0)
+        save("step_02", 2)
+        save("step_03", 3)
+        assert (memo.hits, memo.patched, planner.short_saves) == (2, 2, 2)
+        # the records name the very tensors they were made from: another tensor of the same kind is not theirs
+        assert memo.holds(memo.plan, state) and not memo.holds(memo.plan, {**state, "w": state["w"].clone()})
+        state["w"] = state["w"].clone()  # the same shape in another buffer: its address is not the record's
+        save("step_04", 4)
+        assert memo.hits == 2
+        save("step_05", 5)
+        assert memo.hits == 3
+        state["h"], state["bf"] = state["bf"], state["h"]  # two keys trade buffers: planned and written again
+        save("step_06", 6)
+        save("step_07", 7)
+        assert memo.hits == 4
+        patched = memo.patched
+        save("step_0008", 8)  # another length of name: the last file's bytes cannot take it; DCP pickles
+        assert memo.patched == patched
+        save("step_0009", 9)
+        assert memo.patched == patched + 1
+    finally:
+        planner.forget()
+    assert memo.plan is None and memo.records == []
