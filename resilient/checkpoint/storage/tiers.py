@@ -137,6 +137,26 @@ class DirTier:
         shutil.rmtree(d, ignore_errors=True)
 
 
+class _OneLineStoreErrors(logging.Filter):
+    """gcsfs logs each call that failed for good with its traceback (``logger.exception``: "out of retries",
+    "non-retriable exception"), calls this package stopped waiting for included: against a dead store, two chained
+    tracebacks of 40-odd lines for every call, on the training process's stderr when the job configured no logging.
+    The caller gets the exception and reports it; the record stays, as one line and a warning. With the ``gcsfs``
+    logger at DEBUG the traceback is kept."""
+
+    MESSAGES = ("out of retries on exception", "non-retriable exception")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and any(m in str(record.msg) for m in self.MESSAGES) \
+                and not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+_ONE_LINE = _OneLineStoreErrors()
+
+
 def _fs_for(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     import fsspec
 
@@ -152,6 +172,9 @@ def _fs_for(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
             opts.setdefault("endpoint_url", emulator)
         opts.setdefault("use_listings_cache", False)
         opts.setdefault("skip_instance_cache", True)
+        gcsfs_log = logging.getLogger("gcsfs")
+        if _ONE_LINE not in gcsfs_log.filters:
+            gcsfs_log.addFilter(_ONE_LINE)
     fs, path = fsspec.core.url_to_fs(url, **opts)
     return fs, path.rstrip("/")
 
