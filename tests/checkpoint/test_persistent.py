@@ -202,3 +202,27 @@ def test_a_file_that_cannot_be_composed_leaves_the_step_uncommitted(tmp_path: Pa
     failed = [e for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_FAILED]
     assert [(e.details["tier"], e.details["step"]) for e in failed] == [("persistent", 0)], failed
     assert "compose" in failed[0].details["error"] or "directory" in failed[0].details["error"], failed[0].details
+
+
+@pytest.mark.timeout(90)
+def test_a_store_back_from_an_outage_is_called_at_once_while_the_calls_it_left_behind_still_retry(
+        tmp_path: Path, gcs: GCS) -> None:
+    """gcsfs retries a refused connection for about 30 s (backoff up to 16 s between tries) and its calls cannot
+    be cancelled: once the bound's cap of calls left behind was reached, every call was refused as busy until they
+    gave up, for up to a minute after the store was back. Now one probe at a time goes out; the store's answer
+    opens the way while the calls left behind still run."""
+    gcs.make_bucket("ckpt")
+    tier = tiers.BoundedTier(tiers.FsspecTier(f"gs://ckpt/{tmp_path.name}"), timeout_s=1.0, max_abandoned=2)
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 1000)
+    tier.put_file(1, "f", str(f))
+    gcs.stop()  # SIGKILL: connections refused, gcsfs retries with backoff
+    for what in ("left behind", "left behind", "a probe, the store still dead"):
+        with pytest.raises(TimeoutError, match="no answer within"):
+            tier.put_file(2, "f", str(f))
+    assert tier._caller.abandoned() == 3
+    gcs.start()  # the same port and data directory
+    tier.put_file(3, "f", str(f))  # a probe: the store answers
+    tier.put_file(4, "f", str(f))  # and calls go through again
+    assert tier._caller.abandoned() >= 1, "the calls left behind ended before the store came back: nothing tested"
+    assert tier.list_files(3) == {"f": 1000} and tier.list_files(4) == {"f": 1000}

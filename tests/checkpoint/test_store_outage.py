@@ -231,7 +231,8 @@ def _tier_threads() -> list[str]:
 def test_a_frozen_store_leaves_a_bounded_number_of_threads_behind(tmp_path: Path, gcs: GCS) -> None:
     """A store that accepts connections and never answers (a real fake-gcs-server, SIGSTOPped) holds every
     call until gcsfs gives up, minutes later. Save after save against it, the calls that overran their bound
-    stay capped: the tier refuses new calls at once instead of starting yet another thread."""
+    stay capped: past the cap one probe at a time goes out (a store back is called at once), and at twice the cap
+    the tier refuses new calls at once instead of starting yet another thread."""
     import torch
 
     from resilient.checkpoint.save.manager import CheckpointManager
@@ -253,7 +254,7 @@ def test_a_frozen_store_leaves_a_bounded_number_of_threads_behind(tmp_path: Path
             ck.wait(60)  # the local save is done; the upload fails on the frozen store, in bounded time
             counts.append(len(_tier_threads()))
         cap = ck.persistent.max_abandoned  # type: ignore[union-attr]
-        assert max(counts) <= cap, (counts, _tier_threads())
+        assert max(counts) <= 2 * cap, (counts, _tier_threads())
     finally:
         os.kill(gcs.proc.pid, signal.SIGCONT)
         ck.close()

@@ -309,13 +309,15 @@ class BoundedTier:
     A store that is down can hold one call for minutes (gcsfs retries a refused connection with backoff) and
     the call cannot be cancelled; once ``max_abandoned`` calls have overrun and still run, further calls are
     refused at once (:class:`~resilient.bounded.CallBusy`, a ``TimeoutError``) instead of starting yet
-    another thread against the same dead store."""
+    another thread against the same dead store, but for one probe at a time (``BoundedCaller(probe=True)``): the
+    store is called again as soon as it answers, not only once the calls it left behind have given up."""
 
     def __init__(self, inner: Tier, timeout_s: float, min_rate: float = 8 << 20, max_abandoned: int = MAX_ABANDONED):
         self.inner, self.timeout_s, self.min_rate = inner, timeout_s, min_rate
         self.name = inner.name
         self.max_abandoned = max_abandoned
-        self._caller = BoundedCaller(f"tier-{inner.name}", max_abandoned=max_abandoned)
+        # probe: a store back from an outage is called at once, not after the calls it left behind give up
+        self._caller = BoundedCaller(f"tier-{inner.name}", max_abandoned=max_abandoned, probe=True)
 
     def __repr__(self) -> str:
         return f"Bounded({self.inner!r}, {self.timeout_s:g} s)"
