@@ -8,10 +8,10 @@
 #   health    real NVML checks, no nvidia-smi              bench/gpu/health.py
 #   staging   CUDA save staging and restore onto the GPU   bench/gpu/staging.py
 #   pytest    the CUDA-only tests (tests/gpu), fork server   python -m pytest tests/gpu ...
-#   restart   kill -> first step, eager and compiled,      bench/gpu/restart.py
-#             resilient-run against torchrun
 #   interference  background checkpoints beside GPU         bench/interference.py --device cuda
 #             training: overhead per tier, every 1 and 10 steps
+#   restart   kill -> first step, eager and compiled,      bench/gpu/restart.py
+#             resilient-run against torchrun
 #   titan     recipes/torchtitan's test on the GPU         tests/recipes/test_torchtitan.py
 # A part that fails or runs out of time is recorded as such and the rest still run. What it writes under $OUT:
 # gpu-<card>.json (every part's figures, the card, driver and torch version) and check.log (every part's output).
@@ -96,8 +96,7 @@ part staging 150 "$PY" bench/gpu/staging.py --out "$WORK" "${DRYFLAG[@]}"
 read -ra TESTS <<<"${CHECK_PYTEST:-tests/gpu \
   tests/launcher/test_fork_server_no_cuda.py::test_the_fork_server_after_preloading_torch_maps_no_cuda_or_nvml_library}"
 part pytest 150 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 80 --junitxml "$WORK/pytest.xml" "${TESTS[@]}"
-part restart 200 "$PY" bench/gpu/restart.py --out "$WORK" "${DRYFLAG[@]}"
-# the GPT recipe's 4x256 model (37 MiB of state a rank), two ranks on the one GPU over gloo: about 70 s on an H200
+# the GPT recipe's 4x256 model (37 MiB of state a rank), two ranks on the one GPU over gloo: about 70-100 s on an H200
 if ((DRY)); then
   INTERF=(--device cpu --world 1 --tiers local --reps 1 --steps 2 --warmup 1 --intervals 1 --n-layer 1 --d-model 32
     --batch 2)
@@ -106,6 +105,8 @@ else
 fi
 part interference 120 "$PY" bench/interference.py --writers record --levers 0 "${INTERF[@]}" \
   --out "$WORK/interference.json"
+# after the interference part: the restarts take 125-155 s and were measured on three leases already
+part restart 200 "$PY" bench/gpu/restart.py --out "$WORK" "${DRYFLAG[@]}"
 
 if ((DRY == 0)) && [[ -n "${TORCHTITAN_ROOT:-}" && " $PARTS " == *" titan "* ]]; then
   TITAN="$WORK/titan-site"
