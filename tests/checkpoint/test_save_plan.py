@@ -130,7 +130,8 @@ from resilient.checkpoint.format.safe import load_metadata
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 root, full_at = sys.argv[1], int(sys.argv[2])
-mine = os.path.join(root, f"local{rank}")  # each rank its own node (LOCAL_WORLD_SIZE=1), rank 1's maybe a tiny disk
+node = rank // int(os.environ["LOCAL_WORLD_SIZE"])
+mine = os.path.join(root, f"local{node}")  # one worker a node: rank 1's maybe a tiny disk; two: both in local0
 ck = CheckpointManager(local=os.path.join(root, "local{node}"), interval=1, peer=False, keep_local=100,
                        max_failed_saves=0)
 planner = lambda: ck._planners["local"]
@@ -168,8 +169,8 @@ for step, saved in states.items():
     # each node's directory holds its own rank's file: stock dcp.load reads both, as a restore gathers them
     both = os.path.join(root, "both", f"step_{step:08d}")
     os.makedirs(both, exist_ok=True)
-    for n in os.listdir(d):
-        if n.endswith(".distcp") or (rank == 0 and n == ".metadata"):
+    for n in os.listdir(d):  # two workers of a node share their directory: its rank 0 copies it
+        if (n.endswith(".distcp") and (node == rank or rank == 0)) or (rank == 0 and n == ".metadata"):
             shutil.copy(os.path.join(d, n), both)
     dist.barrier()
     d = both
@@ -193,7 +194,8 @@ dist.destroy_process_group()
 '''
 
 
-def _short_run(tmp_path: Path, workers: Workers, full_at: int, rank1_dir: Path | None = None) -> list[dict]:
+def _short_run(tmp_path: Path, workers: Workers, full_at: int, rank1_dir: Path | None = None,
+               per_node: int = 1) -> list[dict]:
     import json
 
     script = tmp_path / "short.py"
@@ -202,16 +204,18 @@ def _short_run(tmp_path: Path, workers: Workers, full_at: int, rank1_dir: Path |
     root.mkdir()
     if rank1_dir is not None:
         (root / "local1").symlink_to(rank1_dir)
-    ok(workers.run(script, [str(root), str(full_at)], 2, local_world_size=1))
+    ok(workers.run(script, [str(root), str(full_at)], 2, local_world_size=per_node))
     return [json.loads((root / f"out{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.timeout(120)
-def test_a_save_laid_out_as_the_last_agrees_its_metadata_without_dcps_gathers(tmp_path: Path,
-                                                                              workers: Workers) -> None:
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_a_save_laid_out_as_the_last_agrees_its_metadata_without_dcps_gathers(tmp_path: Path, workers: Workers,
+                                                                              per_node: int) -> None:
     # the first save is planned through DCP; every later one reuses the plan and the metadata (its write results
-    # the same on both ranks), and each step loads bit-exact through stock dcp.load, per-rank values included
-    for r, out in enumerate(_short_run(tmp_path, workers, full_at=0)):
+    # the same on both ranks), and each step loads bit-exact through stock dcp.load, per-rank values included;
+    # with one worker a node (each its own directory) and with two workers of one node sharing theirs
+    for r, out in enumerate(_short_run(tmp_path, workers, full_at=0, per_node=per_node)):
         assert all(out["outcome"].values()), (r, out)
         assert all(v is True for v in out["loaded"].values()), (r, out)
         assert out["short"] == {str(s): s - 1 for s in range(1, 8)}, (r, out["short"])
