@@ -120,6 +120,42 @@ def test_a_tensor_reshaped_or_retyped_in_place_is_planned_again(tmp_path: Path) 
         assert torch.equal(into["a"], s["a"]) and into["n"] == s["n"], (i, into)
 
 
+@pytest.mark.timeout(60)
+def test_a_state_with_a_container_never_takes_the_short_path(tmp_path: Path) -> None:
+    """The short path trusts one look at the state's layout, compared with the layout of the planner's flattened
+    copy; a container's tensors come out under dotted keys there, so a state holding one is planned by DCP at every
+    save (here: the same, a tensor of another shape, a list, its order swapped), each save bit-exact. A flat state
+    of the same tensors takes the short path from its second save (the control)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from resilient.checkpoint.save import plan
+    from resilient.checkpoint.save.writer import RecordWriter
+
+    a, w4, w6 = torch.zeros(8), torch.zeros(4), torch.zeros(6)
+    nested = [{"a": a, "m": {"w": w4}}, {"a": a, "m": {"w": w4}}, {"a": a, "m": {"w": w6}},
+              {"a": a, "m": [w6, w4]}, {"a": a, "m": [w4, w6]}]
+    flat = [{"a": a, "m.w": w4} for _ in range(3)]
+    for name, states in (("nested", nested), ("flat", flat)):
+        planner = plan.CachedSavePlanner(name)
+        try:
+            for i, s in enumerate(states):
+                for t in (a, w4, w6):
+                    t.fill_(float(i + 1))
+                writer = RecordWriter(tmp_path / name / str(i), sync_files=False)
+                plan.save(s, writer, planner, None, no_dist=True)
+                into = {"a": torch.empty(8), "m": {k: torch.empty_like(v) for k, v in s["m"].items()}
+                        if isinstance(s["m"], dict) else [torch.empty_like(v) for v in s["m"]]} \
+                    if name == "nested" else {"a": torch.empty(8), "m.w": torch.empty(4)}
+                dcp.load(into, checkpoint_id=str(tmp_path / name / str(i)))
+                got = [into["a"], *(into["m"].values() if isinstance(into.get("m"), dict) else into.get("m", [])),
+                       *([into["m.w"]] if "m.w" in into else [])]
+                assert all(torch.equal(t, torch.full_like(t, float(i + 1))) for t in got), (name, i, into)
+            assert planner.short_saves == (0 if name == "nested" else len(states) - 1), (name, planner.short_saves)
+        finally:
+            planner.forget()
+
+
 SHORT = r'''
 import json, os, sys
 import torch, torch.distributed as dist

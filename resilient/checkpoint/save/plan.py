@@ -205,8 +205,11 @@ def _save_unchanged(state: dict[str, Any], writer: Any, planner: CachedSavePlann
         planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
         writer.set_up_storage_writer(coordinator, rank=0 if no_dist else dist.get_rank(process_group),
                                      use_collectives=True)
-        # the layout is the cached plan's: this takes the cached local plan
-        writer.prepare_local_plan(planner.create_local_plan())
+        # _ready found the state's layout equal to the one the cached plan was made from (taken from the planner's
+        # flattened copy: a container's keys come out dotted there, so a state holding one never matches): the cached
+        # local plan, without a second look at the layout
+        planner.plan = SavePlanner._cached_save_plan[planner._cached_plans_key]
+        writer.prepare_local_plan(SavePlan([], usable=False))
         final = planner.finish_plan(SavePlan([], usable=False))  # the cached final plan (with its file prefix)
         fut = writer.write_data(final, planner)
         fut.wait()
