@@ -25,10 +25,27 @@ def test_crc_parallel_matches_crc32c(n: int, threads: int | None) -> None:
     assert crc_parallel(data, threads=threads) == crc32c.crc32c(data)
 
 
-def test_crc_combine() -> None:
-    a, b = os.urandom(1000), os.urandom(777)
+@pytest.mark.parametrize("n1", [0, 1, 1000])
+@pytest.mark.parametrize("n2", [0, 1, 777, 4 << 20, (4 << 20) + 5])
+def test_crc_combine(n1: int, n2: int) -> None:
+    a, b = os.urandom(n1), os.urandom(n2)
     assert crc_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
-    assert crc_combine(crc32c.crc32c(a), crc32c.crc32c(b""), 0) == crc32c.crc32c(a)
+
+
+@pytest.mark.parametrize("size", [0, 5, 3 << 20, 4 << 20, (9 << 20) + 77])
+def test_a_files_crc_combined_from_its_blocks_is_its_crc(tmp_path: Path, size: int) -> None:
+    """The digests that hash a file once per block (written in pieces, read back, in memory) give the whole
+    file's crc32c from the blocks' (no second pass): the same as crc32c over its bytes, at every size."""
+    from resilient.checkpoint.format.digests import _Blocks, bytes_blocks, file_blocks
+
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    pieces = _Blocks(1 << 20)
+    for i in range(0, size, 300007):  # pieces that straddle the blocks
+        pieces.update(data[i:i + 300007])
+    read, mem = file_blocks(tmp_path / "f", 1 << 20), bytes_blocks(data, 1 << 20)
+    assert pieces.entry().crc32c == read.crc32c == mem.crc32c == crc32c.crc32c(data)
+    assert pieces.entry().blocks == read.blocks == mem.blocks
 
 
 def test_map_verified_detects_damage(tmp_path: Path) -> None:

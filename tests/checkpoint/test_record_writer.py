@@ -8,6 +8,7 @@ import io
 import warnings
 import zipfile
 
+import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -105,6 +106,8 @@ def test_entries_written_equal_entries_read_back(tmp_path, block):
     got = w.entries["__0_0.distcp"]
     read = file_blocks(d / "__0_0.distcp", block)
     assert len(read.blocks) > 1  # the state crosses a block boundary
+    # both sides combine the file's crc from its blocks': it must be the crc of the file's bytes
+    assert read.crc32c == crc32c.crc32c((d / "__0_0.distcp").read_bytes())
     assert (got.size, got.crc32c, got.block_size, got.blocks, got.xxh3) == \
         (read.size, read.crc32c, read.block_size, read.blocks, read.xxh3)
     md = load_metadata((d / ".metadata").read_bytes(), what=".metadata")

@@ -5,6 +5,7 @@ pieces on several threads for large ones), xxh3 per manifest block, a file's blo
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -86,41 +87,50 @@ _POLY = 0x82F63B78  # crc32c, reflected
 _PARALLEL_MIN = 16 << 20
 
 
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the crc32c polynomial, both in reflected bit order (zlib's ``multmodp``)."""
+    if not a:
+        return 0
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    p, out = 1 << 30, []  # x^1
+    for _ in range(32):
+        out.append(p)  # x^(2^k)
+        p = _multmodp(p, p)
     return out
 
 
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=256)
+def _shift(nbytes: int) -> int:
+    """``x^(8 * nbytes)`` modulo the polynomial: what moves a crc past ``nbytes`` more bytes. Cached: a file's
+    blocks are one length (its last one another), so a combine is one ``_multmodp`` (32 small steps)."""
+    xp, k = 1 << 31, 3  # x^0; bit i of nbytes stands for x^(2^(i + 3))
+    while nbytes:
+        if nbytes & 1:
+            xp = _multmodp(_X2N[k & 31], xp)
+        nbytes >>= 1
+        k += 1
+    return xp
 
 
 def crc_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of ``A + B`` from crc32c(A), crc32c(B) and len(B) (zlib's crc32_combine, crc32c polynomial)."""
+    """crc32c of ``A + B`` from crc32c(A), crc32c(B) and len(B) (zlib's ``crc32_combine``, crc32c polynomial):
+    a file's crc from its blocks' without a second pass over its bytes."""
     if len2 <= 0:
         return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+    return _multmodp(_shift(len2), crc1) ^ crc2
 
 
 def crc_parallel(data: Any, threads: int | None = None) -> int:
@@ -224,7 +234,6 @@ class _Blocks:
 
     def update(self, buf: Any) -> None:
         mv = memoryview(buf).cast("B")
-        self.crc = crc_bytes(mv, self.crc)
         self.size += len(mv)
         while len(mv):
             k = min(len(mv), self.block_size - self._bfill)
@@ -233,11 +242,13 @@ class _Blocks:
             mv = mv[k:]
             if self._bfill == self.block_size:
                 self.blocks.append(self._bcrc)
+                self.crc = crc_combine(self.crc, self._bcrc, self.block_size)  # one pass over the bytes, not two
                 self._bcrc, self._bfill = 0, 0
 
     def entry(self) -> FileEntry:
         blocks = self.blocks + ([self._bcrc] if self._bfill else [])
-        return FileEntry(size=self.size, crc32c=self.crc, block_size=self.block_size if self.size else 0,
+        crc = crc_combine(self.crc, self._bcrc, self._bfill)
+        return FileEntry(size=self.size, crc32c=crc, block_size=self.block_size if self.size else 0,
                          blocks=tuple(blocks) if self.size else ())
 
 
@@ -260,15 +271,16 @@ def file_blocks(path: str | os.PathLike[str], block_size: int) -> FileEntry:
             n = f.readinto(view[:min(len(buf), block_size - bfill)])
             if not n:
                 break
-            crc = _crc.crc32c(view[:n], crc)
             bcrc = _crc.crc32c(view[:n], bcrc)
             h.update(view[:n])
             size += n
             bfill += n
             if bfill == block_size:
                 blocks.append(bcrc)
+                crc = crc_combine(crc, bcrc, block_size)  # the file's crc from its blocks': one pass, not two
                 xxh.append(h.intdigest())
                 bcrc, bfill, h = 0, 0, _xxh.xxh3_64()
+    crc = crc_combine(crc, bcrc, bfill)
     if bfill or not size:
         blocks.append(bcrc)
         xxh.append(h.intdigest())

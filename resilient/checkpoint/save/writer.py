@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resilient.checkpoint.api import DCP_METADATA, FileEntry
-from resilient.checkpoint.format.digests import BLOCK
+from resilient.checkpoint.format.digests import BLOCK, crc_combine
 
 logger = logging.getLogger(__name__)
 
@@ -275,13 +275,13 @@ class _HashedFile:
         while self.hashed and pos < len(mv):
             k = min(len(mv) - pos, self.block - self._bfill)
             part = mv[pos:pos + k]
-            self._crc = _crc.crc32c(part, self._crc)
             self._bcrc = _crc.crc32c(part, self._bcrc)
             self._h.update(part)
             self._bfill += k
             pos += k
             if self._bfill == self.block:
                 self._blocks.append(self._bcrc)
+                self._crc = crc_combine(self._crc, self._bcrc, self.block)  # from the blocks': one crc pass
                 self._xxh.append(self._h.intdigest())
                 self._bcrc, self._bfill, self._h = 0, 0, _xxh.xxh3_64()
         done = 0
@@ -292,12 +292,13 @@ class _HashedFile:
     def entry(self, items: tuple[tuple[int, int, int], ...]) -> FileEntry:
         self._flush()
         blocks, xxh = list(self._blocks), list(self._xxh)
+        crc = crc_combine(self._crc, self._bcrc, self._bfill) if self.hashed else 0
         if self._bfill or not self.size:
             blocks.append(self._bcrc)
             xxh.append(self._h.intdigest())
         if not self.size:
             blocks = []
-        return FileEntry(size=self.size, crc32c=self._crc, block_size=self.block, blocks=tuple(blocks), items=items,
+        return FileEntry(size=self.size, crc32c=crc, block_size=self.block, blocks=tuple(blocks), items=items,
                          xxh3=tuple(xxh))
 
 
