@@ -16,9 +16,9 @@
 # A part that fails or runs out of time is recorded as such and the rest still run. What it writes under $OUT:
 # gpu-<card>.json (every part's figures, the card, driver and torch version) and check.log (every part's output).
 #
-# Dependencies: the machine's own torch (a CUDA build) is used as it is. Missing pure-Python needs of ours
-# (crc32c, zstandard) and torchtitan's are installed into a private directory: from wheels in
-# $CHECK_WHEELS (and $TITAN_WHEELS) where given (machines without network), else from the package registries.
+# Dependencies: the machine's own torch (a CUDA build) is used as it is. Missing needs of ours (crc32c,
+# zstandard; isal, a speed-up with a fallback) and torchtitan's are installed into a private directory: from wheels
+# in $CHECK_WHEELS (and $TITAN_WHEELS) where given (machines without network), else from the package registries.
 # torchtitan's test also needs TORCHTITAN_ROOT: a directory with its tests/assets (tokenizer, c4_test).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -80,8 +80,8 @@ install_into() {  # install_into DIR WHEEL_DIR PACKAGES...: wheels where given, 
 
 say "out: $OUT; python: $PY; dry run: $DRY; budget: $BUDGET s"
 if ((DRY == 0)); then
-  if ! "$PY" -c "import crc32c, zstandard" 2>/dev/null; then
-    install_into "$SITE" "${CHECK_WHEELS:-}" crc32c zstandard >>"$LOG" 2>&1 || say "installing crc32c, zstandard failed"
+  if ! "$PY" -c "import crc32c, zstandard, isal" 2>/dev/null; then
+    install_into "$SITE" "${CHECK_WHEELS:-}" crc32c zstandard isal >>"$LOG" 2>&1 || say "installing crc32c, zstandard, isal failed"
   fi
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
