@@ -35,18 +35,27 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "resilient"
 
+# The report's counters and gauges that change only at these (a few an attempt): a scrape after one always
+# recomputes, so a restart or the run's end never hides behind a reused report
+_STATE_KINDS = frozenset({EventKind.RUN_START, EventKind.RUN_END, EventKind.ATTEMPT_START, EventKind.ATTEMPT_END,
+                          EventKind.RESTART, EventKind.SCALE, EventKind.WORKERS_READY})
+
 
 class LedgerCollector(Collector):
     """Turns the ledger into metric families; every scrape reads what was appended since the last."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, max_cpu_share: float = 0.05):
+    def __init__(self, run_dir: str | os.PathLike[str], *, max_cpu_share: float = 0.05,
+                 free_report_seconds: float = 0.05):
         self.run_dir = str(run_dir)
         # the report is recomputed from all events; on a long run that costs ~0.15 s per 100k steps, and node 0's
-        # agent shares the CPU with training: reuse the last report while recomputing would exceed this share
+        # agent shares the CPU with training: reuse the last report while recomputing would exceed this share,
+        # unless it cost under free_report_seconds (a short run's: every scrape is fresh)
         self.max_cpu_share = max_cpu_share
+        self.free_report_seconds = free_report_seconds
         self._report: Any = None
         self._report_at = 0.0
-        self._report_cost = 0.0
+        self._report_cost = 0.0  # CPU seconds of this thread: wall time would grow with the load it is meant to spare
+        self._state_changed = False
         self._tail = LedgerTail(run_dir)
         self._inputs = ReportInputs()
         self._lock = threading.Lock()
@@ -66,6 +75,8 @@ class LedgerCollector(Collector):
         if ev.kind is EventKind.STEP:
             self._newest_step(ev.wall, ev.details.get("step"), ev.details.get("seconds"))
             return
+        if ev.kind in _STATE_KINDS:
+            self._state_changed = True
         prev = self._last.get(ev.kind)
         if prev is None or ev.wall >= prev.wall:
             self._last[ev.kind] = ev
@@ -105,9 +116,10 @@ class LedgerCollector(Collector):
         if not len(self._inputs):
             return
         rep = self._report
-        cheap = self._report_cost < 0.05
-        if rep is None or cheap or now - self._report_at >= self._report_cost / self.max_cpu_share:
-            t = time.perf_counter()
+        cheap = self._report_cost < self.free_report_seconds
+        due = now - self._report_at >= self._report_cost / self.max_cpu_share
+        if rep is None or cheap or self._state_changed or due:
+            t = time.thread_time()
             try:
                 rep = compute_report(self._inputs, now=now, timeline=False)
             except GoodputError as e:
@@ -118,7 +130,8 @@ class LedgerCollector(Collector):
                 if rep is None:
                     return
             else:
-                self._report, self._report_at, self._report_cost = rep, now, time.perf_counter() - t
+                self._report, self._report_at, self._report_cost = rep, now, time.thread_time() - t
+                self._state_changed = False
         yield _gauge(f"{p}_goodput_ratio", "Productive time / wall time of the run so far (0..1)", rep.goodput)
         yield _gauge(f"{p}_wall_seconds", "Wall time of the run so far", rep.wall_seconds)
         yield _gauge(f"{p}_productive_seconds", "Productive training time so far", rep.productive_seconds)

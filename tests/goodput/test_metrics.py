@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from resilient.goodput.metrics import MetricsServer
+from resilient.goodput.metrics import LedgerCollector, MetricsServer
 from tests.goodput.conftest import finish, kill_group, launch
 from tests._helpers.gcs import free_port as _free_port
 
@@ -107,6 +107,31 @@ def test_scrape_follows_a_growing_ledger(tmp_path, writer):
     with pytest.raises(OSError):
         scrape(srv.port)  # closed
 
+
+
+def test_a_reused_report_never_hides_a_restart_or_the_runs_end(tmp_path, writer):
+    """Under load a scrape reuses the last report (its cost is rationed); a restart, an attempt or the run's end
+    must still show at the next scrape. Rationing forced here: every report costs more than the CPU share allows."""
+    c = LedgerCollector(tmp_path, max_cpu_share=1e-9, free_report_seconds=0.0)
+
+    def page() -> dict[str, float]:
+        return {s.name: s.value for fam in c.collect() for s in fam.samples if not s.labels}
+
+    for i in range(3):
+        writer(f"step {i}")
+    first = page()
+    assert first["resilient_restarts_total"] == 0 and first["resilient_last_step"] == 2
+    writer("step 3")
+    m = page()  # rationed: the report is the last one, the live gauges are not
+    assert m["resilient_wall_seconds"] == first["resilient_wall_seconds"] and m["resilient_last_step"] == 3
+    writer("half")
+    writer("rest")  # a restart line
+    m = page()
+    assert m["resilient_restarts_total"] == 1 and m["resilient_wall_seconds"] > first["resilient_wall_seconds"]
+    writer("step 4")
+    assert page()["resilient_in_progress"] == 1
+    writer("end")
+    assert page()["resilient_in_progress"] == 0
 
 
 @pytest.mark.timeout(150)
