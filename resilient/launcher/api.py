@@ -183,6 +183,8 @@ class AgentConfig:
     # node's directory for them unless off
     ckpt_snapshot: str = "auto"
     heartbeat_timeout: float | None = None
+    # --startup-timeout: spawn → first message, and each of the first warm-up steps (MonitorConfig.initial_timeout)
+    startup_timeout: float = 600.0
     health_interval: float = 5.0  # seconds between host and GPU health rounds (the node monitor's thread)
     spare_nodes: int = 0
     metrics_port: int | None = None
@@ -203,7 +205,8 @@ class AgentConfig:
             raise LaunchError(f"the supervisor's nproc_per_node ({self.supervisor.nproc_per_node}) is not this node's "
                               f"--nproc-per-node ({self.nproc_per_node})")
         for flag, v in (("--monitor-interval", self.monitor_interval), ("--term-timeout", self.term_timeout),
-                        ("--heartbeat-timeout", self.heartbeat_timeout), ("--rendezvous-timeout", self.rendezvous_timeout),
+                        ("--heartbeat-timeout", self.heartbeat_timeout),
+                        ("--startup-timeout", self.startup_timeout), ("--rendezvous-timeout", self.rendezvous_timeout),
                         ("--health-interval", self.health_interval),
                         ("--node-timeout", self.supervisor.node_timeout),
                         ("--policy-timeout", self.supervisor.policy_timeout),

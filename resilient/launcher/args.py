@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
                    help="seconds without a heartbeat before a rank counts as hung; replaces the learned step timeout "
                         "(default: learned, max(1 s, 3 x the longest step seen))")
+    g.add_argument("--startup-timeout", "--startup_timeout", type=float, default=600.0,
+                   help="seconds a worker may take from its spawn to its first message (imports, rendezvous), and "
+                        "for each of its first 3 steps of an attempt (a restore, a compile) unless --heartbeat-timeout "
+                        "is given, before it counts as hung; a later attempt gets at least 3 x the longest start-up "
+                        "seen (default 600)")
     g.add_argument("--health-interval", "--health_interval", type=float, default=5.0,
                    help="seconds between the node's health checks: memory, the local tier's disk, the workers' "
                         "GPUs through NVML (default 5)")
@@ -382,7 +387,8 @@ def parse(argv: list[str]) -> AgentConfig:
             ckpt_compress=args.ckpt_compress,
             upload_grace=args.upload_grace, ckpt_max_failed_saves=_max_failed_saves_of(args.ckpt_max_failed_saves),
             ckpt_snapshot=_snapshot_of(args.ckpt_snapshot),
-            heartbeat_timeout=args.heartbeat_timeout, health_interval=args.health_interval,
+            heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
+            health_interval=args.health_interval,
             spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),

@@ -113,6 +113,7 @@ def start_monitor(cfg: AgentConfig, ledger: object, group_rank: int, default_loc
         return None, None
     sock = f"@resilient-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     mcfg = MonitorConfig(socket_path=sock, heartbeat_timeout=cfg.heartbeat_timeout,
+                         initial_timeout=cfg.startup_timeout,
                          ckpt_local=cfg.ckpt_local or default_local,  # the default tier's disk too
                          health_interval=cfg.health_interval)
     try:

@@ -36,6 +36,13 @@ WORKER = textwrap.dedent('''
                 with open(os.path.join(out, f"stopped{attempt}"), "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "stop-early":  # rank 0 stops itself after its first step, inside the warm-up, on attempt 0
+        for step in resilient.steps(0, 6 if attempt == 0 else 3):
+            time.sleep(0.05)
+            if attempt == 0 and step == 0:
+                with open(os.path.join(out, "stopped0"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "first":  # every attempt's first step takes 5 s; the first attempt crashes after learning
         for step in resilient.steps(0, 20 if attempt == 0 else 4):
             time.sleep(5.0 if step == 0 else 0.3)
@@ -129,6 +136,20 @@ def test_a_second_stop_is_acted_on_within_the_same_bound(tmp_path):
         stopped = float((out / f"stopped{h['attempt']}").read_text())
         assert d["timeout"] - 0.5 <= h["wall"] - stopped <= d["timeout"] + 10.0
     assert [x["details"]["cause"] for x in of(events, "restart")] == ["hung", "hung"]
+
+
+@pytest.mark.timeout(180)
+def test_a_hang_in_the_warm_up_is_bounded_by_the_startup_timeout(tmp_path):
+    # the warm-up steps run under the start-up bound (600 s by default: a first step may compile or restore);
+    # --startup-timeout shortens it for a job that knows its start-up. Without the flag this run takes 600 s.
+    r, events, out = launch(tmp_path, "stop-early", extra=("--max-restarts", "1", "--startup-timeout", "4"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (hang,) = of(events, "hang")
+    d = hang["details"]
+    assert d["timeout_source"] == "warmup" and d["process_state"] == "T" and 4.0 <= d["timeout"] < 60, d
+    stopped = float((out / "stopped0").read_text())
+    assert d["timeout"] - 0.5 <= hang["wall"] - stopped <= d["timeout"] + 10.0
+    assert [x["details"]["cause"] for x in of(events, "restart")] == ["hung"]
 
 
 @pytest.mark.timeout(180)
