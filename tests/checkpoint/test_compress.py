@@ -352,6 +352,54 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
 
 
 @pytest.mark.timeout(120)
+def test_a_step_uploaded_again_in_fewer_parts_leaves_no_old_part(tmp_path: Path, gcs: object,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job restored from an older step saves a step number the store holds, this time in fewer objects (plain
+    where it was compressed in parts): what the first upload left and no manifest names now is removed after
+    the commit, so ``ckpt ls`` counts the step's real bytes, and the step still verifies and restores."""
+    from resilient.checkpoint.save.manager import CheckpointManager
+    from resilient.checkpoint.storage.tiers import read_manifest
+
+    from .test_cli import cli
+
+    monkeypatch.setattr(store_parts, "PART_MIN", 32 << 10)
+    gcs.make_bucket("again")  # type: ignore[attr-defined]
+    url = f"gs://again/{tmp_path.name}"
+    s = _state()
+    monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
+    ck = CheckpointManager(local=tmp_path / "a", persistent=url, interval=1, persistent_every=1)
+    ck.save(7, s)
+    assert ck.wait(60)
+    ck.close()
+    assert ck.persistent is not None
+    first = set(ck.persistent.list_files(7))
+    assert len([n for n in first if ".p" in n]) >= 2, first  # coded parts beside each file's first part
+    # and what rank 1 of a larger world left in an upload of this step number before (the job shrank since)
+    for n in ("__1_0.distcp", "manifest-rank1.json"):
+        ck.persistent.write_bytes(7, n, b"rank 1 of an older world")
+    monkeypatch.setenv(chooser.ENV_MODE, "none")
+    s2 = {k: v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in s.items()}
+    ck = CheckpointManager(local=tmp_path / "b", persistent=url, interval=1, persistent_every=1)
+    ck.save(7, s2)
+    assert ck.wait(60)
+    ck.close()
+    assert ck.persistent is not None and ck.persistent.steps() == {7: True}
+    m = read_manifest(ck.persistent, 7, 0)
+    now = ck.persistent.list_files(7)
+    assert set(now) == {*m.files, "manifest-rank0.json", DCP_METADATA, "COMMITTED"}, sorted(now)
+    assert first - set(now), "nothing of the first upload was left to remove: the test shows nothing"
+    assert not {"__1_0.distcp", "manifest-rank1.json"} & set(now)
+    env = gcs.env()  # type: ignore[attr-defined]
+    r = cli("verify", url, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = _zeroed(s2)
+    ck = CheckpointManager(local=tmp_path / "c", persistent=url, interval=1)
+    assert ck.restore(got) == 8
+    ck.close()
+    _same(s2, got)
+
+
+@pytest.mark.timeout(120)
 def test_auto_decisions_are_written_to_the_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto``, three uploads of an 18 MB state: the first measures the link (plain), the second probes the
     codec (compressed), the third is decided from both measurements; each decision is a ledger event."""

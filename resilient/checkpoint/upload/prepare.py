@@ -26,13 +26,15 @@ logger = logging.getLogger(__name__)
 class Prepared(tuple):  # type: ignore[type-arg]
     """``(directory, manifest)`` for the uploader: what is left to upload from that directory (this rank's
     manifest, and ``.metadata`` on rank 0; the manifest's ``files`` are empty because the data files went
-    to the store as they were coded). ``sent``: the bytes of those data files."""
+    to the store as they were coded). ``sent``: the bytes of those data files; ``names``: theirs."""
 
     sent: int
+    names: tuple[str, ...]
 
-    def __new__(cls, directory: Path, manifest: Manifest, sent: int) -> "Prepared":
+    def __new__(cls, directory: Path, manifest: Manifest, sent: int, names: tuple[str, ...] = ()) -> "Prepared":
         t = super().__new__(cls, (directory, manifest))
         t.sent = sent
+        t.names = names
         return t
 
 
@@ -109,7 +111,7 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
         logger.info("step %d: %s %.2fx, sent in %.2f s (codec %.0f MB/s on %d threads, %.2f s blocked sending)",
                     step, decision.codec.value, part.ratio, part.seconds, part.codec_bps / 1e6, part.threads,
                     part.send_seconds)
-    return Prepared(out, dataclasses.replace(m2, files={}), part.coded_bytes)
+    return Prepared(out, dataclasses.replace(m2, files={}), part.coded_bytes, tuple(m2.files))
 
 
 class CodedUploads:

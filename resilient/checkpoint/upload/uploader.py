@@ -178,6 +178,7 @@ class Uploader(Component):
         # later gathers no longer than that bound
         coded = self.coded.prepare(self, step, src, group) if mem is None else None
         ok, error, nbytes = True, None, prepare.sent_bytes(coded)  # parts prepare_upload already sent
+        names: list[str] = list(getattr(coded, "names", ()))  # every file of this rank's copy of the step
         try:
             # a step uploaded again (a job restored from an older step saves this number anew) must not stay
             # visible as complete while its files are replaced: each rank removes the marker before its own
@@ -197,8 +198,10 @@ class Uploader(Component):
             names = list(m.files) + [manifest_name(self.ctx.rank)]
             if self.ctx.rank == 0:
                 names.append(DCP_METADATA)
+            sent_names = names
+            names = [*getattr(coded, "names", ()), *names] if coded is not None else names
             if mem is not None:
-                for n in names:
+                for n in sent_names:
                     fe = m.all_files().get(n)
                     data = mem[n]
                     if fe is not None:
@@ -209,7 +212,7 @@ class Uploader(Component):
                           should_stop=lambda: self._give_up(step))
                     nbytes += len(data)
             else:
-                nbytes += self._send_plain(step, Path(d), names, m)
+                nbytes += self._send_plain(step, Path(d), sent_names, m)
             self.coded.observe(nbytes, time.perf_counter() - t_put)
         except FAILURES as e:
             ok, error = False, e
@@ -222,13 +225,13 @@ class Uploader(Component):
             clear(coded[0])
         if self._abandoned():
             # abandoned at exit: the other ranks may be gone already, a gather could wait on them forever
-            results = [(False, nbytes)]
+            results = [(False, nbytes, names)]
             if ok:
                 ok, error = False, CheckpointError("abandoned at exit")
         else:
             self._collective.set()
             try:
-                results = self._gather((ok, nbytes), group)
+                results = self._gather((ok, nbytes, names), group)
             finally:
                 self._collective.clear()
         landed = all(r[0] for r in results)
@@ -240,6 +243,7 @@ class Uploader(Component):
                 seconds = time.perf_counter() - t0
                 self._emit(EventKind.CKPT_TIER_DONE, step=step, tier=TierName.PERSISTENT.value,
                            seconds=seconds, bytes=sum(r[1] for r in results))
+                self._sweep(step, {n for r in results for n in r[2]})
                 tuner = self._interval.tuner
                 if tuner is not None and hasattr(tuner, "observe_upload"):
                     try:
@@ -258,6 +262,27 @@ class Uploader(Component):
         with self._up_cv:
             self.outcomes[step] = landed
         return landed
+
+    def _sweep(self, step: int, keep: set[str]) -> None:
+        """Rank 0, after the commit: remove what an earlier upload of this step number left that no rank's copy
+        names now (more coded parts than this time, parts of a compose cut short, the files of ranks beyond a
+        smaller world). No manifest lists them, so no restore reads them, but they cost storage and ``resilient
+        ckpt ls`` counts them. Best effort: a file that cannot be removed now goes with the step's retention."""
+        tier = self.ctx.persistent
+        assert tier is not None
+        try:
+            stale = sorted(set(tier.list_files(step)) - keep - {COMMIT_MARKER})
+        except FAILURES as e:
+            logger.debug("step %d: listing it for files of an earlier upload failed: %s", step, e)
+            return
+        for n in stale:
+            try:
+                tier.delete_file(step, n)
+            except FAILURES as e:
+                logger.debug("step %d: deleting %s failed: %s", step, n, e)
+        if stale:
+            logger.info("step %d: removed %d file(s) an earlier upload of this step left: %s", step, len(stale),
+                        ", ".join(stale[:5]) + (", ..." if len(stale) > 5 else ""))
 
     def _send_plain(self, step: int, d: Path, names: list[str], m: Manifest) -> int:
         """Send the files ``names`` of ``d`` to ``step`` of the persistent tier over the transport coded steps
