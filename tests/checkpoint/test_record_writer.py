@@ -220,3 +220,24 @@ def test_the_zip_records_crc32_is_zlibs_at_every_size(n):
     t = torch.randint(0, 256, (n,), dtype=torch.uint8)
     mv = writer._data_view(t)
     assert writer._zip_crc32(mv) == zlib.crc32(bytes(mv)) and writer._zip_crc32(mv, 7) == zlib.crc32(bytes(mv), 7)
+
+
+def test_a_step_saved_again_is_overwritten_without_torchs_warning(tmp_path):
+    """A job restored from an older step saves that step number again: the manager overwrites it on purpose (its
+    marker removed first), and torch's "overwrite will default to False" warning must not reach the job's log."""
+    from resilient.checkpoint.save.manager import CheckpointManager
+
+    ck = CheckpointManager(local=tmp_path / "local", interval=1)
+    try:
+        ck.save(5, {"w": torch.zeros(1000)})
+        assert ck.wait(30)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ck.save(5, {"w": torch.ones(1000)}, force=True)
+            assert ck.wait(30)
+    finally:
+        ck.close()
+    assert not [w for w in seen if "existing checkpoint" in str(w.message)], [str(w.message) for w in seen]
+    got = {"w": torch.zeros(1000)}
+    dcp.load(got, storage_reader=FileSystemReader(tmp_path / "local" / "step_00000005"), no_dist=True)
+    assert torch.equal(got["w"], torch.ones(1000))
