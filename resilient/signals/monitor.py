@@ -612,9 +612,12 @@ class SocketNodeMonitor:
                 details["section"] = r.sections[-1][0]
             if _is_learned(source):
                 details["longest_step_seconds"] = self._max_gap  # what the learned step timeout came from
-            logger.error("hang: rank %d (local %d, pid %s, state %s%s) silent for %.2f s (timeout %.2f s, %s)",
+            # the start-up bound is the one a user may find too long or too short for the job: say what sets it
+            hint = "; resilient-run --startup-timeout sets it" if source.split("+after:", 1)[0] in (
+                "initial", "warmup") else ""
+            logger.error("hang: rank %d (local %d, pid %s, state %s%s) silent for %.2f s (timeout %.2f s, %s%s)",
                          r.rank, r.local_rank, r.pid, state, ", suspect" if details["suspect"] else "",
-                         now - since, timeout, source)
+                         now - since, timeout, source, hint)
             out.append(self._event(EventKind.HANG, rank=r.rank, **details))
         return out
 

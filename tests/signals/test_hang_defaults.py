@@ -150,6 +150,7 @@ def test_a_hang_in_the_warm_up_is_bounded_by_the_startup_timeout(tmp_path):
     stopped = float((out / "stopped0").read_text())
     assert d["timeout"] - 0.5 <= hang["wall"] - stopped <= d["timeout"] + 10.0
     assert [x["details"]["cause"] for x in of(events, "restart")] == ["hung"]
+    assert "--startup-timeout sets it" in r.stderr  # the log names the flag that sets the bound
 
 
 @pytest.mark.timeout(180)
