@@ -178,7 +178,7 @@ class Uploader(Component):
         # later gathers no longer than that bound
         coded = self.coded.prepare(self, step, src, group) if mem is None else None
         ok, error, nbytes = True, None, prepare.sent_bytes(coded)  # parts prepare_upload already sent
-        names: list[str] = list(getattr(coded, "names", ()))  # every file of this rank's copy of the step
+        names: list[str] = list(getattr(coded, "names", ()))  # every file of this rank's copy: the coded ones sent
         try:
             # a step uploaded again (a job restored from an older step saves this number anew) must not stay
             # visible as complete while its files are replaced: each rank removes the marker before its own
@@ -195,13 +195,12 @@ class Uploader(Component):
             if coded is not None:
                 d, m = coded  # the same step with every item compressed, and its manifest
             t_put = time.perf_counter()
-            names = list(m.files) + [manifest_name(self.ctx.rank)]
+            to_send = list(m.files) + [manifest_name(self.ctx.rank)]
             if self.ctx.rank == 0:
-                names.append(DCP_METADATA)
-            sent_names = names
-            names = [*getattr(coded, "names", ()), *names] if coded is not None else names
+                to_send.append(DCP_METADATA)
+            names += to_send
             if mem is not None:
-                for n in sent_names:
+                for n in to_send:
                     fe = m.all_files().get(n)
                     data = mem[n]
                     if fe is not None:
@@ -212,7 +211,7 @@ class Uploader(Component):
                           should_stop=lambda: self._give_up(step))
                     nbytes += len(data)
             else:
-                nbytes += self._send_plain(step, Path(d), sent_names, m)
+                nbytes += self._send_plain(step, Path(d), to_send, m)
             self.coded.observe(nbytes, time.perf_counter() - t_put)
         except FAILURES as e:
             ok, error = False, e
