@@ -68,7 +68,10 @@ def main() -> int:
     def gate_wait(step: int) -> None:
         gate = Path(args.gate)
         tag = "" if step == args.gate_step[0] else f"-{step}"
-        (gate / f"at{tag}-{rank}").write_text(str(os.getpid()))
+        # written whole, then renamed: the tests read the pid as soon as the name exists
+        tmp = gate / f".at{tag}-{rank}.tmp"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, gate / f"at{tag}-{rank}")
         deadline = time.monotonic() + 120
         while not (gate / f"go{tag}").exists() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -15,8 +15,9 @@ def on_term(signum, _frame):
 
 
 signal.signal(signal.SIGTERM, on_term)
-with open(os.path.join(out, f"ready_{os.environ['RANK']}"), "w") as f:
+with open(os.path.join(out, f".ready_{os.environ['RANK']}"), "w") as f:
     f.write(str(os.getpid()))
+os.replace(os.path.join(out, f".ready_{os.environ['RANK']}"), os.path.join(out, f"ready_{os.environ['RANK']}"))
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
     signal.pause() if hasattr(signal, "pause") else time.sleep(1)
