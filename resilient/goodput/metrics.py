@@ -46,6 +46,12 @@ class LedgerCollector(Collector):
 
     def __init__(self, run_dir: str | os.PathLike[str], *, max_cpu_share: float = 0.05,
                  free_report_seconds: float = 0.05):
+        if not 0 < max_cpu_share <= 1:
+            raise ValueError(f"LedgerCollector max_cpu_share is the share of one core the report may take, in (0, 1]; "
+                             f"got {max_cpu_share!r}")
+        if not 0 <= free_report_seconds < float("inf"):
+            raise ValueError(f"LedgerCollector free_report_seconds must be a finite number of seconds >= 0 (0: every "
+                             f"report is rationed); got {free_report_seconds!r}")
         self.run_dir = str(run_dir)
         # the report is recomputed from all events; on a long run that costs ~0.15 s per 100k steps, and node 0's
         # agent shares the CPU with training: reuse the last report while recomputing would exceed this share,

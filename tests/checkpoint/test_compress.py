@@ -400,6 +400,54 @@ def test_a_step_uploaded_again_in_fewer_parts_leaves_no_old_part(tmp_path: Path,
 
 
 @pytest.mark.timeout(120)
+def test_leftovers_the_store_will_not_delete_are_reported_and_the_step_stays_good(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The store refuses the sweep's deletes (a bucket whose objects may not be deleted yet, a store gone after the
+    commit): the step stays committed and restores bit-exact, and a warning names what is left and who removes it."""
+    import logging
+
+    from resilient.checkpoint.save.manager import CheckpointManager
+
+    url = f"file://{tmp_path}/bucket"
+    s = _state()
+    ck = CheckpointManager(local=tmp_path / "a", persistent=url, interval=1, persistent_every=1)
+    ck.save(7, s)
+    assert ck.wait(60)
+    ck.close()
+    assert ck.persistent is not None
+    planted = ("__1_0.distcp", "manifest-rank1.json")  # what rank 1 of an older, larger world left
+    for n in planted:
+        ck.persistent.write_bytes(7, n, b"rank 1 of an older world")
+    ck = CheckpointManager(local=tmp_path / "b", persistent=url, interval=1, persistent_every=1)
+    tier = ck.persistent
+    assert tier is not None
+    real_delete = type(tier).delete_file
+
+    def refuse(self: object, step: int, name: str) -> None:
+        if name in planted:
+            raise OSError(13, "Permission denied (injected: the store refuses deletes)", name)
+        real_delete(self, step, name)
+
+    monkeypatch.setattr(type(tier), "delete_file", refuse)
+    s2 = {k: v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in s.items()}
+    with caplog.at_level(logging.INFO, logger="resilient"):
+        ck.save(7, s2)
+        assert ck.wait(60)
+        ck.close()
+    monkeypatch.undo()
+    assert tier.steps() == {7: True}
+    assert set(planted) <= set(tier.list_files(7))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "step 7" in r.getMessage()]
+    assert len(warned) == 1 and "2 file(s)" in warned[0] and "__1_0.distcp" in warned[0] \
+        and "Permission denied" in warned[0] and "retention" in warned[0], warned
+    got = _zeroed(s2)
+    ck = CheckpointManager(local=tmp_path / "c", persistent=url, interval=1)
+    assert ck.restore(got) == 8
+    ck.close()
+    _same(s2, got)
+
+
+@pytest.mark.timeout(120)
 def test_auto_decisions_are_written_to_the_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto``, three uploads of an 18 MB state: the first measures the link (plain), the second probes the
     codec (compressed), the third is decided from both measurements; each decision is a ledger event."""

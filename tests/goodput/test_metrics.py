@@ -135,6 +135,15 @@ def test_a_reused_report_never_hides_a_restart_or_the_runs_end(tmp_path, writer)
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("kw", [{"max_cpu_share": 0}, {"max_cpu_share": 1.5}, {"max_cpu_share": float("nan")},
+                                {"free_report_seconds": -1}, {"free_report_seconds": float("inf")},
+                                {"free_report_seconds": float("nan")}])
+def test_bad_rations_are_refused_by_name(tmp_path, kw):
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=name):
+        LedgerCollector(tmp_path, **kw)
+
+
 def test_resilient_run_metrics_port(tmp_path):
     """Scrape ``resilient-run --metrics-port`` while its workers are paused mid-run, then let them finish."""
     run_dir = tmp_path / "run"

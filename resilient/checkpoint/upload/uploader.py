@@ -272,16 +272,25 @@ class Uploader(Component):
         try:
             stale = sorted(set(tier.list_files(step)) - keep - {COMMIT_MARKER})
         except FAILURES as e:
-            logger.debug("step %d: listing it for files of an earlier upload failed: %s", step, e)
+            # the step is committed and complete; what may be left is storage, and a user paying for it should know
+            logger.warning("step %d is uploaded, but listing it for files an earlier upload left failed (%s): any "
+                           "such file stays until the step's retention removes it", step, _one_line(e))
             return
+        left: list[str] = []
+        error: BaseException | None = None
         for n in stale:
             try:
                 tier.delete_file(step, n)
             except FAILURES as e:
-                logger.debug("step %d: deleting %s failed: %s", step, n, e)
-        if stale:
-            logger.info("step %d: removed %d file(s) an earlier upload of this step left: %s", step, len(stale),
-                        ", ".join(stale[:5]) + (", ..." if len(stale) > 5 else ""))
+                left.append(n)
+                error = e
+        if len(left) < len(stale):
+            logger.info("step %d: removed %d file(s) an earlier upload of this step left: %s", step,
+                        len(stale) - len(left), _names(sorted(set(stale) - set(left))))
+        if left:
+            logger.warning("step %d is uploaded, but %d file(s) an earlier upload of it left could not be removed "
+                           "(%s): %s; no manifest names them and no restore reads them, and the step's retention "
+                           "removes them", step, len(left), _one_line(error), _names(left))
 
     def _send_plain(self, step: int, d: Path, names: list[str], m: Manifest) -> int:
         """Send the files ``names`` of ``d`` to ``step`` of the persistent tier over the transport coded steps
@@ -369,3 +378,7 @@ class Uploader(Component):
         decides alone; the upload's closing gather makes every rank drop the step if one did)."""
         return (self.closed and self._up_abandon) or self._newer_pending(step) is not None
 
+
+def _names(names: list[str], most: int = 5) -> str:
+    """A log line's list of file names: the first few, then how many more."""
+    return ", ".join(names[:most]) + (f", and {len(names) - most} more" if len(names) > most else "")
