@@ -14,7 +14,7 @@ BENCH = ROOT / "bench" / "reshard.py"
 @pytest.mark.timeout(600)
 def test_quick_mode_reports_restore_against_raw_read(tmp_path: Path) -> None:
     out = tmp_path / "reshard.json"
-    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--reps", "1", "--out", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=580)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
