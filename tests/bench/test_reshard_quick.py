@@ -14,8 +14,8 @@ BENCH = ROOT / "bench" / "reshard.py"
 @pytest.mark.timeout(600)
 def test_quick_mode_reports_restore_against_raw_read(tmp_path: Path) -> None:
     out = tmp_path / "reshard.json"
-    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--reps", "1", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=580)
+    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--reps", "1", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=580)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["mode"] == "quick" and [(s["old_ranks"], s["new_ranks"]) for s in doc["scenarios"]] == [(2, 1), (4, 2)]
