@@ -49,6 +49,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -236,6 +237,7 @@ def _child_setup(job: dict[str, Any], fds: list[int], sock: socket.socket, mods:
     os.environ.clear()
     os.environ.update(job["env"])
     _own_thread_count(job["env"])
+    _own_blas_threads(job["env"])
     os.chdir(job["cwd"])
     # ``python -u``: unbuffered stdout/stderr, as torchrun runs workers
     import io
@@ -254,6 +256,49 @@ def _own_thread_count(env: dict[str, str]) -> None:
         return
     if torch.get_num_threads() != int(value):
         torch.set_num_threads(int(value))
+
+
+# OpenBLAS builds' thread-count setters: the plain library, and the prefixed ones numpy and scipy bundle
+_BLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                 "openblas_set_num_threads64_")
+
+
+def _blas_threads_wanted(env: dict[str, str]) -> int:
+    """The thread count OpenBLAS takes at load from ``env``: the first of ``OPENBLAS_NUM_THREADS``,
+    ``GOTO_NUM_THREADS``, ``OMP_NUM_THREADS`` that reads as a number > 0 (as C's ``atoi`` reads it), else every CPU
+    this process may run on; never more than those CPUs."""
+    cpus = len(os.sched_getaffinity(0))
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        m = re.match(r"\s*\+?(\d+)", env.get(name, ""))
+        if m and int(m.group(1)) > 0:
+            return min(int(m.group(1)), cpus)
+    return cpus
+
+
+def _own_blas_threads(env: dict[str, str], maps: str = "/proc/self/maps") -> None:
+    """numpy's OpenBLAS with the thread count the worker's environment asks for, as in a fresh interpreter: the
+    server loaded it with one thread (its pool's threads would make the fork unsafe), and OpenBLAS grows its pool
+    when asked. Best effort: a library it cannot set is left at one thread, as before."""
+    try:
+        with open(maps) as f:
+            rows = [ln.split(None, 5) for ln in f if "openblas" in ln]
+    except OSError:
+        return
+    paths = {r[5].strip() for r in rows if len(r) == 6}  # address, mode, offset, device, inode, path
+    if not paths:
+        return
+    want = _blas_threads_wanted(env)
+    for path in sorted(p for p in paths if os.path.basename(p).startswith("lib")):
+        try:
+            lib = ctypes.CDLL(path)  # loaded already: its handle, no load
+        except OSError:
+            continue
+        for name in _BLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                setter.argtypes = [ctypes.c_int]
+                setter(want)
+                break
 
 
 def _send_on(sock: socket.socket, msg: dict[str, Any]) -> None:
