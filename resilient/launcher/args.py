@@ -306,14 +306,6 @@ def parse(argv: list[str]) -> AgentConfig:
 
     if args.policy is not None and not os.path.isfile(args.policy):
         raise LaunchError(f"--policy {args.policy!r} does not exist; give the path of a policy .py file")
-    if args.policy is not None:
-        from resilient.supervisor.api import PolicyError
-        from resilient.supervisor.policy import load_policy
-
-        try:
-            load_policy(args.policy)  # a broken policy is refused before anything starts, naming file and line
-        except PolicyError as e:
-            raise LaunchError(f"--policy: {e}") from None
 
     rdzv_backend, rdzv_endpoint, rdzv_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     standalone = bool(args.standalone)
@@ -371,6 +363,14 @@ def parse(argv: list[str]) -> AgentConfig:
     try:
         supervisor = supervisor_config(args, min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
                                        max_restarts=int(args.max_restarts))
+        if args.policy is not None:
+            from resilient.supervisor.api import PolicyError
+            from resilient.supervisor.policy import load_policy
+
+            try:  # a broken policy is refused before anything starts, naming file and line, under the job's limits
+                load_policy(args.policy, limits=supervisor.policy_limits()).close()  # type: ignore[attr-defined]
+            except PolicyError as e:
+                raise LaunchError(f"--policy: {e}") from None
         cfg = AgentConfig(
             command=command, nproc_per_node=nproc, supervisor=supervisor,
             rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_configs=rdzv_configs,

@@ -22,7 +22,7 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import Policy, PolicyError
-from resilient.supervisor.config import SupervisorConfig
+from resilient.supervisor.config import POLICY_CPU_SECONDS, POLICY_MEMORY_MB, SupervisorConfig, policy_limit
 from resilient.supervisor.core import Decision, SupervisorCore
 from resilient.supervisor.policy import IsolatedPolicy, PolicyLimits, load_policy
 
@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--nproc-per-node", type=int, help="for a ledger replay (default: from the ledger)")
     c.add_argument("--max-restarts", type=int, default=3, help="restart budget of the replay (default 3)")
     c.add_argument("--policy-timeout", type=float, default=1.0, help="seconds a decision may take (default 1)")
+    c.add_argument("--policy-memory-mb", type=policy_limit("MiB"), default=POLICY_MEMORY_MB, metavar="MIB",
+                   help="address space of the policy's process, as in a job (default %(default)s)")
+    c.add_argument("--policy-cpu-seconds", type=policy_limit("seconds"), default=POLICY_CPU_SECONDS, metavar="S",
+                   help="CPU seconds of the policy's process over its life, as in a job (default %(default)s)")
     return p
 
 
@@ -247,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} check: --policy-timeout must be > 0 and --max-restarts >= 0", file=sys.stderr)
         return 2
     try:
-        policy = load_policy(args.file, limits=PolicyLimits(timeout=args.policy_timeout))
+        limits = PolicyLimits(timeout=args.policy_timeout, memory_mb=args.policy_memory_mb,
+                              cpu_seconds=args.policy_cpu_seconds)
+        policy = load_policy(args.file, limits=limits)
     except PolicyError as e:
         print(f"{PROG} check: {e}", file=sys.stderr)
         return 2

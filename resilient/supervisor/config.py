@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from resilient import env
+
+if TYPE_CHECKING:
+    from resilient.supervisor.policy import PolicyLimits
+
+# what a policy file's process may use by default (resilient.supervisor.policy.PolicyLimits): its address space
+# (a runaway allocation fails there, not in the agent) and its CPU time over the process's life (a spinning thread
+# ends; the process is then started afresh, its state lost). A process that has imported torch takes about 630 MiB
+# of address space; a policy that keeps large tables may need more: --policy-memory-mb
+POLICY_MEMORY_MB = 2048
+POLICY_CPU_SECONDS = 300
 
 
 @dataclass
@@ -40,9 +52,13 @@ class SupervisorConfig:
     # unit the job grows and shrinks by, and --nnodes MIN and MAX must be multiples of it; None: every rank is a
     # replica
     nodes_per_replica: int | None = None
+    # limits of a policy file's process (--policy-memory-mb, --policy-cpu-seconds): see POLICY_MEMORY_MB
+    policy_memory_mb: int = POLICY_MEMORY_MB
+    policy_cpu_seconds: int = POLICY_CPU_SECONDS
 
     def __post_init__(self) -> None:
-        for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events"):
+        for name in ("min_nodes", "max_nodes", "nproc_per_node", "recent_events", "policy_memory_mb",
+                     "policy_cpu_seconds"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SupervisorConfig.{name} must be an integer >= 1, got {v!r}")
@@ -68,6 +84,13 @@ class SupervisorConfig:
         v = self.replacement_wait
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
             raise ValueError(f"SupervisorConfig.replacement_wait must be a finite number of seconds >= 0, got {v!r}")
+
+    def policy_limits(self) -> "PolicyLimits":
+        """The limits a policy file's process runs under in this job (its decision time is ``policy_timeout``)."""
+        from resilient.supervisor.policy import PolicyLimits
+
+        return PolicyLimits(timeout=self.policy_timeout, memory_mb=self.policy_memory_mb,
+                            cpu_seconds=self.policy_cpu_seconds)
 
 
 def parse_nnodes(v: str) -> tuple[int, int]:
@@ -95,6 +118,19 @@ def nodes_per_replica(v: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number of nodes >= 1, got {k} (flag or "
                                          f"{env.NODES_PER_REPLICA})")
     return k
+
+
+def policy_limit(unit: str) -> "Callable[[str], int]":
+    """argparse type of a policy process limit: a whole number of ``unit`` >= 1 (argparse names the flag)."""
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be a whole number of {unit} >= 1, got {v!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be a whole number of {unit} >= 1, got {n}")
+        return n
+    return parse
 
 
 def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
@@ -128,6 +164,14 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
                         "unset: every rank is a replica)")
     g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
                    help="seconds a policy's decide() may take before the default policy decides instead")
+    g.add_argument("--policy-memory-mb", "--policy_memory_mb", type=policy_limit("MiB"),
+                   default=POLICY_MEMORY_MB, metavar="MIB",
+                   help="address space a --policy file's process may use, in MiB; an allocation past it fails in that "
+                        "process and the default policy decides instead (default %(default)s)")
+    g.add_argument("--policy-cpu-seconds", "--policy_cpu_seconds", type=policy_limit("seconds"),
+                   default=POLICY_CPU_SECONDS, metavar="S",
+                   help="CPU seconds a --policy file's process may use over its life; past it the process is killed "
+                        "(SIGXCPU) and started afresh, its state lost (default %(default)s)")
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,
                    help="file with the per-job secret that signs agent/supervisor messages (else the "
                         f"{env.JOB_SECRET} variable; else one is generated and shared through the store)")
@@ -153,4 +197,5 @@ def supervisor_config(a: argparse.Namespace, *, min_nodes: int, max_nodes: int, 
                             max_restarts=max_restarts, node_timeout=a.node_timeout, policy_timeout=a.policy_timeout,
                             spare_wait=a.spare_wait, scale_up_wait=a.scale_up_wait, preempt_wait=a.preempt_wait,
                             replacement_wait=a.replacement_wait,
-                            nodes_per_replica=a.nodes_per_replica)
+                            nodes_per_replica=a.nodes_per_replica, policy_memory_mb=a.policy_memory_mb,
+                            policy_cpu_seconds=a.policy_cpu_seconds)

@@ -25,6 +25,7 @@ the supervisor cannot do without it.
 from __future__ import annotations
 
 import enum
+import errno
 import importlib.util
 import inspect
 import json
@@ -47,6 +48,7 @@ from typing import Any
 
 from resilient.events.api import Event
 from resilient.supervisor.api import ACTIONS, Action, JobView, Policy, PolicyError
+from resilient.supervisor.config import POLICY_CPU_SECONDS, POLICY_MEMORY_MB
 from resilient.supervisor.default_policy import DefaultPolicy
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,12 @@ def _where(path: Path, exc: BaseException) -> str:
     return f"{path}:{line}" if line is not None else str(path)
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is the address-space limit: a ``MemoryError``, or ENOMEM from a mapping (``mmap``, a
+    thread's stack) that the limit refused."""
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
+
+
 def load_policy(path: str | os.PathLike[str], *, isolated: bool = True,
                 limits: "PolicyLimits | None" = None) -> Policy:
     """The policy in ``path``: by default an :class:`IsolatedPolicy` (its own process, loaded there under
@@ -107,7 +115,8 @@ def load_policy(path: str | os.PathLike[str], *, isolated: bool = True,
         exec(code, mod.__dict__)
     except Exception as e:  # noqa: BLE001 - whatever a policy's import does wrong, refuse it clearly
         sys.modules.pop(name, None)
-        raise PolicyError(f"{_where(p, e)}: the policy failed while loading: {type(e).__name__}: {e}") from None
+        kind = "MemoryError" if out_of_memory(e) else type(e).__name__  # the isolated loader reads the name
+        raise PolicyError(f"{_where(p, e)}: the policy failed while loading: {kind}: {e}") from None
     obj = mod.__dict__.get("policy")
     if obj is not None and callable(getattr(obj, "decide", None)) and not inspect.isclass(obj):
         return obj
@@ -167,8 +176,8 @@ class PolicyLimits:
     """What a policy's process may use. ``timeout`` is ``--policy-timeout``."""
 
     timeout: float = 1.0  # seconds one decision may take; past it the process is killed and restarted
-    memory_mb: int = 2048  # address space (RLIMIT_AS): a runaway allocation fails there, not in the agent
-    cpu_seconds: int = 300  # CPU time over one process's life (RLIMIT_CPU): a spinning thread ends
+    memory_mb: int = POLICY_MEMORY_MB  # address space (RLIMIT_AS), --policy-memory-mb
+    cpu_seconds: int = POLICY_CPU_SECONDS  # CPU time over one process's life (RLIMIT_CPU), --policy-cpu-seconds
     load_timeout: float = 10.0  # seconds to start the process, import the file and create the policy
     max_failures: int = 3  # the process dies, overruns, hits a limit or forks this often in a row: not asked again
 
@@ -217,7 +226,7 @@ def _how_it_ended(rc: int | None, limits: PolicyLimits) -> str:
         except ValueError:
             name = f"signal {-rc}"
         if -rc == signal.SIGXCPU:
-            return f"was killed by {name} (its CPU-time limit of {limits.cpu_seconds} s)"
+            return f"was killed by {name} (its CPU-time limit of {limits.cpu_seconds} s, --policy-cpu-seconds)"
         return f"was killed by {name}"
     return f"exited with code {rc}"
 
@@ -347,7 +356,8 @@ class IsolatedPolicy:
         self._h.kill()
         if state == "memory" or (state == "error" and "MemoryError" in str(msg.get("error"))):
             raise PolicyFailure(PolicyFailureKind.MEMORY, "the policy ran out of memory while loading (its process "
-                                                          f"may use {lim.memory_mb} MiB of address space)")
+                                                          f"may use {lim.memory_mb} MiB of address space: "
+                                                          "--policy-memory-mb)")
         if state == "forked":
             raise PolicyFailure(PolicyFailureKind.FORKED, "the policy forked while loading (a policy must not "
                                                           "start processes)")
@@ -412,7 +422,7 @@ class IsolatedPolicy:
             if "memory" in msg:
                 raise self._fail(PolicyFailureKind.MEMORY, f"the policy ran out of memory deciding on {on} (its "
                                                            f"process may use {self.limits.memory_mb} MiB of address "
-                                                           f"space)")
+                                                           f"space: --policy-memory-mb)")
             if "forked" in msg:
                 raise self._fail(PolicyFailureKind.FORKED, f"the policy forked deciding on {on} (a policy must not "
                                                            "start processes; the child was ended at once)")

@@ -83,6 +83,7 @@ def _send(conn: Any, msg: dict[str, Any]) -> None:
 def _decide(policy: Any, req: dict[str, Any]) -> dict[str, Any]:
     from resilient.events.api import Event
     from resilient.supervisor.api import Action
+    from resilient.supervisor.policy import out_of_memory
 
     global _forks
     out: dict[str, Any] = {"id": req["id"]}
@@ -91,11 +92,8 @@ def _decide(policy: Any, req: dict[str, Any]) -> dict[str, Any]:
     _forks = 0
     try:
         action = policy.decide(event, view)
-    except MemoryError:
-        out["memory"] = traceback.format_exc()
-        return out
-    except BaseException:  # noqa: BLE001 - whatever the policy raises (SystemExit too) is its failure
-        out["raised"] = traceback.format_exc()
+    except BaseException as e:  # noqa: BLE001 - whatever the policy raises (SystemExit too) is its failure
+        out["memory" if out_of_memory(e) else "raised"] = traceback.format_exc()
         return out
     if _forks:
         out["forked"] = _forks

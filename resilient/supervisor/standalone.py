@@ -118,13 +118,6 @@ def parse(argv: list[str]) -> StandaloneConfig:
         lo, hi = parse_nnodes(a.nnodes)
     except ValueError as e:
         raise _BadInput(str(e)) from None
-    if a.policy is not None:
-        from resilient.supervisor.policy import load_policy
-
-        try:
-            load_policy(a.policy)
-        except PolicyError as e:
-            raise _BadInput(str(e)) from None
     # the flags' own words first: SupervisorConfig's checks name its fields, not the flags
     _check_flags(a.spare_nodes, a.max_restarts, a.nproc_per_node, a.node_timeout, a.policy_timeout,
                  a.last_call_timeout, a.join_timeout)
@@ -134,6 +127,13 @@ def parse(argv: list[str]) -> StandaloneConfig:
                                 max_restarts=a.max_restarts)
     except ValueError as e:  # --nnodes MIN/MAX against --nodes-per-replica: its message names the flags
         raise _BadInput(str(e)) from None
+    if a.policy is not None:  # loaded under the job's limits: a policy refused here would be refused in the job
+        from resilient.supervisor.policy import load_policy
+
+        try:
+            load_policy(a.policy, limits=sup.policy_limits()).close()  # type: ignore[attr-defined]
+        except PolicyError as e:
+            raise _BadInput(str(e)) from None
     return StandaloneConfig(rdzv_endpoint=a.rdzv_endpoint, supervisor=sup, run_dir=a.run_dir,
                             spare_nodes=a.spare_nodes, policy=a.policy, last_call=a.last_call_timeout,
                             join_timeout=a.join_timeout,
@@ -154,8 +154,8 @@ def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object
     how = {k: v for k, v in (("tick", tick), ("name", name)) if v is not None}
     loop_cfg = LoopConfig(core=core_cfg, advertise_addr=advertise_addr, last_call=last_call,
                           join_timeout=join_timeout, store_timeout=store_timeout, host_node=host_node, min_term=min_term, **how)
-    return SupervisorLoop(loop_cfg, store, signer, ledger,
-                          SupervisorCore(core_cfg, load_policy(policy_file) if policy_file else None))
+    policy = load_policy(policy_file, limits=core_cfg.policy_limits()) if policy_file else None
+    return SupervisorLoop(loop_cfg, store, signer, ledger, SupervisorCore(core_cfg, policy))
 
 
 def run(cfg: StandaloneConfig, stop: threading.Event | None = None) -> int:
