@@ -8,22 +8,40 @@ torchrun's own parser (same spellings, ``PET_*`` twins), ``resilient supervisor`
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from resilient import env
 
-if TYPE_CHECKING:
-    from resilient.supervisor.policy import PolicyLimits
-
-# what a policy file's process may use by default (resilient.supervisor.policy.PolicyLimits): its address space
+# what a policy file's process may use by default (PolicyLimits below): its address space
 # (a runaway allocation fails there, not in the agent) and its CPU time over the process's life (a spinning thread
 # ends; the process is then started afresh, its state lost). A process that has imported torch takes about 630 MiB
 # of address space; a policy that keeps large tables may need more: --policy-memory-mb
 POLICY_MEMORY_MB = 2048
 POLICY_CPU_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class PolicyLimits:
+    """What a policy's process may use. ``timeout`` is ``--policy-timeout``."""
+
+    timeout: float = 1.0  # seconds one decision may take; past it the process is killed and restarted
+    memory_mb: int = POLICY_MEMORY_MB  # address space (RLIMIT_AS), --policy-memory-mb
+    cpu_seconds: int = POLICY_CPU_SECONDS  # CPU time over one process's life (RLIMIT_CPU), --policy-cpu-seconds
+    load_timeout: float = 10.0  # seconds to start the process, import the file and create the policy
+    max_failures: int = 3  # the process dies, overruns, hits a limit or forks this often in a row: not asked again
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "load_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"PolicyLimits.{name} must be a finite number of seconds > 0, got {v!r}")
+        for name in ("memory_mb", "cpu_seconds", "max_failures"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PolicyLimits.{name} must be an integer >= 1, got {v!r}")
 
 
 @dataclass
@@ -85,10 +103,8 @@ class SupervisorConfig:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
             raise ValueError(f"SupervisorConfig.replacement_wait must be a finite number of seconds >= 0, got {v!r}")
 
-    def policy_limits(self) -> "PolicyLimits":
+    def policy_limits(self) -> PolicyLimits:
         """The limits a policy file's process runs under in this job (its decision time is ``policy_timeout``)."""
-        from resilient.supervisor.policy import PolicyLimits
-
         return PolicyLimits(timeout=self.policy_timeout, memory_mb=self.policy_memory_mb,
                             cpu_seconds=self.policy_cpu_seconds)
 

@@ -30,7 +30,6 @@ import importlib.util
 import inspect
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -41,14 +40,13 @@ import time
 import traceback
 import uuid
 import weakref
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from resilient.events.api import Event
 from resilient.supervisor.api import ACTIONS, Action, JobView, Policy, PolicyError
-from resilient.supervisor.config import POLICY_CPU_SECONDS, POLICY_MEMORY_MB
+from resilient.supervisor.config import PolicyLimits
 from resilient.supervisor.default_policy import DefaultPolicy
 
 logger = logging.getLogger(__name__)
@@ -143,6 +141,30 @@ def load_policy(path: str | os.PathLike[str], *, isolated: bool = True,
                       "decide method, or `policy = ...`")
 
 
+class UnloadablePolicy:
+    """Stands for a policy file that a supervisor started during the job could not load (a node taking the job over
+    after its host was lost, the file edited or removed since the start-up check): every decision is the default
+    policy's, and each ``action`` event's ``fallback`` says why. Ending a running job over it would cost more than
+    the policy is worth; a file that does not load when the job starts is refused then, while nothing runs."""
+
+    def __init__(self, path: str | os.PathLike[str], why: str) -> None:
+        self.path, self.why = Path(path), why
+        self.name = self.path.name
+
+    def __repr__(self) -> str:
+        return f"<unloadable policy {self.name}>"
+
+    def decide_within(self, event: Event, view: JobView, timeout: float) -> Action:
+        raise PolicyFailure(PolicyFailureKind.DISABLED, f"the policy could not be loaded when this supervisor started "
+                                                        f"({self.why}); the default policy decides in its place")
+
+    def decide(self, event: Event, view: JobView) -> Action:
+        return self.decide_within(event, view, 0.0)
+
+    def close(self) -> None:
+        pass
+
+
 # --------------------------------------------------------------------------------------------- isolation
 MAX_ANSWER = 1 << 20  # bytes: an action is a few names and a reason
 
@@ -169,27 +191,6 @@ class PolicyFailure(PolicyError):
     def __init__(self, kind: PolicyFailureKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-@dataclass(frozen=True)
-class PolicyLimits:
-    """What a policy's process may use. ``timeout`` is ``--policy-timeout``."""
-
-    timeout: float = 1.0  # seconds one decision may take; past it the process is killed and restarted
-    memory_mb: int = POLICY_MEMORY_MB  # address space (RLIMIT_AS), --policy-memory-mb
-    cpu_seconds: int = POLICY_CPU_SECONDS  # CPU time over one process's life (RLIMIT_CPU), --policy-cpu-seconds
-    load_timeout: float = 10.0  # seconds to start the process, import the file and create the policy
-    max_failures: int = 3  # the process dies, overruns, hits a limit or forks this often in a row: not asked again
-
-    def __post_init__(self) -> None:
-        for name in ("timeout", "load_timeout"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"PolicyLimits.{name} must be a finite number of seconds > 0, got {v!r}")
-        for name in ("memory_mb", "cpu_seconds", "max_failures"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"PolicyLimits.{name} must be an integer >= 1, got {v!r}")
 
 
 def view_to_json(view: JobView) -> dict[str, Any]:

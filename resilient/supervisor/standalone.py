@@ -149,12 +149,19 @@ def supervise(core_cfg: SupervisorConfig, policy_file: str | None, store: object
     plans then carry the succession; ``min_term``: the newest term a successor saw)."""
     from resilient.supervisor.core import SupervisorCore
     from resilient.supervisor.loop import LoopConfig, SupervisorLoop
-    from resilient.supervisor.policy import load_policy
+    from resilient.supervisor.policy import UnloadablePolicy, load_policy
 
     how = {k: v for k, v in (("tick", tick), ("name", name)) if v is not None}
     loop_cfg = LoopConfig(core=core_cfg, advertise_addr=advertise_addr, last_call=last_call,
                           join_timeout=join_timeout, store_timeout=store_timeout, host_node=host_node, min_term=min_term, **how)
-    policy = load_policy(policy_file, limits=core_cfg.policy_limits()) if policy_file else None
+    policy = None
+    if policy_file:
+        try:
+            policy = load_policy(policy_file, limits=core_cfg.policy_limits())
+        except PolicyError as e:  # checked at the job's start: changed or gone since (a successor host)
+            logger.error("the policy %s cannot be loaded by this supervisor: %s; the default policy decides every "
+                         "decision, and each action event's fallback says why", policy_file, e)
+            policy = UnloadablePolicy(policy_file, str(e))
     return SupervisorLoop(loop_cfg, store, signer, ledger, SupervisorCore(core_cfg, policy))
 
 

@@ -101,3 +101,40 @@ def test_hosting_node_lost_successor_takes_over_bit_exact(cluster_factory, tmp_p
     print(f"\nnode loss -> first step after: {first - t_kill:.2f} s (goal <= --node-timeout + 2 = "
           f"{node_timeout + 2:g} s)")
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(420, func_only=True)
+def test_successor_that_cannot_load_the_policy_decides_with_the_default_and_says_why(
+        cluster_factory, tmp_path: Path, reference_world) -> None:  # noqa: F811
+    """The policy file loaded when every agent started, and was edited into a syntax error before the hosting node
+    was lost: the successor's supervisor cannot load it. It takes the job over all the same, the default policy
+    decides (a hot swap to the spare), the ``action`` event's ``fallback`` says why, and the run ends bit-exact."""
+    policy = tmp_path / "policy.py"
+    policy.write_text((Path(__file__).resolve().parents[2] / "policies" / "hot_swap_first.py").read_text())
+    c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
+                                    "--heartbeat-timeout", "300", "--policy", str(policy)], nproc=NPROC)
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    host, b, spare = _start(c, args)
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    wait_for(lambda: any(e.kind == EventKind.NODE_JOINED and e.node == node_name(spare) for e in c.events()), 150,
+             "the spare to join")
+    wait_for(lambda: _knows(b, node_name(b), node_name(spare)), 30, "node b to read a succession naming the spare")
+    policy.write_text("def decide(event, view)\n    return None\n")  # edited while the job runs: no longer loads
+    host.kill()
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "hot_swap" for e in c.events())
+             or b.proc.poll() is not None, 90, "the successor to decide on the lost host")
+    (gate / "go").touch()
+    wait_for(lambda: all(n.proc.poll() is not None for n in (b, spare)), 240, "the job to end")
+    assert b.proc.returncode == 0, b.output()
+    assert spare.proc.returncode == 0, spare.output()
+    evs = c.events()
+    swaps = [e.details for e in evs if e.kind == EventKind.ACTION and e.details.get("action") == "hot_swap"]
+    assert len(swaps) == 1, [e.details for e in evs if e.kind == EventKind.ACTION]
+    fallback = str(swaps[0].get("fallback"))
+    assert "could not be loaded when this supervisor started" in fallback and "syntax error" in fallback, swaps[0]
+    assert f"{policy}:1" in fallback, swaps[0]  # names the file and the line
+    assert "cannot be loaded by this supervisor" in b.text(), b.output()
+    assert_same(reference_world, final(out, WORLD))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
