@@ -18,6 +18,15 @@ open(sys.argv[1], "w").write(str(torch.get_num_threads()))
 '''
 
 
+def _until_exited(fs: ForkServer, workers: list[WorkerProc], timeout: float) -> None:
+    """Wait (at most ``timeout`` s) for every worker's exit to come back from the fork server."""
+    deadline = time.monotonic() + timeout
+    while any(w.exit_code is None for w in workers) and (left := deadline - time.monotonic()) > 0:
+        if not fs.buffered():
+            select.select([fs.fileno()], [], [], left)
+        fs.poll_exits()
+
+
 @pytest.mark.timeout(150)
 def test_a_forked_worker_runs_the_thread_count_of_its_own_environment(tmp_path, monkeypatch):
     script = tmp_path / "threads.py"
@@ -34,11 +43,7 @@ def test_a_forked_worker_runs_the_thread_count_of_its_own_environment(tmp_path, 
                 env["OMP_NUM_THREADS"] = n
             workers.append(WorkerProc(local_rank=i, rank=i, env=env))
             fs.start(WorkerCommand(str(script), (str(tmp_path / f"n{i}"),)), [workers[-1]], str(tmp_path))
-        deadline = time.monotonic() + 60
-        while any(w.exit_code is None for w in workers) and (left := deadline - time.monotonic()) > 0:
-            if not fs.buffered():
-                select.select([fs.fileno()], [], [], left)
-            fs.poll_exits()
+        _until_exited(fs, workers, 60)
         assert [w.exit_code for w in workers] == [0, 0, 0]
         assert [(tmp_path / f"n{i}").read_text() for i in asked] == ["1", "3", "2"]
     finally:
@@ -81,11 +86,7 @@ def test_a_forked_worker_runs_numpys_blas_on_the_threads_its_environment_asks_fo
         for i, (name, extra) in enumerate(BLAS_ENVS.items()):
             workers.append(WorkerProc(local_rank=i, rank=i, env={**base, **extra}))
             fs.start(WorkerCommand(str(script), (str(tmp_path / f"forked-{name}"),)), [workers[-1]], str(tmp_path))
-        deadline = time.monotonic() + 60
-        while any(w.exit_code is None for w in workers) and (left := deadline - time.monotonic()) > 0:
-            if not fs.buffered():
-                select.select([fs.fileno()], [], [], left)
-            fs.poll_exits()
+        _until_exited(fs, workers, 60)
         assert [w.exit_code for w in workers] == [0] * len(BLAS_ENVS)
         assert {n: (tmp_path / f"forked-{n}").read_text() for n in BLAS_ENVS} == fresh
     finally:
