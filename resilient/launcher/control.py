@@ -95,6 +95,7 @@ class ControlClient:
         self.cfg, self.node, self.ledger = cfg, node, ledger
         self.store = None
         self.signer = None
+        self._secret_configured = False  # --job-secret-file or RESILIENT_JOB_SECRET gave the secret (read at join)
         self.chan = None
         self.sup_loop = None  # the supervisor's loop, when this agent hosts the job's store
         self.clock = None  # ClockSample: the supervisor host's clock minus ours, measured when joining
@@ -190,6 +191,9 @@ class ControlClient:
             T.knock(store, c.rdzv_id, self.node)
             raise JobRefused(T.refused_line(served, c.rdzv_id, self.node, f"{host}:{port}"))
         secret = T.load_secret(c.job_secret_file)
+        # read once: a job's secret never changes, and a file gone or unreadable later (a remounted Secret) must
+        # not stop a reconnect or a succession that only needs what is known
+        self._secret_configured = secret is not None
         if secret is None:
             # without a configured secret the store itself is the only guard (single host, or trusted network)
             if hosting:
@@ -529,7 +533,7 @@ class ControlClient:
             if served != c.rdzv_id:  # another job's supervisor took the endpoint: not ours, keep waiting for ours
                 T.knock(store, c.rdzv_id, self.node)
                 raise JobRefused(T.refused_line(served, c.rdzv_id, self.node, where))
-            secret = T.load_secret(c.job_secret_file)
+            secret = self.signer.secret if self._secret_configured else None
             if secret is None:
                 store.wait([keys.secret], timedelta(seconds=2))
                 secret = store.get(keys.secret)
@@ -617,7 +621,7 @@ class ControlClient:
         from resilient.supervisor import transport as T
 
         c = self.cfg
-        configured = T.load_secret(c.job_secret_file) is not None
+        configured = self._secret_configured
         t0 = time.monotonic()
         loop = take_over(c, self.node, self.ledger, self._standby, self.signer, self._plan, lost, configured, dead)
         store = self._standby.store

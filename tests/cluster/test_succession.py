@@ -104,15 +104,19 @@ def test_hosting_node_lost_successor_takes_over_bit_exact(cluster_factory, tmp_p
 
 
 @pytest.mark.timeout(420, func_only=True)
-def test_successor_that_cannot_load_the_policy_decides_with_the_default_and_says_why(
+def test_successor_takes_over_though_the_files_the_job_started_with_changed(
         cluster_factory, tmp_path: Path, reference_world) -> None:  # noqa: F811
-    """The policy file loaded when every agent started, and was edited into a syntax error before the hosting node
-    was lost: the successor's supervisor cannot load it. It takes the job over all the same, the default policy
-    decides (a hot swap to the spare), the ``action`` event's ``fallback`` says why, and the run ends bit-exact."""
-    policy = tmp_path / "policy.py"
+    """The policy file and the job's secret file were read when every agent started; before the hosting node is
+    lost, the policy is edited into a syntax error and the secret file removed (a Secret remounted, say). The
+    successor takes the job over all the same: the secret it holds signs on, the default policy decides in place of
+    the one it cannot load (a hot swap to the spare), the ``action`` event's ``fallback`` says why, and the run ends
+    bit-exact."""
+    policy, secret = tmp_path / "policy.py", tmp_path / "secret"
     policy.write_text((Path(__file__).resolve().parents[2] / "policies" / "hot_swap_first.py").read_text())
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
     c = cluster_factory("2", flags=["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
-                                    "--heartbeat-timeout", "300", "--policy", str(policy)], nproc=NPROC)
+                                    "--heartbeat-timeout", "300", "--policy", str(policy),
+                                    "--job-secret-file", str(secret)], nproc=NPROC)
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
@@ -122,6 +126,7 @@ def test_successor_that_cannot_load_the_policy_decides_with_the_default_and_says
              "the spare to join")
     wait_for(lambda: _knows(b, node_name(b), node_name(spare)), 30, "node b to read a succession naming the spare")
     policy.write_text("def decide(event, view)\n    return None\n")  # edited while the job runs: no longer loads
+    secret.unlink()
     host.kill()
     wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "hot_swap" for e in c.events())
              or b.proc.poll() is not None, 90, "the successor to decide on the lost host")
