@@ -22,7 +22,7 @@ from typing import Any
 
 from resilient.events.api import Event, EventKind
 from resilient.supervisor.api import Policy, PolicyError
-from resilient.supervisor.config import POLICY_CPU_SECONDS, POLICY_MEMORY_MB, SupervisorConfig, policy_limit
+from resilient.supervisor.config import SupervisorConfig, add_policy_limit_arguments
 from resilient.supervisor.core import Decision, SupervisorCore
 from resilient.supervisor.policy import IsolatedPolicy, PolicyLimits, load_policy
 
@@ -42,10 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--nproc-per-node", type=int, help="for a ledger replay (default: from the ledger)")
     c.add_argument("--max-restarts", type=int, default=3, help="restart budget of the replay (default 3)")
     c.add_argument("--policy-timeout", type=float, default=1.0, help="seconds a decision may take (default 1)")
-    c.add_argument("--policy-memory-mb", type=policy_limit("MiB"), default=POLICY_MEMORY_MB, metavar="MIB",
-                   help="address space of the policy's process, as in a job (default %(default)s)")
-    c.add_argument("--policy-cpu-seconds", type=policy_limit("seconds"), default=POLICY_CPU_SECONDS, metavar="S",
-                   help="CPU seconds of the policy's process over its life, as in a job (default %(default)s)")
+    add_policy_limit_arguments(c)
     return p
 
 

@@ -149,6 +149,19 @@ def policy_limit(unit: str) -> "Callable[[str], int]":
     return parse
 
 
+def add_policy_limit_arguments(g: argparse._ActionsContainer) -> None:
+    """The limits of a policy file's process: flags of ``resilient-run``, ``resilient supervisor`` and
+    ``resilient policy check`` (which tries a policy under a job's limits)."""
+    g.add_argument("--policy-memory-mb", "--policy_memory_mb", type=policy_limit("MiB"),
+                   default=POLICY_MEMORY_MB, metavar="MIB",
+                   help="address space a --policy file's process may use, in MiB; an allocation past it fails in that "
+                        "process and the default policy decides instead (default %(default)s)")
+    g.add_argument("--policy-cpu-seconds", "--policy_cpu_seconds", type=policy_limit("seconds"),
+                   default=POLICY_CPU_SECONDS, metavar="S",
+                   help="CPU seconds a --policy file's process may use over its life; past it the process is killed "
+                        "(SIGXCPU) and started afresh, its state lost (default %(default)s)")
+
+
 def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
     """The supervisor's flags both commands take, with one meaning and one default each."""
     g.add_argument("--policy", default=None,
@@ -180,14 +193,7 @@ def add_supervisor_arguments(g: argparse._ActionsContainer) -> None:
                         "unset: every rank is a replica)")
     g.add_argument("--policy-timeout", "--policy_timeout", type=float, default=1.0,
                    help="seconds a policy's decide() may take before the default policy decides instead")
-    g.add_argument("--policy-memory-mb", "--policy_memory_mb", type=policy_limit("MiB"),
-                   default=POLICY_MEMORY_MB, metavar="MIB",
-                   help="address space a --policy file's process may use, in MiB; an allocation past it fails in that "
-                        "process and the default policy decides instead (default %(default)s)")
-    g.add_argument("--policy-cpu-seconds", "--policy_cpu_seconds", type=policy_limit("seconds"),
-                   default=POLICY_CPU_SECONDS, metavar="S",
-                   help="CPU seconds a --policy file's process may use over its life; past it the process is killed "
-                        "(SIGXCPU) and started afresh, its state lost (default %(default)s)")
+    add_policy_limit_arguments(g)
     g.add_argument("--job-secret-file", "--job_secret_file", default=None,
                    help="file with the per-job secret that signs agent/supervisor messages (else the "
                         f"{env.JOB_SECRET} variable; else one is generated and shared through the store)")
