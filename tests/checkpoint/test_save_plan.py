@@ -279,3 +279,86 @@ def test_a_full_disk_under_a_short_save_fails_it_on_every_rank_and_the_next_plan
         assert out["short"] == {"1": 0, "2": 1, "3": 2, "4": 3, "5": 3, "6": 3, "7": 4}, (r, out["short"])
         # the failed save forgot the records with the plan: save 6 wrote from the state again, 7 from its records
         assert out["memo"]["7"] == out["memo"]["6"] + 1 and out["memo"]["6"] == out["memo"]["5"], (r, out["memo"])
+
+
+DTENSOR = r'''
+import json, os, sys
+import torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from resilient.checkpoint import CheckpointManager
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+root = sys.argv[1]
+ck = CheckpointManager(local=root, interval=1, peer=False, keep_local=100)
+planner = lambda: ck._planners["local"]
+forward = DeviceMesh("cpu", [0, 1])
+backward = DeviceMesh("cpu", [1, 0])  # the same ranks in the other order: each holds the other half
+layouts = {1: (forward, [Shard(0)]), 2: (forward, [Shard(0)]), 3: (forward, [Shard(0)]),
+           4: (backward, [Shard(0)]), 5: (backward, [Shard(0)]), 6: (forward, [Replicate()]),
+           7: (forward, [Replicate()])}
+saved, short, memo = {}, {}, {}
+for step, (mesh, placements) in layouts.items():
+    g = torch.Generator().manual_seed(step)  # new values every step; the state's tensors are new DTensors too
+    full = {"w": torch.randn(8, 6, generator=g), "ln": torch.randn(6, generator=g),
+            "m": torch.randn(8, 6, generator=g).to(torch.bfloat16)}
+    saved[step] = full
+    s = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
+    s["pos"] = step * 10 + rank
+    assert ck.save(step, s, force=True)
+    assert ck.wait(60), step
+    short[step] = planner().short_saves
+    memo[step] = planner().records.hits
+ck.close(60)
+loaded = {}
+for step, (mesh, placements) in layouts.items():
+    into = {k: distribute_tensor(torch.zeros_like(v), mesh, placements) for k, v in saved[step].items()}
+    dcp.load(into, checkpoint_id=os.path.join(root, f"step_{step:08d}"))
+    bad = [k for k, v in into.items() if not torch.equal(v.full_tensor(), saved[step][k])]
+    loaded[step] = not bad or bad
+# our restore in the same processes, of a step of each mesh (each step alone under a root of its own): the same
+# global shapes and placements on two meshes, so the same local shapes at other offsets
+import shutil
+restored = {}
+for step in (3, 5):
+    only = os.path.join(root, f"only{step}")
+    if rank == 0:
+        shutil.copytree(os.path.join(root, f"step_{step:08d}"), os.path.join(only, f"step_{step:08d}"))
+    dist.barrier()
+    mesh, placements = layouts[step]
+    into = {k: distribute_tensor(torch.zeros_like(v), mesh, placements) for k, v in saved[step].items()}
+    into["pos"] = -1
+    r = CheckpointManager(local=only, interval=1, peer=False)
+    got = r.restore(into)  # the step to run next
+    r.close(60)
+    bad = [k for k in saved[step] if not torch.equal(into[k].full_tensor(), saved[step][k])]
+    restored[step] = (got, into["pos"], bad)
+with open(os.path.join(root, f"out{rank}.json"), "w") as f:
+    json.dump({"loaded": loaded, "short": short, "memo": memo, "restored": restored}, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_dtensor_state_takes_the_short_path_and_a_new_placement_is_planned_again(tmp_path: Path,
+                                                                                   workers: Workers) -> None:
+    """FSDP2 and TP states are DTensors: from the second save of one layout on, the plan, the metadata and the
+    records are the last save's (as for plain tensors); a mesh that puts each rank on the other half (the same
+    local shapes, the same staging buffers, other offsets) or another placement is planned afresh. Every step
+    loads bit-exact through stock ``dcp.load`` into DTensors placed as saved, and through a restore in the same
+    processes onto each mesh (a shard's offsets are computed once per mesh, shape and placement: not mixed up)."""
+    import json
+
+    script = tmp_path / "dtensor_plan.py"
+    script.write_text(DTENSOR)
+    root = tmp_path / "ckpt"
+    ok(workers.run(script, [str(root)], 2))
+    for r in range(2):
+        out = json.loads((root / f"out{r}.json").read_text())
+        assert all(v is True for v in out["loaded"].values()), (r, out)
+        # planned through DCP at steps 1, 4 (other mesh) and 6 (other placement); short at the rest
+        assert out["short"] == {"1": 0, "2": 1, "3": 2, "4": 2, "5": 3, "6": 3, "7": 4}, (r, out["short"])
+        assert out["memo"] == out["short"], (r, out["memo"])
+        assert out["restored"] == {"3": [4, 30 + r, []], "5": [6, 50 + r, []]}, (r, out["restored"])  # the next steps

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from resilient.checkpoint.api import CheckpointError
+from resilient.checkpoint.format.state import dtensor_type, local_tensor
 from resilient.checkpoint.save.writer import RecordMemo
 
 logger = logging.getLogger(__name__)
@@ -103,15 +104,25 @@ def _layout(state: dict[str, Any]) -> list[tuple[Any, ...]] | None:
     """What a flat state's DCP write items are made of (``create_default_local_save_plan``): per key, for a plain
     tensor its shape, dtype, layout, ``requires_grad`` and whether it is pinned, the last through its address (a
     call to ``is_pinned`` costs more than the item; the same address is the same allocation, pinned or not; an
-    empty tensor has no address to go by, so it is asked); for any other value the key alone (one bytes item).
-    None when a value is a tensor subclass (DTensor: its chunks depend on its mesh): DCP then plans as always."""
+    empty tensor has no address to go by, so it is asked); for a DTensor also its mesh, placements and global
+    shape (its chunk's offsets and sizes follow from them), the rest taken from its local shard; for any other
+    value the key alone (one bytes item). None for another tensor subclass: DCP then plans as always."""
     out: list[tuple[Any, ...]] = []
+    dt = dtensor_type()
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
-            if type(v) not in (torch.Tensor, torch.nn.Parameter):
+            if type(v) in (torch.Tensor, torch.nn.Parameter):
+                pinned = v.data_ptr() if v.numel() else v.is_pinned()
+                out.append((k, pinned, v.dtype, v.shape, v.layout, v.requires_grad))
+            elif dt is not None and type(v) is dt:
+                local = local_tensor(v)
+                if type(local) not in (torch.Tensor, torch.nn.Parameter):
+                    return None
+                pinned = local.data_ptr() if local.numel() else local.is_pinned()
+                out.append((k, pinned, local.dtype, local.shape, local.layout, local.requires_grad, v.requires_grad,
+                            v.device_mesh, tuple(v.placements), v.shape))
+            else:
                 return None
-            pinned = v.data_ptr() if v.numel() else v.is_pinned()
-            out.append((k, pinned, v.dtype, v.shape, v.layout, v.requires_grad))
         else:
             out.append((k,))
     return out

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from resilient.checkpoint.format.state import dtensor_type, leaf_nbytes
+from resilient.checkpoint.format.state import dtensor_type, leaf_nbytes, local_tensor
 
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,9 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # fqn -> (buffer, the DTensor staged around it): made once while the buffer and the placement stay
+        # (from_local builds a spec and an autograd node, ~65 us a tensor a save)
+        self._wrapped: dict[str, tuple[torch.Tensor, Any]] = {}
         self._arena: _Arena | None = None
         self._streams: dict[torch.device, Any] = {}
         self._pending: list[Any] = []  # events recorded after the device copies of the last stage()
@@ -130,7 +133,7 @@ class Stager:
             if isinstance(v, torch.Tensor):
                 if not tensors:
                     continue
-                local = v.to_local() if dt is not None and isinstance(v, dt) else v
+                local = local_tensor(v)
                 plain = (dt is not None and isinstance(v, dt)) or type(v) is torch.Tensor \
                     or isinstance(v, torch.nn.Parameter)
                 if plain and local.device.type == "cuda" and torch.cuda.is_available():
@@ -147,15 +150,28 @@ class Stager:
     def _stage_tensor(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         dt = dtensor_type()
         if dt is not None and isinstance(t, dt):
-            local = t.to_local()
+            local = local_tensor(t)
             buf = self._buffer(fqn, local)
             buf.copy_(local.detach())
-            return dt.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+            return self._wrap(fqn, buf, t)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return t.detach().clone().cpu()  # other tensor subclasses: no buffer reuse
         buf = self._buffer(fqn, t)
         buf.copy_(t.detach())
         return buf
+
+    def _wrap(self, fqn: str, buf: torch.Tensor, like: Any) -> Any:
+        """``buf`` as a DTensor placed like ``like`` (a DTensor of the state)."""
+        got = self._wrapped.get(fqn)
+        if got is not None and got[0] is buf:
+            w = got[1]
+            if (w.device_mesh is like.device_mesh and w.placements == like.placements and w.shape == like.shape
+                    and w.stride() == like.stride()):
+                return w
+        w = dtensor_type().from_local(buf, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                      stride=like.stride())
+        self._wrapped[fqn] = (buf, w)
+        return w
 
     def _stage_device(self, leaves: dict[str, tuple[torch.Tensor, torch.Tensor]], out: dict[str, Any]) -> None:
         """GPU tensors into the pinned arena on a side stream per device, ordered after the training stream."""
@@ -183,8 +199,7 @@ class Stager:
         for fqn, (v, _) in leaves.items():
             buf = bufs[fqn]
             if dt is not None and isinstance(v, dt):
-                out[fqn] = dt.from_local(buf, v.device_mesh, v.placements, run_check=False, shape=v.shape,
-                                         stride=v.stride())
+                out[fqn] = self._wrap(fqn, buf, v)
             else:
                 out[fqn] = buf
 
@@ -197,6 +212,7 @@ class Stager:
     def drop(self) -> None:
         self.synchronize()
         self._buffers.clear()
+        self._wrapped.clear()
         if self._arena is not None:
             self._arena.release()
             self._arena = None

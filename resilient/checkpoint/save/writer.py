@@ -58,6 +58,7 @@ try:  # ISA-L's crc32, the zip records' checksum: the same value as zlib's at 2-
 except ImportError:  # pragma: no cover - a speed-up only: the dependency is declared, a build without it still works
     from zlib import crc32 as _zip_crc32
 from resilient.checkpoint.format.digests import BLOCK, crc_combine
+from resilient.checkpoint.format.state import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +311,8 @@ class _HashedFile:
 
 @dataclass(frozen=True)
 class _Record:
-    """One tensor's record as a write laid it out: ``src`` the state's tensor (at ``ptr``), ``mv`` its bytes."""
+    """One tensor's record as a write laid it out: ``src`` the state's tensor or DTensor (its bytes, or its local
+    shard's, at ``ptr``), ``mv`` its bytes."""
 
     fqn: str
     src: torch.Tensor
@@ -364,7 +366,7 @@ class RecordMemo:
         if plan is not self.plan or state is None:
             return False
         get = state.get
-        return all(get(r.fqn) is r.src and r.src.data_ptr() == r.ptr for r in self.records)
+        return all(get(r.fqn) is r.src and local_tensor(r.src).data_ptr() == r.ptr for r in self.records)
 
 
 def _ids(meta: StorageMeta | None) -> list[bytes] | None:
@@ -491,6 +493,7 @@ class RecordWriter(FileSystemWriter):
         own tensor (no copy of it made here)."""
         whole = True
         records: list[_Record] = []
+        state: dict[str, Any] | None = getattr(planner, "state_dict", None)
         for item in (i for i in plan.items if i.type != WriteItemType.BYTE_IO):
             src = planner.resolve_data(item)
             t = src.detach().cpu()
@@ -515,7 +518,13 @@ class RecordWriter(FileSystemWriter):
             r = result(item, offset)
             if memo is not None and type(src) is torch.Tensor and src.device.type == "cpu" \
                     and t.data_ptr() == src.data_ptr():
-                records.append(_Record(item.index.fqn, src, src.data_ptr(), mv, tpl, r))
+                # a DTensor's item resolves to a fresh view of its local shard each save: the record names the
+                # DTensor the state holds, which the stager keeps around the same buffer from save to save
+                owner = state.get(item.index.fqn) if state is not None else None
+                if owner is not src and local_tensor(owner) is owner:
+                    owner = None
+                if owner is not None:
+                    records.append(_Record(item.index.fqn, owner, src.data_ptr(), mv, tpl, r))
         if memo is not None:
             memo.clear()
             if whole and len(records) == sum(1 for i in plan.items if i.type != WriteItemType.BYTE_IO):
