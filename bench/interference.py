@@ -1,8 +1,8 @@
 """How much background checkpoint work slows the GPT recipe's training steps, per tier and per lever.
 
 Two ranks (gloo, one per "node", so peer replication runs) train the recipe's GPT (``recipes/pytorch/model.py``,
-DDP, AdamW, the shipped corpus) one micro-batch a step. Each case trains a window of steps, timed as wall
-time on the training thread, with:
+DDP, or FSDP2 with ``--fsdp``; AdamW, the shipped corpus) one micro-batch a step. Each case trains a window of
+steps, timed as wall time on the training thread, with:
 
 * ``none``: no checkpointing (the baseline; every repetition has its own);
 * ``local``: a ``CheckpointManager`` with the local tier only;
@@ -164,7 +164,16 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.n_layer, d_model=args.d_model)
     model = GPT(cfg).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if args.fsdp:  # as the recipe's --fsdp: every block, then the root, sharded over the ranks
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = CorpusWindows(load_corpus(), cfg.seq_len)
     g = torch.Generator().manual_seed(rank)
@@ -202,8 +211,10 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
 
     for _ in range(args.warmup):
         train_step()
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
-        sum(v.numel() * v.element_size() for s in optim.state.values() for v in s.values() if torch.is_tensor(v))
+    from resilient.checkpoint.format.state import leaf_nbytes  # a DTensor's local shard: what this rank saves
+
+    nbytes = sum(leaf_nbytes(t) for t in model.state_dict().values()) + \
+        sum(leaf_nbytes(v) for s in optim.state.values() for v in s.values())
     cases = _cases(args)
     rows = []
     step_no = 0
@@ -367,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and its state live")
     ap.add_argument("--world", type=int, choices=(1, 2), default=2, help="ranks (1: no DDP traffic, no peer tier)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard with FSDP2 (fully_shard per block, as the recipe's --fsdp) instead of DDP: the state "
+                         "saved is DTensors")
     ap.add_argument("--step", choices=("model", "launch"), default="model",
                     help="the training step: the model's, or a stand-in for a GPU job's launches (--launch-ops)")
     ap.add_argument("--launch-ops", type=int, default=1500, help="with --step launch: operation pairs a step")
