@@ -137,18 +137,22 @@ def _shard_geometry(v: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     mesh, this rank's place in it, the global shape and the placements)."""
     mesh, shape, placements = v.device_mesh, tuple(v.shape), tuple(v.placements)
     key = (id(mesh), shape, placements)
-    with _geometry_lock:
-        got = _geometry.get(key)
+    try:
+        with _geometry_lock:
+            got = _geometry.get(key)
+    except TypeError:  # a placement of a kind that cannot be hashed: computed every time
+        key, got = None, None
     if got is not None and got[0] is mesh:
         return got[1], got[2]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offsets = compute_local_shape_and_global_offset(v.shape, mesh, v.placements)
     out = (tuple(int(n) for n in local_shape), tuple(int(o) for o in offsets))
-    with _geometry_lock:
-        if len(_geometry) > 4096:
-            _geometry.clear()
-        _geometry[key] = (mesh, *out)
+    if key is not None:
+        with _geometry_lock:
+            if len(_geometry) > 4096:
+                _geometry.clear()
+            _geometry[key] = (mesh, *out)
     return out
 
 
