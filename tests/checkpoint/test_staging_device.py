@@ -154,3 +154,28 @@ def test_chunk_copier_fills_a_dtensor_local_shard(world1: None) -> None:
     cop.copy_into(dt, _fill_from(src))
     cop.close()
     assert _bits(dt.to_local()) == _bits(src)
+
+
+def test_a_leaf_that_left_the_state_frees_its_staging_buffer(world1: None) -> None:
+    """A leaf no longer in the state (a removed layer, an optimizer's state dropped) keeps no buffer alive: neither
+    its staging buffer nor, for a DTensor, the wrapper staged around it (which the stager keeps from save to save)."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from resilient.checkpoint.format.state import local_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    st = Stager()
+    leaves = {"keep": torch.randn(64), "plain": torch.randn(32),
+              "dt": distribute_tensor(torch.randn(16, 4), mesh, [Shard(0)])}
+    first = st.stage(leaves, objects=False)
+    again = st.stage(leaves, objects=False)
+    assert again["dt"] is first["dt"] and again["plain"] is first["plain"]  # reused while the leaf stays
+    gone = {k: weakref.ref(local_tensor(first[k])) for k in ("plain", "dt")}  # the buffers themselves
+    del first, again
+    st.stage({"keep": leaves["keep"]}, objects=False)
+    gc.collect()
+    assert [k for k, r in gone.items() if r() is not None] == []
+    assert st.nbytes == 64 * 4

@@ -102,6 +102,7 @@ class Stager:
         # fqn -> (buffer, the DTensor staged around it): made once while the buffer and the placement stay
         # (from_local builds a spec and an autograd node, ~65 us a tensor a save)
         self._wrapped: dict[str, tuple[torch.Tensor, Any]] = {}
+        self._wrapping: dict[str, tuple[torch.Tensor, Any]] = {}  # this stage()'s, replacing _wrapped at its end
         self._arena: _Arena | None = None
         self._streams: dict[torch.device, Any] = {}
         self._pending: list[Any] = []  # events recorded after the device copies of the last stage()
@@ -145,6 +146,14 @@ class Stager:
                 out[fqn] = copy.deepcopy(v)
         if on_device:
             self._stage_device(on_device, out)
+        if tensors:
+            # every call that stages tensors is handed all of them: a leaf not among them left the state, and its
+            # buffer and wrapper go (a wrapper kept would hold its buffer, and an arena's view the whole old
+            # pinned arena, for as long as the manager lives)
+            self._wrapped, self._wrapping = self._wrapping, {}
+            if len(self._buffers) > len(leaves):
+                for k in [k for k in self._buffers if k not in leaves]:
+                    del self._buffers[k]
         return out
 
     def _stage_tensor(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
@@ -167,10 +176,11 @@ class Stager:
             w = got[1]
             if (w.device_mesh is like.device_mesh and w.placements == like.placements and w.shape == like.shape
                     and w.stride() == like.stride()):
+                self._wrapping[fqn] = got
                 return w
         w = dtensor_type().from_local(buf, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                                       stride=like.stride())
-        self._wrapped[fqn] = (buf, w)
+        self._wrapping[fqn] = (buf, w)
         return w
 
     def _stage_device(self, leaves: dict[str, tuple[torch.Tensor, torch.Tensor]], out: dict[str, Any]) -> None:
@@ -213,6 +223,7 @@ class Stager:
         self.synchronize()
         self._buffers.clear()
         self._wrapped.clear()
+        self._wrapping.clear()
         if self._arena is not None:
             self._arena.release()
             self._arena = None
