@@ -127,12 +127,18 @@ def test_dtensor_on_cuda_round_trip(tmp_path: Path) -> None:
         st = {"d": distribute_tensor(full, mesh, [Shard(0)])}
         with CheckpointManager(local=tmp_path / "ckpt", interval=1, peer=False) as ck:
             ck.save(0, {"m": st}, force=True)
+            assert ck.wait(60)
+            with torch.no_grad():
+                st["d"].to_local().mul_(2)  # new values, the same layout: the second save takes the short path
+            want = st["d"].to_local().clone()
             ck.save(1, {"m": st}, force=True)
             assert ck._stager.allocations == 1  # the DTensor's local shard keeps its buffer too
             assert ck.wait(60)
+            planner = ck._planners["local"]
+            assert (planner.short_saves, planner.records.hits) == (1, 1)  # plan, metadata and records reused
             fresh = {"d": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
             assert ck.restore({"m": fresh}) == 2
-            assert torch.equal(fresh["d"].to_local(), full)
+            assert torch.equal(fresh["d"].to_local(), want)
     finally:
         dist.destroy_process_group()
 
