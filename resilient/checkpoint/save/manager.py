@@ -49,7 +49,7 @@ from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, Checkpo
 from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
-from resilient.checkpoint.format.state import flatten, leaf_nbytes, plain_state
+from resilient.checkpoint.format.state import dtensor_type, flatten, leaf_nbytes, local_tensor, plain_state
 from resilient.checkpoint.replicate.peer import PeerRing
 from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
 from resilient.checkpoint.restore.restore import Restorer
@@ -90,18 +90,15 @@ def _close_at_exit(ref: "weakref.ref[CheckpointManager]") -> None:
 
 
 def _is_dtensor(v: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor has none in its state
-        return False
-    return isinstance(v, DTensor)
+    dt = dtensor_type()  # looked up once: an import statement per leaf per save showed in the save's profile
+    return dt is not None and isinstance(v, dt)
 
 
 def _digest(v: Any) -> int:
     if isinstance(v, torch.Tensor):
         if _is_dtensor(v):
             # a subclass has no .numpy(): this rank's bytes are its local shard (plus where it sits)
-            return crc_bytes(f"{v.placements}".encode(), _digest(v.to_local()))
+            return crc_bytes(f"{v.placements}".encode(), _digest(local_tensor(v)))
         t = v.detach().cpu().contiguous().reshape(-1)
         # no hash(): string hashes differ between processes
         return crc_bytes(memoryview(t.view(torch.uint8).numpy()), crc_bytes(f"{tuple(v.shape)}{v.dtype}".encode()))
