@@ -35,6 +35,7 @@ JOB_SECRET = "RESILIENT_JOB_SECRET"  # per-job secret signing agent <-> supervis
 # the data-parallel layout (resilient.topology()): the number of data-parallel replicas and this rank's replica
 DP_SIZE = "RESILIENT_DP_SIZE"
 DP_RANK = "RESILIENT_DP_RANK"
+NUMA_BINDING = "RESILIENT_NUMA_BINDING"  # "MODE:GPU": bind this worker to the CPUs of GPU's NUMA node (--numa-binding)
 ROUND_REASON = "RESILIENT_ROUND_REASON"  # the reason of the supervisor's action that started this round (on_scale)
 
 # read by resilient itself (set by users or recipes, not by the launcher)
@@ -87,6 +88,9 @@ def upload_grace_s(environ: Mapping[str, str] = os.environ) -> float | None:
     return _float(UPLOAD_GRACE, raw) if raw else None
 
 
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torchrun's --numa-binding (torch.numa.binding)
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """What ``resilient-run`` tells each worker, beside torchrun's own variables (``RANK``, ``WORLD_SIZE``, …).
@@ -117,6 +121,7 @@ class WorkerEnv:
     dp_rank: int | None = None  # this rank's replica: RANK // (nodes_per_replica x nproc_per_node)
     nodes_per_replica: int | None = None  # None: every rank is a replica
     round_reason: str | None = None
+    numa_binding: str | None = None  # "MODE:GPU": torch's NUMA binding of this worker to that GPU's CPUs
 
     def __post_init__(self) -> None:
         for f in ("run_dir", "run_id", "node"):
@@ -140,6 +145,11 @@ class WorkerEnv:
             raise ValueError(f"WorkerEnv.dp_size and dp_rank are set together, got {self.dp_size} and {self.dp_rank}")
         if self.dp_size is not None and not (0 <= self.dp_rank < self.dp_size):  # type: ignore[operator]
             raise ValueError(f"WorkerEnv.dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
+        if self.numa_binding is not None:
+            mode, _, gpu = self.numa_binding.partition(":")
+            if mode not in NUMA_MODES or not gpu.isdigit():
+                raise ValueError(f"WorkerEnv.numa_binding must be MODE:GPU with MODE one of {', '.join(NUMA_MODES)}, "
+                                 f"got {self.numa_binding!r}")
         if self.ckpt_interval is not None and self.ckpt_interval != "auto" and not (
                 self.ckpt_interval.isdigit() and int(self.ckpt_interval) > 0):
             raise ValueError(f"WorkerEnv.ckpt_interval must be a step count > 0 or 'auto', got {self.ckpt_interval!r}")
@@ -180,5 +190,5 @@ _VARS = {
     "heartbeat_timeout": (HEARTBEAT_TIMEOUT, _float), "policy": (POLICY, _text),
     "spare_nodes": (SPARE_NODES, _int), "faults": (FAULTS, _text),
     "dp_size": (DP_SIZE, _int), "dp_rank": (DP_RANK, _int), "nodes_per_replica": (NODES_PER_REPLICA, _int),
-    "round_reason": (ROUND_REASON, _text),
+    "round_reason": (ROUND_REASON, _text), "numa_binding": (NUMA_BINDING, _text),
 }

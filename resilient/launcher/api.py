@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from resilient.env import NUMA_MODES
 from resilient.supervisor.config import SupervisorConfig
 
 
@@ -191,6 +192,8 @@ class AgentConfig:
     metrics_addr: str = "127.0.0.1"  # loopback: the endpoint tells anyone who can reach it about the run
     rendezvous_timeout: float = 900.0
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: LOCAL_RANK=0, one GPU visible each
+    # torchrun's --numa-binding: each worker bound to the CPUs near its GPU (torch.numa.binding), GPU = local rank
+    numa_binding: str | None = None
     # drills: faults the agent carries out (time-based) or hands to the workers (step-based, via resilient.steps)
     inject: tuple = ()  # resilient.drill.spec.FaultSpec values, parsed from --inject
     job_secret_file: str | None = None  # file holding the per-job secret (else RESILIENT_JOB_SECRET, else generated)
@@ -212,6 +215,8 @@ class AgentConfig:
                         ("--policy-timeout", self.supervisor.policy_timeout),
                         ("--supervisor-timeout", self.supervisor_timeout)):
             check_seconds(flag, v)
+        if self.numa_binding is not None and self.numa_binding not in NUMA_MODES:
+            raise LaunchError(f"--numa-binding must be one of {', '.join(NUMA_MODES)}, got {self.numa_binding!r}")
         if self.spare_nodes < 0:
             raise LaunchError(f"--spare-nodes must be >= 0, got {self.spare_nodes}")
         if not (isinstance(self.upload_grace, (int, float)) and 0 <= self.upload_grace < float("inf")):

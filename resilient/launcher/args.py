@@ -88,7 +88,7 @@ _TORCHRUN_FLAGS: tuple[tuple[tuple[str, ...], type, object, object, tuple[str, .
     (("--local-addr", "--local_addr"), _Env, str, None, None, "this node's address"),
     (("--logs-specs", "--logs_specs"), "store", str, None, None, "accepted for torchrun's sake"),
     (("--numa-binding", "--numa_binding"), "store", str, None, ("node", "socket", "exclusive", "core-complex"),
-     "accepted for torchrun's sake"),
+     "bind each worker to the CPUs near its GPU (GPU = local rank), as torchrun does (torch.numa.binding)"),
     (("--signals-to-handle", "--signals_to_handle"), _Env, str, "SIGTERM,SIGINT,SIGHUP,SIGQUIT", None,
      "signals forwarded to the workers"),
     (("--shutdown-timeout", "--shutdown_timeout"), _Env, int, None, None, "accepted for torchrun's sake"),
@@ -198,6 +198,22 @@ def _snapshot(v: str) -> str:
         return "off" if t == "0" else t
     raise argparse.ArgumentTypeError(f"give auto (a snapshot in node memory whenever its cost allows), a number of "
                                      f"steps between snapshots, or off; got {v!r}")
+
+
+def _numa_binding_of(mode: str | None) -> str | None:
+    """``--numa-binding``, refused at once where no worker could be bound: torch's binding finds each GPU's NUMA node
+    through torch.cuda, which a CPU build of torch has not (torchrun fails there too, in its agent, with a
+    traceback). Told by the build's files: importing torch here would cost every launch a second."""
+    if mode is None:
+        return None
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    lib = Path(spec.origin).parent / "lib" if spec is not None and spec.origin else None
+    if lib is None or not any(lib.glob("libtorch_cuda*.so*")) and not any(lib.glob("libtorch_hip*.so*")):
+        raise LaunchError(f"--numa-binding {mode}: binds each worker to the CPUs near its GPU, and this torch has no "
+                          "GPU support (a CPU build). Drop the flag, or run a CUDA build of torch on GPU nodes")
+    return mode
 
 
 def _snapshot_of(flag: str | None) -> str:
@@ -392,6 +408,7 @@ def parse(argv: list[str]) -> AgentConfig:
             spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             virtual_local_rank=bool(getattr(args, "virtual_local_rank", False)),
+            numa_binding=_numa_binding_of(getattr(args, "numa_binding", None)),
             inject=inject, job_secret_file=args.job_secret_file,
             supervisor_timeout=args.supervisor_timeout,
         )

@@ -97,7 +97,9 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
         ckpt_snapshot_dir=snapshot_dir,
         heartbeat_timeout=c.heartbeat_timeout, policy=c.policy, spare_nodes=c.spare_nodes or None,
         dp_size=dp_size, dp_rank=rank // rpr, nodes_per_replica=nr.nodes_per_replica,
-        round_reason=nr.reason).to_env())
+        round_reason=nr.reason,
+        # the GPU is the worker's own local rank, as torchrun binds it (before --virtual-local-rank renames it 0)
+        numa_binding=None if c.numa_binding is None else f"{c.numa_binding}:{local_rank}").to_env())
     env.update(drill_env)
     return env
 

@@ -171,6 +171,26 @@ def write_error_file(path: str | None, exc: BaseException) -> None:
 _PROGRAM_STATE: list[object] = []
 
 
+def _bind_numa() -> None:
+    """``resilient-run --numa-binding``: this worker's threads bound to the CPUs near its GPU by torch's own binding
+    (what torchrun applies through numactl), before the program starts a thread. The worker's environment says
+    "MODE:GPU"."""
+    from resilient.env import NUMA_BINDING  # stdlib only: the fork server stays light
+
+    spec = os.environ.get(NUMA_BINDING)
+    if not spec:
+        return
+    mode, _, gpu = spec.partition(":")
+    from torch.numa.binding import AffinityMode, NumaOptions, _maybe_apply_numa_binding_to_current_process
+
+    try:
+        _maybe_apply_numa_binding_to_current_process(gpu_index=int(gpu),
+                                                     numa_options=NumaOptions(affinity_mode=AffinityMode(mode)))
+    except Exception as e:  # noqa: BLE001 - the worker fails, naming the flag
+        raise RuntimeError(f"resilient-run --numa-binding {mode}: binding this worker to the CPUs of GPU {gpu} "
+                           f"failed: {type(e).__name__}: {e}") from e
+
+
 def run_worker(job: dict[str, Any]) -> int:
     """Run the user's program in this (forked or fresh) process; returns the exit code."""
     import runpy
@@ -178,6 +198,7 @@ def run_worker(job: dict[str, Any]) -> int:
     argv = list(job["argv"])
     sys.argv = argv
     try:
+        _bind_numa()
         if job["kind"] == "module":
             sys.path.insert(0, os.getcwd())
             _PROGRAM_STATE.append(runpy.run_module(argv[0], run_name="__main__", alter_sys=True))

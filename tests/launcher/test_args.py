@@ -99,3 +99,66 @@ def test_both_commands_refuse_a_bad_nnodes_in_the_same_words(tmp_path, nnodes):
     with pytest.raises(Exception) as sup:
         S.parse(["--rdzv-endpoint", "127.0.0.1:29999", "--nnodes", nnodes, "--run-dir", str(tmp_path / "s")])
     assert str(agent.value) == str(sup.value) and str(agent.value).startswith("--nnodes must be N or MIN:MAX")
+
+
+def test_numa_binding_reaches_each_worker_as_its_own_gpu(tmp_path, monkeypatch):
+    """--numa-binding MODE: each worker is told MODE and its GPU, its own local rank (also under
+    --virtual-local-rank, which renames LOCAL_RANK 0), as torchrun binds it; bad values are refused."""
+    from resilient import env as renv
+    from resilient.launcher import args as A
+    from resilient.launcher.api import NodeRole, NodeRound
+    from resilient.launcher.workers import worker_env
+
+    monkeypatch.setattr(A, "_numa_binding_of", lambda mode: mode)  # this machine's torch is a CPU build
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = parse(["--nproc-per-node", "2", "--numa-binding", "socket", "--virtual-local-rank",
+                 "--run-dir", str(tmp_path / "r"), SCRIPT])
+    nr = NodeRound(round=0, role=NodeRole.ACTIVE, base_rank=0, world_size=2, group_rank=0, group_world_size=1)
+    envs = [worker_env(cfg, nr, lr, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
+                       monitor_socket=None, drill_env={}) for lr in (0, 1)]
+    assert [renv.WorkerEnv.from_env(e).numa_binding for e in envs] == ["socket:0", "socket:1"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0"]
+    cfg = parse(["--nproc-per-node", "1", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    env = worker_env(cfg, nr, 0, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
+                     monitor_socket=None, drill_env={})
+    assert renv.NUMA_BINDING not in env
+    for bad in ("nodes:0", "node:x", "node"):
+        with pytest.raises(ValueError, match="numa_binding must be MODE:GPU"):
+            renv.WorkerEnv(run_dir="r", run_id="i", node="n", node_rank=0, numa_binding=bad)
+
+
+def test_numa_binding_on_a_cpu_build_of_torch_is_refused_before_anything_starts(tmp_path):
+    """torch's NUMA binding finds each GPU's node through torch.cuda: with a CPU build of torch (this machine's)
+    resilient-run refuses the flag at once, naming it and what to do (torchrun fails in its agent with a traceback);
+    a mode torchrun does not know is refused by the parser."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "1",
+                        "--numa-binding", "node", "--run-dir", str(tmp_path / "r"), SCRIPT],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--numa-binding node" in r.stderr and "CPU build" in r.stderr and "Drop the flag" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "r").exists()
+    r = subprocess.run([sys.executable, "-m", "resilient.run", "--numa-binding", "nodes", SCRIPT],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--numa-binding" in r.stderr and "invalid choice" in r.stderr, r.stderr
+
+
+def test_a_worker_that_cannot_be_bound_fails_naming_the_flag(tmp_path):
+    """The worker side of --numa-binding (what a forked or spawned worker runs before the program): where torch's
+    binding fails (here: no GPU), the worker ends at once with an error naming the flag and the GPU, and the program
+    never runs."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    script = tmp_path / "prog.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = {**os.environ, "RESILIENT_NUMA_BINDING": "node:0"}
+    r = subprocess.run([sys.executable, "-m", "resilient.launcher.zygote", "--run", "script", str(script)],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "resilient-run --numa-binding node: binding this worker to the CPUs of GPU 0 failed" in r.stderr, r.stderr
+    assert not marker.exists()
