@@ -166,18 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"DTensor states: {os.cpu_count()} CPUs, load {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after; "
           f"median (min-max) of {args.reps} interleaved repetitions")
-    fmt = "{:<22} {:>8} {:>22} {:>22} {:>22} {:>24}"
-    print(fmt.format("state", "tensors", "save blocked", "save to committed", "restore",
-                     "DTensor / plain (b, c, r)"))
+    def rng(x: dict[str, Any], scale: float = 1.0, f: str = ".2f") -> str:
+        return f"{x['median'] * scale:{f}} [{x['min'] * scale:{f}}-{x['max'] * scale:{f}}]"
+
+    fmt = "{:<16} {:>7} {:>34} {:>34} {:>34}"
+    print(fmt.format("state", "tensors", "save blocked: ms, x dcp.save", "save to committed: ms, x dcp.save",
+                     "restore: ms, x dcp.load"))
     for name, c in results["cases"].items():
         def cell(k: str, r: str) -> str:
-            return f"{c[k]['median'] * 1000:.0f} ms, {c[r]['median']:.2f}x"
-        op = c.get("over_plain")
-        rel = (f"{op['blocked_s']['median']:.2f} {op['committed_s']['median']:.2f} {op['restore_s']['median']:.2f}"
-               if op else "")
+            return f"{rng(c[k], 1000, '.0f')}, {rng(c[r])}"
         print(fmt.format(name, c["tensors"], cell("blocked_s", "blocked_over_dcp_save"),
-                         cell("committed_s", "committed_over_dcp_save"), cell("restore_s", "restore_over_dcp_load"),
-                         rel))
+                         cell("committed_s", "committed_over_dcp_save"), cell("restore_s", "restore_over_dcp_load")))
+    for name, c in results["cases"].items():
+        op = c.get("over_plain")
+        if op:
+            print(f"{name} / plain: blocked {rng(op['blocked_s'])}, committed {rng(op['committed_s'])}, "
+                  f"restore {rng(op['restore_s'])}")
     print("ratios: save ÷ synchronous dcp.save, restore ÷ dcp.load (same state, same process)")
     print(f"wrote {args.out}")
     return 0
