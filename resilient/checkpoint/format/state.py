@@ -128,9 +128,6 @@ def set_path(root: Any, path: Path_, value: Any) -> None:
 def leaf_nbytes(v: Any) -> int:
     """Bytes of a leaf this rank holds: a DTensor's local shard, not the whole tensor it is part of."""
     if isinstance(v, torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(v, DTensor):
-            v = local_tensor(v)  # no autograd node for a count
+        v = local_tensor(v)  # no autograd node for a count
         return v.numel() * v.element_size()
     return 0
