@@ -168,7 +168,15 @@ def main() -> int:
     if args.dcp_load:
         rc = dcp_load(args)
         dist.destroy_process_group()
-        return rc
+        # A plain torch process with DTensor state must not end through interpreter finalisation: DTensor's caches
+        # keep the DeviceMesh, and with it the mesh's gloo groups and their threads, alive past
+        # destroy_process_group(), and a gloo thread that releases a finished all-gather's tensors after shutdown
+        # began takes the GIL, is ended by CPython with pthread_exit, and aborts the process (a core dump:
+        # ~AsyncAllgatherCoalescedWork -> decref_pyobject -> take_gil -> pthread_exit -> std::terminate). resilient-run's
+        # workers skip finalisation; this run never imports resilient, so it skips it itself (Known limits).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
     import resilient
     from resilient import drill as faults
