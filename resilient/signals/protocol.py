@@ -49,7 +49,7 @@ class Message:
     attempt: int
     step: int = -1
     seconds: float = math.nan  # STEP: previous step's wall time; SECTION_END: section wall time
-    compute: float = math.nan  # STEP: previous step's own work (wall time minus collective waits)
+    compute: float = math.nan  # STEP: previous step's own work (wall time minus collective waits and CPU waits)
     timeout: float | None = None  # SECTION_START
     name: str = ""
     world_size: int = 0

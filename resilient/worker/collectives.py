@@ -13,7 +13,10 @@ one set of wrappers), in four places:
 * for DDP (which keeps its own allreduce), per-parameter gradient hooks and an end-of-backward callback.
 
 Only the training thread is charged, and nested calls (a blocking collective that waits on its work) count
-once. Nothing here imports torch: only what the script has already imported is wrapped (a functional
+once. Time the training thread spent runnable but waiting for a CPU outside those waits (its run-queue delay,
+``/proc/thread-self/schedstat``) is not its own work either: on a busy node the scheduler's choice of which rank
+runs next would otherwise make a rank a straggler of its peers (a rank's delay inside a wait is already part of
+that wait). Nothing here imports torch: only what the script has already imported is wrapped (a functional
 collectives module imported after ``steps()`` began is not).
 """
 
@@ -23,6 +26,7 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -37,25 +41,68 @@ _perf = time.perf_counter
 
 
 class _WaitClock:
-    """Seconds the training thread spent blocked in collectives since the last ``take()``."""
+    """Seconds the training thread was not doing its own work since the last ``take()``: blocked in collectives,
+    or waiting for a CPU outside them. Made by the training thread (its run-queue delay is read from there)."""
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.wait = 0.0
         self.depth = 0
-        # DDP buckets of the current step: latest arrival (hook call) and latest completion.
+        # DDP buckets of the current step: latest arrival (hook call) and latest completion, and the training
+        # thread's run-queue delay at each.
         self.ddp_arrival = -1.0
         self.ddp_done = -1.0
+        self.ddp_arrival_queued = self.ddp_done_queued = 0.0
+        self._schedstat = _open_schedstat()
+        self.queued_in_waits = 0.0  # run-queue delay inside the waits above (already counted as waiting)
+        self._queued_mark = self.queued()
+
+    def queued(self) -> float:
+        """The training thread's run-queue delay so far, in seconds (0.0 where the kernel does not report it)."""
+        fd = self._schedstat
+        if fd is None:
+            return 0.0
+        try:
+            return int(os.pread(fd, 96, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            self._schedstat = None  # reported once, then never read again
+            _close(fd)
+            return 0.0
 
     def take(self) -> float:
         w = self.wait
+        in_waits = self.queued_in_waits
         if self.ddp_arrival >= 0 and self.ddp_done > self.ddp_arrival:
             # backward returns right after the last bucket completes, and the last bucket is ready right
             # after this rank's own backward work: the span between is time spent waiting for peers.
             w += self.ddp_done - self.ddp_arrival
-        self.wait = 0.0
+            in_waits += max(0.0, self.ddp_done_queued - self.ddp_arrival_queued)
+        now = self.queued()
+        w += max(0.0, now - self._queued_mark - in_waits)
+        self._queued_mark = now
+        self.wait = self.queued_in_waits = 0.0
         self.ddp_arrival = self.ddp_done = -1.0
         return w
+
+    def close(self) -> None:
+        fd, self._schedstat = self._schedstat, None
+        if fd is not None:
+            _close(fd)
+
+
+def _open_schedstat() -> int | None:
+    # bound to the calling thread when opened: any thread may read it later (DDP's hooks may run on autograd's)
+    try:
+        return os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 _clock: _WaitClock | None = None
@@ -136,11 +183,13 @@ def _charged(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     if c is None or c.depth or threading.get_ident() != c.thread:
         return call(args, kwargs)
     c.depth += 1
+    q0 = c.queued()
     t0 = _perf()
     try:
         return call(args, kwargs)
     finally:
         c.wait += _perf() - t0
+        c.queued_in_waits += c.queued() - q0
         c.depth -= 1
 
 
@@ -179,7 +228,9 @@ def _ddp_grad_ready(_param: Any) -> None:
     global _bw_queued
     c = _clock
     if c is not None:
-        c.ddp_arrival = max(c.ddp_arrival, _perf())
+        t = _perf()
+        if t > c.ddp_arrival:
+            c.ddp_arrival, c.ddp_arrival_queued = t, c.queued()
     if _bw_queued:
         return
     _bw_queued = True
@@ -210,7 +261,9 @@ def _ddp_backward_done() -> None:
     _bw_queued = False
     c = _clock
     if c is not None:
-        c.ddp_done = max(c.ddp_done, _perf())
+        t = _perf()
+        if t > c.ddp_done:
+            c.ddp_done, c.ddp_done_queued = t, c.queued()
 
 
 def _ddp_forward_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -287,6 +340,8 @@ def uninstall() -> None:
         while _patched:
             obj, name, fn = _patched.pop()
             setattr(obj, name, fn)
+        if _clock is not None:
+            _clock.close()
         _clock = None
 
 

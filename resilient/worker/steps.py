@@ -2,7 +2,8 @@
 
 Under ``resilient-run`` (the agent's socket in the environment) every step sends one non-blocking packet to the
 node agent: a heartbeat carrying the previous step's wall time and its *own-work* time (wall time minus the
-time this rank spent blocked in collectives, measured by :mod:`resilient.worker.collectives`). Own work is what
+time this rank spent blocked in collectives or waiting for a CPU outside them, measured by
+:mod:`resilient.worker.collectives`). Own work is what
 tells the straggler apart: in synchronous training every rank's step lasts as long as the slowest rank's, but
 only the slow rank spends little of it waiting.
 

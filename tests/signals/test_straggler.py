@@ -1,11 +1,15 @@
 """Straggler detection: real gloo ranks, one slowed by a sleep, on a hand-written loop and on DDP."""
+import os
 import random
+import statistics
 import time
 
 import pytest
 
 from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
 from resilient.signals.straggler import StragglerConfig, StragglerScorer
+from tests._helpers.load import cpu_burners
 from tests.signals.harness import kinds
 
 
@@ -48,6 +52,35 @@ def test_no_straggler_among_equal_ranks_under_cpu_contention(make_agent):
     a = make_agent(heartbeat_timeout=30.0)
     found = run(a, 3, {"T_STEPS": "50", "T_MODE": "ddp", "T_WORK": "0.02"})
     assert not found, [(e.rank, e.details) for e in found]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one shared with burners, one not")
+def test_a_rank_kept_waiting_for_a_cpu_is_not_a_straggler(make_agent):
+    # Equal work (20 ms of CPU a step) on both ranks. Once both run steps, rank 0's training thread shares its CPU
+    # with two busy processes at a lower priority; rank 1's has a CPU to itself. Rank 0's steps then take far
+    # longer, but the extra is time it was runnable and waiting for the core (its run-queue delay), not its own
+    # work: no straggler. Before that delay was taken out of own work, rank 0 was flagged.
+    cpu0, cpu1 = sorted(os.sched_getaffinity(0))[:2]
+    a = make_agent(heartbeat_timeout=60.0, straggler_window=6, straggler_confirm=3)
+    procs = a.spawn(2, {"T_STEPS": "30", "T_MODE": "allreduce", "T_WORK": "0.02"})
+    a.pump(lambda ev: all((v["step"] or 0) >= 1 for v in a.monitor.summary(time.monotonic())["ranks"].values()), 90)
+    with cpu_burners(2, max_seconds=120) as burners:
+        for b in burners:
+            os.sched_setaffinity(b.pid, {cpu0})
+        os.sched_setaffinity(procs[0].pid, {cpu0})  # the process's first thread: the training thread
+        os.setpriority(os.PRIO_PROCESS, procs[0].pid, 5)
+        os.sched_setaffinity(procs[1].pid, {cpu1})
+        a.pump(lambda ev: a.all_exited(), 110)
+    a.pump_for(0.3)
+    assert [p.returncode for p in a.procs] == [0, 0]
+    found = kinds(a.events, EventKind.STRAGGLER)
+    assert not found, [(e.rank, e.details) for e in found]
+    # the contention was real: rank 0's steps (ledger: rank 0 records them) took over twice its own work
+    steps = [e.details for e in read_events(a.run_dir) if e.kind == EventKind.STEP and e.details["step"] >= 8]
+    wall = statistics.median(d["seconds"] for d in steps)
+    own = statistics.median(d["compute_seconds"] for d in steps)
+    assert wall > 2 * own, (wall, own, len(steps))
 
 
 def _feed(scorer, series):

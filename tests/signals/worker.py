@@ -3,7 +3,7 @@
 Configured by environment (the tests set it; under resilient-run the launcher sets the torch part):
   T_STEPS        number of steps (default 30)
   T_MODE         "allreduce" (hand-written loop) or "ddp" (unmodified DDP training step)
-  T_WORK         seconds of CPU work per step on every rank (default 0.02)
+  T_WORK         seconds of CPU work per step on every rank (CPU time, not wall time; default 0.02)
   T_SLOW_RANK    global rank that sleeps T_SLOW_EXTRA more seconds per step (from step T_SLOW_FROM)
   T_MARK_STEP    at this step each rank writes its pid to T_MARK_DIR/rank<R>.step and waits for T_MARK_DIR/go
                  (lets a test freeze a rank at a known point without sleeping); only in attempt
@@ -25,9 +25,11 @@ from tests._helpers.wait import wait_for
 
 
 def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
+    """``seconds`` of this thread's CPU time: a fixed amount of work, as a real step's is, so that waiting for a
+    core on a busy machine lengthens it (and is not the rank's own work) instead of eating into it."""
+    end = time.thread_time() + seconds
     x = torch.ones(64, 64)
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         x = (x @ x).clamp_(-1, 1)
 
 
