@@ -53,6 +53,7 @@ class _WaitClock:
         self.ddp_arrival = -1.0
         self.ddp_done = -1.0
         self.ddp_arrival_queued = self.ddp_done_queued = 0.0
+        self.ddp_arrival_read = -1.0  # when ddp_arrival_queued was read
         self._schedstat = _open_schedstat()
         self.queued_in_waits = 0.0  # run-queue delay inside the waits above (already counted as waiting)
         self._queued_mark = self.queued()
@@ -81,7 +82,7 @@ class _WaitClock:
         w += max(0.0, now - self._queued_mark - in_waits)
         self._queued_mark = now
         self.wait = self.queued_in_waits = 0.0
-        self.ddp_arrival = self.ddp_done = -1.0
+        self.ddp_arrival = self.ddp_done = self.ddp_arrival_read = -1.0
         return w
 
     def close(self) -> None:
@@ -230,7 +231,11 @@ def _ddp_grad_ready(_param: Any) -> None:
     if c is not None:
         t = _perf()
         if t > c.ddp_arrival:
-            c.ddp_arrival, c.ddp_arrival_queued = t, c.queued()
+            c.ddp_arrival = t
+            # one read a millisecond, not one a parameter (a model of thousands): the delay at the last
+            # gradient is then known to within the delay of that millisecond
+            if t - c.ddp_arrival_read >= 1e-3:
+                c.ddp_arrival_read, c.ddp_arrival_queued = t, c.queued()
     if _bw_queued:
         return
     _bw_queued = True
