@@ -66,7 +66,7 @@ class _WaitClock:
         try:
             return int(os.pread(fd, 96, 0).split()[1]) / 1e9
         except (OSError, ValueError, IndexError):
-            self._schedstat = None  # reported once, then never read again
+            self._schedstat = None  # a failed read turns the reading off for this clock: nothing is subtracted
             _close(fd)
             return 0.0
 
