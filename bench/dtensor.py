@@ -188,4 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # without interpreter finalisation, as resilient-run's workers end: the mesh's gloo group outlives
+    # destroy_process_group() (README, Known limits: the gloo exit abort)
+    from resilient.worker import exit_safety
+
+    exit_safety.finish(code)

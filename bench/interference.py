@@ -288,6 +288,11 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
                                          else "cpu"}))
     dist.barrier()
     dist.destroy_process_group()
+    # a rank ends as resilient-run's workers do, without interpreter finalisation (README, Known limits: the gloo
+    # exit abort); the parent reads the exit code
+    from resilient.worker import exit_safety
+
+    exit_safety.finish(0)
 
 
 def _auto(cost_s: float, blocking_s: float, clean_step_s: float) -> tuple[int, float]:

@@ -232,4 +232,12 @@ def _fmt(s: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "--worker" in sys.argv:
+        # a rank ends as resilient-run's workers do, without interpreter finalisation: its mesh's gloo groups
+        # outlive destroy_process_group() and a gloo thread releasing a collective's tensors during finalisation
+        # can abort a rank that succeeded (README, Known limits)
+        from resilient.worker import exit_safety
+
+        exit_safety.finish(code)
+    sys.exit(code)
