@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # without interpreter finalisation, as resilient-run's workers end: the mesh's gloo group outlives
-    # destroy_process_group() (README, Known limits: the gloo exit abort)
+    # ends as resilient-run's workers do: no finalisation, so no gloo exit abort (README, Known limits)
     from resilient.worker import exit_safety
 
     exit_safety.finish(code)

@@ -288,8 +288,7 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
                                          else "cpu"}))
     dist.barrier()
     dist.destroy_process_group()
-    # a rank ends as resilient-run's workers do, without interpreter finalisation (README, Known limits: the gloo
-    # exit abort); the parent reads the exit code
+    # a rank ends as resilient-run's workers do: no finalisation, so no gloo exit abort (README, Known limits)
     from resilient.worker import exit_safety
 
     exit_safety.finish(0)

@@ -234,9 +234,7 @@ def _fmt(s: dict[str, Any]) -> str:
 if __name__ == "__main__":
     code = main()
     if "--worker" in sys.argv:
-        # a rank ends as resilient-run's workers do, without interpreter finalisation: its mesh's gloo groups
-        # outlive destroy_process_group() and a gloo thread releasing a collective's tensors during finalisation
-        # can abort a rank that succeeded (README, Known limits)
+        # a rank ends as resilient-run's workers do: no finalisation, so no gloo exit abort (README, Known limits)
         from resilient.worker import exit_safety
 
         exit_safety.finish(code)

@@ -58,7 +58,7 @@ def test_no_straggler_among_equal_ranks_under_cpu_contention(make_agent):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: one shared with burners, one not")
 def test_a_rank_kept_waiting_for_a_cpu_is_not_a_straggler(make_agent):
     # Equal work (20 ms of CPU a step) on both ranks. Once both run steps, rank 0's training thread shares its CPU
-    # with two busy processes at a lower priority; rank 1's has a CPU to itself. Rank 0's steps then take far
+    # with two busy processes and is niced below them; rank 1's has a CPU to itself. Rank 0's steps then take far
     # longer, but the extra is time it was runnable and waiting for the core (its run-queue delay), not its own
     # work: no straggler. Before that delay was taken out of own work, rank 0 was flagged.
     cpu0, cpu1 = sorted(os.sched_getaffinity(0))[:2]
