@@ -65,9 +65,11 @@ class _WaitClock:
             return 0.0
         try:
             return int(os.pread(fd, 96, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError, IndexError) as e:
             self._schedstat = None  # a failed read turns the reading off for this clock: nothing is subtracted
             _close(fd)
+            logger.info("cannot read the training thread's run-queue delay (%s); straggler scores count it as "
+                        "the rank's own work from now on", e)
             return 0.0
 
     def take(self) -> float:
@@ -95,7 +97,9 @@ def _open_schedstat() -> int | None:
     # bound to the calling thread when opened: any thread may read it later (DDP's hooks may run on autograd's)
     try:
         return os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as e:
+        logger.info("cannot read the training thread's run-queue delay (%s); straggler scores count it as the "
+                    "rank's own work", e)
         return None
 
 
