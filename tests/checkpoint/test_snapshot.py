@@ -285,6 +285,34 @@ def test_resilient_run_snapshot_off_restores_from_disk(tmp_path: Path, reference
     assert_bit_exact(reference, final(tmp_path / "out", 2))
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("snapshot, covered", [("1", 2), ("off", 0)])
+def test_auto_interval_counts_only_the_restarts_that_needed_a_disk_tier(tmp_path: Path, snapshot: str,
+                                                                       covered: int) -> None:
+    """Two real kills under ``--ckpt-interval auto``: with snapshots both attempts resume from node memory, so the
+    tuner's MTBF (what sets the disk interval) counts neither; without, both. The second restart is learnt from the
+    ledger (attempt 1's restore), the current one from the restore itself."""
+    if snapshot != "off" and not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    faults = plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0),
+                      WorkerFault(FaultHow.KILL, rank=0, step=16, attempt=1))
+    cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir",
+           str(tmp_path / "run"), "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "auto",
+           "--ckpt-snapshot", snapshot, "--max-restarts", "2", str(TRAIN), "--steps", "60", "--out",
+           str(tmp_path / "out")]
+    r = subprocess.run(cmd, cwd=REPO, env=_child_env(faults), capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr[-4000:]
+    evs = list(read_events(tmp_path / "run"))
+    tiers = {e.attempt: e.details["tier"] for e in evs if e.kind is EventKind.CKPT_RESTORE and e.rank == 0}
+    assert tiers == ({1: "snapshot", 2: "snapshot"} if covered else {1: "local", 2: "local"}), tiers
+    decided = [e.details["inputs"] for e in evs if e.kind is EventKind.CKPT_INTERVAL and e.attempt == 2]
+    assert decided, "attempt 2 made no interval decision"
+    for inputs in decided:
+        assert (inputs["interruptions"], inputs["interruptions_from_snapshots"]) == (2, covered), inputs
+        prior = 0.5 * inputs["prior_mtbf_seconds"] + inputs["uptime_seconds"]
+        assert inputs["mtbf_seconds"] == pytest.approx(prior / (0.5 + 2 - covered)), inputs
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bad", ["sometimes", "-1"])
 def test_resilient_run_refuses_a_bad_ckpt_snapshot(tmp_path: Path, bad: str) -> None:

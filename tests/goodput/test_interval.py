@@ -107,3 +107,30 @@ def test_seeded_from_a_real_runs_ledger(crashed_run):
     assert inp["uptime_seconds"] > 0
     assert 1 <= t.interval_steps() <= 10000
     assert IntervalTuner.from_run_dir(crashed_run / "nothing-here").inputs()["interruptions"] == 0
+
+
+def test_restarts_that_resumed_from_snapshots_do_not_shorten_the_interval():
+    disk, snap = (IntervalTuner(prior_mtbf_s=3600, max_steps=100_000) for _ in range(2))
+    for t in (disk, snap):
+        for _ in range(50):
+            t.observe_step(1.0)
+        t.observe_save(0.5)
+    for _ in range(20):
+        disk.observe_interruption()
+        snap.observe_interruption(from_snapshot=True)
+    assert snap.mtbf_seconds() == pytest.approx((0.5 * 3600 + 50.5) / 0.5)  # the prior and the uptime only
+    assert disk.mtbf_seconds() == pytest.approx((0.5 * 3600 + 50.5) / 20.5)
+    assert snap.interval_steps() > 5 * disk.interval_steps()
+    assert snap.inputs()["interruptions"] == 20 and snap.inputs()["interruptions_from_snapshots"] == 20
+
+
+@pytest.mark.parametrize("tier, covered", [("snapshot", 1), ("local", 0), ("peer", 0), (None, 0)])
+def test_this_attempts_restore_says_whether_its_interruption_needed_the_disk(tier, covered):
+    t = IntervalTuner()
+    t.observe_interruption()
+    t.observe_restore(tier)
+    t.observe_restore("snapshot")  # one restore an attempt counts
+    assert t.inputs()["interruptions_from_snapshots"] == covered
+    fresh = IntervalTuner()
+    fresh.observe_restore("snapshot")  # a snapshot with no interruption seen: nothing to take back
+    assert fresh.inputs()["interruptions_from_snapshots"] == 0

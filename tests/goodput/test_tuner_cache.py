@@ -246,3 +246,57 @@ def test_a_real_restart_of_rank_0_reads_on_from_the_cache_its_predecessor_wrote(
     (own,) = [p for p in run_dir.glob(f"events.*-{pid}.jsonl")]
     assert first[1]["ledger_bytes_read_at_start"] < own.stat().st_size
     assert (run_dir / CACHE_NAME).exists()
+
+
+def _restored(run: Path, at: int, attempt: int, tier: str, writer: str) -> None:
+    with open(run / writer, "a") as f:
+        for rank in (0, 1):  # every rank writes its restore; one restart's is counted once
+            ev = Event(EventKind.CKPT_RESTORE, node="n0", rank=rank, attempt=attempt,
+                       details={"step": at - 1, "tier": tier, "seconds": 0.01, "bytes": 1},
+                       wall=T0 + at * 0.2, mono=at * 0.2)
+            f.write(json.dumps(ev.to_json(), separators=(",", ":")) + "\n")
+
+
+def test_restarts_resumed_from_snapshots_are_learnt_from_the_ledger_and_the_cache_alike(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    _grow(run, 0, 3000, attempt=0)
+    _restart(run, 3000, 1)
+    _restored(run, 3000, 1, "snapshot", "events.host-7.jsonl")  # before the cache is written
+    _grow(run, 3000, 3000, attempt=1, writer="events.host-7.jsonl")
+    _rank0_ran_on(run)
+    _restart(run, 6500, 2)
+    _restored(run, 6500, 2, "snapshot", "events.host-9.jsonl")  # after it
+    _grow(run, 6500, 40, attempt=2, writer="events.host-9.jsonl")
+    _restart(run, 6540, 3)
+    _restored(run, 6540, 3, "local", "events.host-9.jsonl")  # a restart the snapshots did not cover
+    _grow(run, 6540, 40, attempt=3, writer="events.host-9.jsonl")
+    got = IntervalTuner.from_run_dir(run)
+    assert got.inputs()["ledger_cache_used"] is True
+    _same(got, _fresh(run))
+    i = got.inputs()
+    assert (i["interruptions"], i["interruptions_from_snapshots"]) == (3, 2)
+    # only the restart that fell back to a disk tier shortens the interval
+    assert i["mtbf_seconds"] == pytest.approx((got.prior_weight * got.prior_mtbf_s + i["uptime_seconds"])
+                                              / (got.prior_weight + 1))
+
+
+def test_a_cache_written_before_snapshot_restores_were_kept_is_read_as_restarts_that_needed_the_disk(
+        tmp_path: Path) -> None:
+    import zlib
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _grow(run, 0, 3000, attempt=0)
+    _restart(run, 3000, 1)
+    _restored(run, 3000, 1, "snapshot", "events.host-7.jsonl")
+    _grow(run, 3000, 3000, attempt=1, writer="events.host-7.jsonl")
+    _rank0_ran_on(run)
+    p = run / CACHE_NAME
+    body = json.loads(p.read_bytes().partition(b"\n")[2])
+    del body["sums"]["snapshot_attempts"]  # as the version before wrote it
+    raw = json.dumps(body).encode()
+    p.write_bytes(b"%08x\n" % zlib.crc32(raw) + raw)
+    got = IntervalTuner.from_run_dir(run)
+    assert got.inputs()["ledger_cache_used"] is True
+    assert (got.inputs()["interruptions"], got.inputs()["interruptions_from_snapshots"]) == (1, 0)

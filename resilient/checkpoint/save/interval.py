@@ -15,7 +15,11 @@ T = √(2·δ·M) − δ, and T = M once δ ≥ M/2 (where the formula stops mak
   save, one step time stands in for δ (the first save then measures it).
 * M is the posterior mean of a gamma prior on the interruption rate: ``prior_weight`` pseudo-
   interruptions over ``prior_weight × prior_mtbf_s`` seconds, updated with the observed uptime and
-  interruptions — the configured prior rules until the run has seen enough to overrule it.
+  interruptions — the configured prior rules until the run has seen enough to overrule it. Only the
+  interruptions that needed a disk tier count: a restart that resumed from the snapshot tier (node memory,
+  newer than any save) lost no work back to the last save, so it says nothing about how often saves are
+  needed (the multi-level view: each tier's interval follows the failures only that tier covers). A run
+  without snapshots counts every restart.
 * The interval in steps is T ÷ median step time, bounded by ``[min_steps, max_steps]``, and only moves
   when the optimum moved by more than ``hysteresis`` (goodput is flat near the optimum, so flapping
   would buy nothing and cost reproducibility).
@@ -51,9 +55,10 @@ logger = logging.getLogger(__name__)
 # seconds; the tuner's prior MTBF when a run gives none in code (``resilient-run`` has no flag for it)
 PRIOR_MTBF_ENV = env.CKPT_PRIOR_MTBF
 
-_READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART})
+_READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART, EventKind.CKPT_RESTORE})
 _START_SLICE_BYTES = 8 << 20
 _RECENT_BYTES = 2 << 20  # the newest lines read as events at a restart: more than the 4096 the follower keeps
+_COUNTED_ONLY = frozenset({EventKind.RESTART, EventKind.CKPT_RESTORE})  # summed (LedgerSums), not kept as events
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,7 @@ class _LedgerFollower:
         (with ``steps``: STEP lines tallied there instead, to ``leave`` bytes before each file's end)."""
         new = self._tail.read_new(max_bytes, kinds=_READ_KINDS, steps=steps, leave=leave)
         self.bytes_read += self._tail.last_read
-        self.events.extend(ev for ev in new if ev.kind is not EventKind.RESTART)
+        self.events.extend(ev for ev in new if ev.kind not in _COUNTED_ONLY)
         self.sums.absorb(new)
         return new
 
@@ -189,6 +194,8 @@ class IntervalTuner:
         self._pending_cache: TunerCache | None = None
         self._uptime = 0.0
         self._interruptions = 0
+        self._from_snapshots = 0  # of those, restarts that resumed from the snapshot tier
+        self._restore_seen = False  # this attempt's restore was observed (at most one counts)
         self._current: int | None = None
         self._last_logged: tuple[int, int] | None = None
 
@@ -205,9 +212,21 @@ class IntervalTuner:
             self._saves.append(float(blocking_seconds))
             self._uptime += blocking_seconds
 
-    def observe_interruption(self) -> None:
-        """One disruption of the job (a restart of the workers, for whatever reason)."""
+    def observe_interruption(self, from_snapshot: bool = False) -> None:
+        """One disruption of the job (a restart of the workers, for whatever reason); ``from_snapshot``: the
+        restart resumed from the snapshot tier, so no work was lost back to the last save."""
         self._interruptions += 1
+        if from_snapshot:
+            self._from_snapshots += 1
+
+    def observe_restore(self, tier: str | None) -> None:
+        """Where this attempt's restore came from, once it is known: a restore from the snapshot tier means the
+        interruption before it (already observed) did not need a disk tier."""
+        if self._restore_seen:
+            return
+        self._restore_seen = True
+        if tier == "snapshot" and self._from_snapshots < self._interruptions:
+            self._from_snapshots += 1
 
     def observe_upload(self, seconds: float) -> None:
         """Duration of one background upload to the persistent tier."""
@@ -243,7 +262,9 @@ class IntervalTuner:
         return block + (self.interference_seconds() or 0.0)
 
     def mtbf_seconds(self) -> float:
-        return (self.prior_weight * self.prior_mtbf_s + self._uptime) / (self.prior_weight + self._interruptions)
+        """Mean time between the interruptions that fall back to a disk tier (see the module's docstring)."""
+        needed_disk = self._interruptions - self._from_snapshots
+        return (self.prior_weight * self.prior_mtbf_s + self._uptime) / (self.prior_weight + needed_disk)
 
     def optimal_seconds(self) -> float | None:
         """Young/Daly optimum of the training time between two saves, or None before any step is seen."""
@@ -294,6 +315,7 @@ class IntervalTuner:
             "prior_mtbf_seconds": self.prior_mtbf_s,
             "uptime_seconds": self._uptime,
             "interruptions": self._interruptions,
+            "interruptions_from_snapshots": self._from_snapshots,
             "optimal_seconds": self.optimal_seconds(),
             "interval_steps": self._current,
             "min_steps": self.min_steps,
@@ -309,10 +331,12 @@ class IntervalTuner:
             self._last_logged = key
             i = self.inputs()
             logger.info("checkpoint interval %d steps (optimum %.1f s: save %.3f s blocking + %.3f s interference, "
-                        "MTBF %.0f s from %d interruption(s) in %.0f s + prior %.0f s), persistent every %d",
+                        "MTBF %.0f s from %d interruption(s), %d of them resumed from snapshots, in %.0f s + prior "
+                        "%.0f s), persistent every %d",
                         key[0], i["optimal_seconds"] or 0.0, i["save_blocking_seconds"] or 0.0,
                         i["save_interference_seconds"] or 0.0, i["mtbf_seconds"],
-                        i["interruptions"], i["uptime_seconds"], self.prior_mtbf_s, key[1])
+                        i["interruptions"], i["interruptions_from_snapshots"], i["uptime_seconds"], self.prior_mtbf_s,
+                        key[1])
 
     def _follow(self, force: bool = False) -> None:
         """Learn the interference of recent saves from the ledger being followed (rate-limited)."""
@@ -383,7 +407,18 @@ class IntervalTuner:
         tuner._saves.extend(sums.saves)
         tuner._uploads.extend(sums.uploads)
         tuner._follow(force=True)
-        for _ in sums.restarts:
-            tuner.observe_interruption()
+        for new in sums.restarted_into():
+            tuner.observe_interruption(from_snapshot=new in sums.snapshot_attempts)
+        # a restore of this attempt already in the ledger (an earlier manager of the same process): counted above
+        tuner._restore_seen = _this_attempt() in sums.snapshot_attempts
         tuner._start_read = (follower.bytes_read, cache is not None)
         return tuner
+
+
+def _this_attempt() -> int | None:
+    # the attempt this process's ledger events carry (the Ledger's own rule)
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None

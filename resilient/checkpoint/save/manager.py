@@ -169,6 +169,14 @@ class _Interval:
         self._last_call: float | None = None
         self.lock = threading.Lock()  # the tuner is fed from the training, save and upload threads
 
+    def observe_restore(self, tier: str | None) -> None:
+        if self.tuner is not None:
+            try:
+                with self.lock:
+                    self.tuner.observe_restore(tier)
+            except Exception as e:  # a tuner bug must not stop training
+                logger.debug("tuner.observe_restore failed: %s", e)
+
     def observe_call(self) -> None:
         now = time.perf_counter()
         if self.tuner is not None and self._last_call is not None:
@@ -1136,6 +1144,7 @@ class CheckpointManager:
         self.wait()
         res = self._restorer.restore(state)
         self.last_restore = res
+        self._interval.observe_restore(res.tier if res.step is not None else None)
         if res.step is None:
             if self.rank == 0:
                 self._say_nothing_restored()

@@ -49,10 +49,17 @@ class LedgerSums:
     saves: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     uploads: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     restarts: set[tuple[Any, Any]] = field(default_factory=set)
+    # attempts whose restore came from node memory (the snapshot tier): their restarts did not need a disk tier
+    snapshot_attempts: set[Any] = field(default_factory=set)
 
     @classmethod
     def sized(cls, window: int, recent: int) -> "LedgerSums":
         return cls(deque(maxlen=window), 0.0, deque(maxlen=recent), deque(maxlen=recent), set())
+
+    def restarted_into(self) -> list[Any]:
+        """The attempt each restart started (the agent's restart event carries it as its own attempt; a
+        ``details.attempt`` names it where a writer gives one)."""
+        return [new if new is not None else own for own, new in self.restarts]
 
     def absorb(self, events: Iterable[Event]) -> None:
         """The observations of events read from the ledger (the tuner's own ``observe_*`` rules: a value that is
@@ -73,6 +80,8 @@ class LedgerSums:
                         self.uploads.append(v)
                 elif ev.kind is EventKind.RESTART:
                     self.restarts.add((ev.attempt, d.get("attempt")))
+                elif ev.kind is EventKind.CKPT_RESTORE and d.get("tier") == "snapshot" and ev.attempt is not None:
+                    self.snapshot_attempts.add(ev.attempt)
             except (TypeError, ValueError):
                 continue
 
@@ -88,11 +97,12 @@ class LedgerSums:
 
     def copy(self) -> "LedgerSums":
         return LedgerSums(deque(self.steps, self.steps.maxlen), self.uptime, deque(self.saves, self.saves.maxlen),
-                          deque(self.uploads, self.uploads.maxlen), set(self.restarts))
+                          deque(self.uploads, self.uploads.maxlen), set(self.restarts), set(self.snapshot_attempts))
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": list(self.steps), "uptime": self.uptime, "saves": list(self.saves),
-                "uploads": list(self.uploads), "restarts": [list(r) for r in self.restarts]}
+                "uploads": list(self.uploads), "restarts": [list(r) for r in self.restarts],
+                "snapshot_attempts": list(self.snapshot_attempts)}
 
     @classmethod
     def from_json(cls, d: Any, window: int, recent: int) -> "LedgerSums":
@@ -116,6 +126,13 @@ class LedgerSums:
             out.restarts = {(a, b) for a, b in rs}
         except TypeError:  # an unhashable member: nothing the writer writes
             raise ValueError("sums.restarts: a member that is not a number or text") from None
+        # absent in a cache written before it was kept: those restarts count as needing the disk tiers (the
+        # shorter, safe interval) until the run's ledger says otherwise
+        snaps = d.get("snapshot_attempts", [])
+        if not isinstance(snaps, list) or not all(isinstance(a, (int, str)) and not isinstance(a, bool)
+                                                  for a in snaps):
+            raise ValueError("sums.snapshot_attempts: not a list of attempts")
+        out.snapshot_attempts = set(snaps)
         return out
 
 
