@@ -62,11 +62,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def _job(workers: Workers, tmp: Path, snap: Path | None, attempt: int, extra: dict[str, str] | None = None,
-         every: str = "1") -> list:
+         every: str = "1", interval: str = INTERVAL) -> list:
     env = {"TORCHELASTIC_RESTART_COUNT": str(attempt), **(extra or {})}
     if snap is not None:
         env.update(RESILIENT_CKPT_SNAPSHOT_DIR=str(snap), RESILIENT_CKPT_SNAPSHOT=every)
-    return workers.run(TRAIN, ["--steps", str(STEPS), "--interval", INTERVAL, "--local", str(tmp / "ckpt"),
+    return workers.run(TRAIN, ["--steps", str(STEPS), "--interval", interval, "--local", str(tmp / "ckpt"),
                                "--out", str(tmp / "out")], 2, env=env)
 
 
@@ -107,11 +107,30 @@ def test_a_killed_rank_resumes_from_the_snapshot_of_the_last_step_bit_exact(
 def test_auto_cadence_is_agreed_so_every_rank_snapshots_the_same_steps(tmp_path: Path, shm: Path,
                                                                       workers: Workers) -> None:
     """Each rank measures its own cost; snapshots of different steps on different ranks would be useless, so the
-    ranks agree at the first disk save (after step 3) on one cadence, effective from a step none has reached."""
+    ranks agree on one cadence a few steps in (on the save worker, at the third step), from a step none has reached
+    (step 6), and again at each disk save."""
     ok(_job(workers, tmp_path, shm, 0, every="auto"))
     held = [sorted(h["step"] for h in _heads(shm, r).values()) for r in range(2)]
     assert held[0] == held[1], held
-    assert max(held[0]) >= 8, held  # the agreed schedule starts at step 3 + 4 + 1
+    assert max(held[0]) >= 6, held  # the agreed schedule starts at step 2 + 4
+
+
+@pytest.mark.timeout(240)
+def test_a_long_disk_interval_still_has_snapshots_from_the_first_attempts_early_steps(
+        tmp_path: Path, shm: Path, workers: Workers, reference: list[dict]) -> None:
+    """The cadence is agreed a few steps in, not at the first disk save: with saves far apart (none in this first
+    attempt) the attempt would otherwise hold only the two measuring snapshots of its first steps until a disk save,
+    and a worker killed after step 12 would start over from step 0."""
+    res = _job(workers, tmp_path, shm, 0, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=12, attempt=0)),
+               every="auto", interval="100")
+    assert any(r.returncode != 0 for r in res)
+    held = [{h["step"] for h in _heads(shm, r).values()} for r in range(2)]
+    common = held[0] & held[1]
+    assert common and max(common) >= 6, held  # agreed at step 2, from step 2 + 4, the same steps on both ranks
+    ok(_job(workers, tmp_path, shm, 1, every="auto", interval="100"))
+    got = _restored(tmp_path)
+    assert [g["tier"] for g in got] == ["snapshot", "snapshot"] and {g["step"] for g in got} == {max(common)}, got
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
 
 
 @pytest.mark.timeout(300)
@@ -137,7 +156,12 @@ def test_the_cadence_carries_over_a_restart_so_snapshots_resume_at_once(tmp_path
     for r in range(2):
         ours = [h for h in _heads(shm, r).values() if h["epoch"] not in epochs0]
         assert ours, f"rank {r}: attempt 1 took no snapshot before its first disk save"
-        assert all(h["every"] == k0 for h in ours), ours  # the carried cadence, not a measuring snapshot
+        # until attempt 1's own first agreement (at its first disk save) takes effect: the carried cadence, not a
+        # measuring snapshot nor an early agreement of its own
+        firsts = [e.details["from_step"] for e in read_events(tmp_path / "run")
+                  if e.kind is EventKind.CKPT_SNAPSHOT_CADENCE and e.attempt == 1 and e.details["source"] == "agreed"]
+        carried = [h for h in ours if h["step"] < min(firsts, default=STEPS)]
+        assert carried and all(h["every"] == k0 for h in carried), (k0, ours, firsts)
     steps1 = [sorted(h["step"] for h in _heads(shm, r).values() if h["epoch"] not in epochs0) for r in range(2)]
     assert steps1[0] == steps1[1], steps1  # the same steps on both ranks: of use at the next restore
     # the ledger says so: attempt 0 agreed k0 at a disk save (from every rank's proposal), attempt 1 resumed it at

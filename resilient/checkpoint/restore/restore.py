@@ -321,6 +321,8 @@ class Restorer(Component):
     def __init__(self, ctx: Any):
         super().__init__(ctx)
         self._plans = _Lru(1)  # (step, metadata, targets) -> _Direct
+        # whether the last restore found a snapshot cadence recorded by the attempt before (every rank alike)
+        self.cadence_carried_over = False
 
     def _tiers(self) -> list[Any]:
         return [t for t in (self.ctx.local, self.ctx.peer, self.ctx.persistent) if t is not None]
@@ -355,6 +357,10 @@ class Restorer(Component):
         self._offers: list[Any] | None = None
         with _gc_paused():
             res = self._restore(state)
+        offers = self._offers
+        # from the gathered offers: the same on every rank (what ring.resume carries over when every rank has a ring)
+        self.cadence_carried_over = bool(offers) and all(o is not None for o in offers) and any(
+            o.every is not None for o in offers)
         ring = self.ctx.snapshot
         if ring is not None and self._offers is not None:
             start = 0 if res.step is None else res.step + 1

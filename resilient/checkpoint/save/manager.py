@@ -116,6 +116,23 @@ def _steps_text(steps: list[int], most: int = 12) -> str:
 
 
 @dataclass
+class _AgreeJob:
+    """The snapshot cadence agreed on the save worker without a save: queued at the same ``save()`` call on every
+    rank (so every rank's worker meets it in the same order among the save jobs), in force from ``start``."""
+
+    start: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+# save() calls before the early agreement: the first two take the snapshots that measure the cost
+_AGREE_AT_CALL = 3
+# steps between that call and the agreed cadence's first step. A rank whose worker installs the cadence after its
+# training passed that step (its worker busy with a save) misses the snapshots before it; the others' of those steps
+# are then never used (a restore takes a step every rank holds), and the ones after it are taken by every rank
+_AGREE_AHEAD = 4
+
+
+@dataclass
 class _SaveJob:
     step: int
     objects: dict[str, Any]
@@ -305,7 +322,13 @@ class CheckpointManager:
         self._traceback_written = False
         self._t_created = time.time()
 
-        self._jobs: queue.Queue[_SaveJob | None] = queue.Queue()
+        self._jobs: queue.Queue[_SaveJob | _AgreeJob | None] = queue.Queue()
+        # with snapshots on auto, the cadence is agreed early (_AGREE_AT_CALL) instead of at the first disk save, which
+        # with a long interval leaves a first attempt without snapshots for two intervals; not when a restore carried
+        # a cadence over. Decided from configuration and gathered results only: the same on every rank
+        self._early_agree = self.config.snapshot == "auto"
+        self._save_calls = 0
+        self._agree_job: _AgreeJob | None = None
         self._planners: dict[str, _plan.CachedSavePlanner] = {}  # by writer kind; used by the save thread only
         self._worker = threading.Thread(target=self._save_loop, name="resilient-ckpt-save", daemon=True)
         self._worker.start()
@@ -360,20 +383,32 @@ class CheckpointManager:
         """This rank's snapshot cadence for the agreement at a save (0: none here; None: not measured yet)."""
         return 0 if self._snap is None else self._snap.proposal()
 
-    def _snap_agree(self, proposals: list[int | None], step: int) -> None:
+    def _snap_agree(self, proposals: list[int | None], start: int) -> None:
         """On the save worker, every rank with the same ``proposals``: the slowest rank's cadence, or none when a rank
-        has none (a snapshot is used only when every rank holds it). It takes effect after the next save's step: the
-        training thread waits at that save for this one's write, so no rank is past it yet."""
+        has none (a snapshot is used only when every rank holds it), in force from step ``start``."""
         if self._snap is None or not self._snap.auto or any(p is None for p in proposals):
             return
         k = 0 if any(p == 0 for p in proposals) else max(int(p) for p in proposals)  # type: ignore[arg-type]
-        start = step + self._interval.steps + 1
         if self._snap.agree(k, start) and self.rank == 0:
             logger.info("snapshots in node memory: %s", f"every {k} step(s) from step {start} "
                         f"(the slowest rank's cost within {self.config.snapshot_budget:.0%} of its step)"
                         if k else "off (a rank has none)")
             self._emit(EventKind.CKPT_SNAPSHOT_CADENCE, every=k, from_step=start, source="agreed",
                        proposals=list(proposals))
+
+    def _after_next_save(self, job: _SaveJob) -> int:
+        # the training thread waits at the next save for this one's write, so no rank is past that step yet
+        return job.step + self._interval.steps + 1
+
+    def _agree_early(self, job: _AgreeJob) -> None:
+        """On the save worker: the cadence agreed from every rank's measured proposal (see ``_AGREE_AHEAD``)."""
+        try:
+            self._snap_agree(self._gather(self._snap_proposal(), self._pg), job.start)
+        except FAILURES as e:
+            logger.warning("snapshot cadence not agreed ahead of the first checkpoint save (%s); it will be at that "
+                           "save", _one_line(e))
+        finally:
+            job.done.set()
 
     @property
     def snapshot(self) -> Any:
@@ -419,6 +454,12 @@ class CheckpointManager:
             snap.observe_call()
             if snap.due(step):
                 snap.take(step, state)
+        if self._early_agree:
+            self._save_calls += 1
+            if self._save_calls >= _AGREE_AT_CALL:
+                self._early_agree = False
+                self._agree_job = _AgreeJob(start=step + _AGREE_AHEAD)
+                self._jobs.put(self._agree_job)
         if not (force or self._interval.due(step) or _preempt_save_due(step)):  # a preempted job's last step
             return False
         # the agent holds the blocking part to the section's own learned timeout, not to the step's
@@ -487,6 +528,9 @@ class CheckpointManager:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, _AgreeJob):
+                self._agree_early(job)
+                continue
             try:
                 self._do_save(job)
             except BaseException as e:  # fail static: a failed save is reported, training goes on; the
@@ -695,7 +739,7 @@ class CheckpointManager:
             self._settle(job, False, tier.name, _one_line(e), e)
             self._release(job)
             raise
-        self._snap_agree([r[4] for r in results], job.step)
+        self._snap_agree([r[4] for r in results], self._after_next_save(job))
         self._count_uploads([r[5] for r in results])  # before this save's own outcome: they are older
         all_ok = all(r[0] for r in results)
         if not all_ok:
@@ -824,7 +868,7 @@ class CheckpointManager:
         except FAILURES as e:
             ok, error = False, e
         results = self._gather((ok, _one_line(error) if error is not None else None, self._snap_proposal()), self._pg)
-        self._snap_agree([r[2] for r in results], job.step)
+        self._snap_agree([r[2] for r in results], self._after_next_save(job))
         if not all(r[0] for r in results):
             self._emit(EventKind.CKPT_TIER_FAILED, step=job.step, tier=TierName.PERSISTENT.value,
                        error=f"{type(error).__name__}: {error}" if error else "another rank failed")
@@ -994,6 +1038,10 @@ class CheckpointManager:
         a dead persistent store must not hold the job; its pending steps stay queued.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        agree = self._agree_job
+        # its gather uses the group a restore after this uses from the training thread
+        if agree is not None and not agree.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
         job = self._last_job
         if job is not None:
             if not job.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
@@ -1144,6 +1192,8 @@ class CheckpointManager:
         self.wait()
         res = self._restorer.restore(state)
         self.last_restore = res
+        if self._restorer.cadence_carried_over:
+            self._early_agree = False  # the snapshots resume under the cadence they were taken under
         self._interval.observe_restore(res.tier if res.step is not None else None)
         if res.step is None:
             if self.rank == 0:
