@@ -21,7 +21,7 @@ and the same after the launch (wall time from the first step's start: a launch c
 configuration and only dilutes the differences). Goal: auto within 2% of the best fixed interval.
 
 Prints tables; writes bench/results/interval.json.
-Usage: python bench/interval.py [--quick] [--no-sim] [--no-real] [--seeds N]
+Usage: python bench/interval.py [--quick] [--no-sim] [--no-real] [--seeds N] [--snapshot auto|off] [--out FILE]
 (--quick: a smoke run, too few failures to judge the claims)
 """
 
@@ -165,7 +165,8 @@ def fault_schedule(seed: int, steps: int, mean_gap: float) -> list[int]:
         out.append(int(at))
 
 
-def real_run(interval: str, seed: int, steps: int, kills: list[int], prior_mtbf_s: float, work: Path) -> dict:
+def real_run(interval: str, seed: int, steps: int, kills: list[int], prior_mtbf_s: float, work: Path,
+             snapshot: str = "auto") -> dict:
     from resilient.goodput.calculator import report_for_run
     from resilient.drill.spec import FaultHow, WorkerFault, plan_env
 
@@ -175,7 +176,7 @@ def real_run(interval: str, seed: int, steps: int, kills: list[int], prior_mtbf_
     env[PRIOR_MTBF_ENV] = str(prior_mtbf_s)
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(len(kills) + 2), "--run-dir", str(run_dir), "--ckpt-local", str(run_dir / "ckpt"),
-           "--ckpt-interval", interval, str(JOB)]
+           "--ckpt-interval", interval, "--ckpt-snapshot", snapshot, str(JOB)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900,
                           start_new_session=True)
@@ -202,19 +203,20 @@ def real_run(interval: str, seed: int, steps: int, kills: list[int], prior_mtbf_
             "auto_inputs": ivs[-1].get("inputs") if ivs else None}
 
 
-def real_sweep(seeds: list[int], steps: int, mean_gap: float, fixed: list[int]) -> dict:
+def real_sweep(seeds: list[int], steps: int, mean_gap: float, fixed: list[int], snapshot: str = "auto") -> dict:
     work = Path(tempfile.mkdtemp(prefix="resilient-interval-bench-"))
     runs: list[dict] = []
     # a step's time on this machine, for the prior: one short run without faults or saves
-    probe = real_run(str(steps + 1), -1, 60, [], 3600.0, work)
+    probe = real_run(str(steps + 1), -1, 60, [], 3600.0, work, snapshot)
     step_s = probe["clean_step_seconds"] or 0.03
     prior = mean_gap * step_s
     print(f"real runs: clean step {step_s * 1000:.1f} ms; a kill every {mean_gap:.0f} steps on average "
-          f"(MTBF prior for auto: {prior:.1f} s); {steps} steps per run; intervals {fixed} and auto")
+          f"(MTBF prior for auto: {prior:.1f} s); {steps} steps per run; intervals {fixed} and auto; snapshots "
+          f"{snapshot}")
     for seed in seeds:
         kills = fault_schedule(seed, steps, mean_gap)
         for iv in [*map(str, fixed), "auto"]:
-            r = real_run(iv, seed, steps, kills, prior, work)
+            r = real_run(iv, seed, steps, kills, prior, work, snapshot)
             r["kills"] = kills
             runs.append(r)
             print(f"  seed {seed} interval {iv:>4}: goodput {r['goodput']:.3f} (after launch "
@@ -247,7 +249,8 @@ def real_sweep(seeds: list[int], steps: int, mean_gap: float, fixed: list[int]) 
           f"(best fixed by whole-run goodput: {best_run['interval']}); goal >= 0.98: "
           f"{'yes' if ratio >= 0.98 else 'NO'}")
     return {"params": {"steps": steps, "mean_steps_between_kills": mean_gap, "seeds": seeds, "fixed": fixed,
-                       "clean_step_seconds_probe": step_s, "prior_mtbf_seconds": prior, **REAL_ENV},
+                       "clean_step_seconds_probe": step_s, "prior_mtbf_seconds": prior, "snapshot": snapshot,
+                       **REAL_ENV},
             "table": table, "best_fixed_interval": best["interval"], "auto_vs_best_after_launch": ratio,
             "auto_vs_best_whole_run": ratio_run, "auto_within_2pct": ratio >= 0.98, "runs": runs}
 
@@ -262,13 +265,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400, help="steps per real run")
     ap.add_argument("--mean-gap", type=float, default=120.0, help="real runs: mean steps between kills")
     ap.add_argument("--fixed", default="5,10,20,40,80", help="real runs: fixed intervals to sweep")
+    ap.add_argument("--snapshot", default="auto", help="real runs: --ckpt-snapshot (auto, as users get it; off: "
+                    "every kill falls back to the disk tier, the case Young/Daly alone is about)")
+    ap.add_argument("--out", default=None, help="results file (default bench/results/interval.json)")
     args = ap.parse_args()
-    out = Path(__file__).resolve().parent / "results" / "interval.json"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "interval.json"
     old = json.loads(out.read_text()) if out.exists() else {}
     real = old.get("real")
     if not args.no_real:
         real = real_sweep(list(range(1 if args.quick else args.seeds)), 150 if args.quick else args.steps,
-                          args.mean_gap if not args.quick else 60.0, [int(x) for x in args.fixed.split(",")])
+                          args.mean_gap if not args.quick else 60.0, [int(x) for x in args.fixed.split(",")],
+                          args.snapshot)
     if args.no_sim:
         old["real"] = real
         out.write_text(json.dumps(old, indent=2) + "\n")
@@ -312,7 +319,7 @@ def main() -> int:
               f"{r['auto_vs_best']:>9.4f} {r['young_daly_interval']:>10.1f}")
     ok = all(r["auto_vs_best"] >= 0.99 for r in rows)
     print(f"auto within 1% of the best fixed interval for every MTBF: {'yes' if ok else 'NO'} ({elapsed:.1f} s)")
-    out = Path(__file__).resolve().parent / "results" / "interval.json"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "interval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "params": {"step_seconds": STEP_S, "save_seconds": SAVE_S, "restart_seconds": RESTART_S, "noise": NOISE,

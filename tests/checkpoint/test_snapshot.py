@@ -62,11 +62,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def _job(workers: Workers, tmp: Path, snap: Path | None, attempt: int, extra: dict[str, str] | None = None,
-         every: str = "1", interval: str = INTERVAL) -> list:
+         every: str = "1", interval: str = INTERVAL, steps: int = STEPS) -> list:
     env = {"TORCHELASTIC_RESTART_COUNT": str(attempt), **(extra or {})}
     if snap is not None:
         env.update(RESILIENT_CKPT_SNAPSHOT_DIR=str(snap), RESILIENT_CKPT_SNAPSHOT=every)
-    return workers.run(TRAIN, ["--steps", str(STEPS), "--interval", interval, "--local", str(tmp / "ckpt"),
+    return workers.run(TRAIN, ["--steps", str(steps), "--interval", interval, "--local", str(tmp / "ckpt"),
                                "--out", str(tmp / "out")], 2, env=env)
 
 
@@ -117,20 +117,22 @@ def test_auto_cadence_is_agreed_so_every_rank_snapshots_the_same_steps(tmp_path:
 
 @pytest.mark.timeout(240)
 def test_a_long_disk_interval_still_has_snapshots_from_the_first_attempts_early_steps(
-        tmp_path: Path, shm: Path, workers: Workers, reference: list[dict]) -> None:
+        tmp_path: Path, shm: Path, workers: Workers) -> None:
     """The cadence is agreed a few steps in, not at the first disk save: with saves far apart (none in this first
     attempt) the attempt would otherwise hold only the two measuring snapshots of its first steps until a disk save,
-    and a worker killed after step 12 would start over from step 0."""
-    res = _job(workers, tmp_path, shm, 0, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=12, attempt=0)),
-               every="auto", interval="100")
+    and a worker killed after step 20 would start over from step 0."""
+    res = _job(workers, tmp_path, shm, 0, plan_env(WorkerFault(FaultHow.KILL, rank=1, step=20, attempt=0)),
+               every="auto", interval="100", steps=24)
     assert any(r.returncode != 0 for r in res)
     held = [{h["step"] for h in _heads(shm, r).values()} for r in range(2)]
     common = held[0] & held[1]
     assert common and max(common) >= 6, held  # agreed at step 2, from step 2 + 4, the same steps on both ranks
-    ok(_job(workers, tmp_path, shm, 1, every="auto", interval="100"))
+    ok(_job(workers, tmp_path, shm, 1, every="auto", interval="100", steps=24))
     got = _restored(tmp_path)
     assert [g["tier"] for g in got] == ["snapshot", "snapshot"] and {g["step"] for g in got} == {max(common)}, got
-    assert_bit_exact(reference, final(tmp_path / "out", 2))
+    whole = tmp_path / "uninterrupted"
+    ok(_job(workers, whole, None, 0, interval="100", steps=24))
+    assert_bit_exact(final(whole / "out", 2), final(tmp_path / "out", 2))
 
 
 @pytest.mark.timeout(300)
@@ -162,8 +164,11 @@ def test_the_cadence_carries_over_a_restart_so_snapshots_resume_at_once(tmp_path
                   if e.kind is EventKind.CKPT_SNAPSHOT_CADENCE and e.attempt == 1 and e.details["source"] == "agreed"]
         carried = [h for h in ours if h["step"] < min(firsts, default=STEPS)]
         assert carried and all(h["every"] == k0 for h in carried), (k0, ours, firsts)
-    steps1 = [sorted(h["step"] for h in _heads(shm, r).values() if h["epoch"] not in epochs0) for r in range(2)]
-    assert steps1[0] == steps1[1], steps1  # the same steps on both ranks: of use at the next restore
+    # the same steps on both ranks: of use at the next restore (the killed rank's snapshot of the step it died after
+    # may or may not be committed)
+    steps1 = [sorted(h["step"] for h in _heads(shm, r).values() if h["epoch"] not in epochs0 and h["step"] < 12)
+              for r in range(2)]
+    assert steps1[0] and steps1[0] == steps1[1], steps1
     # the ledger says so: attempt 0 agreed k0 at a disk save (from every rank's proposal), attempt 1 resumed it at
     # its restore, from the step after the one it restored
     cadence = [e for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_SNAPSHOT_CADENCE]

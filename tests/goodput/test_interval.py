@@ -134,3 +134,17 @@ def test_this_attempts_restore_says_whether_its_interruption_needed_the_disk(tie
     fresh = IntervalTuner()
     fresh.observe_restore("snapshot")  # a snapshot with no interruption seen: nothing to take back
     assert fresh.inputs()["interruptions_from_snapshots"] == 0
+
+
+def test_after_a_first_save_with_no_step_measured_the_next_save_is_not_the_next_step():
+    t = IntervalTuner(min_steps=1, max_steps=10_000)
+    assert t.interval_steps() == 1  # nothing measured: save at once, which measures a save's cost
+    t.observe_save(0.2)  # the first save of a process, its slowest
+    assert t.interval_steps() == 10  # not 1: that save would wait for this one's write
+    assert IntervalTuner(min_steps=1, max_steps=4).interval_steps() == 1
+    bounded = IntervalTuner(min_steps=1, max_steps=4)
+    bounded.observe_save(0.2)
+    assert bounded.interval_steps() == 4
+    for _ in range(10):
+        t.observe_step(1.0)
+    assert t.interval_steps() == round(t.optimal_seconds())  # measured: Young/Daly as before

@@ -118,7 +118,8 @@ def _steps_text(steps: list[int], most: int = 12) -> str:
 @dataclass
 class _AgreeJob:
     """The snapshot cadence agreed on the save worker without a save: queued at the same ``save()`` call on every
-    rank (so every rank's worker meets it in the same order among the save jobs), in force from ``start``."""
+    rank (so every rank's worker meets it in the same order among the save jobs), in force from ``start`` or, when a
+    rank's training had gone further by the time every worker got to it, that many steps past the furthest rank."""
 
     start: int
     done: threading.Event = field(default_factory=threading.Event)
@@ -126,9 +127,10 @@ class _AgreeJob:
 
 # save() calls before the early agreement: the first two take the snapshots that measure the cost
 _AGREE_AT_CALL = 3
-# steps between that call and the agreed cadence's first step. A rank whose worker installs the cadence after its
-# training passed that step (its worker busy with a save) misses the snapshots before it; the others' of those steps
-# are then never used (a restore takes a step every rank holds), and the ones after it are taken by every rank
+# steps between that call (or the furthest rank's step when the workers met) and the agreed cadence's first step.
+# Training runs in step with its peers, so no rank is that far ahead; one that still passed it before its worker
+# installed the cadence misses the snapshots before it (the others' of those steps are never used: a restore takes a
+# step every rank holds), and the ones after it are taken by every rank
 _AGREE_AHEAD = 4
 
 
@@ -328,6 +330,7 @@ class CheckpointManager:
         # a cadence over. Decided from configuration and gathered results only: the same on every rank
         self._early_agree = self.config.snapshot == "auto"
         self._save_calls = 0
+        self._train_step = -1  # the step of the newest save() call (the training thread's; read by the save worker)
         self._agree_job: _AgreeJob | None = None
         self._planners: dict[str, _plan.CachedSavePlanner] = {}  # by writer kind; used by the save thread only
         self._worker = threading.Thread(target=self._save_loop, name="resilient-ckpt-save", daemon=True)
@@ -403,7 +406,9 @@ class CheckpointManager:
     def _agree_early(self, job: _AgreeJob) -> None:
         """On the save worker: the cadence agreed from every rank's measured proposal (see ``_AGREE_AHEAD``)."""
         try:
-            self._snap_agree(self._gather(self._snap_proposal(), self._pg), job.start)
+            got = self._gather((self._snap_proposal(), self._train_step), self._pg)
+            start = max(job.start, max(s for _, s in got) + _AGREE_AHEAD)
+            self._snap_agree([p for p, _ in got], start)
         except FAILURES as e:
             logger.warning("snapshot cadence not agreed ahead of the first checkpoint save (%s); it will be at that "
                            "save", _one_line(e))
@@ -448,6 +453,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("save() after close()")
         self._interval.observe_call()
+        self._train_step = step
         self._grace_until = None  # training went on: a later wait() gets a fresh upload grace
         snap = self._snap
         if snap is not None:

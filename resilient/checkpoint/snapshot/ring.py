@@ -14,8 +14,9 @@ DTensor placements, world size) and its digest before any byte lands; only when 
 
 The cadence follows the cost: with ``every="auto"`` a snapshot is taken every k steps, k the smallest that keeps its
 measured cost (the copy, plus the digest's CPU) within ``budget`` of the measured step time on the slowest rank. The
-ranks agree on k at each disk save (the save worker's gather), effective from a step none has reached (the cadence in
-force until then), since a snapshot is only of use when every rank has one of the same step. Each snapshot records
+ranks agree on k (the manager's save worker gathers the proposals) first a few steps into an attempt, then at each
+disk save, effective from a step none should have reached (the cadence in force until then), since a snapshot is only
+of use when every rank has one of the same step. Each snapshot records
 the cadence it was taken under, and a restore carries it over (``resume``: the slowest rank's, from the first step after the restored one), so a worker
 killed before its attempt's first disk save still left snapshots to restore from. Only a job's first attempt, with no
 snapshot anywhere, takes two snapshots at its first two steps to measure the cost before the ranks agree. A state of
