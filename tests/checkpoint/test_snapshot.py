@@ -323,8 +323,9 @@ def test_auto_interval_counts_only_the_restarts_that_needed_a_disk_tier(tmp_path
     ledger (attempt 1's restore), the current one from the restore itself."""
     if snapshot != "off" and not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this host")
-    faults = plan_env(WorkerFault(FaultHow.KILL, rank=1, step=9, attempt=0),
-                      WorkerFault(FaultHow.KILL, rank=0, step=16, attempt=1))
+    # after the first disk save (step 9: no step time known yet, 10 steps) has committed
+    faults = plan_env(WorkerFault(FaultHow.KILL, rank=1, step=25, attempt=0),
+                      WorkerFault(FaultHow.KILL, rank=0, step=40, attempt=1))
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir",
            str(tmp_path / "run"), "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-interval", "auto",
            "--ckpt-snapshot", snapshot, "--max-restarts", "2", str(TRAIN), "--steps", "60", "--out",

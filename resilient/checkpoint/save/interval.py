@@ -58,7 +58,7 @@ PRIOR_MTBF_ENV = env.CKPT_PRIOR_MTBF
 _READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART, EventKind.CKPT_RESTORE})
 _START_SLICE_BYTES = 8 << 20
 _RECENT_BYTES = 2 << 20  # the newest lines read as events at a restart: more than the 4096 the follower keeps
-_UNMEASURED_STEPS = 10  # the interval after a first save, while no step time is known yet
+_UNMEASURED_STEPS = 10  # the interval while no step time is known yet
 _COUNTED_ONLY = frozenset({EventKind.RESTART, EventKind.CKPT_RESTORE})  # summed (LedgerSums), not kept as events
 
 
@@ -281,14 +281,12 @@ class IntervalTuner:
         return math.sqrt(2 * delta * m) - delta
 
     def interval_steps(self) -> int:
-        """Local checkpoint interval in steps, bounded; before any step is measured: ``min_steps`` (a save at once
-        measures δ), and ``_UNMEASURED_STEPS`` once a save was (another save right after the first would wait for
-        its write, and a process's first save is its slowest: 0.2 s of stall in a 10-s run)."""
+        """Local checkpoint interval in steps, bounded; ``_UNMEASURED_STEPS`` before any step is measured. Not a save
+        at once: the interval in force at a save sets the next one, so the save after it would come one step later
+        and wait for its write (a process's first save is its slowest: 0.2-0.3 s of stall in a 10-s run)."""
         opt = self.optimal_seconds()
         step = self.step_seconds()
         if opt is None or step is None:
-            if not self._saves:
-                return self.min_steps
             return max(self.min_steps, min(self.max_steps, _UNMEASURED_STEPS))
         raw = opt / step if step > 0 else math.inf
         target = int(round(min(float(self.max_steps), max(float(self.min_steps), raw))))
