@@ -55,7 +55,7 @@ class EventKind(str, enum.Enum):
     # actions (agent built-in reaction, later the supervisor's policy)
     # details: action ("restart", "stop", "hot_swap", ...), cause (event kind), reason, failure_class (the cause's)
     ACTION = "action"
-    RESTART = "restart"  # details: attempt (new), cause, detect_seconds
+    RESTART = "restart"  # the event's attempt is the new one; details: cause, detect_seconds, action
     SCALE = "scale"  # details: old_world_size, new_world_size, old_dp, new_dp, old_dp_size, new_dp_size, reason
 
     # worker progress (written by global rank 0 only unless stated)
