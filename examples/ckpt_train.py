@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persistent-every", default=None)
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--settle-before", type=int, default=None, metavar="STEP",
+                    help="before STEP, wait until no save is in flight (a planned fault then comes between saves)")
     ap.add_argument("--ddp", action="store_true",
                     help="wrap in DDP (bit-exact resume only up to 2 ranks: DDP rebuilds its gradient buckets "
                          "after the first iteration of each process, which changes gloo's summation order)")
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         ck.save(step, state)
         faults.after_save(step, ck)
         faults.maybe_fail(step)
+        if step + 1 == args.settle_before:
+            faults.settle(ck)
     ck.wait()
     ck.close()
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "rng": rng.gen.get_state(),
