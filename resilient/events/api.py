@@ -84,8 +84,9 @@ class EventKind(str, enum.Enum):
     CKPT_COMPRESS = "ckpt_compress"
     # rank 0, each time the snapshot tier's cadence (``--ckpt-snapshot auto``) is agreed or carried over a restart;
     # details: every (steps between snapshots; 0: off because a rank has no snapshot tier), from_step (the first
-    # step it applies to), source ("agreed": at a disk save, from every rank's measured cost; "resumed": at a
-    # restore, the slowest rank's recorded cadence), proposals (agreed: each rank's k; 0 where a rank has no tier)
+    # step it applies to), source ("agreed": from every rank's measured cost, at a disk save or every few dozen
+    # save() calls; "resumed": at a restore, the slowest rank's recorded cadence), proposals (agreed: each rank's k;
+    # 0 where a rank has no tier)
     CKPT_SNAPSHOT_CADENCE = "ckpt_snapshot_cadence"
 
     LOG = "log"  # anything else worth keeping; details: message (a GPU's benign Xid: index, uuid, check, xid, xid_kind)

@@ -23,6 +23,7 @@ import torch
 
 from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
 from resilient.checkpoint.restore.restore import _agreed_snapshot
+from resilient.checkpoint.save.manager import _AGREE_AHEAD, _REAGREE_CALLS
 from resilient.checkpoint.snapshot import dirs
 from resilient.checkpoint.snapshot.ring import SnapshotRing, _plan_load, Leaf
 from resilient.drill.spec import FaultHow, WorkerFault, plan_env
@@ -346,6 +347,27 @@ def test_auto_interval_counts_only_the_restarts_that_needed_a_disk_tier(tmp_path
         assert (inputs["interruptions"], inputs["interruptions_from_snapshots"]) == (2, covered), inputs
         prior = 0.5 * inputs["prior_mtbf_seconds"] + inputs["uptime_seconds"]
         assert inputs["mtbf_seconds"] == pytest.approx(prior / (0.5 + 2 - covered)), inputs
+
+
+@pytest.mark.timeout(240)
+def test_auto_cadence_follows_a_slower_step_between_disk_saves(tmp_path: Path) -> None:
+    """No disk save in the run (interval 1000), so no disk save re-agrees the cadence: steps become 50 ms slower after
+    step 30 (rank 1 sleeps; rank 0 waits for it in the all-reduce), which makes a snapshot relatively cheaper, and the
+    ranks must agree a shorter cadence within about ``_REAGREE_CALLS`` steps, from a step no rank has passed."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    r, _ = resilient_run(tmp_path, ["--ckpt-snapshot", "auto", "--ckpt-interval", "1000"],
+                         plan_env(WorkerFault(FaultHow.SLOW, rank=1, step=30, attempt=None, seconds=0.05)),
+                         args=("--steps", "100"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    agreed = [e.details for e in read_events(tmp_path / "run")
+              if e.kind is EventKind.CKPT_SNAPSHOT_CADENCE and e.details["source"] == "agreed"]
+    assert agreed and agreed[0]["from_step"] < 30, agreed
+    fast = agreed[0]["every"]
+    later = [a for a in agreed[1:] if a["from_step"] > 30]
+    assert later, f"the cadence agreed at the start ({fast}) was never agreed again: {agreed}"
+    assert later[-1]["every"] < fast, agreed
+    assert all(a["from_step"] <= 30 + _REAGREE_CALLS + 2 * _AGREE_AHEAD for a in later[:1]), agreed
 
 
 @pytest.mark.timeout(60)

@@ -119,7 +119,8 @@ def _steps_text(steps: list[int], most: int = 12) -> str:
 class _AgreeJob:
     """The snapshot cadence agreed on the save worker without a save: queued at the same ``save()`` call on every
     rank (so every rank's worker meets it in the same order among the save jobs), in force from ``start`` or, when a
-    rank's training had gone further by the time every worker got to it, that many steps past the furthest rank."""
+    rank's training had gone further by the time every worker got to it, that many steps past the furthest rank.
+    Queued early in an attempt (``_AGREE_AT_CALL``) and then every ``_REAGREE_CALLS`` calls."""
 
     start: int
     done: threading.Event = field(default_factory=threading.Event)
@@ -132,6 +133,10 @@ _AGREE_AT_CALL = 3
 # installed the cadence misses the snapshots before it (the others' of those steps are never used: a restore takes a
 # step every rank holds), and the ones after it are taken by every rank
 _AGREE_AHEAD = 4
+# save() calls between two agreements after the early one. A disk save agrees the cadence as well, but in force only
+# after the next disk save (see _after_next_save): with a long disk interval, a cadence measured on the first steps
+# (a warm-up, or steps that later slow down) would hold for two disk intervals. One small gather on the save worker
+_REAGREE_CALLS = 50
 
 
 @dataclass
@@ -326,9 +331,10 @@ class CheckpointManager:
 
         self._jobs: queue.Queue[_SaveJob | _AgreeJob | None] = queue.Queue()
         # with snapshots on auto, the cadence is agreed early (_AGREE_AT_CALL) instead of at the first disk save, which
-        # with a long interval leaves a first attempt without snapshots for two intervals; not when a restore carried
-        # a cadence over. Decided from configuration and gathered results only: the same on every rank
-        self._early_agree = self.config.snapshot == "auto"
+        # with a long interval leaves a first attempt without snapshots for two intervals (a restore that carried a
+        # cadence over starts with it instead), and again every _REAGREE_CALLS calls. Decided from configuration,
+        # save() calls and gathered results only: the same on every rank. None: no agreement outside disk saves
+        self._agree_at_call: int | None = _AGREE_AT_CALL if self.config.snapshot == "auto" else None
         self._save_calls = 0
         self._train_step = -1  # the step of the newest save() call (the training thread's; read by the save worker)
         self._agree_job: _AgreeJob | None = None
@@ -410,8 +416,8 @@ class CheckpointManager:
             start = max(job.start, max(s for _, s in got) + _AGREE_AHEAD)
             self._snap_agree([p for p, _ in got], start)
         except FAILURES as e:
-            logger.warning("snapshot cadence not agreed ahead of the first checkpoint save (%s); it will be at that "
-                           "save", _one_line(e))
+            logger.warning("snapshot cadence not agreed again (%s); the one in force goes on until a checkpoint save "
+                           "or the next agreement", _one_line(e))
         finally:
             job.done.set()
 
@@ -460,10 +466,10 @@ class CheckpointManager:
             snap.observe_call()
             if snap.due(step):
                 snap.take(step, state)
-        if self._early_agree:
+        if self._agree_at_call is not None:
             self._save_calls += 1
-            if self._save_calls >= _AGREE_AT_CALL:
-                self._early_agree = False
+            if self._save_calls >= self._agree_at_call:
+                self._agree_at_call = self._save_calls + _REAGREE_CALLS
                 self._agree_job = _AgreeJob(start=step + _AGREE_AHEAD)
                 self._jobs.put(self._agree_job)
         if not (force or self._interval.due(step) or _preempt_save_due(step)):  # a preempted job's last step
@@ -1198,8 +1204,9 @@ class CheckpointManager:
         self.wait()
         res = self._restorer.restore(state)
         self.last_restore = res
-        if self._restorer.cadence_carried_over:
-            self._early_agree = False  # the snapshots resume under the cadence they were taken under
+        if self._restorer.cadence_carried_over and self._agree_at_call is not None:
+            # the snapshots resume under the cadence they were taken under: agreed again after the usual calls
+            self._agree_at_call = self._save_calls + _REAGREE_CALLS
         self._interval.observe_restore(res.tier if res.step is not None else None)
         if res.step is None:
             if self.rank == 0:
