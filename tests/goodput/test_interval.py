@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -148,3 +150,47 @@ def test_with_no_step_measured_the_next_save_is_not_the_next_step():
     for _ in range(10):
         t.observe_step(1.0)
     assert t.interval_steps() == round(t.optimal_seconds())  # measured: Young/Daly as before
+
+
+def _ledger_line(kind, wall, **details):
+    from resilient.events import Event
+
+    return json.dumps(Event(kind, node="n0", rank=0, attempt=0, details=details, wall=wall, mono=wall).to_json()) + "\n"
+
+
+def test_following_a_ledger_one_step_stands_in_for_the_interference_until_a_save_shows_it(tmp_path):
+    """The blocking part of a save is a fraction of its cost, and a save's interference shows in the ledger only
+    once its background work ended: until then one step stands in for it (else the first intervals of a run come
+    out a third of the later ones); measured, the measurement replaces it. Without a ledger nothing would measure
+    it, and the blocking time alone is the cost, as before."""
+    from resilient.events import EventKind as K
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ledger = run / "events.jsonl"
+    ledger.write_text("")
+    t = IntervalTuner.from_run_dir(run, prior_mtbf_s=4.0, prior_weight=1e9)
+    t.follow_every_s = 0.0  # look at the ledger at every question (its spacing is the tail's floor)
+    alone = IntervalTuner(prior_mtbf_s=4.0, prior_weight=1e9)
+    for tuner in (t, alone):
+        for _ in range(20):
+            tuner.observe_step(0.025)
+        tuner.observe_save(0.003)
+    assert t.inputs()["save_interference_seconds"] is None
+    assert t.save_seconds() == pytest.approx(0.028)
+    assert alone.save_seconds() == pytest.approx(0.003)
+    assert t.interval_steps() > 2 * alone.interval_steps()
+    # the ledger now holds clean 25-ms steps, then a save whose local write ran under four 35-ms steps
+    lines, wall = [], 100.0
+    for step in range(12):
+        wall += 0.035 if step in (7, 8, 9, 10) else 0.025
+        lines.append(_ledger_line(K.STEP, wall, step=step, seconds=0.035 if step in (7, 8, 9, 10) else 0.025))
+        if step == 6:
+            lines.append(_ledger_line(K.CKPT_SAVE, wall + 0.001, step=6, blocking_seconds=0.003))
+            lines.append(_ledger_line(K.CKPT_TIER_DONE, wall + 0.14, step=6, tier="local", seconds=0.139))
+    ledger.write_text("".join(lines))
+    deadline = time.monotonic() + 10  # the tuner's next look (at most one per 2 ms per file followed)
+    while t.inputs()["save_interference_seconds"] is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert t.inputs()["save_interference_seconds"] == pytest.approx(0.04, abs=0.002)  # 4 steps 10 ms over the clean
+    assert t.save_seconds() == pytest.approx(0.003 + t.inputs()["save_interference_seconds"])

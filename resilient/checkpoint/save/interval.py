@@ -12,7 +12,9 @@ T = √(2·δ·M) − δ, and T = M once δ ≥ M/2 (where the formula stops mak
   look nearly free and the interval too short. Interference is learnt from the run's ledger (the steps'
   records and the checkpointer's events, see :func:`save_costs`) when the tuner follows one
   (:meth:`IntervalTuner.from_run_dir`); without a ledger, δ is the blocking time alone. Before the first
-  save, one step time stands in for δ (the first save then measures it).
+  save, one step time stands in for δ (the first save then measures it); with a ledger, one step time stands in
+  for the interference until a save's is measured (the blocking part alone made the first intervals 6-9 steps
+  where 22-38 followed).
 * M is the posterior mean of a gamma prior on the interruption rate: ``prior_weight`` pseudo-
   interruptions over ``prior_weight × prior_mtbf_s`` seconds, updated with the observed uptime and
   interruptions — the configured prior rules until the run has seen enough to overrule it. Only the
@@ -59,6 +61,9 @@ _READ_KINDS = frozenset({*CKPT_KINDS, EventKind.STEP, EventKind.RESTART, EventKi
 _START_SLICE_BYTES = 8 << 20
 _RECENT_BYTES = 2 << 20  # the newest lines read as events at a restart: more than the 4096 the follower keeps
 _UNMEASURED_STEPS = 10  # the interval while no step time is known yet
+# seconds between two looks at the ledger while no save's interference is measured yet (then follow_every_s): a
+# save's effect on the steps shows only once its background work ended, and the first decisions wait for it
+_UNMEASURED_FOLLOW_S = 0.1
 _COUNTED_ONLY = frozenset({EventKind.RESTART, EventKind.CKPT_RESTORE})  # summed (LedgerSums), not kept as events
 
 
@@ -256,11 +261,17 @@ class IntervalTuner:
         return statistics.median(self._interference) if self._interference else None
 
     def save_seconds(self) -> float | None:
-        """Cost of one save: blocking time plus interference (the blocking time alone until that is known)."""
+        """Cost of one save: blocking time plus interference. Until a save's interference is measured, one step time
+        stands in for it when the tuner follows a ledger (a background write of the state competes with about a
+        step's compute on a busy host; the blocking part alone is a tenth of the cost, measured), and nothing
+        without one (nothing will measure it)."""
         block = self.blocking_seconds()
         if block is None:
             return None
-        return block + (self.interference_seconds() or 0.0)
+        interference = self.interference_seconds()
+        if interference is None and self._follower is not None:
+            interference = self.step_seconds()
+        return block + (interference or 0.0)
 
     def mtbf_seconds(self) -> float:
         """Mean time between the interruptions that fall back to a disk tier (see the module's docstring)."""
@@ -347,7 +358,8 @@ class IntervalTuner:
         if f is None:
             return
         now = time.monotonic()
-        if not force and now - self._followed_at < f.spacing(self.follow_every_s):
+        base = self.follow_every_s if self._interference else min(self.follow_every_s, _UNMEASURED_FOLLOW_S)
+        if not force and now - self._followed_at < f.spacing(base):
             return
         self._followed_at = now
         try:
