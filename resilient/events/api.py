@@ -66,7 +66,10 @@ class EventKind(str, enum.Enum):
     CKPT_SAVE = "ckpt_save"  # details: step, blocking_seconds, bytes, mode
     CKPT_TIER_DONE = "ckpt_tier_done"  # details: step, tier, seconds, bytes
     CKPT_TIER_FAILED = "ckpt_tier_failed"  # details: step, tier, error
-    CKPT_RESTORE = "ckpt_restore"  # details: step, tier, seconds, bytes
+    # details: step, tier, seconds, bytes, sources; covered_by_snapshot (a disk tier's restore: every rank also held a
+    # snapshot within a snapshot interval of that step, so node memory alone would have lost little more; what the
+    # auto interval's count of interruptions that needed a disk tier leaves out)
+    CKPT_RESTORE = "ckpt_restore"
     CKPT_INTERVAL = "ckpt_interval"  # details: interval, persistent_every, inputs
     # rank 0: a save that reached no tier; details: step, tier, error, consecutive, max_failed_saves
     CKPT_SAVE_FAILED = "ckpt_save_failed"

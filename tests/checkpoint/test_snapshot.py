@@ -317,7 +317,30 @@ def test_resilient_run_snapshot_off_restores_from_disk(tmp_path: Path, reference
     restores = [e for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_RESTORE and e.attempt == 1]
     assert {e.details["tier"] for e in restores} == {"local"}
     assert [e.details["step"] for e in restores] == [7, 7]
+    assert [e.details["covered_by_snapshot"] for e in restores] == [False, False]  # no snapshot anywhere
     assert_bit_exact(reference, final(tmp_path / "out", 2))
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_step_newer_than_the_snapshots_is_restored_and_the_restart_still_counts_as_covered(
+        tmp_path: Path, reference: list[dict]) -> None:
+    """Snapshots every 5 steps (after steps 4, 9, 14), disk saves after 3, 7, 11: a kill after step 13 finds step 11
+    on disk newer than the snapshots of 9, and restores it; node memory alone would have lost two steps more, so the
+    interruption did not need a disk tier (what ``--ckpt-interval auto`` counts: the restart is in the ledger as
+    covered, and the next attempt's tuner reads it so)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    r, _ = resilient_run(tmp_path, ["--max-restarts", "1", "--ckpt-snapshot", "5"],
+                         plan_env(WorkerFault(FaultHow.KILL, rank=1, step=13, attempt=0)),
+                         args=("--settle-before", "13"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    restores = [e for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_RESTORE and e.attempt == 1]
+    assert [(e.details["tier"], e.details["step"]) for e in restores] == [("local", 11)] * 2, restores
+    assert [e.details["covered_by_snapshot"] for e in restores] == [True, True]
+    assert_bit_exact(reference, final(tmp_path / "out", 2))
+    from resilient.checkpoint.save.interval import IntervalTuner
+
+    assert IntervalTuner.from_run_dir(tmp_path / "run").inputs()["interruptions_from_snapshots"] == 1
 
 
 @pytest.mark.timeout(240)

@@ -126,11 +126,13 @@ def test_restarts_that_resumed_from_snapshots_do_not_shorten_the_interval():
     assert snap.inputs()["interruptions"] == 20 and snap.inputs()["interruptions_from_snapshots"] == 20
 
 
-@pytest.mark.parametrize("tier, covered", [("snapshot", 1), ("local", 0), ("peer", 0), (None, 0)])
-def test_this_attempts_restore_says_whether_its_interruption_needed_the_disk(tier, covered):
+@pytest.mark.parametrize("tier, held, covered", [("snapshot", False, 1), ("local", False, 0), ("peer", False, 0),
+                                                 (None, False, 0), ("local", True, 1), ("peer", True, 1)])
+def test_this_attempts_restore_says_whether_its_interruption_needed_the_disk(tier, held, covered):
+    # held: every rank held a snapshot within a snapshot interval of the disk step restored (the restorer's verdict)
     t = IntervalTuner()
     t.observe_interruption()
-    t.observe_restore(tier)
+    t.observe_restore(tier, covered=held)
     t.observe_restore("snapshot")  # one restore an attempt counts
     assert t.inputs()["interruptions_from_snapshots"] == covered
     fresh = IntervalTuner()

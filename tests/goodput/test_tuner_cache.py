@@ -248,11 +248,12 @@ def test_a_real_restart_of_rank_0_reads_on_from_the_cache_its_predecessor_wrote(
     assert (run_dir / CACHE_NAME).exists()
 
 
-def _restored(run: Path, at: int, attempt: int, tier: str, writer: str) -> None:
+def _restored(run: Path, at: int, attempt: int, tier: str, writer: str, covered: bool | None = None) -> None:
     with open(run / writer, "a") as f:
         for rank in (0, 1):  # every rank writes its restore; one restart's is counted once
+            extra = {} if covered is None else {"covered_by_snapshot": covered}
             ev = Event(EventKind.CKPT_RESTORE, node="n0", rank=rank, attempt=attempt,
-                       details={"step": at - 1, "tier": tier, "seconds": 0.01, "bytes": 1},
+                       details={"step": at - 1, "tier": tier, "seconds": 0.01, "bytes": 1, **extra},
                        wall=T0 + at * 0.2, mono=at * 0.2)
             f.write(json.dumps(ev.to_json(), separators=(",", ":")) + "\n")
 
@@ -269,13 +270,17 @@ def test_restarts_resumed_from_snapshots_are_learnt_from_the_ledger_and_the_cach
     _restored(run, 6500, 2, "snapshot", "events.host-9.jsonl")  # after it
     _grow(run, 6500, 40, attempt=2, writer="events.host-9.jsonl")
     _restart(run, 6540, 3)
-    _restored(run, 6540, 3, "local", "events.host-9.jsonl")  # a restart the snapshots did not cover
+    _restored(run, 6540, 3, "local", "events.host-9.jsonl", covered=False)  # a restart the snapshots did not cover
     _grow(run, 6540, 40, attempt=3, writer="events.host-9.jsonl")
+    _restart(run, 6580, 4)
+    # from a disk step newer than every rank's snapshot by less than a snapshot interval: node memory covered it
+    _restored(run, 6580, 4, "local", "events.host-9.jsonl", covered=True)
+    _grow(run, 6580, 40, attempt=4, writer="events.host-9.jsonl")
     got = IntervalTuner.from_run_dir(run)
     assert got.inputs()["ledger_cache_used"] is True
     _same(got, _fresh(run))
     i = got.inputs()
-    assert (i["interruptions"], i["interruptions_from_snapshots"]) == (3, 2)
+    assert (i["interruptions"], i["interruptions_from_snapshots"]) == (4, 3)
     # only the restart that fell back to a disk tier shortens the interval
     assert i["mtbf_seconds"] == pytest.approx((got.prior_weight * got.prior_mtbf_s + i["uptime_seconds"])
                                               / (got.prior_weight + 1))

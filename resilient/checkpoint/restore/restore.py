@@ -355,6 +355,7 @@ class Restorer(Component):
         # heap, the cyclic collector's full passes it triggers cost more than the reading itself (150-350 ms
         # measured on a 1,680-tensor state against 7 ms for the unpickling); nothing here makes cycles
         self._offers: list[Any] | None = None
+        self.covered_by_snapshot = False
         with _gc_paused():
             res = self._restore(state)
         offers = self._offers
@@ -391,6 +392,11 @@ class Restorer(Component):
                 if tier is not None:
                     self._retain(tier, 10**9, pinned_from=None, drop_newer_partial=True)
         snap = _agreed_snapshot([None if g[1] is None else g[1].held for g in gathered])
+        # a disk step newer than every rank's snapshot by less than a snapshot interval is not an interruption that
+        # needed a disk tier: node memory alone would have lost at most that interval more (what --ckpt-interval
+        # auto counts, see IntervalTuner.observe_restore). The same on every rank: from gathered offers and views
+        every = max([g[1].every or 1 for g in gathered if g[1] is not None], default=1)
+        self.covered_by_snapshot = snap is not None and (not candidates or snap[0] + every >= candidates[0])
         if snap is not None and snap[0] >= (candidates[0] if candidates else -1):
             got = self._try_snapshot(snap[0], snap[1], state, t0)
             if got is not None:
@@ -425,7 +431,8 @@ class Restorer(Component):
             if res is not None:
                 extra = {"resharded": self.resharded} if self.resharded else {}
                 self._emit(EventKind.CKPT_RESTORE, step=step, tier=res.tier, seconds=res.seconds, bytes=res.bytes,
-                           sources=sorted(set(res.sources.values())), **extra)
+                           sources=sorted(set(res.sources.values())), covered_by_snapshot=self.covered_by_snapshot,
+                           **extra)
                 logger.info("rank %d restored step %d from %s in %.2f s", self.ctx.rank, step, res.tier, res.seconds)
                 return res
             failures.append(step)

@@ -225,13 +225,14 @@ class IntervalTuner:
         if from_snapshot:
             self._from_snapshots += 1
 
-    def observe_restore(self, tier: str | None) -> None:
-        """Where this attempt's restore came from, once it is known: a restore from the snapshot tier means the
+    def observe_restore(self, tier: str | None, covered: bool = False) -> None:
+        """Where this attempt's restore came from, once it is known: a restore from the snapshot tier, or from a disk
+        tier whose step was newer than every rank's snapshot by less than a snapshot interval (``covered``), means the
         interruption before it (already observed) did not need a disk tier."""
         if self._restore_seen:
             return
         self._restore_seen = True
-        if tier == "snapshot" and self._from_snapshots < self._interruptions:
+        if (tier == "snapshot" or covered) and self._from_snapshots < self._interruptions:
             self._from_snapshots += 1
 
     def observe_upload(self, seconds: float) -> None:

@@ -193,11 +193,11 @@ class _Interval:
         self._last_call: float | None = None
         self.lock = threading.Lock()  # the tuner is fed from the training, save and upload threads
 
-    def observe_restore(self, tier: str | None) -> None:
+    def observe_restore(self, tier: str | None, covered: bool = False) -> None:
         if self.tuner is not None:
             try:
                 with self.lock:
-                    self.tuner.observe_restore(tier)
+                    self.tuner.observe_restore(tier, covered=covered)
             except Exception as e:  # a tuner bug must not stop training
                 logger.debug("tuner.observe_restore failed: %s", e)
 
@@ -1207,7 +1207,8 @@ class CheckpointManager:
         if self._restorer.cadence_carried_over and self._agree_at_call is not None:
             # the snapshots resume under the cadence they were taken under: agreed again after the usual calls
             self._agree_at_call = self._save_calls + _REAGREE_CALLS
-        self._interval.observe_restore(res.tier if res.step is not None else None)
+        self._interval.observe_restore(res.tier if res.step is not None else None,
+                                       covered=self._restorer.covered_by_snapshot)
         if res.step is None:
             if self.rank == 0:
                 self._say_nothing_restored()

@@ -49,7 +49,8 @@ class LedgerSums:
     saves: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     uploads: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     restarts: set[tuple[Any, Any]] = field(default_factory=set)
-    # attempts whose restore came from node memory (the snapshot tier): their restarts did not need a disk tier
+    # attempts whose restore came from node memory (the snapshot tier), or from a disk step newer than every rank's
+    # snapshot by less than a snapshot interval: their restarts did not need a disk tier
     snapshot_attempts: set[Any] = field(default_factory=set)
 
     @classmethod
@@ -80,7 +81,8 @@ class LedgerSums:
                         self.uploads.append(v)
                 elif ev.kind is EventKind.RESTART:
                     self.restarts.add((ev.attempt, d.get("attempt")))
-                elif ev.kind is EventKind.CKPT_RESTORE and d.get("tier") == "snapshot" and ev.attempt is not None:
+                elif (ev.kind is EventKind.CKPT_RESTORE and ev.attempt is not None
+                      and (d.get("tier") == "snapshot" or d.get("covered_by_snapshot") is True)):
                     self.snapshot_attempts.add(ev.attempt)
             except (TypeError, ValueError):
                 continue

@@ -286,7 +286,7 @@ class SnapshotRing:
         slot.done.clear()
         head = {"v": VERSION, "step": step, "epoch": self.epoch, "rank": self.rank, "world_size": self.world_size,
                 "tensor_bytes": slot.size, "object_bytes": len(objects), "layout": key, "wall": time.time(),
-                "every": ((self._segment_at(step) or (0, 0))[1] or None) if self.auto else None}
+                "every": ((self._segment_at(step) or (0, 0))[1] or None) if self.auto else (int(self.every) or None)}
         with self._cv:
             self._jobs.append((slot, head, objects, layout_json))
             self._cv.notify()
