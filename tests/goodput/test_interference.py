@@ -113,15 +113,41 @@ def test_save_cost_for_the_interval_tuner(tmp_path):
     costs = save_costs(saving_run())
     assert costs.clean_step_seconds == pytest.approx(1.0)
     assert costs.interference == [pytest.approx(0.8)]  # one save: its write and its upload
-    with Ledger(tmp_path) as led:
+    assert costs.firsts == [True]
+    # a second attempt whose first save (cold) cost 2 s of steps and its second 0.4 s
+    second = [
+        ev(K.ATTEMPT_START, 12.0, attempt=1, rank=None, world_size=2),
+        ev(K.STEP, 14.0, attempt=1, step=3, seconds=2.0),  # warm-up
+        ev(K.STEP, 15.0, attempt=1, step=4, seconds=1.0),
+        ev(K.CKPT_SAVE, 15.0, attempt=1, step=4, blocking_seconds=0.2),
+        ev(K.STEP, 18.0, attempt=1, step=5, seconds=3.0),  # [15, 18] under the cold write: 2 s over the clean step
+        ev(K.CKPT_TIER_DONE, 18.0, attempt=1, step=4, tier="local", seconds=3.0),
+        ev(K.STEP, 19.0, attempt=1, step=6, seconds=1.0),
+        ev(K.CKPT_SAVE, 19.0, attempt=1, step=6, blocking_seconds=0.2),
+        ev(K.STEP, 20.4, attempt=1, step=7, seconds=1.4),  # under the second write: 0.4 s over
+        ev(K.CKPT_TIER_DONE, 20.4, attempt=1, step=6, tier="local", seconds=1.4),
+        ev(K.STEP, 21.4, attempt=1, step=8, seconds=1.0),
+    ]
+    costs = save_costs(saving_run()[:-1] + second)
+    assert costs.interference == [pytest.approx(0.8), pytest.approx(2.0), pytest.approx(0.4)]
+    assert costs.firsts == [True, True, False]
+    # the tuner takes what the next saves will cost: every attempt's first save is cold, left out
+    with Ledger(tmp_path / "one") as led:
         for e in saving_run():
             led.write(e)
-    t = IntervalTuner.from_run_dir(tmp_path, prior_mtbf_s=3600, prior_weight=1e9)
+    t = IntervalTuner.from_run_dir(tmp_path / "one", prior_mtbf_s=3600, prior_weight=1e9)
     i = t.inputs()
     assert i["save_blocking_seconds"] == pytest.approx(0.2)
-    assert i["save_interference_seconds"] == pytest.approx(0.8)
-    assert t.save_seconds() == pytest.approx(1.0)
-    assert t.optimal_seconds() == pytest.approx(math.sqrt(2 * 1.0 * 3600) - 1.0, rel=1e-3)
+    assert i["save_interference_seconds"] is None  # its only save was cold: one step stands in
+    assert t.save_seconds() == pytest.approx(0.2 + i["step_seconds"])
+    with Ledger(tmp_path / "two") as led:
+        for e in saving_run()[:-1] + second:
+            led.write(e)
+    t = IntervalTuner.from_run_dir(tmp_path / "two", prior_mtbf_s=3600, prior_weight=1e9)
+    i = t.inputs()
+    assert i["save_interference_seconds"] == pytest.approx(0.4)
+    assert t.save_seconds() == pytest.approx(0.6)
+    assert t.optimal_seconds() == pytest.approx(math.sqrt(2 * 0.6 * 3600) - 0.6, rel=1e-3)
     # without a ledger the tuner knows only the blocking part
     bare = IntervalTuner(prior_mtbf_s=3600)
     bare.observe_step(1.0)

@@ -182,14 +182,25 @@ def test_following_a_ledger_one_step_stands_in_for_the_interference_until_a_save
     assert t.save_seconds() == pytest.approx(0.028)
     assert alone.save_seconds() == pytest.approx(0.003)
     assert t.interval_steps() > 2 * alone.interval_steps()
-    # the ledger now holds clean 25-ms steps, then a save whose local write ran under four 35-ms steps
+    # the ledger now holds clean 25-ms steps and two saves: the first (cold) under four 75-ms steps, the second
+    # under four 35-ms steps
+    slow = {7: 0.075, 8: 0.075, 9: 0.075, 10: 0.075, 17: 0.035, 18: 0.035, 19: 0.035, 20: 0.035}
     lines, wall = [], 100.0
-    for step in range(12):
-        wall += 0.035 if step in (7, 8, 9, 10) else 0.025
-        lines.append(_ledger_line(K.STEP, wall, step=step, seconds=0.035 if step in (7, 8, 9, 10) else 0.025))
-        if step == 6:
-            lines.append(_ledger_line(K.CKPT_SAVE, wall + 0.001, step=6, blocking_seconds=0.003))
-            lines.append(_ledger_line(K.CKPT_TIER_DONE, wall + 0.14, step=6, tier="local", seconds=0.139))
+    for step in range(24):
+        wall += slow.get(step, 0.025)
+        lines.append(_ledger_line(K.STEP, wall, step=step, seconds=slow.get(step, 0.025)))
+        if step in (6, 16):
+            took = sum(slow.get(s, 0.025) for s in range(step + 1, step + 5)) - 0.001
+            lines.append(_ledger_line(K.CKPT_SAVE, wall + 0.001, step=step, blocking_seconds=0.003))
+            lines.append(_ledger_line(K.CKPT_TIER_DONE, wall + took + 0.001, step=step, tier="local", seconds=took))
+        if step == 14:
+            ledger.write_text("".join(lines))  # the first save only: still the stand-in (a cold save is left out)
+            deadline = time.monotonic() + 10
+            while t._follower.bytes_read < ledger.stat().st_size and time.monotonic() < deadline:
+                time.sleep(0.001)
+                t.inputs()
+            assert t.inputs()["save_interference_seconds"] is None
+            assert t.save_seconds() == pytest.approx(0.028)
     ledger.write_text("".join(lines))
     deadline = time.monotonic() + 10  # the tuner's next look (at most one per 2 ms per file followed)
     while t.inputs()["save_interference_seconds"] is None and time.monotonic() < deadline:

@@ -14,7 +14,8 @@ T = √(2·δ·M) − δ, and T = M once δ ≥ M/2 (where the formula stops mak
   (:meth:`IntervalTuner.from_run_dir`); without a ledger, δ is the blocking time alone. Before the first
   save, one step time stands in for δ (the first save then measures it); with a ledger, one step time stands in
   for the interference until a save's is measured (the blocking part alone made the first intervals 6-9 steps
-  where 22-38 followed).
+  where 22-38 followed). An attempt's first save is cold and left out of the interference (3-6 times what the
+  next cost: it made the next interval 37-44 steps where 24-34 followed).
 * M is the posterior mean of a gamma prior on the interruption rate: ``prior_weight`` pseudo-
   interruptions over ``prior_weight × prior_mtbf_s`` seconds, updated with the observed uptime and
   interruptions — the configured prior rules until the run has seen enough to overrule it. Only the
@@ -75,6 +76,9 @@ class SaveCosts:
     interference: list[float] = field(default_factory=list)  # per finished save, in save order
     clean_steps: int = 0
     overlapped_steps: int = 0
+    # per finished save, beside interference: is it the first of its attempt among the events read (a process's first
+    # save is cold: its staging buffers, files and copy kernels are new, 3-6 times what the next ones cost)
+    firsts: list[bool] = field(default_factory=list)
 
 
 def save_costs(events: Iterable[Event]) -> SaveCosts:
@@ -106,9 +110,13 @@ def save_costs(events: Iterable[Event]) -> SaveCosts:
     ends = [b for _, b, _ in steps]
     taken: set[int] = set()
     out: list[float] = []
-    finished = sorted(((min(s for s, _ in spans), spans) for spans, done in per_save.values() if done and spans),
-                      key=lambda x: x[0])
-    for _, spans in finished:
+    finished = sorted(((min(s for s, _ in spans), key[0], spans) for key, (spans, done) in per_save.items()
+                       if done and spans), key=lambda x: x[0])
+    firsts: list[bool] = []
+    saw: set[Any] = set()
+    for _, attempt, spans in finished:
+        firsts.append(attempt not in saw)
+        saw.add(attempt)
         excess = 0.0
         for s0, s1 in spans:
             i = bisect.bisect_right(ends, s0)
@@ -118,7 +126,7 @@ def save_costs(events: Iterable[Event]) -> SaveCosts:
                     excess += max(0.0, steps[i][2] - c)
                 i += 1
         out.append(excess)
-    return SaveCosts(c, out, len(clean), len(steps) - len(clean))
+    return SaveCosts(c, out, len(clean), len(steps) - len(clean), firsts)
 
 
 class _LedgerFollower:
@@ -375,7 +383,8 @@ class IntervalTuner:
         if costs.clean_step_seconds is not None:
             self._clean_step = costs.clean_step_seconds
             self._interference.clear()
-            self._interference.extend(costs.interference)
+            # what the next saves will cost: an attempt's first (cold) save left out, the stand-in until a second
+            self._interference.extend(x for x, first in zip(costs.interference, costs.firsts) if not first)
 
     def write_cache(self) -> bool:
         """Write what the tuner took from the ledger beside it, when a look since the last write made it due (at
