@@ -455,13 +455,14 @@ def _cpu_of(per_rank: list[Any]) -> dict[str, Any]:
             "ratio": paired(raw, ours)}
 
 
-def _run_pair(port: int, args: list[str], what: str) -> None:
-    """This script's worker mode ``args`` as ranks 0 and 1 of a gloo group on ``port``; raises if either fails."""
+def _run_pair(port: int, args: list[str], what: str, script: str = __file__) -> None:
+    """``script``'s (this one's) worker mode ``args`` as ranks 0 and 1 of a gloo group on ``port``; raises if
+    either fails."""
     procs = []
     for r in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, *args], env=env))
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env))
     try:
         for p in procs:
             if p.wait(900) != 0:

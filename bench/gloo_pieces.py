@@ -24,9 +24,7 @@ import json
 import mmap
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from checkpoint import _run_pair, free_port  # noqa: E402  (bench/checkpoint.py: two ranks of a gloo pair)
+
 CASES = {  # name: (tensor-sized pieces, digest on the receiver, a target per piece, send from a file mapping)
     "8 x 32 MiB": (False, False, False, False),
     "pieces": (True, False, False, False),
@@ -131,12 +132,6 @@ def worker(mb: int, reps: int, work: Path, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=6, help="measured rounds (one more warms up)")
@@ -149,21 +144,8 @@ def main() -> None:
         return
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="gloo-pieces-") as work:
-        port = free_port()
-        procs = []
-        for r in range(2):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
-                       LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", work, "--mb", str(a.mb), "--reps",
-                                           str(a.reps), "--out", a.out], env=env))
-        try:
-            for p in procs:
-                if p.wait(600) != 0:
-                    raise SystemExit(f"a worker exited {p.returncode}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        _run_pair(free_port(), ["--worker", work, "--mb", str(a.mb), "--reps", str(a.reps), "--out", a.out],
+                  "gloo pieces worker", script=__file__)
     res = json.loads(Path(a.out).read_text())
     print(f"{a.mb} MiB rank 0 -> rank 1 over gloo, {WINDOW} in flight, median of {a.reps}; load {load:.1f} before")
     print(f"{'case':12s} {'wall ms':>8s} {'raw / this':>10s} {'CPU sender ms':>14s} {'CPU receiver ms':>16s}")
