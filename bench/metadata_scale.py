@@ -1,0 +1,216 @@
+"""Restore planning at scale: what one rank of an FSDP2 job of W ranks pays to plan its restore, against DCP's own.
+
+    python bench/metadata_scale.py                      # W = 8, 64, 256, 1024; 900 tensors; 3 repetitions
+    python bench/metadata_scale.py --quick              # W = 4, 16; 60 tensors; 1 repetition (seconds)
+
+DCP's ``.metadata`` is global: it lists every rank's chunk of every tensor, so an FSDP2 job of W ranks and T
+sharded tensors (parameters and optimizer moments, ``Shard(0)`` over one ``dp`` mesh) writes W x T chunk entries,
+and every rank parses all of them at every restart. This measures, for rank 0 of W, with the same state
+(real ``DTensor`` targets of the job's layout, over torch's fake process group so one process can hold rank 0 of
+any W) and the same ``.metadata`` bytes (DCP's own classes, pickled as DCP writes them):
+
+* DCP's restore planning: ``pickle.loads`` of the bytes (what ``FileSystemReader.read_metadata`` does) and
+  ``create_default_local_load_plan`` (``dcp.load``'s planner for this rank);
+* ours: ``load_metadata`` (the restricted unpickler and its file-name checks), then the restore's own planning
+  functions as ``restore()`` calls them (``_plan_load``: what this rank loads, ``_direct_plan``: which chunks land
+  straight in the targets and where; it walks every storage item once).
+
+No data is read: the planning alone, the part that grows with W. The cyclic collector is paused around each
+measurement, as ``restore()`` pauses it. Each W runs in a fresh process (its peak memory is its own). Reported per
+W: the ``.metadata`` size, both sides' seconds (median of ``--reps``), our total ÷ DCP's, and the process's peak
+memory growth while holding the parsed metadata (``parsed``). Writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+ROWS, COLS = 4, 8  # each rank's shard of each tensor: planning cost does not depend on the bytes
+RECORD = 1600  # torch.save's records around a tensor's bytes in a .distcp file (1.5-1.6 KB measured)
+
+
+def _metadata(world: int, tensors: int) -> bytes:
+    """The job's ``.metadata`` as DCP writes it: every rank's chunk of every tensor (DCP's own classes, pickled)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for t in range(tensors):
+        fqn = f"model.{_name(t)}"
+        chunks = []
+        for r in range(world):
+            off = torch.Size([r * ROWS, 0])
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=torch.Size([ROWS, COLS])))
+            storage[MetadataIndex(fqn, off, r)] = _StorageInfo(f"__{r}_0.distcp", t * ITEM, ITEM)
+        sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32),
+                                         size=torch.Size([ROWS * world, COLS]), chunks=chunks)
+    return pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data=storage))
+
+
+def _name(t: int) -> str:
+    return f"layers.{t // 9}.w{t % 9}"
+
+
+NBYTES = ROWS * COLS * 4
+ITEM = RECORD + NBYTES  # one tensor's record in a rank's file
+
+
+def _rank0(world: int, tensors: int, md_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0's state (DTensors sharded over ``world`` ranks) and its manifest's entries: ``.metadata`` and its one
+    data file with the layout the save records (where each tensor's bytes start)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from resilient.checkpoint.api import FileEntry
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = {_name(t): DTensor.from_local(torch.zeros(ROWS, COLS), mesh, [Shard(0)], run_check=False,
+                                          shape=torch.Size([ROWS * world, COLS]), stride=(COLS, 1))
+             for t in range(tensors)}
+    layout = tuple((t * ITEM, t * ITEM + RECORD - 64, NBYTES) for t in range(tensors))
+    files = {".metadata": FileEntry(size=md_size, crc32c=0),
+             "__0_0.distcp": FileEntry(size=tensors * ITEM, crc32c=0, items=layout)}
+    return {"model": model}, files
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    gc.disable()  # as restore() runs: with gc on, a parse of a million objects is a series of full passes
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+    finally:
+        gc.enable()
+
+
+def one_world(world: int, tensors: int, reps: int, md_path: Path) -> dict[str, Any]:
+    """Child process: rank 0 of ``world`` over torch's fake process group, the job's ``.metadata`` written by
+    another process (so this one's memory holds only what a restarted rank's does)."""
+    import psutil
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from resilient.checkpoint.format.safe import load_metadata
+    from resilient.checkpoint.restore.restore import Restorer, _items_read
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    raw = md_path.read_bytes()
+    state, files = _rank0(world, tensors, len(raw))
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    # _plan_load reads the rank and the world size from its context, nothing else
+    me = SimpleNamespace(ctx=SimpleNamespace(rank=0, world_size=world), _is_object=Restorer._is_object)
+    proc = psutil.Process()
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    # an untimed parse first: the process's memory grows to hold it once (measured here), so the timed parses
+    # below, DCP's and ours alike, reuse it instead of the first one paying for the growth
+    md = _timed(lambda: load_metadata(raw, what="bench"))[1]
+    held = proc.memory_info().rss - rss0
+    md = None
+    rows: dict[str, list[float]] = {k: [] for k in ("dcp_unpickle", "dcp_plan", "metadata", "plan_load",
+                                                    "direct_plan")}
+    items = 0
+    for _ in range(reps):
+        s, md = _timed(lambda: pickle.loads(raw))
+        rows["dcp_unpickle"].append(s)
+        s, _ = _timed(lambda: create_default_local_load_plan(flat, md))
+        rows["dcp_plan"].append(s)
+        md = None
+        s, md = _timed(lambda: load_metadata(raw, what="bench"))
+        rows["metadata"].append(s)
+        s, plan = _timed(lambda: Restorer._plan_load(me, 0, state, md.state_dict_metadata, set(), world))  # type: ignore[arg-type]
+        rows["plan_load"].append(s)
+
+        def direct() -> Any:
+            need = {".metadata"} | {info.relative_path for _, info in _items_read(md, plan)}
+            return Restorer._direct_plan(None, md, plan, need, files), need  # type: ignore[arg-type]
+        s, (d, need) = _timed(direct)
+        rows["direct_plan"].append(s)
+        items = sum(len(v) for v in d.per_file.values())
+        assert need == {".metadata", "__0_0.distcp"} and items == tensors and not d.slow, (need, items, d.slow)
+        md = plan = d = None
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    dcp = med["dcp_unpickle"] + med["dcp_plan"]
+    ours = med["metadata"] + med["plan_load"] + med["direct_plan"]
+    return {"world": world, "tensors": tensors, "chunks": world * tensors, "metadata_bytes": len(raw),
+            "seconds": {k: {"median": med[k], "all": v} for k, v in rows.items()},
+            "dcp_s": dcp, "ours_s": ours, "ours_over_dcp": ours / dcp if dcp else None,
+            "planned_straight": items, "parsed_rss_mb": held / 2**20}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", default="8,64,256,1024", help="comma-separated world sizes (default %(default)s)")
+    ap.add_argument("--tensors", type=int, default=900,
+                    help="sharded tensors a rank holds (default %(default)s: a 7B-class model's ~300 parameters "
+                         "and AdamW's two moments each)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="W = 4, 16; 60 tensors; 1 repetition")
+    ap.add_argument("--out", default=str(HERE / "results" / "metadata-scale.json"))
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process for one world size
+    ap.add_argument("--make", type=int, help=argparse.SUPPRESS)  # the child writing one world's .metadata
+    ap.add_argument("--metadata", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.worlds, a.tensors, a.reps = "4,16", 60, 1
+    if a.make is not None:
+        a.metadata.write_bytes(_metadata(a.make, a.tensors))
+        return 0
+    if a.one is not None:
+        print(json.dumps(one_world(a.one, a.tensors, a.reps, a.metadata)))
+        return 0
+    try:
+        worlds = [int(w) for w in a.worlds.split(",") if w.strip()]
+    except ValueError:
+        ap.error(f"--worlds {a.worlds!r}: give comma-separated whole numbers, such as 8,64,256")
+    if not worlds or min(worlds) < 1 or a.tensors < 1 or a.reps < 1:
+        ap.error("--worlds, --tensors and --reps must be at least 1")
+    rows = []
+    print(f"{'ranks':>6} {'chunks':>9} {'.metadata':>10} {'DCP: parse + plan':>19} {'ours: parse + plan':>19} "
+          f"{'ours/DCP':>9} {'parsed':>8}")
+    for w in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            md_path = Path(tmp) / ".metadata"
+            for args in (["--make", str(w)], ["--one", str(w), "--reps", str(a.reps)]):
+                p = subprocess.run([sys.executable, __file__, *args, "--tensors", str(a.tensors), "--metadata",
+                                    str(md_path)], capture_output=True, text=True, timeout=3600)
+                if p.returncode != 0:
+                    print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+                    return 1
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        rows.append(r)
+        sec = r["seconds"]
+        print(f"{w:>6} {r['chunks']:>9,} {r['metadata_bytes'] / 1e6:>8.1f}MB "
+              f"{sec['dcp_unpickle']['median']:>8.3f} + {sec['dcp_plan']['median']:.3f} s "
+              f"{sec['metadata']['median']:>8.3f} + {sec['plan_load']['median'] + sec['direct_plan']['median']:.3f} s "
+              f"{r['ours_over_dcp']:>9.2f} {r['parsed_rss_mb']:>6.0f}MB", flush=True)
+    doc = {"mode": "quick" if a.quick else "full", "tensors": a.tensors, "reps": a.reps, "worlds": rows,
+           "cpus": __import__("os").cpu_count(), "torch": __import__("torch").__version__}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""bench/metadata_scale.py --quick: rank 0 of an FSDP2 job of 4 and 16 ranks plans its restore from the job's global
+``.metadata`` (every tensor planned straight into its DTensor target), and the bench reports every figure the README
+quotes. No timing is asserted: load decides them."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "metadata_scale.py"
+
+
+@pytest.mark.timeout(300)
+def test_quick_mode_reports_both_sides_per_world_size(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "quick" and [w["world"] for w in doc["worlds"]] == [4, 16]
+    for w in doc["worlds"]:
+        assert w["chunks"] == w["world"] * doc["tensors"] and w["planned_straight"] == doc["tensors"]
+        assert set(w["seconds"]) == {"dcp_unpickle", "dcp_plan", "metadata", "plan_load", "direct_plan"}
+        assert w["ours_over_dcp"] > 0 and w["metadata_bytes"] > 0 and w["parsed_rss_mb"] >= 0
+    assert "ours/DCP" in p.stdout
+
+
+@pytest.mark.timeout(60)
+def test_bad_world_sizes_are_refused_naming_the_flag() -> None:
+    p = subprocess.run([sys.executable, str(BENCH), "--worlds", "8,x"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=50)
+    assert p.returncode == 2 and "--worlds" in p.stderr and "8,x" in p.stderr

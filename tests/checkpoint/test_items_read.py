@@ -1,0 +1,123 @@
+"""Which storage items of DCP's global ``.metadata`` a rank reads for its targets, without processes: the chunks
+that overlap each DTensor target's local shard (at the saved layout, at another one), every item of a plain
+target, nothing of a key the rank does not load; and each key's chunk list walked once, not once per storage
+item (a job of W ranks saves W chunks of every sharded key: a walk per item was W^2 a key)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+from resilient.checkpoint.restore.restore import _items_read_of
+
+
+class _Chunks(list):  # type: ignore[type-arg]
+    """A key's chunk list that counts the walks over it."""
+
+    walks = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _Chunks.walks += 1
+        return super().__iter__()
+
+
+def _grid(shape: tuple[int, int], parts: tuple[int, int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(offsets, sizes) of a tensor cut into parts[0] x parts[1] boxes (the last of a dimension the shorter)."""
+    out = []
+    steps = [-(-s // p) for s, p in zip(shape, parts)]
+    for i, j in itertools.product(range(parts[0]), range(parts[1])):
+        off = (i * steps[0], j * steps[1])
+        size = (min(steps[0], shape[0] - off[0]), min(steps[1], shape[1] - off[1]))
+        if size[0] > 0 and size[1] > 0:
+            out.append((off, size))
+    return out
+
+
+def _metadata(keys: dict[str, tuple[tuple[int, int], tuple[int, int]]], objects: tuple[str, ...] = ()) -> Metadata:
+    sdm: dict[str, object] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for fqn, (shape, parts) in keys.items():
+        chunks = _Chunks()
+        for r, (off, size) in enumerate(_grid(shape, parts)):
+            chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(size)))
+            storage[MetadataIndex(fqn, off, r)] = _StorageInfo(f"__{r}_0.distcp", 100 * r, 100)
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)
+    for fqn in objects:
+        sdm[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = _StorageInfo("__0_0.distcp", 7, 9)
+    return Metadata(state_dict_metadata=sdm, storage_data=storage)
+
+
+def _overlaps(off: tuple[int, ...], size: tuple[int, ...], lo: tuple[int, ...], n: tuple[int, ...]) -> bool:
+    return 0 not in n and all(o < a + b and a < o + s for o, s, a, b in zip(off, size, lo, n))
+
+
+def _expected(md: Metadata, boxes: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]) -> set[tuple[str, tuple]]:
+    """By definition: every item of a loaded key whose chunk overlaps the key's local box (any item of a key
+    loaded whole)."""
+    out = set()
+    for idx in md.storage_data:
+        if idx.fqn not in boxes:
+            continue
+        box = boxes[idx.fqn]
+        if box is not None and idx.offset is not None:
+            size = next(tuple(c.sizes) for c in list.__iter__(md.state_dict_metadata[idx.fqn].chunks)
+                        if tuple(c.offsets) == tuple(idx.offset))
+            if not _overlaps(tuple(idx.offset), size, *box):
+                continue
+        out.add((idx.fqn, None if idx.offset is None else tuple(idx.offset)))
+    return out
+
+
+def _read(md: Metadata, boxes: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]) -> set[tuple[str, tuple]]:
+    load_sd = {k: torch.empty(0) for k in boxes}
+    shards = {k: None if b is None else (torch.empty(b[1]), b[0]) for k, b in boxes.items()}
+    got = _items_read_of(md, load_sd, shards)  # type: ignore[arg-type]
+    assert all(md.storage_data[idx] is info for idx, info in got)
+    keys = [(idx.fqn, None if idx.offset is None else tuple(idx.offset)) for idx, _ in got]
+    assert len(keys) == len(set(keys)), "an item listed twice"
+    return set(keys)
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_at_the_saved_layout_reads_its_own_chunk_and_nothing_else() -> None:
+    world = 8
+    md = _metadata({"w": ((4 * world, 8), (world, 1)), "b": ((4 * world, 3), (world, 1))}, objects=("step",))
+    for r in range(world):
+        boxes = {"w": ((4 * r, 0), (4, 8)), "b": ((4 * r, 0), (4, 3)), "step": None}
+        assert _read(md, boxes) == {("w", (4 * r, 0)), ("b", (4 * r, 0)), ("step", None)}
+
+
+@pytest.mark.timeout(60)
+def test_a_key_not_loaded_reads_nothing_and_a_plain_target_reads_every_chunk() -> None:
+    md = _metadata({"w": ((12, 5), (3, 2)), "v": ((6, 6), (2, 2))})
+    assert _read(md, {"w": None}) == {("w", off) for off, _ in _grid((12, 5), (3, 2))}
+    assert _read(md, {}) == set()
+
+
+@pytest.mark.timeout(120)
+def test_any_other_layout_reads_exactly_the_overlapping_chunks() -> None:
+    rnd = random.Random(5)
+    for _ in range(200):
+        shape = (rnd.randint(1, 40), rnd.randint(1, 12))
+        md = _metadata({"w": (shape, (rnd.randint(1, 9), rnd.randint(1, 4)))})
+        lo = (rnd.randint(0, shape[0]), rnd.randint(0, shape[1]))
+        n = (rnd.randint(0, shape[0] - lo[0]), rnd.randint(0, shape[1] - lo[1]))  # empty shards included
+        assert _read(md, {"w": (lo, n)}) == _expected(md, {"w": (lo, n)}), (shape, lo, n)
+
+
+@pytest.mark.timeout(60)
+def test_each_keys_chunks_are_walked_once_not_once_per_storage_item() -> None:
+    world, tensors = 64, 20
+    md = _metadata({f"t{i}": ((4 * world, 8), (world, 1)) for i in range(tensors)})
+    boxes = {f"t{i}": ((4 * 3, 0), (4, 8)) for i in range(tensors)}
+    _Chunks.walks = 0
+    assert _read(md, boxes) == {(f"t{i}", (12, 0)) for i in range(tensors)}
+    # one walk a key (a walk per storage item would be world x tensors = 1,280)
+    assert _Chunks.walks <= tensors, _Chunks.walks
