@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from resilient.checkpoint.api import (CheckpointError, CheckpointMismatchError, CheckpointReshardError,
                                       CorruptFileError, DCP_METADATA, FileEntry, Manifest, NoRestorableStepError,
@@ -84,10 +84,17 @@ class _Lru:
         with self._lock:
             self._d.clear()
 
+    def __len__(self) -> int:
+        return len(self._d)
+
 
 # DCP's parsed .metadata by (size, crc32c) of the verified file: the same bytes parse to the same object,
 # whoever asks (it is only read)
 _metadata_cache = _Lru(2)
+# kept only when the file is at most this large: parsed, a .metadata takes about 13 times its size, and it is global
+# (every rank's chunk of every tensor), so a large job's would stay in every training process after its one restore
+# (421 MB a rank for 256 ranks of 900 sharded tensors; see bench/metadata_scale.py)
+METADATA_CACHE_MAX = 2 << 20
 
 
 def clear_caches() -> None:
@@ -196,28 +203,34 @@ def _items_read(md: Any, plan: "_LoadPlan") -> list[tuple[Any, Any]]:
 
 def _items_read_of(md: Any, load_sd: Mapping[str, Any],
                    shards: Mapping[str, tuple[torch.Tensor, tuple[int, ...]] | None]) -> list[tuple[Any, Any]]:
-    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    # each saved chunk's sizes by (key, offsets), from one pass over the chunks of the keys with a local shard: a
-    # job of W ranks saves W chunks of every sharded key, so looking them up per storage item was W^2 a key (92 s
-    # projected for 1,024 ranks of 900 tensors; see bench/metadata_scale.py)
-    sizes_at: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    # the offsets of each DTensor key's saved chunks that miss its local shard, from one walk of the key's chunks: a
+    # job of W ranks saves W chunks of every sharded key, so a walk per storage item was W^2 a key (79 s for rank 0 of
+    # 1,024 ranks of 900 tensors; see bench/metadata_scale.py); an item is then skipped by one set lookup
+    misses: dict[str, set[tuple[int, ...]]] = {}
     for k in load_sd:
         shard = shards[k]
-        boxes[k] = None if shard is None else (shard[1], tuple(shard[0].shape))
-        if shard is not None:
-            for c in getattr(md.state_dict_metadata.get(k), "chunks", ()):
-                sizes_at.setdefault((k, tuple(c.offsets)), tuple(c.sizes))  # the first, as a scan finds
+        miss = misses[k] = set()
+        if shard is None:
+            continue  # loaded whole: every item
+        lo, n = shard[1], tuple(shard[0].shape)
+        hi = tuple(a + b for a, b in zip(lo, n))
+        empty = 0 in n  # an empty local shard overlaps nothing
+        lo0, hi0 = (lo[0], hi[0]) if lo else (0, 0)
+        seen: set[tuple[int, ...]] = set()
+        for c in getattr(md.state_dict_metadata.get(k), "chunks", ()):
+            off = c.offsets  # a torch.Size: hashes and compares as the tuple of its ints
+            if off in seen:
+                continue  # the first chunk at an offset decides, as a scan finds it
+            seen.add(off)
+            # the first dimension alone first: a shard along it (FSDP's Shard(0)) misses all chunks but its own there
+            if empty or (off and lo and not (off[0] < hi0 and lo0 < off[0] + c.sizes[0])) or \
+                    not all(o < h and a < o + s for o, s, a, h in zip(off[1:], c.sizes[1:], lo[1:], hi[1:])):
+                miss.add(off)
     out = []
     for idx, info in md.storage_data.items():
-        if idx.fqn not in boxes:
+        miss = misses.get(idx.fqn)
+        if miss is None or (miss and idx.offset is not None and idx.offset in miss):
             continue
-        box = boxes[idx.fqn]
-        if box is not None:
-            sizes = sizes_at.get((idx.fqn, tuple(idx.offset))) if idx.offset is not None else None
-            if sizes is not None and idx.offset is not None:
-                lo, n = box
-                if 0 in n or not all(o < a + b and a < o + s for o, s, a, b in zip(idx.offset, sizes, lo, n)):
-                    continue  # no overlap (an empty local shard overlaps nothing)
         out.append((idx, info))
     return out
 
@@ -631,7 +644,8 @@ class Restorer(Component):
             if md is None:
                 md = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes(),
                                    what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
-                _metadata_cache.put(md_key, md)
+                if files[DCP_METADATA].size <= METADATA_CACHE_MAX:
+                    _metadata_cache.put(md_key, md)
         except UnsafeCheckpointError as e:
             refused = (sources.get(DCP_METADATA), str(e))
         except FAILURES as e:
@@ -777,14 +791,16 @@ class Restorer(Component):
 
     def _direct_plan(self, md: Any, plan: "_LoadPlan", need: set[str], files: dict[str, FileEntry]) -> _Direct:
         """Which plain tensors of ``plan`` land straight in their targets, and where in each file (no I/O)."""
+        # indexed from the items this rank reads, not from every rank's (the global .metadata lists W chunks of
+        # each sharded tensor): every lookup below is of a key loaded whole (all its items are read) or of a chunk
+        # overlapping a local shard (read too)
         by_fqn: dict[str, list[Any]] = {}
         items_in: dict[str, int] = {}
         chunk_at: dict[tuple[str, tuple[int, ...]], Any] = {}
-        for idx, info in md.storage_data.items():
+        for idx, info in _items_read(md, plan):
             by_fqn.setdefault(idx.fqn, []).append(info)
             if idx.offset is not None:
                 chunk_at[(idx.fqn, tuple(idx.offset))] = info  # a torch.Size: ints already
-        for _, info in _items_read(md, plan):
             items_in[info.relative_path] = items_in.get(info.relative_path, 0) + 1
         per_file: dict[str, list[Item]] = {}
         key_of: dict[int, str] = {}
@@ -804,9 +820,11 @@ class Restorer(Component):
                 # resharded by DCP's planner
                 local, offsets = shard
                 info = chunk_at.get((key, offsets)) if isinstance(m, TensorStorageMetadata) else None
+                if info is None and isinstance(m, TensorStorageMetadata):
+                    info = md.storage_data.get(MetadataIndex(key, offsets))  # an empty shard overlaps nothing
+                shape = tuple(local.shape)
                 if (info is not None and not info.transform_descriptors and m.properties.dtype == local.dtype
-                        and any(tuple(c.offsets) == offsets and tuple(c.sizes) == tuple(local.shape)
-                                for c in m.chunks)
+                        and any(c.offsets == offsets and c.sizes == shape for c in m.chunks)  # torch.Size == tuple
                         and local.device.type in ("cpu", "cuda") and local.is_contiguous()):
                     per_file.setdefault(info.relative_path, []).append(Item(info.offset, info.length, local))
                     key_of[id(local)] = key

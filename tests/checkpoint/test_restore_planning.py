@@ -1,12 +1,17 @@
-"""Which storage items of DCP's global ``.metadata`` a rank reads for its targets, without processes: the chunks
-that overlap each DTensor target's local shard (at the saved layout, at another one), every item of a plain
-target, nothing of a key the rank does not load; and each key's chunk list walked once, not once per storage
-item (a job of W ranks saves W chunks of every sharded key: a walk per item was W^2 a key)."""
+"""Restore planning against DCP's global ``.metadata`` (W chunks of every sharded tensor in a job of W ranks).
+
+Which storage items a rank reads for its targets, without processes: the chunks that overlap each DTensor target's
+local shard (at the saved layout, at another one), every item of a plain target, nothing of a key the rank does not
+load; each key's chunk list walked once, not once per storage item (a walk per item was W^2 a key). And a large
+``.metadata`` is not kept in the process after the restore that parsed it."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +19,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 
+from resilient.checkpoint.restore import restore as restoring
 from resilient.checkpoint.restore.restore import _items_read_of
+from resilient.checkpoint.save.manager import CheckpointManager
 
 
 class _Chunks(list):  # type: ignore[type-arg]
@@ -27,19 +34,19 @@ class _Chunks(list):  # type: ignore[type-arg]
         return super().__iter__()
 
 
-def _grid(shape: tuple[int, int], parts: tuple[int, int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """(offsets, sizes) of a tensor cut into parts[0] x parts[1] boxes (the last of a dimension the shorter)."""
+def _grid(shape: tuple[int, ...], parts: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of a tensor cut into parts[0] x parts[1] x ... boxes (the last of a dimension the shorter)."""
     out = []
     steps = [-(-s // p) for s, p in zip(shape, parts)]
-    for i, j in itertools.product(range(parts[0]), range(parts[1])):
-        off = (i * steps[0], j * steps[1])
-        size = (min(steps[0], shape[0] - off[0]), min(steps[1], shape[1] - off[1]))
-        if size[0] > 0 and size[1] > 0:
+    for at in itertools.product(*(range(p) for p in parts)):
+        off = tuple(i * st for i, st in zip(at, steps))
+        size = tuple(min(st, s - o) for st, s, o in zip(steps, shape, off))
+        if all(x > 0 for x in size):
             out.append((off, size))
     return out
 
 
-def _metadata(keys: dict[str, tuple[tuple[int, int], tuple[int, int]]], objects: tuple[str, ...] = ()) -> Metadata:
+def _metadata(keys: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], objects: tuple[str, ...] = ()) -> Metadata:
     sdm: dict[str, object] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for fqn, (shape, parts) in keys.items():
@@ -58,7 +65,7 @@ def _overlaps(off: tuple[int, ...], size: tuple[int, ...], lo: tuple[int, ...], 
     return 0 not in n and all(o < a + b and a < o + s for o, s, a, b in zip(off, size, lo, n))
 
 
-def _expected(md: Metadata, boxes: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]) -> set[tuple[str, tuple]]:
+def _expected(md: Metadata, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]) -> set[tuple[str, tuple]]:
     """By definition: every item of a loaded key whose chunk overlaps the key's local box (any item of a key
     loaded whole)."""
     out = set()
@@ -75,7 +82,7 @@ def _expected(md: Metadata, boxes: dict[str, tuple[tuple[int, int], tuple[int, i
     return out
 
 
-def _read(md: Metadata, boxes: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]) -> set[tuple[str, tuple]]:
+def _read(md: Metadata, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None]) -> set[tuple[str, tuple]]:
     load_sd = {k: torch.empty(0) for k in boxes}
     shards = {k: None if b is None else (torch.empty(b[1]), b[0]) for k, b in boxes.items()}
     got = _items_read_of(md, load_sd, shards)  # type: ignore[arg-type]
@@ -104,11 +111,12 @@ def test_a_key_not_loaded_reads_nothing_and_a_plain_target_reads_every_chunk() -
 @pytest.mark.timeout(120)
 def test_any_other_layout_reads_exactly_the_overlapping_chunks() -> None:
     rnd = random.Random(5)
-    for _ in range(200):
-        shape = (rnd.randint(1, 40), rnd.randint(1, 12))
-        md = _metadata({"w": (shape, (rnd.randint(1, 9), rnd.randint(1, 4)))})
-        lo = (rnd.randint(0, shape[0]), rnd.randint(0, shape[1]))
-        n = (rnd.randint(0, shape[0] - lo[0]), rnd.randint(0, shape[1] - lo[1]))  # empty shards included
+    for i in range(300):
+        nd = 1 + i % 3  # a bias, a matrix, a 3-d weight
+        shape = tuple(rnd.randint(1, 30) for _ in range(nd))
+        md = _metadata({"w": (shape, tuple(rnd.randint(1, 6) for _ in range(nd)))})
+        lo = tuple(rnd.randint(0, s) for s in shape)
+        n = tuple(rnd.randint(0, s - a) for s, a in zip(shape, lo))  # empty shards included
         assert _read(md, {"w": (lo, n)}) == _expected(md, {"w": (lo, n)}), (shape, lo, n)
 
 
@@ -121,3 +129,51 @@ def test_each_keys_chunks_are_walked_once_not_once_per_storage_item() -> None:
     assert _read(md, boxes) == {(f"t{i}", (12, 0)) for i in range(tensors)}
     # one walk a key (a walk per storage item would be world x tensors = 1,280)
     assert _Chunks.walks <= tensors, _Chunks.walks
+
+
+def _restore_keeping_watch(root: Path, target: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> list:
+    """Restore into ``target`` with a fresh manager; returns weak references to each .metadata it parsed."""
+    parsed: list = []
+    real = restoring.load_metadata
+
+    def watched(data, what):  # type: ignore[no-untyped-def]
+        md = real(data, what)
+        parsed.append(weakref.ref(md))
+        return md
+
+    monkeypatch.setattr(restoring, "load_metadata", watched)
+    ck = CheckpointManager(local=root, interval=1)
+    try:
+        assert ck.restore(target) == 1
+    finally:
+        ck.close()
+    return parsed
+
+
+@pytest.mark.timeout(60)
+def test_a_large_metadata_is_not_kept_after_its_restore_and_a_small_one_is(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"w": torch.arange(12.0), "b": torch.ones(3)}
+    ck = CheckpointManager(local=tmp_path / "c", interval=1)
+    assert ck.save(0, state)
+    ck.close()
+    restoring.clear_caches()
+    try:
+        monkeypatch.setattr(restoring, "METADATA_CACHE_MAX", 0)  # every .metadata counts as large
+        target = {"w": torch.zeros(12), "b": torch.zeros(3)}
+        parsed = _restore_keeping_watch(tmp_path / "c", target, monkeypatch)
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        gc.collect()
+        assert len(parsed) == 1 and parsed[0]() is None, "the parsed .metadata outlived its restore"
+        assert len(restoring._metadata_cache) == 0
+
+        monkeypatch.setattr(restoring, "METADATA_CACHE_MAX", 2 << 20)  # the default: this one is small
+        target = {"w": torch.zeros(12), "b": torch.zeros(3)}
+        parsed = _restore_keeping_watch(tmp_path / "c", target, monkeypatch)
+        gc.collect()
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        assert len(parsed) == 1 and parsed[0]() is not None and len(restoring._metadata_cache) == 1
+        # a second restore in the process reads the kept one instead of parsing again
+        assert _restore_keeping_watch(tmp_path / "c", target, monkeypatch) == []
+    finally:
+        restoring.clear_caches()
