@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pickle
 import statistics
 import subprocess
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--worlds {a.worlds!r}: give comma-separated whole numbers, such as 8,64,256")
     if not worlds or min(worlds) < 1 or a.tensors < 1 or a.reps < 1:
         ap.error("--worlds, --tensors and --reps must be at least 1")
+    import torch
     rows = []
     print(f"{'ranks':>6} {'chunks':>9} {'.metadata':>10} {'DCP: parse + plan':>19} {'ours: parse + plan':>19} "
           f"{'ours/DCP':>9} {'parsed':>8}")
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sec['metadata']['median']:>8.3f} + {sec['plan_load']['median'] + sec['direct_plan']['median']:.3f} s "
               f"{r['ours_over_dcp']:>9.2f} {r['parsed_rss_mb']:>6.0f}MB", flush=True)
     doc = {"mode": "quick" if a.quick else "full", "tensors": a.tensors, "reps": a.reps, "worlds": rows,
-           "cpus": __import__("os").cpu_count(), "torch": __import__("torch").__version__}
+           "cpus": os.cpu_count(), "torch": torch.__version__}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}")
