@@ -305,9 +305,12 @@ def test_resilient_run_restarts_from_the_snapshot_and_removes_it_at_the_end(tmp_
     assert r.returncode == 0, r.stderr[-4000:]
     evs = read_events(tmp_path / "run")
     restores = [e for e in evs if e.kind is EventKind.CKPT_RESTORE and e.attempt == 1]
-    assert sorted(e.rank for e in restores) == [0, 1]
-    assert {e.details["tier"] for e in restores} == {"snapshot"}  # so the agent's directory was there
-    assert {e.details["step"] for e in restores} <= {8, 9}
+    # what each rank's restore found, and what failed before it, if an assertion below fails
+    seen = ([(e.rank, e.details) for e in restores],
+            [(e.kind.value, e.rank, e.details) for e in evs if e.kind is EventKind.CKPT_TIER_FAILED])
+    assert sorted(e.rank for e in restores) == [0, 1], seen
+    assert {e.details["tier"] for e in restores} == {"snapshot"}, seen  # so the agent's directory was there
+    assert {e.details["step"] for e in restores} <= {8, 9}, seen
     assert_bit_exact(reference, final(tmp_path / "out", 2))
     # the agent took the node's snapshots with it
     assert [p for p in os.listdir("/dev/shm") if p.startswith(dirs.PREFIX) and p.endswith(f"-{agent}")] == []
