@@ -15,6 +15,11 @@ any W) and the same ``.metadata`` bytes (DCP's own classes, pickled as DCP write
   functions as ``restore()`` calls them (``_plan_load``: what this rank loads, ``_direct_plan``: which chunks land
   straight in the targets and where; it walks every storage item once).
 
+Beside them, the restore's first collective, which DCP does not have: every rank receives every rank's manifest
+(its files' block digests for a checkpoint of ``--state-gb`` cut in W shards, and where each tensor's bytes start)
+and unpickles them; reported as the bytes one rank receives and its seconds to unpickle them (a node also offers its
+replica partner's copies, which doubles both; the transfer itself needs W machines and is not measured).
+
 No data is read: the planning alone, the part that grows with W. The cyclic collector is paused around each
 measurement, as ``restore()`` pauses it. Each W runs in a fresh process (its peak memory is its own). Reported per
 W: the ``.metadata`` size, both sides' seconds (median of ``--reps``), our total ÷ DCP's, and the process's peak
@@ -93,6 +98,26 @@ def _rank0(world: int, tensors: int, md_size: int) -> tuple[dict[str, Any], dict
     return {"model": model}, files
 
 
+def _manifest(rank: int, world: int, tensors: int, md_size: int, state_bytes: int) -> Any:
+    """Rank ``rank``'s manifest as the save writes it: its one data file with a verification digest per block (the
+    job's checkpoint of ``state_bytes`` cut in ``world`` shards) and where each tensor's bytes start."""
+    import random
+
+    from resilient.checkpoint.api import FileEntry, Manifest
+    from resilient.checkpoint.format.digests import BLOCK
+
+    size = max(tensors * ITEM, state_bytes // world)
+    per = size // tensors
+    n = -(-size // BLOCK)
+    rnd = random.Random(rank)  # digests look random: pickled, small ints would be shorter than real ones
+    digests = tuple(rnd.getrandbits(32) for _ in range(n))
+    data = FileEntry(size=size, crc32c=rnd.getrandbits(32), block_size=BLOCK, blocks=digests,
+                     items=tuple((t * per, t * per + RECORD - 64, per - RECORD) for t in range(tensors)),
+                     xxh3=tuple(rnd.getrandbits(64) for _ in range(n)))
+    return Manifest(step=100, rank=rank, world_size=world, files={f"__{rank}_0.distcp": data},
+                    metadata=FileEntry(size=md_size, crc32c=1), wall=1.0)
+
+
 def _timed(fn: Any) -> tuple[float, Any]:
     gc.disable()  # as restore() runs: with gc on, a parse of a million objects is a series of full passes
     try:
@@ -103,7 +128,7 @@ def _timed(fn: Any) -> tuple[float, Any]:
         gc.enable()
 
 
-def one_world(world: int, tensors: int, reps: int, md_path: Path) -> dict[str, Any]:
+def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: float = 84.0) -> dict[str, Any]:
     """Child process: rank 0 of ``world`` over torch's fake process group, the job's ``.metadata`` written by
     another process (so this one's memory holds only what a restarted rank's does)."""
     import psutil
@@ -129,7 +154,10 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path) -> dict[str, A
     held = proc.memory_info().rss - rss0
     md = None
     rows: dict[str, list[float]] = {k: [] for k in ("dcp_unpickle", "dcp_plan", "metadata", "plan_load",
-                                                    "direct_plan")}
+                                                    "direct_plan", "manifests")}
+    # the restore's first collective: every rank's manifests, pickled by all_gather_object (a node also offers its
+    # replica partner's, which doubles this), unpickled by every rank
+    blobs = [pickle.dumps({r: _manifest(r, world, tensors, len(raw), int(state_gb * 1e9))}) for r in range(world)]
     items = 0
     for _ in range(reps):
         s, md = _timed(lambda: pickle.loads(raw))
@@ -147,6 +175,8 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path) -> dict[str, A
             return Restorer._direct_plan(None, md, plan, need, files), need  # type: ignore[arg-type]
         s, (d, need) = _timed(direct)
         rows["direct_plan"].append(s)
+        s, _ = _timed(lambda: [pickle.loads(b) for b in blobs])
+        rows["manifests"].append(s)
         items = sum(len(v) for v in d.per_file.values())
         assert need == {".metadata", "__0_0.distcp"} and items == tensors and not d.slow, (need, items, d.slow)
         md = plan = d = None
@@ -156,7 +186,8 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path) -> dict[str, A
     return {"world": world, "tensors": tensors, "chunks": world * tensors, "metadata_bytes": len(raw),
             "seconds": {k: {"median": med[k], "all": v} for k, v in rows.items()},
             "dcp_s": dcp, "ours_s": ours, "ours_over_dcp": ours / dcp if dcp else None,
-            "planned_straight": items, "parsed_rss_mb": held / 2**20}
+            "planned_straight": items, "parsed_rss_mb": held / 2**20, "state_gb": state_gb,
+            "manifests_received_bytes": sum(len(b) for b in blobs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sharded tensors a rank holds (default %(default)s: a 7B-class model's ~300 parameters "
                          "and AdamW's two moments each)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--state-gb", type=float, default=84.0,
+                    help="the job's whole checkpoint, cut in W shards: sets each manifest's block digests (default "
+                         "%(default)s: 7B parameters and two moments in fp32)")
     ap.add_argument("--quick", action="store_true", help="W = 4, 16; 60 tensors; 1 repetition")
     ap.add_argument("--out", default=str(HERE / "results" / "metadata-scale.json"))
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process for one world size
@@ -178,22 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         a.metadata.write_bytes(_metadata(a.make, a.tensors))
         return 0
     if a.one is not None:
-        print(json.dumps(one_world(a.one, a.tensors, a.reps, a.metadata)))
+        print(json.dumps(one_world(a.one, a.tensors, a.reps, a.metadata, a.state_gb)))
         return 0
     try:
         worlds = [int(w) for w in a.worlds.split(",") if w.strip()]
     except ValueError:
         ap.error(f"--worlds {a.worlds!r}: give comma-separated whole numbers, such as 8,64,256")
-    if not worlds or min(worlds) < 1 or a.tensors < 1 or a.reps < 1:
-        ap.error("--worlds, --tensors and --reps must be at least 1")
+    if not worlds or min(worlds) < 1 or a.tensors < 1 or a.reps < 1 or not a.state_gb > 0:
+        ap.error("--worlds, --tensors, --reps and --state-gb must be at least 1 (--state-gb: above 0)")
     import torch
     rows = []
     print(f"{'ranks':>6} {'chunks':>9} {'.metadata':>10} {'DCP: parse + plan':>19} {'ours: parse + plan':>19} "
-          f"{'ours/DCP':>9} {'parsed':>8}")
+          f"{'ours/DCP':>9} {'parsed':>8} {'manifests in':>13} {'unpickled':>10}")
     for w in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             md_path = Path(tmp) / ".metadata"
-            for args in (["--make", str(w)], ["--one", str(w), "--reps", str(a.reps)]):
+            for args in (["--make", str(w)], ["--one", str(w), "--reps", str(a.reps), "--state-gb", str(a.state_gb)]):
                 p = subprocess.run([sys.executable, __file__, *args, "--tensors", str(a.tensors), "--metadata",
                                     str(md_path)], capture_output=True, text=True, timeout=3600)
                 if p.returncode != 0:
@@ -205,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{w:>6} {r['chunks']:>9,} {r['metadata_bytes'] / 1e6:>8.1f}MB "
               f"{sec['dcp_unpickle']['median']:>8.3f} + {sec['dcp_plan']['median']:.3f} s "
               f"{sec['metadata']['median']:>8.3f} + {sec['plan_load']['median'] + sec['direct_plan']['median']:.3f} s "
-              f"{r['ours_over_dcp']:>9.2f} {r['parsed_rss_mb']:>6.0f}MB", flush=True)
+              f"{r['ours_over_dcp']:>9.2f} {r['parsed_rss_mb']:>6.0f}MB "
+              f"{r['manifests_received_bytes'] / 1e6:>11.1f}MB {sec['manifests']['median']:>8.3f} s", flush=True)
     doc = {"mode": "quick" if a.quick else "full", "tensors": a.tensors, "reps": a.reps, "worlds": rows,
            "cpus": os.cpu_count(), "torch": torch.__version__}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

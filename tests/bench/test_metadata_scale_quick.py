@@ -22,7 +22,8 @@ def test_quick_mode_reports_both_sides_per_world_size(tmp_path: Path) -> None:
     assert doc["mode"] == "quick" and [w["world"] for w in doc["worlds"]] == [4, 16]
     for w in doc["worlds"]:
         assert w["chunks"] == w["world"] * doc["tensors"] and w["planned_straight"] == doc["tensors"]
-        assert set(w["seconds"]) == {"dcp_unpickle", "dcp_plan", "metadata", "plan_load", "direct_plan"}
+        assert set(w["seconds"]) == {"dcp_unpickle", "dcp_plan", "metadata", "plan_load", "direct_plan", "manifests"}
+        assert w["manifests_received_bytes"] > 0
         assert w["ours_over_dcp"] > 0 and w["metadata_bytes"] > 0 and w["parsed_rss_mb"] >= 0
     assert "ours/DCP" in p.stdout
 
