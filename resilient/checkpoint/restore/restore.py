@@ -201,6 +201,12 @@ def _items_read(md: Any, plan: "_LoadPlan") -> list[tuple[Any, Any]]:
     return plan.items_read[1]
 
 
+def _ints(x: Any) -> tuple[int, ...]:
+    """Offsets or sizes as a tuple: DCP's are ``torch.Size`` already (a tuple: hashed and compared as is, no copy);
+    metadata written another way may hold lists."""
+    return x if isinstance(x, tuple) else tuple(x)
+
+
 def _items_read_of(md: Any, load_sd: Mapping[str, Any],
                    shards: Mapping[str, tuple[torch.Tensor, tuple[int, ...]] | None]) -> list[tuple[Any, Any]]:
     # the offsets of each DTensor key's saved chunks that miss its local shard, from one walk of the key's chunks: a
@@ -218,7 +224,7 @@ def _items_read_of(md: Any, load_sd: Mapping[str, Any],
         lo0, hi0 = (lo[0], hi[0]) if lo else (0, 0)
         seen: set[tuple[int, ...]] = set()
         for c in getattr(md.state_dict_metadata.get(k), "chunks", ()):
-            off = c.offsets  # a torch.Size: hashes and compares as the tuple of its ints
+            off = _ints(c.offsets)
             if off in seen:
                 continue  # the first chunk at an offset decides, as a scan finds it
             seen.add(off)
@@ -229,7 +235,7 @@ def _items_read_of(md: Any, load_sd: Mapping[str, Any],
     out = []
     for idx, info in md.storage_data.items():
         miss = misses.get(idx.fqn)
-        if miss is None or (miss and idx.offset is not None and idx.offset in miss):
+        if miss is None or (miss and idx.offset is not None and _ints(idx.offset) in miss):
             continue
         out.append((idx, info))
     return out
@@ -824,7 +830,7 @@ class Restorer(Component):
                     info = md.storage_data.get(MetadataIndex(key, offsets))  # an empty shard overlaps nothing
                 shape = tuple(local.shape)
                 if (info is not None and not info.transform_descriptors and m.properties.dtype == local.dtype
-                        and any(c.offsets == offsets and c.sizes == shape for c in m.chunks)  # torch.Size == tuple
+                        and any(_ints(c.offsets) == offsets and _ints(c.sizes) == shape for c in m.chunks)
                         and local.device.type in ("cpu", "cuda") and local.is_contiguous()):
                     per_file.setdefault(info.relative_path, []).append(Item(info.offset, info.length, local))
                     key_of[id(local)] = key
