@@ -582,45 +582,59 @@ class CheckpointManager:
             return
         self._count(job.step, reached, tier, error, exc)
 
-    def _count_uploads(self, known: list[dict[int, tuple[bool, str | None]]]) -> None:
+    def _count_uploads(self, known: list[dict[int, tuple[bool, str | None, int | None]]]) -> None:
         """Count the saves that went to the persistent tier only as a queued upload, now that their uploads'
         outcomes are known. ``known`` is every rank's part of a gather (what each rank's uploader already decided,
         the same outcome on every rank but learnt at different times): its union is the same on every rank, so
         every rank counts the same saves at the same save and reads the same stop verdict. Without this, a full
-        disk and a dead store together trained on without a checkpoint and never stopped."""
-        merged: dict[int, tuple[bool, str | None]] = {}
+        disk and a dead store together trained on without a checkpoint and never stopped. A save whose upload was
+        replaced by a newer step's before it started is reported (it reached no tier) but not counted: the newer
+        save's outcome stands for it."""
+        merged: dict[int, tuple[bool, str | None, int | None]] = {}
         for part in known:
-            for step, (landed, error) in (part or {}).items():
-                if step not in merged or (not landed and merged[step][1] is None):
-                    merged[step] = (landed, error)
+            for step, (landed, error, by) in (part or {}).items():
+                if step not in merged or (not landed and merged[step][1] is None and error is not None):
+                    merged[step] = (landed, error, by)
         decided = sorted(s for s in merged if s in self._via_upload)
         for step in decided:
             self._via_upload.discard(step)
-            landed, error = merged[step]
+            landed, error, by = merged[step]
+            if by is not None:
+                self._count(step, False, TierName.PERSISTENT.value,
+                            f"its upload was dropped before it started, for step {by}'s, after the local write "
+                            "failed", superseded_by=by)
+                continue
             self._count(step, landed, TierName.PERSISTENT.value,
                         None if landed else f"its upload failed after the local write failed: "
                                             f"{error or 'on another rank'}")
         if decided:
-            # the uploader takes the newest pending step and drops the older ones: those are never decided (and
-            # reached no tier, but a newer save's upload stands for them)
+            # steps dropped from the queue with the one being uploaded (asked again meanwhile): a newer save's
+            # upload stands for them
             self._via_upload = {s for s in self._via_upload if s > decided[-1]}
 
-    def _uploads_known(self) -> dict[int, tuple[bool, str | None]]:
+    def _uploads_known(self) -> dict[int, tuple[bool, str | None, int | None]]:
         """This rank's part of :meth:`_count_uploads`' gather: the queued uploads of the failed local writes whose
-        outcome this rank's uploader decided."""
-        out = self._up.outcomes
-        return {s: (out[s], self._up.errors.get(s)) for s in self._via_upload if s in out}
+        outcome this rank's uploader decided, as (landed, error, the newer step that replaced it)."""
+        out, sup = self._up.outcomes, self._up.superseded
+        known: dict[int, tuple[bool, str | None, int | None]] = {}
+        for s in self._via_upload:
+            if s in out:
+                known[s] = (out[s], self._up.errors.get(s), None)
+            elif s in sup:
+                known[s] = (False, None, sup[s])
+        return known
 
     def _count(self, step: int, reached: bool, tier: str | None, error: str | None,
-               exc: BaseException | None = None) -> None:
+               exc: BaseException | None = None, superseded_by: int | None = None) -> None:
         """The failed saves in a row are the failed saves newer than the newest save that reached a tier; at
-        ``max_failed_saves`` of them the next ``save()`` stops the job."""
+        ``max_failed_saves`` of them the next ``save()`` stops the job. A failed save ``superseded_by`` a newer
+        one is reported only: the newer one is counted."""
         if reached:
             self._newest_reached = step if self._newest_reached is None else max(self._newest_reached, step)
             self._failed_streak = [f for f in self._failed_streak if f[0] > step]
             return
         older = self._newest_reached is not None and step < self._newest_reached
-        if not older:
+        if not older and superseded_by is None:
             self._failed_streak.append((step, tier, error))
         n = self.config.max_failed_saves
         assert isinstance(n, int)
@@ -629,6 +643,7 @@ class CheckpointManager:
             self._write_traceback(step, exc)
         if self.rank == 0:
             then = (f"step {self._newest_reached} has since reached a tier" if older else
+                    f"step {superseded_by}'s save stands for it" if superseded_by is not None else
                     "training goes on without checkpoints (max_failed_saves=0)" if n == 0 else
                     f"the job stops after {n} in a row" if streak < n else "stopping the job")
             where = f"{tier} tier: " if tier else ""
@@ -636,7 +651,7 @@ class CheckpointManager:
                            step, where, error or "failed on another rank", streak, then)
             self._emit(EventKind.CKPT_SAVE_FAILED, step=step, tier=tier, error=error or "failed on another rank",
                        consecutive=streak, max_failed_saves=n)
-        if n and streak >= n and self._stop is None and not older:
+        if n and streak >= n and self._stop is None and not older and superseded_by is None:
             first = next(((t, e) for _, t, e in self._failed_streak if e), (tier, error))
             steps = [s for s, _, _ in self._failed_streak]
             where = {TierName.LOCAL.value: f"local tier {self.local.root}" if self.local is not None else "local tier",

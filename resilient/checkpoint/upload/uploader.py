@@ -58,6 +58,10 @@ class Uploader(Component):
         self.outcomes: dict[int, bool] = {}  # step -> whether every rank's files landed (the same on every rank)
         self.last_error: str | None = None  # this rank's error of the last failed upload
         self.errors: dict[int, str] = {}  # step -> this rank's error of its failed upload (set before outcomes)
+        # step -> the newer step whose upload replaced it before it started (the newest pending step goes first):
+        # such a step never gets an outcome, so the manager reports it from here (the same on every rank: the
+        # step to upload is agreed by a gather, and every rank drops the same older ones)
+        self.superseded: dict[int, int] = {}
         self._collective = threading.Event()  # set while the upload thread is inside a collective on its group
 
     def start(self, on_start: Callable[[], Any] | None = None) -> None:
@@ -150,6 +154,9 @@ class Uploader(Component):
                 finally:
                     self._collective.clear()
                 with self._up_cv:
+                    for s in self._up_pending:
+                        if s < step:
+                            self.superseded[s] = step
                     self._drop_pending(lambda s: s >= step)
                     mem = self._up_mem.get(step)
                     self._up_current = step
