@@ -15,6 +15,10 @@ any W) and the same ``.metadata`` bytes (DCP's own classes, pickled as DCP write
   functions as ``restore()`` calls them (``_plan_load``: what this rank loads, ``_direct_plan``: which chunks land
   straight in the targets and where; it walks every storage item once).
 
+* ours from the rank index (``format/rank_index.py``): what a restart of the layout it saved does instead, decoding
+  the rank's own entries kept in its manifest, planning from them and checking they hold every target (the chunks
+  it plans to must be the whole file's: asserted).
+
 Beside them, the restore's first collective, which DCP does not have: every rank receives every rank's manifest
 (its files' block digests for a checkpoint of ``--state-gb`` cut in W shards, and where each tensor's bytes start)
 and unpickles them; reported as the bytes one rank receives and its seconds to unpickle them (a node also offers its
@@ -152,9 +156,19 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: floa
     # below, DCP's and ours alike, reuse it instead of the first one paying for the growth
     md = _timed(lambda: load_metadata(raw, what="bench"))[1]
     held = proc.memory_info().rss - rss0
+    # rank 0's rank index, as its save keeps it (from its local plan and the finished metadata: once per layout)
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+    from resilient.checkpoint.format import rank_index
+    from resilient.checkpoint.restore.restore import _shards
+
+    local_items = create_default_local_save_plan(flat, True).items
+    index_build_s, blob = _timed(lambda: rank_index.build(md, local_items))
+    assert blob is not None
+    index = rank_index.encode(blob, metadata_crc=1)
     md = None
     rows: dict[str, list[float]] = {k: [] for k in ("dcp_unpickle", "dcp_plan", "metadata", "plan_load",
-                                                    "direct_plan", "manifests")}
+                                                    "direct_plan", "manifests", "index")}
     # the restore's first collective: every rank's manifests, pickled by all_gather_object (a node also offers its
     # replica partner's, which doubles this), unpickled by every rank
     blobs = [pickle.dumps({r: _manifest(r, world, tensors, len(raw), int(state_gb * 1e9))}) for r in range(world)]
@@ -177,6 +191,21 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: floa
         rows["direct_plan"].append(s)
         s, _ = _timed(lambda: [pickle.loads(b) for b in blobs])
         rows["manifests"].append(s)
+
+        def from_index() -> Any:
+            # what a restart of the same layout does instead of the three steps above: decode the rank's own
+            # entries, plan from them, check they hold every target, plan where each chunk lands
+            small = rank_index.decode(index, 1, what="bench")
+            p = Restorer._plan_load(me, 0, state, small.state_dict_metadata, set(), world)  # type: ignore[arg-type]
+            assert rank_index.fits(small, p.load_sd, _shards(p))
+            need = {".metadata"} | {info.relative_path for _, info in _items_read(small, p)}
+            return Restorer._direct_plan(None, small, p, need, files), need  # type: ignore[arg-type]
+        s, (di, need_i) = _timed(from_index)
+        rows["index"].append(s)
+        assert need_i == need and di.per_file.keys() == d.per_file.keys() and not di.slow
+        assert [(i.offset, i.length) for i in di.per_file["__0_0.distcp"]] == \
+            [(i.offset, i.length) for i in d.per_file["__0_0.distcp"]]
+        di = None
         items = sum(len(v) for v in d.per_file.values())
         assert need == {".metadata", "__0_0.distcp"} and items == tensors and not d.slow, (need, items, d.slow)
         md = plan = d = None
@@ -187,6 +216,8 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: floa
             "seconds": {k: {"median": med[k], "all": v} for k, v in rows.items()},
             "dcp_s": dcp, "ours_s": ours, "ours_over_dcp": ours / dcp if dcp else None,
             "planned_straight": items, "parsed_rss_mb": held / 2**20, "state_gb": state_gb,
+            "index_s": med["index"], "index_over_dcp": med["index"] / dcp if dcp else None,
+            "index_bytes": len(index.data), "index_build_s": index_build_s,
             "manifests_received_bytes": sum(len(b) for b in blobs)}
 
 
@@ -223,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     rows = []
     print(f"{'ranks':>6} {'chunks':>9} {'.metadata':>10} {'DCP: parse + plan':>19} {'ours: parse + plan':>19} "
-          f"{'ours/DCP':>9} {'parsed':>8} {'manifests in':>13} {'unpickled':>10}")
+          f"{'ours/DCP':>9} {'parsed':>8} {'manifests in':>13} {'unpickled':>10} {'rank index':>11} "
+          f"{'index plan':>11} {'index/DCP':>10}")
     for w in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             md_path = Path(tmp) / ".metadata"
@@ -240,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{sec['dcp_unpickle']['median']:>8.3f} + {sec['dcp_plan']['median']:.3f} s "
               f"{sec['metadata']['median']:>8.3f} + {sec['plan_load']['median'] + sec['direct_plan']['median']:.3f} s "
               f"{r['ours_over_dcp']:>9.2f} {r['parsed_rss_mb']:>6.0f}MB "
-              f"{r['manifests_received_bytes'] / 1e6:>11.1f}MB {sec['manifests']['median']:>8.3f} s", flush=True)
+              f"{r['manifests_received_bytes'] / 1e6:>11.1f}MB {sec['manifests']['median']:>8.3f} s "
+              f"{r['index_bytes'] / 1e3:>9.0f}kB {r['index_s']:>9.4f} s {r['index_over_dcp']:>10.4f}", flush=True)
     doc = {"mode": "quick" if a.quick else "full", "tensors": a.tensors, "reps": a.reps, "worlds": rows,
            "cpus": os.cpu_count(), "torch": torch.__version__}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -200,6 +200,7 @@ class Manifest:
     metadata: FileEntry  # DCP's .metadata (identical on every rank)
     per_rank_keys: tuple[str, ...] = ()  # fqns saved per rank under "__rank<r>__.<fqn>"
     wall: float = 0.0
+    index: RankIndex | None = None  # this rank's own entries of .metadata (None: restores parse the whole file)
 
     def all_files(self) -> dict[str, FileEntry]:
         return {**self.files, DCP_METADATA: self.metadata}
@@ -208,14 +209,32 @@ class Manifest:
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size,
                 "files": {k: v.to_json() for k, v in self.files.items()},
                 "metadata": self.metadata.to_json(), "per_rank_keys": list(self.per_rank_keys),
-                "wall": self.wall}
+                "wall": self.wall, **({"index": self.index.to_json()} if self.index is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Manifest":
         return cls(step=int(d["step"]), rank=int(d["rank"]), world_size=int(d["world_size"]),
                    files={k: FileEntry.from_json(v) for k, v in d["files"].items()},
                    metadata=FileEntry.from_json(d["metadata"]),
-                   per_rank_keys=tuple(d.get("per_rank_keys", ())), wall=float(d.get("wall", 0.0)))
+                   per_rank_keys=tuple(d.get("per_rank_keys", ())), wall=float(d.get("wall", 0.0)),
+                   index=RankIndex.from_json(d["index"]) if d.get("index") is not None else None)
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    """A rank's own entries of DCP's ``.metadata`` (``format/rank_index.py``): what a restart of the same layout
+    reads instead of the whole file."""
+
+    of: int  # crc32c of the .metadata it was taken from: a manifest rewritten for another encoding drops it
+    crc: int  # zlib.crc32 of the pickled bytes
+    data: str  # the pickled Metadata, base64
+
+    def to_json(self) -> dict[str, Any]:
+        return {"of": self.of, "crc": self.crc, "data": self.data}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RankIndex":
+        return cls(of=int(d["of"]), crc=int(d["crc"]), data=str(d["data"]))
 
 
 @dataclass(frozen=True)

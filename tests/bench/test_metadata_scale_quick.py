@@ -22,10 +22,14 @@ def test_quick_mode_reports_both_sides_per_world_size(tmp_path: Path) -> None:
     assert doc["mode"] == "quick" and [w["world"] for w in doc["worlds"]] == [4, 16]
     for w in doc["worlds"]:
         assert w["chunks"] == w["world"] * doc["tensors"] and w["planned_straight"] == doc["tensors"]
-        assert set(w["seconds"]) == {"dcp_unpickle", "dcp_plan", "metadata", "plan_load", "direct_plan", "manifests"}
+        assert set(w["seconds"]) == {"dcp_unpickle", "dcp_plan", "metadata", "plan_load", "direct_plan", "manifests",
+                                     "index"}
+        # rank 0's own entries: the same size whatever the world (its chunks only), planned to the same places
+        assert w["index_bytes"] > 0 and w["index_over_dcp"] > 0 and w["index_build_s"] >= 0
         assert w["manifests_received_bytes"] > 0
         assert w["ours_over_dcp"] > 0 and w["metadata_bytes"] > 0 and w["parsed_rss_mb"] >= 0
-    assert "ours/DCP" in p.stdout
+    assert "ours/DCP" in p.stdout and "index/DCP" in p.stdout
+    assert doc["worlds"][0]["index_bytes"] == doc["worlds"][1]["index_bytes"]
 
 
 @pytest.mark.timeout(60)

@@ -217,7 +217,8 @@ def main() -> int:
             rc = 1
         else:
             print(f"[dtensor] rank {rank}: restore bit-exact ({len(trained['model'])} model tensors, "
-                  f"{sum(len(s) for s in trained['optim'].values())} optimizer values)", flush=True)
+                  f"{sum(len(s) for s in trained['optim'].values())} optimizer values; planned from "
+                  f"{'its rank index' if 'index' in ck.last_restore.phases else '.metadata'})", flush=True)
     ck.close()
     torch.save({**trained, "start": start, "restore": vars(ck.last_restore) if ck.last_restore else None},
                out / f"rank{rank}.pt")

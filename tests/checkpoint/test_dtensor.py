@@ -89,6 +89,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
 def test_save_and_restore_is_bit_exact(trained, layout: str, nproc: int) -> None:
     base, res = trained(layout, nproc)
     assert all("restore bit-exact" in r.output for r in res), res[0].output[-3000:]
+    # each rank restored the shards it saved: planned from its own entries, not the whole .metadata
+    assert all("planned from its rank index" in r.output for r in res), [r.output[-600:] for r in res]
     # every rank wrote its own shards (no DTensor taken for a per-rank value, stored twice)
     m = Manifest.from_json(__import__("json").loads(
         (base / "ckpt" / "step_00000002" / "manifest-rank0.json").read_text()))
@@ -107,6 +109,8 @@ def test_restore_onto_another_world_size_reshards(tmp_path: Path, workers: Worke
     ok(workers.run(SCRIPT, [*common, "--out", str(tmp_path / "b")], 1, timeout=200))
     b = dump(tmp_path / "b")
     assert b["start"] == 3 and b["restore"]["step"] == 2
+    # another world size: the rank index (rank 0's of 2) does not hold the new shard; .metadata plans it
+    assert "metadata" in b["restore"]["phases"] and "index" not in b["restore"]["phases"], b["restore"]["phases"]
     assert_equal_state(dump(base / "out"), b)
 
 

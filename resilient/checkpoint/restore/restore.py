@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import io
 import json
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from resilient.checkpoint.api import (CheckpointError, CheckpointMismatchError, CheckpointReshardError,
                                       CorruptFileError, DCP_METADATA, FileEntry, Manifest, NoRestorableStepError,
                                       RestoreResult, StateUndefinedError, TIER_ORDER, TierName, UnsafeCheckpointError)
+from resilient.checkpoint.format import rank_index
 from resilient.checkpoint.format.digests import map_verified, verify_bytes, verify_file
 from resilient.checkpoint.format.safe import find_unsafe, load_metadata, safe_torch_load, unsafe_name
 from resilient.checkpoint.format.spans import Span
@@ -586,6 +588,11 @@ class Restorer(Component):
                         mine.setdefault(m.rank, m)  # travels pickled: parsed once, not again from JSON
                 except (OSError, ValueError, KeyError, TypeError):
                     logger.warning("unreadable manifest %s skipped", p)
+        # each rank reads its own index only: the others' stay home (at 1,024 ranks they would be the whole
+        # .metadata again, sent to every rank)
+        own = mine.get(self.ctx.rank)
+        my_index = own.index if own is not None else None
+        mine = {r: dataclasses.replace(m, index=None) if m.index is not None else m for r, m in mine.items()}
         manifests: dict[int, Manifest] = {}
         for theirs in self._gather(mine, self.ctx.pg):
             for r, m in theirs.items():
@@ -612,6 +619,8 @@ class Restorer(Component):
                     manifests[r] = _checked(retry(lambda r=r: read_manifest(persistent, step, r),  # type: ignore
                                                   what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
                     self._from_persistent.add(r)
+                    if r == self.ctx.rank:
+                        my_index = manifests[r].index
             except FAILURES as e:
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
@@ -643,21 +652,42 @@ class Restorer(Component):
         if got is None:
             return None
         paths, mem, sources = got
-        md, refused = None, None
-        md_key = (files[DCP_METADATA].size, files[DCP_METADATA].crc32c)
-        try:
-            md = _metadata_cache.get(md_key)
-            if md is None:
-                md = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes(),
-                                   what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
-                if files[DCP_METADATA].size <= METADATA_CACHE_MAX:
-                    _metadata_cache.put(md_key, md)
-        except UnsafeCheckpointError as e:
-            refused = (sources.get(DCP_METADATA), str(e))
-        except FAILURES as e:
-            logger.warning("rank %d: step %d: %s", self.ctx.rank, step, _one_line(e))
-            refused = ("", "")
-        phases["metadata"] = time.perf_counter() - t_phase
+
+        def whole() -> tuple[Any, Any, tuple[str | None, str] | None]:
+            """DCP's .metadata, parsed (or from the cache): (md, its cache key, why it was refused)."""
+            key = (files[DCP_METADATA].size, files[DCP_METADATA].crc32c)
+            try:
+                parsed = _metadata_cache.get(key)
+                if parsed is None:
+                    parsed = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem
+                                           else paths[DCP_METADATA].read_bytes(),
+                                           what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
+                    if files[DCP_METADATA].size <= METADATA_CACHE_MAX:
+                        _metadata_cache.put(key, parsed)
+                return parsed, key, None
+            except UnsafeCheckpointError as e:
+                return None, key, (sources.get(DCP_METADATA), str(e))
+            except FAILURES as e:
+                logger.warning("rank %d: step %d: %s", self.ctx.rank, step, _one_line(e))
+                return None, key, ("", "")
+
+        # this rank's own entries, where it restores the layout it saved: not the whole file (see
+        # format/rank_index.py); whether they hold everything it loads is known once it plans, below
+        md: Any = None
+        md_key: Any = None
+        refused: tuple[str | None, str] | None = None
+        if my_index is not None and world_old == self.ctx.world_size:
+            try:
+                md = rank_index.decode(my_index, files[DCP_METADATA].crc32c,
+                                       what=f"rank {self.ctx.rank}'s manifest of step {step}")
+                md_key = ("index", my_index.of, my_index.crc)
+            except FAILURES as e:
+                logger.info("rank %d: step %d: %s; reading %s whole", self.ctx.rank, step, _one_line(e),
+                            DCP_METADATA)
+        indexed = md is not None
+        if md is None:
+            md, md_key, refused = whole()
+        phases["index" if indexed else "metadata"] = time.perf_counter() - t_phase
         # one agreement on what each rank found before any data file moves: a refused .metadata, a plan that
         # failed, state that cannot follow a world-size change, files no manifest lists (each was a
         # collective of its own: a round trip each that the raw transfer does not pay)
@@ -671,6 +701,20 @@ class Restorer(Component):
                 plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
             except CheckpointError as e:
                 failed = e
+            if indexed and (plan is None or plan.expand or plan.reshard
+                            or not rank_index.fits(md, plan.load_sd, _shards(plan))):
+                # the target is not the layout this rank saved (or the index misses something): the whole file
+                # decides, as without an index (its errors are the ones reported)
+                t_phase = time.perf_counter()
+                indexed, plan, failed = False, None, None
+                md, md_key, refused = whole()
+                phases["metadata"] = time.perf_counter() - t_phase
+                self._tell_refused(step, refused)
+                if refused is None:
+                    try:
+                        plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
+                    except CheckpointError as e:
+                        failed = e
         if plan is not None:
             need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan)}
             missing = sorted(n for n in need if n not in files)

@@ -46,6 +46,7 @@ from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, Checkpo
                                       CheckpointError, CheckpointSavesFailedError, DCP_METADATA,
                                       DEFAULT_BACKGROUND_NICE,
                                       DEFAULT_MAX_FAILED_SAVES, FileEntry, Manifest, RestoreResult, TierName)
+from resilient.checkpoint.format import rank_index
 from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
@@ -752,7 +753,8 @@ class CheckpointManager:
             if ok and self.nnodes > 1:
                 self._spread_metadata(d)
             if ok:
-                m = self._write_manifest(tier, job.step, per_rank, known=writer.entries)
+                m = self._write_manifest(tier, job.step, per_rank, known=writer.entries,
+                                         index=self._planners["local"].index)
         except FAILURES as e:
             ok, error = False, e
         try:
@@ -947,8 +949,9 @@ class CheckpointManager:
                 time.sleep(0.01)
 
     def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str],
-                        known: Mapping[str, FileEntry] | None = None) -> Manifest:
-        """``known``: entries the writer computed as it wrote (layout included); other files are read back."""
+                        known: Mapping[str, FileEntry] | None = None, index: bytes | None = None) -> Manifest:
+        """``known``: entries the writer computed as it wrote (layout included); other files are read back.
+        ``index``: this rank's own entries of the step's ``.metadata`` (``format/rank_index.py``)."""
         d = tier.path(step)
         known = known or {}
         mine = self._my_files(d)
@@ -956,8 +959,10 @@ class CheckpointManager:
         if any(n not in known for n in mine):
             files = self._with_layout(files, (d / DCP_METADATA).read_bytes(),
                                       lambda n: FileSource(d / n, "local", files[n].size))
-        m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files,
-                     metadata=file_entry(d / DCP_METADATA), per_rank_keys=tuple(per_rank), wall=time.time())
+        metadata = file_entry(d / DCP_METADATA)
+        m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files, metadata=metadata,
+                     per_rank_keys=tuple(per_rank), wall=time.time(),
+                     index=rank_index.encode(index, metadata.crc32c) if index is not None else None)
         tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
         return m
 

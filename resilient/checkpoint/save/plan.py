@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from resilient.checkpoint.api import CheckpointError
+from resilient.checkpoint.format import rank_index
 from resilient.checkpoint.format.state import dtensor_type, local_tensor
 from resilient.checkpoint.save.writer import RecordMemo
 
@@ -69,6 +70,9 @@ class CachedSavePlanner(DefaultSavePlanner):
         self.short_saves = 0  # saves whose metadata was agreed without DCP's gathers (``_save_unchanged``)
         # the record writer's per-tensor records of the last write of this planner's plan (``save/writer.py``)
         self.records = RecordMemo()
+        # this rank's own entries of the last metadata DCP finished (``format/rank_index.py``), pickled; a save that
+        # reused the plan and the results keeps it (the same items at the same places)
+        self.index: bytes | None = None
 
     def create_local_plan(self) -> SavePlan:
         # DCP builds every write item again at each save (about 40 us a tensor) only to find the plan equal to the
@@ -95,6 +99,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         """Drop this planner's cached plans (after a failed save, so every rank plans afresh; at close)."""
         self._layout = None
         self._results = self._all_results = None
+        self.index = None
         self.records.clear()
         for attr in _CACHES:
             getattr(SavePlanner, attr).pop(self._cached_plans_key, None)
@@ -145,14 +150,29 @@ def save(state: dict[str, Any], writer: Any, planner: CachedSavePlanner, process
                 planner.short_saves += 1
                 return
             planner.forget()  # a rank's file came out otherwise: plan and agree as DCP does, writing again
-        _save_state_dict(state_dict=state, storage_writer=writer, process_group=process_group, no_dist=no_dist,
-                         planner=planner)
+        md = _save_state_dict(state_dict=state, storage_writer=writer, process_group=process_group,
+                              no_dist=no_dist, planner=planner)
+        planner.index = _rank_index(md, planner)
         # what the next save compares its own results with (writers that keep them: RecordWriter)
         planner._results = getattr(writer, "results", None)
         planner._all_results = getattr(writer, "all_results", None)
     except BaseException:
         planner.forget()
         raise
+
+
+def _rank_index(md: Any, planner: CachedSavePlanner) -> bytes | None:
+    """This rank's entries of the metadata DCP just finished (every rank receives it), from its local plan before
+    DCP's dedup (it names the replicated values this rank loads, whichever rank wrote them). Never fails a save:
+    without an index, restores parse the whole ``.metadata``."""
+    local = SavePlanner._cached_save_plan.get(planner._cached_plans_key)
+    if local is None:
+        return None
+    try:
+        return rank_index.build(md, local.items)
+    except Exception as e:  # noqa: BLE001 - an index is an optimisation, the save stands without it
+        logger.debug("%s: no rank index: %s", planner.name, e)
+        return None
 
 
 def _coordinator(process_group: Any, no_dist: bool) -> bool:

@@ -296,7 +296,8 @@ def finish_step(out_dir: str | os.PathLike[str], manifest: Manifest, part: Trans
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / DCP_METADATA).write_bytes(metadata_bytes)
-    m = dataclasses.replace(manifest, files=dict(part.files),
+    # the rank index names the plain copy's byte ranges: not this copy's (restores of it parse its .metadata)
+    m = dataclasses.replace(manifest, files=dict(part.files), index=None,
                             metadata=FileEntry(size=len(metadata_bytes), crc32c=crc_bytes(metadata_bytes)))
     (out / manifest_name).write_text(json.dumps(m.to_json()))
     return m

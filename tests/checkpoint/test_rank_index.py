@@ -1,0 +1,202 @@
+"""A rank's own entries of ``.metadata`` in its manifest (``format/rank_index.py``): what a restart that restores
+the layout it saved plans from instead of the whole file.
+
+Checks: a restore of the saved layout plans from the index and is bit-exact; a damaged index (a flipped byte, and
+entries altered under their old checksum: two tensors' places swapped), one bound to another ``.metadata``, and a
+target that is not the saved layout each fall back to the whole ``.metadata`` and restore exactly (or raise its
+error); and, by definition on random layouts, the index fits exactly when the target is a saved chunk, and then
+reads the items the whole file would. The multi-rank layouts (FSDP2, TP, FSDP2 x TP, HSDP, a world-size change)
+are in ``test_dtensor.py``."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import random
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilient.checkpoint.api import CheckpointMismatchError
+from resilient.checkpoint.format import rank_index
+from resilient.checkpoint.restore.restore import _items_read_of
+from resilient.checkpoint.save.manager import CheckpointManager
+
+from .test_restore_planning import _expected, _grid, _metadata
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"model": torch.nn.Linear(16, 16).state_dict(), "a": torch.randn(64), "b": torch.randn(64),
+            "step": 7, "note": {"lr": 0.1}}
+
+
+def _fresh() -> dict:
+    return {"model": torch.nn.Linear(16, 16).state_dict(), "a": torch.zeros(64), "b": torch.zeros(64),
+            "step": 0, "note": {"lr": 0.0}}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and torch.equal(a["a"], b["a"])
+            and torch.equal(a["b"], b["b"]) and a["step"] == b["step"] and a["note"] == b["note"])
+
+
+def _saved(root: Path) -> dict:
+    state = _state()
+    ck = CheckpointManager(local=root, interval=1)
+    try:
+        assert ck.save(0, state) and ck.wait(60)
+    finally:
+        ck.close()
+    return state
+
+
+def _restore(root: Path, target: dict) -> dict:
+    """Restore with a fresh manager; the phases of its restore."""
+    from resilient.checkpoint.restore import restore as restoring
+
+    restoring.clear_caches()  # no parsed .metadata from an earlier restore in this process
+    ck = CheckpointManager(local=root, interval=1)
+    try:
+        assert ck.restore(target) == 1
+        assert ck.last_restore is not None
+        return dict(ck.last_restore.phases)
+    finally:
+        ck.close()
+
+
+def _manifest(root: Path) -> Path:
+    return root / "step_00000000" / "manifest-rank0.json"
+
+
+def _edit_index(root: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    p = _manifest(root)
+    m = json.loads(p.read_text())
+    edit(m["index"])
+    p.write_text(json.dumps(m))
+
+
+@pytest.mark.timeout(60)
+def test_the_saved_layout_is_planned_from_the_index_and_bit_exact(tmp_path: Path) -> None:
+    state = _saved(tmp_path / "c")
+    m = json.loads(_manifest(tmp_path / "c").read_text())
+    assert set(m["index"]) == {"of", "crc", "data"} and m["index"]["of"] == m["metadata"]["crc32c"]
+    target = _fresh()
+    phases = _restore(tmp_path / "c", target)
+    assert "index" in phases and "metadata" not in phases, phases
+    assert _equal(state, target)
+
+
+@pytest.mark.timeout(60)
+def test_a_flipped_byte_in_the_index_falls_back_to_the_whole_metadata(tmp_path: Path) -> None:
+    state = _saved(tmp_path / "c")
+
+    def flip(ix: dict) -> None:
+        raw = bytearray(base64.b64decode(ix["data"]))
+        raw[len(raw) // 2] ^= 0x01
+        ix["data"] = base64.b64encode(bytes(raw)).decode()
+
+    _edit_index(tmp_path / "c", flip)
+    target = _fresh()
+    phases = _restore(tmp_path / "c", target)
+    assert "metadata" in phases and "index" not in phases, phases
+    assert _equal(state, target)
+
+
+@pytest.mark.timeout(60)
+def test_entries_altered_under_their_old_checksum_are_refused(tmp_path: Path) -> None:
+    # a readable index that lies (two tensors of one size swapped): without the checksum it would load each into
+    # the other's place
+    state = _saved(tmp_path / "c")
+
+    def swap(ix: dict) -> None:
+        md = pickle.loads(base64.b64decode(ix["data"]))
+        ia = next(i for i in md.storage_data if i.fqn == "a")
+        ib = next(i for i in md.storage_data if i.fqn == "b")
+        md.storage_data[ia], md.storage_data[ib] = md.storage_data[ib], md.storage_data[ia]
+        ix["data"] = base64.b64encode(pickle.dumps(md)).decode()  # the old crc stays
+
+    _edit_index(tmp_path / "c", swap)
+    target = _fresh()
+    phases = _restore(tmp_path / "c", target)
+    assert "metadata" in phases and "index" not in phases, phases
+    assert _equal(state, target)
+
+
+@pytest.mark.timeout(60)
+def test_an_index_of_another_metadata_is_not_used(tmp_path: Path) -> None:
+    state = _saved(tmp_path / "c")
+    _edit_index(tmp_path / "c", lambda ix: ix.update(of=ix["of"] ^ 1))
+    target = _fresh()
+    phases = _restore(tmp_path / "c", target)
+    assert "metadata" in phases and "index" not in phases, phases
+    assert _equal(state, target)
+
+
+@pytest.mark.timeout(60)
+def test_a_target_not_of_the_saved_layout_is_planned_from_the_whole_metadata(tmp_path: Path) -> None:
+    _saved(tmp_path / "c")
+    # a key the checkpoint lacks: the whole .metadata decides, and its error names the key
+    target = {**_fresh(), "extra": torch.zeros(3)}
+    with pytest.raises(CheckpointMismatchError, match="extra"):
+        _restore(tmp_path / "c", target)
+
+
+def _partial(md, chunk: int):  # type: ignore[no-untyped-def]
+    """``md`` reduced to what the rank that saved chunk number ``chunk`` of every key holds, as build() makes it."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    sdm, sd = {}, {}
+    for fqn, m in md.state_dict_metadata.items():
+        c = list.__getitem__(m.chunks, chunk)
+        sdm[fqn] = TensorStorageMetadata(m.properties, m.size, [c])
+        idx = next(i for i in md.storage_data if i.fqn == fqn and tuple(i.offset) == tuple(c.offsets))
+        sd[idx] = md.storage_data[idx]
+    return Metadata(state_dict_metadata=sdm, storage_data=sd)
+
+
+@pytest.mark.timeout(120)
+def test_the_index_fits_exactly_a_saved_chunk_and_then_reads_what_the_whole_file_would() -> None:
+    rnd = random.Random(11)
+    fits = 0
+    for i in range(300):
+        nd = 1 + i % 3
+        shape = tuple(rnd.randint(1, 30) for _ in range(nd))
+        parts = tuple(rnd.randint(1, 6) for _ in range(nd))
+        md = _metadata({"w": (shape, parts)})
+        boxes = _grid(shape, parts)
+        mine = rnd.randrange(len(boxes))
+        partial = _partial(md, mine)
+        if i % 2:  # the rank's own chunk: the saved layout
+            lo, n = boxes[mine]
+        else:  # any box
+            lo = tuple(rnd.randint(0, s) for s in shape)
+            n = tuple(rnd.randint(0, s - a) for s, a in zip(shape, lo))
+        load_sd = {"w": torch.empty(0)}
+        shards = {"w": (torch.empty(n), lo)}
+        ok = rank_index.fits(partial, load_sd, shards)  # type: ignore[arg-type]
+        assert ok == ((lo, n) == boxes[mine]), (shape, parts, boxes[mine], lo, n)
+        if ok:
+            fits += 1
+            got = {(idx.fqn, tuple(idx.offset)) for idx, _ in _items_read_of(partial, load_sd, shards)}  # type: ignore
+            assert got == _expected(md, {"w": (lo, n)}), (shape, parts, lo, n)
+    assert fits >= 100, fits
+
+
+@pytest.mark.timeout(60)
+def test_decode_names_what_is_wrong() -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    blob = pickle.dumps(Metadata(state_dict_metadata={"w": BytesStorageMetadata()}, storage_data={}))
+    ix = rank_index.encode(blob, metadata_crc=5)
+    assert rank_index.decode(ix, 5, what="m").state_dict_metadata.keys() == {"w"}
+    with pytest.raises(Exception, match="another .metadata"):
+        rank_index.decode(ix, 6, what="m")
+    bad = type(ix)(of=5, crc=zlib.crc32(blob) ^ 1, data=ix.data)
+    with pytest.raises(Exception, match="checksum"):
+        rank_index.decode(bad, 5, what="m")
+    with pytest.raises(Exception, match="base64"):
+        rank_index.decode(type(ix)(of=5, crc=ix.crc, data="!!"), 5, what="m")
