@@ -62,9 +62,16 @@ def build(md: Any, items: Iterable[Any]) -> bytes | None:
                                  version=getattr(md, "version", None)), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+_last: tuple[bytes, int, str] | None = None  # the last blob encoded: a planner keeps one across its saves
+
+
 def encode(blob: bytes, metadata_crc: int) -> RankIndex:
     """``blob`` as the manifest carries it, bound to the ``.metadata`` (its crc32c) it was taken from."""
-    return RankIndex(of=metadata_crc, crc=zlib.crc32(blob), data=base64.b64encode(blob).decode("ascii"))
+    global _last
+    last = _last
+    if last is None or last[0] is not blob:
+        last = _last = (blob, zlib.crc32(blob), base64.b64encode(blob).decode("ascii"))
+    return RankIndex(of=metadata_crc, crc=last[1], data=last[2])
 
 
 def decode(index: RankIndex, metadata_crc: int, what: str) -> Any:
