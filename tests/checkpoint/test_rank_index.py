@@ -44,6 +44,13 @@ def _equal(a: dict, b: dict) -> bool:
             and torch.equal(a["b"], b["b"]) and a["step"] == b["step"] and a["note"] == b["note"])
 
 
+@pytest.fixture(autouse=True)
+def _one_rank_keeps_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a single rank's index would hold all of .metadata, which is not kept (MOST); these single-process tests keep
+    # it to exercise what a rank of a sharded job does with its share (test_dtensor.py runs those jobs)
+    monkeypatch.setattr(rank_index, "MOST", 1.0)
+
+
 def _saved(root: Path) -> dict:
     state = _state()
     ck = CheckpointManager(local=root, interval=1)
@@ -184,6 +191,17 @@ def test_the_index_fits_exactly_a_saved_chunk_and_then_reads_what_the_whole_file
             got = {(idx.fqn, tuple(idx.offset)) for idx, _ in _items_read_of(partial, load_sd, shards)}  # type: ignore
             assert got == _expected(md, {"w": (lo, n)}), (shape, parts, lo, n)
     assert fits >= 100, fits
+
+
+@pytest.mark.timeout(60)
+def test_an_index_holding_most_of_the_metadata_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_index, "MOST", 0.75)  # the default
+    state = _saved(tmp_path / "c")
+    assert "index" not in json.loads(_manifest(tmp_path / "c").read_text())
+    target = _fresh()
+    phases = _restore(tmp_path / "c", target)
+    assert "metadata" in phases and "index" not in phases, phases
+    assert _equal(state, target)
 
 
 @pytest.mark.timeout(60)

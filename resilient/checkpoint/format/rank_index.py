@@ -27,16 +27,23 @@ from resilient.checkpoint.api import CheckpointError, RankIndex
 from resilient.checkpoint.format.safe import load_metadata
 
 
+# an index holding more than this share of ``.metadata``'s items is not kept: decoding it would cost about what
+# parsing the whole file does (a single rank, or a data-parallel job whose every value is replicated)
+MOST = 0.75
+
+
 def build(md: Any, items: Iterable[Any]) -> bytes | None:
     """The pickled ``Metadata`` of ``items`` (this rank's local save plan, before DCP's dedup) taken from the
-    finished global metadata ``md``; None when ``md`` lacks any of them (nothing to keep: restores parse the whole
-    file). Work in the items only: the chunk, properties and size of each come from its write item."""
+    finished global metadata ``md``; None when ``md`` lacks any of them, or they are most of it (:data:`MOST`):
+    restores then parse the whole file. Work in the items only: the chunk, properties and size of each come from
+    its write item."""
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        TensorStorageMetadata)
     from torch.distributed.checkpoint.planner import WriteItemType
 
     storage = getattr(md, "storage_data", None)
-    if not isinstance(storage, dict):
+    items = list(items)
+    if not isinstance(storage, dict) or len(items) > MOST * len(storage):
         return None
     sdm: dict[str, Any] = {}
     sd: dict[Any, Any] = {}
