@@ -24,6 +24,11 @@ Beside them, the restore's first collective, which DCP does not have: every rank
 and unpickles them; reported as the bytes one rank receives and its seconds to unpickle them (a node also offers its
 replica partner's copies, which doubles both; the transfer itself needs W machines and is not measured).
 
+And the save side, per local save of a multi-node job (``_spread_costs``): what rank 0 spends writing ``.metadata``
+as the last one with new ids, and what reaches the other nodes: before, the whole file broadcast to every rank; now,
+the ids' places and bytes, from which each node's leader makes the file out of its copy of the last step's (timed:
+read from the page cache, ids written, crc32c checked).
+
 No data is read: the planning alone, the part that grows with W. The cyclic collector is paused around each
 measurement, as ``restore()`` pauses it. Each W runs in a fresh process (its peak memory is its own). Reported per
 W: the ``.metadata`` size, both sides' seconds (median of ``--reps``), our total ÷ DCP's, and the process's peak
@@ -72,7 +77,17 @@ def _metadata(world: int, tensors: int) -> bytes:
             storage[MetadataIndex(fqn, off, r)] = _StorageInfo(f"__{r}_0.distcp", t * ITEM, ITEM)
         sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32),
                                          size=torch.Size([ROWS * world, COLS]), chunks=chunks)
-    return pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data=storage))
+    return pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data=storage, storage_meta=_meta(4)))
+
+
+def _meta(step: int) -> Any:
+    """The ids a save writes into its ``.metadata``: its directory and a uuid (as ``FileSystemWriter`` makes)."""
+    import uuid
+    from pathlib import PurePosixPath
+
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    return StorageMeta(checkpoint_id=PurePosixPath(f"/ckpt/step_{step:08d}"), save_id=str(uuid.UUID(int=step)))
 
 
 def _name(t: int) -> str:
@@ -130,6 +145,55 @@ def _timed(fn: Any) -> tuple[float, Any]:
         return time.perf_counter() - t0, out
     finally:
         gc.enable()
+
+
+def _spread_costs(raw: bytes, md_path: Path, reps: int) -> dict[str, Any]:
+    """The save side, per local save of a multi-node job after the first: rank 0 writes ``.metadata`` as the last
+    one with new ids (before: each differing id counted and replaced in the whole file; now: written at the places
+    found once), and every other node gets it (before: the whole file broadcast to every rank; now: the ids'
+    places and bytes, which each node's leader writes into its copy of the last step's file and checks by crc32c)."""
+    import torch.distributed as dist
+
+    from resilient.checkpoint.format.digests import crc_bytes
+    from resilient.checkpoint.save.writer import RecordMemo, _ids
+
+    md_obj, results = object(), object()
+    old_meta, new_meta = _meta(4), _meta(5)
+    old, new = _ids(old_meta), _ids(new_meta)
+    assert old is not None and new is not None
+    memo = RecordMemo()
+    keep_s, _ = _timed(lambda: memo.keep_metadata(md_obj, results, old_meta, raw))
+    before, now, leader = [], [], []
+    for _ in range(reps):
+        def old_way() -> bytes:
+            blob = raw
+            for a, b in zip(old, new):
+                if a != b:
+                    assert blob.count(a) == 1
+                    blob = blob.replace(a, b)
+            return blob
+        s, want = _timed(old_way)
+        before.append(s)
+        s, pieces = _timed(lambda: memo.metadata_bytes(md_obj, results, new_meta))
+        now.append(s)
+        assert b"".join(pieces) == want  # type: ignore[union-attr]
+        offer = [(at, a, b) for at, a, b in zip(memo.id_offsets(), old, new) if a != b]
+
+        def make() -> int:
+            with open(md_path, "rb") as f:  # the last step's file, from the page cache
+                buf = bytearray(len(raw))
+                f.readinto(buf)
+            for at, a, b in offer:
+                assert buf[at:at + len(a)] == a
+                buf[at:at + len(b)] = b
+            return crc_bytes(buf)
+        s, crc = _timed(make)
+        leader.append(s)
+        assert crc == crc_bytes(want)
+    world = dist.get_world_size()
+    return {"keep_s": keep_s, "rank0_before_s": statistics.median(before), "rank0_now_s": statistics.median(now),
+            "leader_make_s": statistics.median(leader), "offer_bytes": len(pickle.dumps((3, offer, len(raw), 0))),
+            "sent_before_bytes": len(raw) * (world - 1)}
 
 
 def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: float = 84.0) -> dict[str, Any]:
@@ -209,6 +273,7 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: floa
         items = sum(len(v) for v in d.per_file.values())
         assert need == {".metadata", "__0_0.distcp"} and items == tensors and not d.slow, (need, items, d.slow)
         md = plan = d = None
+    spread = _spread_costs(raw, md_path, reps)
     med = {k: statistics.median(v) for k, v in rows.items()}
     dcp = med["dcp_unpickle"] + med["dcp_plan"]
     ours = med["metadata"] + med["plan_load"] + med["direct_plan"]
@@ -217,7 +282,7 @@ def one_world(world: int, tensors: int, reps: int, md_path: Path, state_gb: floa
             "dcp_s": dcp, "ours_s": ours, "ours_over_dcp": ours / dcp if dcp else None,
             "planned_straight": items, "parsed_rss_mb": held / 2**20, "state_gb": state_gb,
             "index_s": med["index"], "index_over_dcp": med["index"] / dcp if dcp else None,
-            "index_bytes": len(index.data), "index_build_s": index_build_s,
+            "index_bytes": len(index.data), "index_build_s": index_build_s, "spread": spread,
             "manifests_received_bytes": sum(len(b) for b in blobs)}
 
 
@@ -274,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ours_over_dcp']:>9.2f} {r['parsed_rss_mb']:>6.0f}MB "
               f"{r['manifests_received_bytes'] / 1e6:>11.1f}MB {sec['manifests']['median']:>8.3f} s "
               f"{r['index_bytes'] / 1e3:>9.0f}kB {r['index_s']:>9.4f} s {r['index_over_dcp']:>10.4f}", flush=True)
+    print(f"\n{'ranks':>6} {'rank 0 patch before':>20} {'now':>9} {'sent a save before':>19} {'now, a rank':>12} "
+          f"{'a leader makes it':>18}")
+    for r in rows:
+        sp = r["spread"]
+        print(f"{r['world']:>6} {sp['rank0_before_s']:>18.3f} s {sp['rank0_now_s'] * 1e6:>6.0f} us "
+              f"{sp['sent_before_bytes'] / 1e9:>16.2f} GB {sp['offer_bytes']:>10} B {sp['leader_make_s']:>16.3f} s")
     doc = {"mode": "quick" if a.quick else "full", "tensors": a.tensors, "reps": a.reps, "worlds": rows,
            "cpus": os.cpu_count(), "torch": torch.__version__}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -218,3 +218,34 @@ def test_decode_names_what_is_wrong() -> None:
         rank_index.decode(bad, 5, what="m")
     with pytest.raises(Exception, match="base64"):
         rank_index.decode(type(ix)(of=5, crc=ix.crc, data="!!"), 5, what="m")
+
+
+# ------------------------------------------------------------------ .metadata to the other nodes, as ids
+SPREAD = Path(__file__).resolve().parent / "_spread_train.py"
+
+
+def _spread(workers, tmp_path: Path, args: list[str], damaged: str = "") -> int:  # type: ignore[no-untyped-def]
+    from .conftest import ok
+
+    res = ok(workers.run(SPREAD, ["--local", str(tmp_path / "node{node}"), *args], 4, local_world_size=2,
+                         timeout=200))
+    line = next(x for x in res[0].output.splitlines() if x.startswith("{"))
+    steps = sorted(p.name for p in (tmp_path / "node0").glob("step_*"))
+    assert steps and steps == sorted(p.name for p in (tmp_path / "node1").glob("step_*")), steps
+    for s in steps:  # every node's copy of every step is rank 0's file, byte for byte (but the one damaged)
+        a, b = (tmp_path / "node1" / s / ".metadata").read_bytes(), (tmp_path / "node0" / s / ".metadata").read_bytes()
+        assert (a != b) if s == damaged else (a == b), s
+    return json.loads(line)["spread_by_ids"]
+
+
+@pytest.mark.timeout(240)
+def test_later_saves_reach_the_other_node_as_ids_and_make_the_same_file(tmp_path: Path, workers) -> None:  # type: ignore[no-untyped-def]
+    # the first save sends the file; each later one (the same plan, ids changed) only the ids that differ
+    assert _spread(workers, tmp_path, ["--steps", "4"]) == 3
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_copy_of_the_last_file_gets_the_whole_file(tmp_path: Path, workers) -> None:  # type: ignore[no-untyped-def]
+    # node 1's copy of step 2's .metadata has a flipped byte: step 3 made from it would fail its crc, so rank 0
+    # sends step 3's whole file; step 4 is made from that again
+    assert _spread(workers, tmp_path, ["--steps", "5", "--damage", "3"], damaged="step_00000002") == 3

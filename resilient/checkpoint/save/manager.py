@@ -326,6 +326,9 @@ class CheckpointManager:
         # steps that reached the persistent tier only as a queued upload of their in-memory copy (their local write
         # failed): counted, as reached or failed, once their upload's outcome is agreed (_count_uploads)
         self._via_upload: set[int] = set()
+        # (rank 0) the last step whose .metadata every node holds, with its RecordMemo generation and ids
+        self._spread_last: tuple[int, tuple[int, int], tuple[bytes, ...]] | None = None
+        self.spread_by_ids = 0  # local saves whose .metadata reached the other nodes as ids, not the file
         self._stop: dict[str, Any] | None = None
         self._traceback_written = False
         self._t_created = time.time()
@@ -751,7 +754,7 @@ class CheckpointManager:
         m = None
         try:
             if ok and self.nnodes > 1:
-                self._spread_metadata(d)
+                self._spread_metadata(d, step=job.step, writer=writer)
             if ok:
                 m = self._write_manifest(tier, job.step, per_rank, known=writer.entries,
                                          index=self._planners["local"].index)
@@ -932,8 +935,86 @@ class CheckpointManager:
     def _my_bytes(self, d: Path) -> int:
         return sum((d / n).stat().st_size for n in self._my_files(d))
 
-    def _spread_metadata(self, d: Path, shared_by_node: bool = True) -> None:
-        """DCP writes ``.metadata`` on rank 0 only; every node's copy of the step needs it."""
+    def _spread_metadata(self, d: Path, shared_by_node: bool = True, step: int | None = None,
+                         writer: RecordWriter | None = None) -> None:
+        """DCP writes ``.metadata`` on rank 0 only; every node's copy of the step needs it. Collective. Into the
+        node's shared step directory (``shared_by_node``, with ``step``): where rank 0's file is the last spread
+        one with other ids (its record ``writer`` says so), the node leaders make it from their copy of that one,
+        writing the new ids where the old ones are, and check it against its size and crc32c; only when one cannot
+        is the whole file sent, as to every rank before (at 1,024 ranks x 900 tensors, 129.5 MB to every rank at
+        every save)."""
+        derived = writer.derived if writer is not None and self.rank == 0 else None
+        if shared_by_node and step is not None:
+            last, self._spread_last = self._spread_last, None  # (rank 0) set again once every node holds it
+            if self._spread_by_ids(d, last, derived, writer):
+                self._spread_last = (step, *derived) if derived is not None else None
+                return
+        self._spread_whole(d, shared_by_node)
+        if shared_by_node and step is not None and derived is not None:
+            self._spread_last = (step, *derived)
+
+    def _spread_by_ids(self, d: Path, last: tuple[int, tuple[int, int], tuple[bytes, ...]] | None,
+                       derived: tuple[tuple[int, int], tuple[bytes, ...]] | None, writer: RecordWriter | None) -> bool:
+        """Collective: rank 0 offers, for each id that differs from the last spread step's file (``last``: its step,
+        generation, ids) when this one is of the same generation, its place and its old and new bytes; each node
+        leader writes them into its copy of that step's file and writes the result if it has this file's size and
+        crc32c. True when every leader did (and so holds it: the agreement comes after the writes)."""
+        offer = None
+        if self.rank == 0 and last is not None and derived is not None and writer is not None \
+                and last[1] == derived[0] and len(writer.id_offsets) == len(derived[1]):
+            try:
+                path = d / DCP_METADATA
+                crc = writer.metadata_crc
+                if crc is None:
+                    crc = crc_bytes(path.read_bytes())
+                offer = (last[0], [(at, a, b) for at, a, b in zip(writer.id_offsets, last[2], derived[1]) if a != b],
+                         path.stat().st_size, crc)
+            except OSError as e:  # the whole file's path reads it again, and fails the save as before
+                logger.debug("no ids offered: %s", e)
+        offer = self._bcast(offer, self._pg)
+        if offer is None:
+            return False
+        ok = True
+        if self.rank != 0 and self.local_rank == 0:
+            ok = self._patched_metadata(d, *offer)
+        if not self._all(ok):
+            return False
+        self.spread_by_ids += 1
+        return True
+
+    def _patched_metadata(self, d: Path, prev_step: int, ids: list[tuple[int, bytes, bytes]], size: int,
+                          crc: int) -> bool:
+        """Write ``d``'s ``.metadata`` from this node's copy of ``prev_step``'s with each (place, old, new) of
+        ``ids`` written, if the old bytes are there and the result has ``size`` bytes and crc32c ``crc`` (else
+        nothing is written, and rank 0 sends the file)."""
+        try:
+            assert self.local is not None
+            p = self.local.path(prev_step) / DCP_METADATA
+            with open(p, "rb") as f:
+                n = os.fstat(f.fileno()).st_size
+                if n != size:
+                    return False
+                buf = bytearray(n)
+                if f.readinto(buf) != n:
+                    return False
+            for at, a, b in ids:
+                if len(a) != len(b) or buf[at:at + len(a)] != a:
+                    return False
+                buf[at:at + len(b)] = b
+            if crc_bytes(buf) != crc:
+                logger.info("rank %d: step %s .metadata made from step %d's differs from rank 0's: sent whole",
+                            self.rank, d.name, prev_step)
+                return False
+            tmp = d / ".metadata.tmp"
+            tmp.write_bytes(buf)
+            os.replace(tmp, d / DCP_METADATA)
+            return True
+        except (OSError, AssertionError) as e:
+            logger.debug("rank %d: no .metadata from step %d's: %s", self.rank, prev_step, e)
+            return False
+
+    def _spread_whole(self, d: Path, shared_by_node: bool) -> None:
+        """Collective: rank 0's ``.metadata`` sent to every rank; one rank a node writes it (``shared_by_node``)."""
         data = (d / DCP_METADATA).read_bytes() if self.rank == 0 else None
         data = self._bcast(data, self._pg)
         if self.rank != 0 and (self.local_rank == 0 or not shared_by_node):

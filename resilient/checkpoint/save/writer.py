@@ -57,7 +57,7 @@ try:  # ISA-L's crc32, the zip records' checksum: the same value as zlib's at 2-
     from isal.isal_zlib import crc32 as _zip_crc32
 except ImportError:  # pragma: no cover - a speed-up only: the dependency is declared, a build without it still works
     from zlib import crc32 as _zip_crc32
-from resilient.checkpoint.format.digests import BLOCK, crc_combine
+from resilient.checkpoint.format.digests import BLOCK, crc_bytes, crc_combine
 from resilient.checkpoint.format.state import local_tensor
 
 logger = logging.getLogger(__name__)
@@ -333,33 +333,61 @@ class RecordMemo:
         self.records: list[_Record] = []
         self.hits = 0  # writes that took their records from here
         self.patched = 0  # .metadata files written from the last one's bytes
-        self._md: tuple[Any, Any, list[bytes], bytes] | None = None  # metadata, results, ids, the file's bytes
+        # metadata, results, ids, the file's bytes, and where each id is in them (each once: found at keep time, so
+        # each later file is the kept bytes with ids written at those places, no search of a file of 100s of MB)
+        self._md: tuple[Any, Any, list[bytes], bytes, list[int]] | None = None
+        self.generation = 0  # changes whenever the kept bytes do: two files of one generation differ only in ids
 
     def clear(self) -> None:
         self.plan, self.records, self._md = None, [], None
+        self.generation += 1
 
     def keep_metadata(self, metadata: Any, results: Any, meta: StorageMeta | None, blob: bytes) -> None:
         """``blob``: the ``.metadata`` written for ``metadata`` and ``results`` with ``meta``'s ids."""
+        self.generation += 1
+        self._md = None
         ids = _ids(meta)
-        self._md = None if ids is None else (metadata, results, ids, blob)
+        if ids is None:
+            return
+        at = []
+        for a in ids:
+            i = blob.find(a)
+            if i < 0 or blob.find(a, i + 1) >= 0:
+                return  # an id found other than once: which occurrence is the id cannot be told
+            at.append(i)
+        self._md = (metadata, results, ids, blob, at)
 
-    def metadata_bytes(self, metadata: Any, results: Any, meta: StorageMeta | None) -> bytes | None:
-        """The bytes of ``.metadata`` for ``metadata`` and ``results`` (the last ones kept) with ``meta``'s ids:
-        the last file's, each of its ids (one pickled string each, the same length) replaced. None where that
-        cannot be done exactly: other metadata, ids of other lengths, an id found other than once."""
+    def derived(self, metadata: Any, meta: StorageMeta | None) -> tuple[tuple[int, int], tuple[bytes, ...]] | None:
+        """Where the ``.metadata`` just written for ``metadata`` is the kept bytes with ``meta``'s ids: (this memo's
+        generation, those ids), so that a node holding another file of the same generation makes this one by
+        writing ids at :meth:`id_offsets` (``CheckpointManager._spread_metadata``); else None."""
+        ids = _ids(meta)
+        if self._md is None or self._md[0] is not metadata or ids is None or len(ids) != len(self._md[2]):
+            return None
+        return (id(self), self.generation), tuple(ids)
+
+    def id_offsets(self) -> list[int]:
+        """Where each id is in every file of this generation."""
+        return list(self._md[4]) if self._md is not None else []
+
+    def metadata_bytes(self, metadata: Any, results: Any, meta: StorageMeta | None) -> list[Any] | None:
+        """The bytes of ``.metadata`` for ``metadata`` and ``results`` (the last ones kept) with ``meta``'s ids, as
+        pieces to write in order (views of the kept bytes, and the new ids between them: no copy of the file). None
+        where that cannot be done exactly: other metadata, ids of other lengths."""
         if self._md is None or self._md[0] is not metadata or self._md[1] is not results:
             return None
-        old, new = self._md[2], _ids(meta)
-        if new is None or len(new) != len(old):
+        old, new, blob, at = self._md[2], _ids(meta), self._md[3], self._md[4]
+        if new is None or len(new) != len(old) or any(len(a) != len(b) for a, b in zip(old, new)):
             return None
-        blob = self._md[3]
-        for a, b in zip(old, new):
-            if a == b:
-                continue
-            if len(a) != len(b) or blob.count(a) != 1:
-                return None
-            blob = blob.replace(a, b)
-        return blob
+        view = memoryview(blob)
+        pieces: list[Any] = []
+        pos = 0
+        for i, a, b in sorted(zip(at, old, new)):
+            if a != b:
+                pieces += [view[pos:i], b]
+                pos = i + len(b)
+        pieces.append(view[pos:])
+        return pieces
 
     def holds(self, plan: SavePlan, state: dict[str, Any] | None) -> bool:
         """The records are ``plan``'s, and every tensor is the one they were made from, where it was."""
@@ -405,6 +433,11 @@ class RecordWriter(FileSystemWriter):
         self.results: list[WriteResult] | None = None
         self.all_results: list[list[WriteResult]] | None = None
         self._memo: RecordMemo | None = None  # the planner's, from write_data: finish has no planner
+        # (coordinator, after finish) the .metadata's generation and ids where it is the memo's bytes with ids
+        # replaced (RecordMemo.derived): the manager sends the other nodes the ids, not the file
+        self.derived: tuple[tuple[int, int], tuple[bytes, ...]] | None = None
+        self.metadata_crc: int | None = None  # (coordinator) crc32c of the .metadata written from pieces
+        self.id_offsets: list[int] = []  # (coordinator, with derived) where its ids are in the file
 
     def _metadata_exists(self) -> bool:
         # torch warns at every save into a directory that holds a checkpoint ("overwrite will default to False"):
@@ -415,6 +448,7 @@ class RecordWriter(FileSystemWriter):
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         memo, meta = self._memo, self.storage_meta()
         blob = memo.metadata_bytes(metadata, results, meta) if memo is not None else None
+        self.metadata_crc = None
         if blob is None:
             super().finish(metadata=metadata, results=results)
             if memo is not None:  # the file just written, from the page cache: no second pickle of it
@@ -423,14 +457,20 @@ class RecordWriter(FileSystemWriter):
         else:
             metadata.storage_meta = meta  # as DCP's finish leaves it
             tmp = self.fs.concat_path(self.path, f"{DCP_METADATA}.tmp")
+            crc = 0
             with self.fs.create_stream(tmp, "wb") as f:
-                f.write(blob)
+                for piece in blob:
+                    f.write(piece)
+                    crc = crc_bytes(piece, crc)
                 if self.sync_files:
                     f.flush()
                     os.fsync(f.fileno())
             self.fs.rename(tmp, self.fs.concat_path(self.path, DCP_METADATA))
             memo.patched += 1
+            self.metadata_crc = crc
         self.all_results = results
+        self.derived = memo.derived(metadata, meta) if memo is not None else None
+        self.id_offsets = memo.id_offsets() if self.derived is not None and memo is not None else []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if _dcp_fs._write_item is not _STOCK_WRITE_ITEM:
