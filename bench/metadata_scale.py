@@ -27,7 +27,8 @@ replica partner's copies, which doubles both; the transfer itself needs W machin
 And the save side, per local save of a multi-node job (``_spread_costs``): what rank 0 spends writing ``.metadata``
 as the last one with new ids, and what reaches the other nodes: before, the whole file broadcast to every rank; now,
 the ids' places and bytes, from which each node's leader makes the file out of its copy of the last step's (timed:
-read from the page cache, ids written, crc32c checked).
+read from the page cache, ids written, crc32c checked). Before, every rank also read the file back and hashed it for
+its manifest (timed); now the offer carries its entry, hashed by rank 0's writer as it wrote the file.
 
 No data is read: the planning alone, the part that grows with W. The cyclic collector is paused around each
 measurement, as ``restore()`` pauses it. Each W runs in a fresh process (its peak memory is its own). Reported per
@@ -154,6 +155,7 @@ def _spread_costs(raw: bytes, md_path: Path, reps: int) -> dict[str, Any]:
     places and bytes, which each node's leader writes into its copy of the last step's file and checks by crc32c)."""
     import torch.distributed as dist
 
+    from resilient.checkpoint.api import FileEntry
     from resilient.checkpoint.format.digests import crc_bytes
     from resilient.checkpoint.save.writer import RecordMemo, _ids
 
@@ -190,9 +192,14 @@ def _spread_costs(raw: bytes, md_path: Path, reps: int) -> dict[str, Any]:
         s, crc = _timed(make)
         leader.append(s)
         assert crc == crc_bytes(want)
+    # before, every rank also read the step's .metadata back and hashed it for its manifest; now the entry travels
+    # in the offer (rank 0's writer hashed the pieces as it wrote them)
+    from resilient.checkpoint.format.digests import file_entry
+
+    hashed = [_timed(lambda: file_entry(md_path))[0] for _ in range(reps)]
     world = dist.get_world_size()
-    return {"keep_s": keep_s, "rank0_before_s": statistics.median(before), "rank0_now_s": statistics.median(now),
-            "leader_make_s": statistics.median(leader), "offer_bytes": len(pickle.dumps((3, offer, len(raw), 0))),
+    return {"keep_s": keep_s, "manifest_hash_before_s": statistics.median(hashed), "rank0_before_s": statistics.median(before), "rank0_now_s": statistics.median(now),
+            "leader_make_s": statistics.median(leader), "offer_bytes": len(pickle.dumps((3, offer, FileEntry(size=len(raw), crc32c=crc, xxh3=(2**63,))))),
             "sent_before_bytes": len(raw) * (world - 1)}
 
 
@@ -340,11 +347,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['manifests_received_bytes'] / 1e6:>11.1f}MB {sec['manifests']['median']:>8.3f} s "
               f"{r['index_bytes'] / 1e3:>9.0f}kB {r['index_s']:>9.4f} s {r['index_over_dcp']:>10.4f}", flush=True)
     print(f"\n{'ranks':>6} {'rank 0 patch before':>20} {'now':>9} {'sent a save before':>19} {'now, a rank':>12} "
-          f"{'a leader makes it':>18}")
+          f"{'a leader makes it':>18} {'each rank hashed it, before':>28}")
     for r in rows:
         sp = r["spread"]
         print(f"{r['world']:>6} {sp['rank0_before_s']:>18.3f} s {sp['rank0_now_s'] * 1e6:>6.0f} us "
-              f"{sp['sent_before_bytes'] / 1e9:>16.2f} GB {sp['offer_bytes']:>10} B {sp['leader_make_s']:>16.3f} s")
+              f"{sp['sent_before_bytes'] / 1e9:>16.2f} GB {sp['offer_bytes']:>10} B {sp['leader_make_s']:>16.3f} s "
+              f"{sp['manifest_hash_before_s']:>26.3f} s")
     doc = {"mode": "quick" if a.quick else "full", "tensors": a.tensors, "reps": a.reps, "worlds": rows,
            "cpus": os.cpu_count(), "torch": torch.__version__}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ def test_quick_mode_reports_both_sides_per_world_size(tmp_path: Path) -> None:
         sp = w["spread"]
         assert 0 < sp["offer_bytes"] < 1000 and sp["sent_before_bytes"] == w["metadata_bytes"] * (w["world"] - 1)
         assert sp["rank0_before_s"] >= 0 and sp["rank0_now_s"] >= 0 and sp["leader_make_s"] >= 0
+        assert sp["manifest_hash_before_s"] >= 0
         assert w["manifests_received_bytes"] > 0
         assert w["ours_over_dcp"] > 0 and w["metadata_bytes"] > 0 and w["parsed_rss_mb"] >= 0
     assert "ours/DCP" in p.stdout and "index/DCP" in p.stdout

@@ -11,6 +11,7 @@ from the next copy; and plain ``dcp.load`` of a saved step in processes that nev
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_save_and_restore_is_bit_exact(trained, layout: str, nproc: int) -> None
     # each rank restored the shards it saved: planned from its own entries where its manifest keeps them (not where
     # they would be most of .metadata: tp's replicated norms on 2 ranks), not the whole .metadata
     step = base / "ckpt" / "step_00000002"
-    kept = ["index" in __import__("json").loads((step / f"manifest-rank{r}.json").read_text()) for r in range(nproc)]
+    kept = ["index" in json.loads((step / f"manifest-rank{r}.json").read_text()) for r in range(nproc)]
     assert all(kept) or layout == "tp", kept
     for r, k in zip(res, kept):
         assert ("planned from its rank index" if k else "planned from .metadata") in r.output, r.output[-600:]
@@ -117,6 +118,25 @@ def test_restore_onto_another_world_size_reshards(tmp_path: Path, workers: Worke
     # another world size: the rank index (rank 0's of 2) does not hold the new shard; .metadata plans it
     assert "metadata" in b["restore"]["phases"] and "index" not in b["restore"]["phases"], b["restore"]["phases"]
     assert_equal_state(dump(base / "out"), b)
+
+
+@pytest.mark.timeout(240)
+def test_restore_onto_another_layout_at_the_same_world_size_plans_from_metadata(tmp_path: Path, workers: Workers,
+                                                                               trained) -> None:
+    """State saved by 2 ranks as FSDP2, restored by 2 ranks as TP (same world size, other shards): each rank's index
+    (kept: FSDP2's shards are most of its share) holds chunks that are not its new shards, so it does not fit and the
+    whole .metadata plans the reshard; the state equals what was saved."""
+    base, _ = trained("fsdp", 2)
+    step = base / "ckpt" / "step_00000002"
+    assert all("index" in json.loads((step / f"manifest-rank{r}.json").read_text()) for r in (0, 1))
+    shutil.copytree(base / "ckpt", tmp_path / "ckpt")
+    common = ["--layout", "tp", "--steps", "3", "--interval", "1", "--local", str(tmp_path / "ckpt")]
+    ok(workers.run(SCRIPT, [*common, "--out", str(tmp_path / "b")], 2, timeout=200))
+    for rank in (0, 1):
+        b = dump(tmp_path / "b", rank)
+        assert b["start"] == 3 and b["restore"]["step"] == 2
+        assert "metadata" in b["restore"]["phases"] and "index" not in b["restore"]["phases"], b["restore"]["phases"]
+        assert_equal_state(dump(base / "out", rank), b)
 
 
 # ------------------------------------------------------------------ the issue's check, under resilient-run

@@ -210,20 +210,28 @@ def test_full_disk_and_dead_store_count_as_failed_saves(tmp_path: Path, full_dis
 
 
 
+def _on_a_stopped_store(full_disk: Path, gcs, monkeypatch: pytest.MonkeyPatch, bucket: str,  # type: ignore[no-untyped-def]
+                        persistent_timeout_s: float) -> CheckpointManager:
+    """A manager saving every step to a full disk and uploading every save to ``bucket`` of ``gcs``, whose server
+    is then stopped (SIGSTOP: the caller resumes it); a single failed save that counts stops it."""
+    for k in [k for k in os.environ if k.startswith(("RESILIENT_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(k)
+    gcs.make_bucket(bucket)
+    ck = CheckpointManager(local=full_disk / "ckpt", persistent=f"gs://{bucket}/run", interval=1, persistent_every=1,
+                           peer=False, max_failed_saves=1, persistent_timeout_s=persistent_timeout_s,
+                           upload_retries=0, upload_grace_s=60, restore_probe_s=1)
+    os.kill(gcs.proc.pid, signal.SIGSTOP)
+    return ck
+
+
 @pytest.mark.timeout(120)
 def test_an_upload_that_fails_after_a_newer_save_reached_a_tier_is_reported_not_counted(
         tmp_path: Path, full_disk: Path, gcs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # step 0 goes out only as an upload (full disk) to a store that hangs (SIGSTOP); the disk is freed and step 1
     # reaches the local tier while that upload still waits; then the upload fails. Step 0 reached no tier (reported),
     # but the failed saves "in a row" are those after the newest save that reached one: none, so no stop
-    for k in [k for k in os.environ if k.startswith(("RESILIENT_", "TORCHELASTIC_"))]:
-        monkeypatch.delenv(k)
-    gcs.make_bucket("hung")
     model = torch.nn.Linear(4, 4)
-    ck = CheckpointManager(local=full_disk / "ckpt", persistent="gs://hung/run", interval=1, persistent_every=1,
-                           peer=False, max_failed_saves=1, persistent_timeout_s=5, upload_retries=0,
-                           upload_grace_s=60, restore_probe_s=1)
-    os.kill(gcs.proc.pid, signal.SIGSTOP)
+    ck = _on_a_stopped_store(full_disk, gcs, monkeypatch, "hung", persistent_timeout_s=5)
     try:
         assert ck.save(0, {"model": model})
         assert ck.wait(60, upload_timeout=0) is False  # saved as a queued upload, which is still waiting
@@ -251,14 +259,8 @@ def test_a_queued_upload_replaced_by_a_newer_one_before_it_started_is_reported_n
     # every save goes out only as an upload (full disk). Step 0's upload hangs on a stopped store while steps 1 and
     # 2 are asked for; the store resumes, and the uploader takes the newest, 2, dropping 1 before it started. Step 1
     # reached no tier and is reported; it is not counted (max_failed_saves=1 would stop the job): step 2 stands for it
-    for k in [k for k in os.environ if k.startswith(("RESILIENT_", "TORCHELASTIC_"))]:
-        monkeypatch.delenv(k)
-    gcs.make_bucket("slow")
     model = torch.nn.Linear(4, 4)
-    ck = CheckpointManager(local=full_disk / "ckpt", persistent="gs://slow/run", interval=1, persistent_every=1,
-                           peer=False, max_failed_saves=1, persistent_timeout_s=60, upload_retries=0,
-                           upload_grace_s=60, restore_probe_s=1)
-    os.kill(gcs.proc.pid, signal.SIGSTOP)
+    ck = _on_a_stopped_store(full_disk, gcs, monkeypatch, "slow", persistent_timeout_s=60)
     stopped = True
     try:
         with caplog.at_level(logging.WARNING, logger="resilient.checkpoint.save.manager"):

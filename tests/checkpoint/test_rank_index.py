@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient.checkpoint.api import CheckpointMismatchError
+from resilient.checkpoint.api import CheckpointMismatchError, Manifest
+from resilient.checkpoint.format.digests import file_entry
 from resilient.checkpoint.format import rank_index
 from resilient.checkpoint.restore.restore import _items_read_of
 from resilient.checkpoint.save.manager import CheckpointManager
@@ -97,16 +98,33 @@ def test_the_saved_layout_is_planned_from_the_index_and_bit_exact(tmp_path: Path
     assert _equal(state, target)
 
 
+def _flip(ix: dict) -> None:
+    """A flipped bit in the pickled entries."""
+    raw = bytearray(base64.b64decode(ix["data"]))
+    raw[len(raw) // 2] ^= 0x01
+    ix["data"] = base64.b64encode(bytes(raw)).decode()
+
+
+def _swap(ix: dict) -> None:
+    """A readable index that lies (two tensors of one size swapped) under the old checksum: without the checksum it
+    would load each into the other's place."""
+    md = pickle.loads(base64.b64decode(ix["data"]))
+    ia = next(i for i in md.storage_data if i.fqn == "a")
+    ib = next(i for i in md.storage_data if i.fqn == "b")
+    md.storage_data[ia], md.storage_data[ib] = md.storage_data[ib], md.storage_data[ia]
+    ix["data"] = base64.b64encode(pickle.dumps(md)).decode()
+
+
+def _other(ix: dict) -> None:
+    """An index bound to another .metadata (a rewritten copy's manifest)."""
+    ix["of"] ^= 1
+
+
 @pytest.mark.timeout(60)
-def test_a_flipped_byte_in_the_index_falls_back_to_the_whole_metadata(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", [_flip, _swap, _other], ids=["flipped-byte", "altered-entries", "other-metadata"])
+def test_a_damaged_or_foreign_index_falls_back_to_the_whole_metadata(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
     state = _saved(tmp_path / "c")
-
-    def flip(ix: dict) -> None:
-        raw = bytearray(base64.b64decode(ix["data"]))
-        raw[len(raw) // 2] ^= 0x01
-        ix["data"] = base64.b64encode(bytes(raw)).decode()
-
-    _edit_index(tmp_path / "c", flip)
+    _edit_index(tmp_path / "c", damage)
     target = _fresh()
     phases = _restore(tmp_path / "c", target)
     assert "metadata" in phases and "index" not in phases, phases
@@ -114,33 +132,13 @@ def test_a_flipped_byte_in_the_index_falls_back_to_the_whole_metadata(tmp_path: 
 
 
 @pytest.mark.timeout(60)
-def test_entries_altered_under_their_old_checksum_are_refused(tmp_path: Path) -> None:
-    # a readable index that lies (two tensors of one size swapped): without the checksum it would load each into
-    # the other's place
+def test_an_empty_container_is_filled_from_the_index(tmp_path: Path) -> None:
+    # a fresh optimizer's state is empty at a restart: filled with what this rank saved under its key
     state = _saved(tmp_path / "c")
-
-    def swap(ix: dict) -> None:
-        md = pickle.loads(base64.b64decode(ix["data"]))
-        ia = next(i for i in md.storage_data if i.fqn == "a")
-        ib = next(i for i in md.storage_data if i.fqn == "b")
-        md.storage_data[ia], md.storage_data[ib] = md.storage_data[ib], md.storage_data[ia]
-        ix["data"] = base64.b64encode(pickle.dumps(md)).decode()  # the old crc stays
-
-    _edit_index(tmp_path / "c", swap)
-    target = _fresh()
+    target = {**_fresh(), "note": {}}
     phases = _restore(tmp_path / "c", target)
-    assert "metadata" in phases and "index" not in phases, phases
-    assert _equal(state, target)
-
-
-@pytest.mark.timeout(60)
-def test_an_index_of_another_metadata_is_not_used(tmp_path: Path) -> None:
-    state = _saved(tmp_path / "c")
-    _edit_index(tmp_path / "c", lambda ix: ix.update(of=ix["of"] ^ 1))
-    target = _fresh()
-    phases = _restore(tmp_path / "c", target)
-    assert "metadata" in phases and "index" not in phases, phases
-    assert _equal(state, target)
+    assert "index" in phases and "metadata" not in phases, phases
+    assert target["note"] == state["note"] and _equal(state, target)
 
 
 @pytest.mark.timeout(60)
@@ -235,6 +233,12 @@ def _spread(workers, tmp_path: Path, args: list[str], damaged: str = "") -> int:
     for s in steps:  # every node's copy of every step is rank 0's file, byte for byte (but the one damaged)
         a, b = (tmp_path / "node1" / s / ".metadata").read_bytes(), (tmp_path / "node0" / s / ".metadata").read_bytes()
         assert (a != b) if s == damaged else (a == b), s
+        # and every rank's manifest names it as it is (the entry the ids' offer carried, not read again)
+        want = file_entry(tmp_path / "node0" / s / ".metadata")
+        for r in range(4):
+            got = Manifest.from_json(json.loads((tmp_path / f"node{r // 2}" / s / f"manifest-rank{r}.json").read_text()))
+            assert (got.metadata.size, got.metadata.crc32c, got.metadata.xxh3) == (want.size, want.crc32c, want.xxh3), \
+                (s, r)
     return json.loads(line)["spread_by_ids"]
 
 

@@ -701,14 +701,15 @@ class Restorer(Component):
                 plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
             except CheckpointError as e:
                 failed = e
-            if indexed and (plan is None or plan.expand or plan.reshard
-                            or not rank_index.fits(md, plan.load_sd, _shards(plan))):
+            if indexed and (plan is None or plan.reshard or not rank_index.fits(md, plan.load_sd, _shards(plan))):
                 # the target is not the layout this rank saved (or the index misses something): the whole file
-                # decides, as without an index (its errors are the ones reported)
+                # decides, as without an index (its errors are the ones reported). An empty container (a fresh
+                # optimizer's state) is filled from the keys this rank saved under it: in a job whose ranks hold the
+                # same keys (FSDP, TP, DDP), the whole file's; each filled target must fit like any other
                 t_phase = time.perf_counter()
                 indexed, plan, failed = False, None, None
                 md, md_key, refused = whole()
-                phases["metadata"] = time.perf_counter() - t_phase
+                phases["metadata"] = phases.pop("index", 0.0) + time.perf_counter() - t_phase
                 self._tell_refused(step, refused)
                 if refused is None:
                     try:

@@ -753,11 +753,12 @@ class CheckpointManager:
         ok = error is None
         m = None
         try:
+            md_entry = writer.metadata_entry if ok and self.rank == 0 else None
             if ok and self.nnodes > 1:
-                self._spread_metadata(d, step=job.step, writer=writer)
+                md_entry = self._spread_metadata(d, step=job.step, writer=writer)
             if ok:
                 m = self._write_manifest(tier, job.step, per_rank, known=writer.entries,
-                                         index=self._planners["local"].index)
+                                         index=self._planners["local"].index, metadata=md_entry)
         except FAILURES as e:
             ok, error = False, e
         try:
@@ -936,51 +937,55 @@ class CheckpointManager:
         return sum((d / n).stat().st_size for n in self._my_files(d))
 
     def _spread_metadata(self, d: Path, shared_by_node: bool = True, step: int | None = None,
-                         writer: RecordWriter | None = None) -> None:
+                         writer: RecordWriter | None = None) -> FileEntry | None:
         """DCP writes ``.metadata`` on rank 0 only; every node's copy of the step needs it. Collective. Into the
         node's shared step directory (``shared_by_node``, with ``step``): where rank 0's file is the last spread
         one with other ids (its record ``writer`` says so), the node leaders make it from their copy of that one,
         writing the new ids where the old ones are, and check it against its size and crc32c; only when one cannot
         is the whole file sent, as to every rank before (at 1,024 ranks x 900 tensors, 129.5 MB to every rank at
-        every save)."""
+        every save). Returns the file's manifest entry where the ids' offer carried it (every rank: no rank reads the
+        file again to hash it), else rank 0's writer's, else None."""
         derived = writer.derived if writer is not None and self.rank == 0 else None
+        mine = writer.metadata_entry if writer is not None and self.rank == 0 else None
         if shared_by_node and step is not None:
             last, self._spread_last = self._spread_last, None  # (rank 0) set again once every node holds it
-            if self._spread_by_ids(d, last, derived, writer):
+            entry = self._spread_by_ids(d, last, derived, writer)
+            if entry is not None:
                 self._spread_last = (step, *derived) if derived is not None else None
-                return
+                return entry
         self._spread_whole(d, shared_by_node)
         if shared_by_node and step is not None and derived is not None:
             self._spread_last = (step, *derived)
+        return mine
 
     def _spread_by_ids(self, d: Path, last: tuple[int, tuple[int, int], tuple[bytes, ...]] | None,
-                       derived: tuple[tuple[int, int], tuple[bytes, ...]] | None, writer: RecordWriter | None) -> bool:
+                       derived: tuple[tuple[int, int], tuple[bytes, ...]] | None,
+                       writer: RecordWriter | None) -> FileEntry | None:
         """Collective: rank 0 offers, for each id that differs from the last spread step's file (``last``: its step,
         generation, ids) when this one is of the same generation, its place and its old and new bytes; each node
         leader writes them into its copy of that step's file and writes the result if it has this file's size and
-        crc32c. True when every leader did (and so holds it: the agreement comes after the writes)."""
+        crc32c. The file's manifest entry when every leader did (and so holds it: the agreement comes after the
+        writes), else None."""
         offer = None
         if self.rank == 0 and last is not None and derived is not None and writer is not None \
                 and last[1] == derived[0] and len(writer.id_offsets) == len(derived[1]):
             try:
-                path = d / DCP_METADATA
-                crc = writer.metadata_crc
-                if crc is None:
-                    crc = crc_bytes(path.read_bytes())
+                entry = writer.metadata_entry or file_entry(d / DCP_METADATA)
                 offer = (last[0], [(at, a, b) for at, a, b in zip(writer.id_offsets, last[2], derived[1]) if a != b],
-                         path.stat().st_size, crc)
+                         entry)
             except OSError as e:  # the whole file's path reads it again, and fails the save as before
                 logger.debug("no ids offered: %s", e)
         offer = self._bcast(offer, self._pg)
         if offer is None:
-            return False
+            return None
+        prev_step, ids, entry = offer
         ok = True
         if self.rank != 0 and self.local_rank == 0:
-            ok = self._patched_metadata(d, *offer)
+            ok = self._patched_metadata(d, prev_step, ids, entry.size, entry.crc32c)
         if not self._all(ok):
-            return False
+            return None
         self.spread_by_ids += 1
-        return True
+        return entry
 
     def _patched_metadata(self, d: Path, prev_step: int, ids: list[tuple[int, bytes, bytes]], size: int,
                           crc: int) -> bool:
@@ -1030,9 +1035,11 @@ class CheckpointManager:
                 time.sleep(0.01)
 
     def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str],
-                        known: Mapping[str, FileEntry] | None = None, index: bytes | None = None) -> Manifest:
+                        known: Mapping[str, FileEntry] | None = None, index: bytes | None = None,
+                        metadata: FileEntry | None = None) -> Manifest:
         """``known``: entries the writer computed as it wrote (layout included); other files are read back.
-        ``index``: this rank's own entries of the step's ``.metadata`` (``format/rank_index.py``)."""
+        ``index``: this rank's own entries of the step's ``.metadata`` (``format/rank_index.py``). ``metadata``:
+        ``.metadata``'s entry where it is known (hashed as rank 0 wrote it), else the file is read and hashed."""
         d = tier.path(step)
         known = known or {}
         mine = self._my_files(d)
@@ -1040,7 +1047,7 @@ class CheckpointManager:
         if any(n not in known for n in mine):
             files = self._with_layout(files, (d / DCP_METADATA).read_bytes(),
                                       lambda n: FileSource(d / n, "local", files[n].size))
-        metadata = file_entry(d / DCP_METADATA)
+        metadata = metadata if metadata is not None else file_entry(d / DCP_METADATA)
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files, metadata=metadata,
                      per_rank_keys=tuple(per_rank), wall=time.time(),
                      index=rank_index.encode(index, metadata.crc32c) if index is not None else None)

@@ -436,7 +436,8 @@ class RecordWriter(FileSystemWriter):
         # (coordinator, after finish) the .metadata's generation and ids where it is the memo's bytes with ids
         # replaced (RecordMemo.derived): the manager sends the other nodes the ids, not the file
         self.derived: tuple[tuple[int, int], tuple[bytes, ...]] | None = None
-        self.metadata_crc: int | None = None  # (coordinator) crc32c of the .metadata written from pieces
+        # (coordinator) the manifest entry of the .metadata written from pieces, hashed as it was written
+        self.metadata_entry: FileEntry | None = None
         self.id_offsets: list[int] = []  # (coordinator, with derived) where its ids are in the file
 
     def _metadata_exists(self) -> bool:
@@ -448,7 +449,7 @@ class RecordWriter(FileSystemWriter):
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         memo, meta = self._memo, self.storage_meta()
         blob = memo.metadata_bytes(metadata, results, meta) if memo is not None else None
-        self.metadata_crc = None
+        self.metadata_entry = None
         if blob is None:
             super().finish(metadata=metadata, results=results)
             if memo is not None:  # the file just written, from the page cache: no second pickle of it
@@ -457,17 +458,19 @@ class RecordWriter(FileSystemWriter):
         else:
             metadata.storage_meta = meta  # as DCP's finish leaves it
             tmp = self.fs.concat_path(self.path, f"{DCP_METADATA}.tmp")
-            crc = 0
+            crc, size, h = 0, 0, _xxh.xxh3_64()
             with self.fs.create_stream(tmp, "wb") as f:
                 for piece in blob:
                     f.write(piece)
                     crc = crc_bytes(piece, crc)
+                    h.update(piece)
+                    size += len(piece)
                 if self.sync_files:
                     f.flush()
                     os.fsync(f.fileno())
             self.fs.rename(tmp, self.fs.concat_path(self.path, DCP_METADATA))
             memo.patched += 1
-            self.metadata_crc = crc
+            self.metadata_entry = FileEntry(size=size, crc32c=crc, xxh3=(h.intdigest(),))  # as file_entry() reads it
         self.all_results = results
         self.derived = memo.derived(metadata, meta) if memo is not None else None
         self.id_offsets = memo.id_offsets() if self.derived is not None and memo is not None else []
