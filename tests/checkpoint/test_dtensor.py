@@ -253,8 +253,12 @@ def test_shard_from_the_peer_tier_and_a_bad_block_fetched_again(tmp_path: Path, 
         shutil.rmtree(node1 / step)  # rank 1's local copy gone: its shard comes from node 0's peer copy
         flipped.append(flip_byte_in_shard(node0 / step, 0))  # rank 0's own copy has a bad block
 
-    _, r1 = train_then_restore(workers, tmp_path, ["--local", str(local)], damage)
+    r0, r1 = train_then_restore(workers, tmp_path, ["--local", str(local)], damage)
     assert r1["restore"]["sources"]["__1_0.distcp"] == "peer"
+    # node 1 holds no copy of rank 1's manifest (as a hot-swapped node): rank 0, whose node holds it in peer/,
+    # hands rank 1 its index, so neither rank parses the whole .metadata
+    for r in (r0, r1):
+        assert "index" in r["restore"]["phases"] and "metadata" not in r["restore"]["phases"], r["restore"]["phases"]
     fails = tier_failures(tmp_path / "run")
     assert any(f"{flipped[0]} block" in f.get("error", "") and f["tier"] == "local" for f in fails), fails
 

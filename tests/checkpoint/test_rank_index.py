@@ -25,6 +25,9 @@ from resilient.checkpoint.format.digests import file_entry
 from resilient.checkpoint.format import rank_index
 from resilient.checkpoint.restore.restore import _items_read_of
 from resilient.checkpoint.save.manager import CheckpointManager
+from resilient import env as _env
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
 
 from .test_restore_planning import _expected, _grid, _metadata
 
@@ -121,14 +124,27 @@ def _other(ix: dict) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("damage", [_flip, _swap, _other], ids=["flipped-byte", "altered-entries", "other-metadata"])
-def test_a_damaged_or_foreign_index_falls_back_to_the_whole_metadata(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("damage,rotted", [(_flip, True), (_swap, True), (_other, False)],
+                         ids=["flipped-byte", "altered-entries", "other-metadata"])
+def test_a_damaged_or_foreign_index_falls_back_to_the_whole_metadata(tmp_path: Path, damage, rotted: bool,  # type: ignore[no-untyped-def]
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     state = _saved(tmp_path / "c")
     _edit_index(tmp_path / "c", damage)
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv(_env.RUN_DIR, str(run))
     target = _fresh()
     phases = _restore(tmp_path / "c", target)
     assert "metadata" in phases and "index" not in phases, phases
     assert _equal(state, target)
+    # a manifest whose bytes changed on its tier is a disk to look at: the ledger says so (a copy rewritten for
+    # another encoding is not damage)
+    failed = [e.details for e in read_events(run) if e.kind == EventKind.CKPT_TIER_FAILED]
+    if rotted:
+        assert [(f["step"], f["tier"]) for f in failed] == [(0, "local")], failed
+        assert "manifest-rank0.json" in failed[0]["error"] and "checksum" in failed[0]["error"], failed
+    else:
+        assert failed == [], failed
 
 
 @pytest.mark.timeout(60)

@@ -69,16 +69,24 @@ def build(md: Any, items: Iterable[Any]) -> bytes | None:
                                  version=getattr(md, "version", None)), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-_last: tuple[bytes, int, str] | None = None  # the last blob encoded: a planner keeps one across its saves
+class Encoder:
+    """Encodes one planner's index as the manifest carries it. The planner keeps the same blob across its saves, so
+    its checksum and base64 text are computed once, not at every save's manifest."""
+
+    def __init__(self) -> None:
+        self._last: tuple[bytes, int, str] | None = None
+
+    def __call__(self, blob: bytes, metadata_crc: int) -> RankIndex:
+        """``blob`` bound to the ``.metadata`` (its crc32c) it was taken from."""
+        last = self._last
+        if last is None or last[0] is not blob:
+            last = self._last = (blob, zlib.crc32(blob), base64.b64encode(blob).decode("ascii"))
+        return RankIndex(of=metadata_crc, crc=last[1], data=last[2])
 
 
 def encode(blob: bytes, metadata_crc: int) -> RankIndex:
     """``blob`` as the manifest carries it, bound to the ``.metadata`` (its crc32c) it was taken from."""
-    global _last
-    last = _last
-    if last is None or last[0] is not blob:
-        last = _last = (blob, zlib.crc32(blob), base64.b64encode(blob).decode("ascii"))
-    return RankIndex(of=metadata_crc, crc=last[1], data=last[2])
+    return Encoder()(blob, metadata_crc)
 
 
 def decode(index: RankIndex, metadata_crc: int, what: str) -> Any:

@@ -576,7 +576,8 @@ class Restorer(Component):
                          and (step, TierName.PERSISTENT.value) not in self._excluded)
         # 1. manifests: each rank contributes those it holds, the persistent tier fills gaps
         mine: dict[int, Manifest] = {}
-        for _, d in self._local_copies(step):
+        where: dict[int, str] = {}  # rank -> the tier of this node its manifest was read from
+        for tier_name, d in self._local_copies(step):
             for p in d.glob("manifest-rank*.json"):
                 try:
                     m = Manifest.from_json(json.loads(p.read_bytes()))
@@ -584,20 +585,35 @@ class Restorer(Component):
                     if problem:
                         logger.warning("manifest %s skipped: unsafe: %s", p, problem)
                         continue
-                    if m.step == step:
-                        mine.setdefault(m.rank, m)  # travels pickled: parsed once, not again from JSON
+                    if m.step == step and m.rank not in mine:
+                        mine[m.rank] = m  # travels pickled: parsed once, not again from JSON
+                        where[m.rank] = tier_name if tier_name != "fetched" else TierName.PEER.value
                 except (OSError, ValueError, KeyError, TypeError):
                     logger.warning("unreadable manifest %s skipped", p)
         # each rank reads its own index only: the others' stay home (at 1,024 ranks they would be the whole
         # .metadata again, sent to every rank)
         own = mine.get(self.ctx.rank)
         my_index = own.index if own is not None else None
-        mine = {r: dataclasses.replace(m, index=None) if m.index is not None else m for r, m in mine.items()}
+        index_from = where.get(self.ctx.rank)
+        stripped = {r: dataclasses.replace(m, index=None) if m.index is not None else m for r, m in mine.items()}
+        told_manifests = self._gather((stripped, own is not None), self.ctx.pg)
         manifests: dict[int, Manifest] = {}
-        for theirs in self._gather(mine, self.ctx.pg):
+        for theirs, _ in told_manifests:
             for r, m in theirs.items():
                 manifests.setdefault(r, m)
         world_old = next(iter(manifests.values())).world_size if manifests else None
+        if world_old == self.ctx.world_size:
+            # a rank whose node holds no copy of its manifest (a hot-swapped node: the lost node's copies are on its
+            # partner) gets its index from the first rank that holds one; every rank knows from the gather whether
+            # any is homeless, so this second gather runs in such a restore only
+            homeless = [r for r, (_, home) in enumerate(told_manifests) if not home and r in manifests]
+            if homeless:
+                holder = {r: next(i for i, (theirs, _) in enumerate(told_manifests) if r in theirs) for r in homeless}
+                give = {r: (mine[r].index, where[r]) for r in homeless
+                        if holder[r] == self.ctx.rank and mine[r].index is not None}
+                for given in self._gather(give, self.ctx.pg):
+                    if self.ctx.rank in given:
+                        my_index, index_from = given[self.ctx.rank]
         # every rank holds the same gathered manifests: when they are complete, no rank reads the persistent
         # tier and each decides alike below, so the agreements on them are not collectives (each one is a
         # round trip the raw transfer a peer restore is measured against does not pay)
@@ -620,7 +636,7 @@ class Restorer(Component):
                                                   what="read manifest", retries=2, backoff_s=0.5, backoff_max_s=2))
                     self._from_persistent.add(r)
                     if r == self.ctx.rank:
-                        my_index = manifests[r].index
+                        my_index, index_from = manifests[r].index, TierName.PERSISTENT.value
             except FAILURES as e:
                 logger.warning("step %d: manifests unavailable on the persistent tier: %s", step, e)
         ok_manifests = world_old is not None and all(r in manifests for r in range(world_old))
@@ -682,8 +698,16 @@ class Restorer(Component):
                                        what=f"rank {self.ctx.rank}'s manifest of step {step}")
                 md_key = ("index", my_index.of, my_index.crc)
             except FAILURES as e:
-                logger.info("rank %d: step %d: %s; reading %s whole", self.ctx.rank, step, _one_line(e),
-                            DCP_METADATA)
+                if my_index.of == files[DCP_METADATA].crc32c:
+                    # an index bound to this very .metadata that does not decode: the manifest's bytes changed
+                    # on its tier (a disk rotting), which the restore survives but the ledger must show
+                    logger.warning("rank %d: step %d: %s; reading %s whole", self.ctx.rank, step, _one_line(e),
+                                   DCP_METADATA)
+                    self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier=index_from or "unknown",
+                               error=f"manifest-rank{self.ctx.rank}.json: {_one_line(e)}")
+                else:
+                    logger.info("rank %d: step %d: %s; reading %s whole", self.ctx.rank, step, _one_line(e),
+                                DCP_METADATA)
         indexed = md is not None
         if md is None:
             md, md_key, refused = whole()

@@ -47,7 +47,8 @@ from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, Checkpo
                                       DEFAULT_BACKGROUND_NICE,
                                       DEFAULT_MAX_FAILED_SAVES, FileEntry, Manifest, RestoreResult, TierName)
 from resilient.checkpoint.format import rank_index
-from resilient.checkpoint.format.digests import BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry
+from resilient.checkpoint.format.digests import (BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry,
+                                                 xxh3_bytes)
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.format.state import dtensor_type, flatten, leaf_nbytes, local_tensor, plain_state
@@ -328,6 +329,7 @@ class CheckpointManager:
         self._via_upload: set[int] = set()
         # (rank 0) the last step whose .metadata every node holds, with its RecordMemo generation and ids
         self._spread_last: tuple[int, tuple[int, int], tuple[bytes, ...]] | None = None
+        self._index_encoder = rank_index.Encoder()  # this rank's index as its manifests carry it
         self.spread_by_ids = 0  # local saves whose .metadata reached the other nodes as ids, not the file
         self._stop: dict[str, Any] | None = None
         self._traceback_written = False
@@ -894,10 +896,11 @@ class CheckpointManager:
             os.replace(staging, step_dir)
         ok = error is None
         try:
+            md_entry = None
             if ok and self._dist:
-                self._spread_metadata(step_dir, shared_by_node=False)
+                md_entry = self._spread_metadata(step_dir, shared_by_node=False)
             if ok:
-                self._write_manifest(tmp_tier, job.step, per_rank)
+                self._write_manifest(tmp_tier, job.step, per_rank, metadata=md_entry)
         except FAILURES as e:
             ok, error = False, e
         results = self._gather((ok, _one_line(error) if error is not None else None, self._snap_proposal()), self._pg)
@@ -937,14 +940,14 @@ class CheckpointManager:
         return sum((d / n).stat().st_size for n in self._my_files(d))
 
     def _spread_metadata(self, d: Path, shared_by_node: bool = True, step: int | None = None,
-                         writer: RecordWriter | None = None) -> FileEntry | None:
+                         writer: RecordWriter | None = None) -> FileEntry:
         """DCP writes ``.metadata`` on rank 0 only; every node's copy of the step needs it. Collective. Into the
         node's shared step directory (``shared_by_node``, with ``step``): where rank 0's file is the last spread
         one with other ids (its record ``writer`` says so), the node leaders make it from their copy of that one,
         writing the new ids where the old ones are, and check it against its size and crc32c; only when one cannot
         is the whole file sent, as to every rank before (at 1,024 ranks x 900 tensors, 129.5 MB to every rank at
-        every save). Returns the file's manifest entry where the ids' offer carried it (every rank: no rank reads the
-        file again to hash it), else rank 0's writer's, else None."""
+        every save). Returns the file's manifest entry, as rank 0 hashed it, to every rank: no rank reads the file
+        again to hash it."""
         derived = writer.derived if writer is not None and self.rank == 0 else None
         mine = writer.metadata_entry if writer is not None and self.rank == 0 else None
         if shared_by_node and step is not None:
@@ -953,10 +956,10 @@ class CheckpointManager:
             if entry is not None:
                 self._spread_last = (step, *derived) if derived is not None else None
                 return entry
-        self._spread_whole(d, shared_by_node)
+        entry = self._spread_whole(d, shared_by_node, mine)
         if shared_by_node and step is not None and derived is not None:
             self._spread_last = (step, *derived)
-        return mine
+        return entry
 
     def _spread_by_ids(self, d: Path, last: tuple[int, tuple[int, int], tuple[bytes, ...]] | None,
                        derived: tuple[tuple[int, int], tuple[bytes, ...]] | None,
@@ -992,8 +995,9 @@ class CheckpointManager:
         """Write ``d``'s ``.metadata`` from this node's copy of ``prev_step``'s with each (place, old, new) of
         ``ids`` written, if the old bytes are there and the result has ``size`` bytes and crc32c ``crc`` (else
         nothing is written, and rank 0 sends the file)."""
+        if self.local is None:
+            return False
         try:
-            assert self.local is not None
             p = self.local.path(prev_step) / DCP_METADATA
             with open(p, "rb") as f:
                 n = os.fstat(f.fileno()).st_size
@@ -1014,14 +1018,21 @@ class CheckpointManager:
             tmp.write_bytes(buf)
             os.replace(tmp, d / DCP_METADATA)
             return True
-        except (OSError, AssertionError) as e:
+        except OSError as e:
             logger.debug("rank %d: no .metadata from step %d's: %s", self.rank, prev_step, e)
             return False
 
-    def _spread_whole(self, d: Path, shared_by_node: bool) -> None:
-        """Collective: rank 0's ``.metadata`` sent to every rank; one rank a node writes it (``shared_by_node``)."""
-        data = (d / DCP_METADATA).read_bytes() if self.rank == 0 else None
-        data = self._bcast(data, self._pg)
+    def _spread_whole(self, d: Path, shared_by_node: bool, entry: FileEntry | None) -> FileEntry:
+        """Collective: rank 0's ``.metadata`` sent to every rank with its manifest entry (``entry``, rank 0's
+        writer's, else hashed here from the bytes sent); one rank a node writes it (``shared_by_node``). Returns
+        the entry."""
+        sent = None
+        if self.rank == 0:
+            data = (d / DCP_METADATA).read_bytes()
+            if entry is None:
+                entry = FileEntry(size=len(data), crc32c=crc_bytes(data), xxh3=(xxh3_bytes(data),))
+            sent = (data, entry)
+        data, entry = self._bcast(sent, self._pg)
         if self.rank != 0 and (self.local_rank == 0 or not shared_by_node):
             tmp = d / ".metadata.tmp"
             tmp.write_bytes(data)
@@ -1033,6 +1044,7 @@ class CheckpointManager:
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"{d / DCP_METADATA} did not appear")
                 time.sleep(0.01)
+        return entry
 
     def _write_manifest(self, tier: DirTier, step: int, per_rank: list[str],
                         known: Mapping[str, FileEntry] | None = None, index: bytes | None = None,
@@ -1050,7 +1062,7 @@ class CheckpointManager:
         metadata = metadata if metadata is not None else file_entry(d / DCP_METADATA)
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size, files=files, metadata=metadata,
                      per_rank_keys=tuple(per_rank), wall=time.time(),
-                     index=rank_index.encode(index, metadata.crc32c) if index is not None else None)
+                     index=self._index_encoder(index, metadata.crc32c) if index is not None else None)
         tier.write_bytes(step, manifest_name(self.rank), json.dumps(m.to_json()).encode())
         return m
 
