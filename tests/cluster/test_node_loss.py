@@ -52,13 +52,13 @@ NPROC = 2  # workers per node in the cluster tests (8 on a real node)
 WORLD = 2 * NPROC  # the two-node jobs' world
 
 
-def _reference(tmp_path_factory: pytest.TempPathFactory, world: int) -> list[dict]:
+def _reference(tmp_path_factory: pytest.TempPathFactory, world: int, extra: tuple[str, ...] = ()) -> list[dict]:
     base = tmp_path_factory.mktemp(f"ref{world}")
     # not a test of hang detection: a save stretched past the learned 1 s by a loaded machine must not stop it
     r = subprocess.run([sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", str(world),
                         "--heartbeat-timeout", "300",
                         "--run-dir", str(base / "run"), "--ckpt-local", str(base / "ckpt"), str(TRAIN),
-                        "--steps", str(STEPS), "--out", str(base / "out")],
+                        "--steps", str(STEPS), "--out", str(base / "out"), *extra],
                        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return final(base / "out", world)
@@ -113,7 +113,26 @@ def test_nodes_of_eight_workers_hot_swap_is_bit_exact(cluster_factory, tmp_path:
     hot_swap_is_bit_exact(cluster_factory, tmp_path, reference_eight, 8)
 
 
-def hot_swap_is_bit_exact(cluster_factory, tmp_path: Path, reference: list[dict], nproc: int) -> None:
+@pytest.fixture(scope="module")
+def reference_fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same job sharded by FSDP2 over ``WORLD`` ranks, never interrupted."""
+    return _reference(tmp_path_factory, WORLD, ("--fsdp",))
+
+
+@pytest.mark.timeout(240, func_only=True)
+def test_fsdp_node_lost_hot_swap_plans_from_the_rank_index_and_is_bit_exact(cluster_factory, tmp_path: Path,
+                                                                           reference_fsdp) -> None:
+    """The job users run: FSDP2 (every parameter and moment a ``Shard(0)`` DTensor), 2 workers a node, a node lost
+    with its disk. The spare's ranks restore the lost node's shards from the partner's copy, planned from their own
+    entries of ``.metadata`` (the rank index the partner's ranks hand them: the spare holds no manifest), bit-exact."""
+    hot_swap_is_bit_exact(cluster_factory, tmp_path, reference_fsdp, NPROC, ("--fsdp",))
+    for r in range(WORLD):  # every rank restored the layout it saved: none parsed the whole .metadata
+        phases = torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)["restore"]["phases"]
+        assert "index" in phases and "metadata" not in phases, (r, phases)
+
+
+def hot_swap_is_bit_exact(cluster_factory, tmp_path: Path, reference: list[dict], nproc: int,
+                          extra: tuple[str, ...] = ()) -> None:
     world = 2 * nproc
     # the gate is a pause, not a hang: with the learned hang timeout (10 s) the wait for the spare's start-up
     # under load was taken for a hang, and a restart came before the swap
@@ -121,7 +140,7 @@ def hot_swap_is_bit_exact(cluster_factory, tmp_path: Path, reference: list[dict]
                                     "--heartbeat-timeout", "300"], nproc=nproc)
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP), *extra]
     a, b = _start_job(c, args)
     spare = c.start("spare", args)  # joins mid-run: must not disturb the job
     wait_for(lambda: at_gate(gate, world), 60 + 10 * nproc, "every rank at the gate")

@@ -9,6 +9,8 @@ sample indices each step consumed.
 
 ``--gate-on-resume``: a run restored right after a gate step waits at that gate too (before its first step),
 so that a gate is never skipped whatever step a fault made the job restore.
+``--fsdp``: the model sharded over every rank by FSDP2 (``fully_shard``: parameters and optimizer moments are
+``Shard(0)`` DTensors, gradients reduce-scattered); ``rank<r>.pt`` then holds each rank's local shards.
 ``--replay SCHEDULE``: no process group; replays a JSON list of steps ``{"step", "world", "idx": [rank0 rows,
 rank1 rows, ...]}`` in one process with the same arithmetic as the ranks' (per-rank gradients summed in rank
 order, divided by the world size) and writes ``<out>/replay.pt``: the state a job with that world-size
@@ -42,6 +44,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--gate-on-resume", action="store_true")
     ap.add_argument("--replay", default=None, help="JSON schedule to replay in this process (no process group)")
+    ap.add_argument("--fsdp", action="store_true", help="shard the model over every rank with FSDP2")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +53,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    model, optim, table = build(args)
+    model, optim, table = build(args, world if args.fsdp else 0)
     sampler = ResumableSampler(args.samples, num_replicas=world, rank=rank, shuffle=True, seed=3)
 
     def scaled(ev) -> None:
@@ -83,10 +86,14 @@ def main() -> int:
         with open(out / f"rows-{rank}.jsonl", "a") as f:
             f.write(json.dumps({"attempt": attempt, "step": step, "world": world, "rank": rank, "idx": idx}) + "\n")
         x, y = table[idx, :16], table[idx, 16:]
-        flat = local_grad(model, x, y)
-        dist.all_reduce(flat)
-        flat /= world
-        apply_grad(model, optim, flat)
+        if args.fsdp:
+            local_grad(model, x, y)  # FSDP2 reduce-scatters the mean gradient into each rank's shard
+            optim.step()
+        else:
+            flat = local_grad(model, x, y)
+            dist.all_reduce(flat)
+            flat /= world
+            apply_grad(model, optim, flat)
         ck.save(step, state)
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -95,18 +102,39 @@ def main() -> int:
             gate_wait(step)
     ck.wait()
     ck.close()
-    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "start": start,
+    torch.save({"model": _local(model.state_dict()), "optim": _local(optim.state_dict()), "start": start,
                 "restore": vars(ck.last_restore) if ck.last_restore else None}, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def build(args: argparse.Namespace):
+def _local(v):
+    """``v`` with each DTensor as its local shard (a plain tensor, comparable with ``torch.equal``)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        return v.to_local().clone()
+    if isinstance(v, dict):
+        return {k: _local(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_local(x) for x in v]
+    return v
+
+
+def build(args: argparse.Namespace, fsdp_world: int = 0):
     torch.manual_seed(1234)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    if fsdp_world:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (fsdp_world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # the data set is a fixed table; the sampler decides which rows each rank sees
     table = torch.randn(args.samples, 20, generator=torch.Generator().manual_seed(7))
