@@ -23,7 +23,8 @@ def test_quick_mode_reports_both_sides_per_world_size(tmp_path: Path) -> None:
     for w in doc["worlds"]:
         assert w["chunks"] == w["world"] * doc["tensors"] and w["planned_straight"] == doc["tensors"]
         assert set(w["seconds"]) == {"dcp_unpickle", "dcp_plan", "metadata", "plan_load", "direct_plan", "manifests",
-                                     "index"}
+                                     "index", "metadata_verify"}
+        assert w["metadata_verify_before_s"] > 0
         # rank 0's own entries: the same size whatever the world (its chunks only), planned to the same places
         assert w["index_bytes"] > 0 and w["index_over_dcp"] > 0 and w["index_build_s"] >= 0
         # the save side: the other nodes get a save's ids (their places and bytes), not its .metadata
@@ -33,7 +34,7 @@ def test_quick_mode_reports_both_sides_per_world_size(tmp_path: Path) -> None:
         assert sp["manifest_hash_before_s"] >= 0
         assert w["manifests_received_bytes"] > 0
         assert w["ours_over_dcp"] > 0 and w["metadata_bytes"] > 0 and w["parsed_rss_mb"] >= 0
-    assert "ours/DCP" in p.stdout and "index/DCP" in p.stdout
+    assert "ours/DCP" in p.stdout and "index/DCP" in p.stdout and "indexed restart verified it" in p.stdout
     assert doc["worlds"][0]["index_bytes"] == doc["worlds"][1]["index_bytes"]
 
 

@@ -148,6 +148,28 @@ def test_a_damaged_or_foreign_index_falls_back_to_the_whole_metadata(tmp_path: P
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("dcp_path", [False, True], ids=["direct", "dcp-reader"])
+def test_a_rank_planned_from_its_index_never_reads_the_metadata_file(tmp_path: Path, dcp_path: bool) -> None:
+    """With its index, a rank needs nothing of ``.metadata``: here the file is damaged (any read of it fails its
+    checksum) and the restore is still exact, DCP's own reader included (a float64 target for a float32 tensor
+    takes that path: it is handed the index)."""
+    state = _saved(tmp_path / "c")
+    md = tmp_path / "c" / "step_00000000" / ".metadata"
+    raw = bytearray(md.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    md.write_bytes(bytes(raw))
+    target = _fresh()
+    if dcp_path:
+        target["a"] = torch.zeros(64, dtype=torch.float64)
+    phases = _restore(tmp_path / "c", target)
+    assert "index" in phases and "metadata" not in phases, phases
+    if dcp_path:
+        assert target["a"].dtype == torch.float64 and torch.equal(target["a"], state["a"].double())
+        target["a"] = target["a"].float()
+    assert _equal(state, target)
+
+
+@pytest.mark.timeout(60)
 def test_an_empty_container_is_filled_from_the_index(tmp_path: Path) -> None:
     # a fresh optimizer's state is empty at a restart: filled with what this rank saved under its key
     state = _saved(tmp_path / "c")

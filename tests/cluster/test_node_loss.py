@@ -124,11 +124,14 @@ def test_fsdp_node_lost_hot_swap_plans_from_the_rank_index_and_is_bit_exact(clus
                                                                            reference_fsdp) -> None:
     """The job users run: FSDP2 (every parameter and moment a ``Shard(0)`` DTensor), 2 workers a node, a node lost
     with its disk. The spare's ranks restore the lost node's shards from the partner's copy, planned from their own
-    entries of ``.metadata`` (the rank index the partner's ranks hand them: the spare holds no manifest), bit-exact."""
+    entries of ``.metadata`` (the rank index the partner's ranks hand them: the spare holds no manifest) without
+    fetching the file, bit-exact."""
     hot_swap_is_bit_exact(cluster_factory, tmp_path, reference_fsdp, NPROC, ("--fsdp",))
-    for r in range(WORLD):  # every rank restored the layout it saved: none parsed the whole .metadata
-        phases = torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)["restore"]["phases"]
-        assert "index" in phases and "metadata" not in phases, (r, phases)
+    for r in range(WORLD):  # every rank restored the layout it saved: none parsed the whole .metadata, nor
+        # fetched it (the spare holds none) or read it at all
+        res = torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)["restore"]
+        assert "index" in res["phases"] and "metadata" not in res["phases"], (r, res["phases"])
+        assert ".metadata" not in res["sources"], (r, res["sources"])
 
 
 def hot_swap_is_bit_exact(cluster_factory, tmp_path: Path, reference: list[dict], nproc: int,

@@ -7,6 +7,7 @@ there: writing it to disk and reading it back would cost two more passes over th
 from __future__ import annotations
 
 import collections
+import copy
 import io
 import logging
 import os
@@ -200,10 +201,14 @@ class FastReader(FileSystemReader):
     shards, other layouts, transforms) takes DCP's own path, unchanged.
     """
 
-    def __init__(self, path: str | os.PathLike[str], files: Mapping[str, Any] | None = None):
+    def __init__(self, path: str | os.PathLike[str], files: Mapping[str, Any] | None = None,
+                 metadata: Any = None):
+        """``files``: name -> bytes held in memory instead of on disk. ``metadata``: the ``Metadata`` to read
+        with, already parsed (a rank's index, ``format/rank_index.py``), instead of the directory's ``.metadata``."""
         super().__init__(path, _extension_registry=extension_registry())  # items compressed for transfer
         if files:
             self.fs = MemoryFS(files)
+        self._given = metadata
         self.fast_items = 0
         self.slow_items = 0
         self._copier: Any = None
@@ -230,10 +235,14 @@ class FastReader(FileSystemReader):
         """DCP's read_metadata, through the restricted unpickler instead of ``pickle.load``."""
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        md = load_metadata(data, what=str(path))
+        if self._given is not None:
+            md = copy.copy(self._given)  # its storage_meta is set below: the caller's object stays as it was
+            md.storage_meta = copy.copy(md.storage_meta)
+        else:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                data = f.read()
+            md = load_metadata(data, what=str(path))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id

@@ -661,37 +661,16 @@ class Restorer(Component):
             files.update(m.files)
         per_rank_keys = set(manifests[0].per_rank_keys)
 
-        # 2. DCP's .metadata first: it says which files hold the keys this rank loads
+        # 2. which files hold the keys this rank loads: its own entries of DCP's .metadata, where it restores the
+        # layout it saved (see format/rank_index.py), else the whole file
         phases = {"manifests": time.perf_counter() - t0}
         t_phase = time.perf_counter()
-        got = self._assemble(step, {DCP_METADATA}, files, in_persistent)
-        if got is None:
-            return None
-        paths, mem, sources = got
-
-        def whole() -> tuple[Any, Any, tuple[str | None, str] | None]:
-            """DCP's .metadata, parsed (or from the cache): (md, its cache key, why it was refused)."""
-            key = (files[DCP_METADATA].size, files[DCP_METADATA].crc32c)
-            try:
-                parsed = _metadata_cache.get(key)
-                if parsed is None:
-                    parsed = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem
-                                           else paths[DCP_METADATA].read_bytes(),
-                                           what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
-                    if files[DCP_METADATA].size <= METADATA_CACHE_MAX:
-                        _metadata_cache.put(key, parsed)
-                return parsed, key, None
-            except UnsafeCheckpointError as e:
-                return None, key, (sources.get(DCP_METADATA), str(e))
-            except FAILURES as e:
-                logger.warning("rank %d: step %d: %s", self.ctx.rank, step, _one_line(e))
-                return None, key, ("", "")
-
-        # this rank's own entries, where it restores the layout it saved: not the whole file (see
-        # format/rank_index.py); whether they hold everything it loads is known once it plans, below
         md: Any = None
         md_key: Any = None
         refused: tuple[str | None, str] | None = None
+        plan: _LoadPlan | None = None
+        failed: BaseException | None = None
+        missing: list[str] = []
         if my_index is not None and world_old == self.ctx.world_size:
             try:
                 md = rank_index.decode(my_index, files[DCP_METADATA].crc32c,
@@ -708,40 +687,52 @@ class Restorer(Component):
                 else:
                     logger.info("rank %d: step %d: %s; reading %s whole", self.ctx.rank, step, _one_line(e),
                                 DCP_METADATA)
+        if md is not None:
+            # planned before any file moves, so a rank whose index holds everything it loads never reads .metadata
+            # (on a hot-swapped node that would be a fetch of the whole file). A target not of the layout this
+            # rank saved (or an index missing something) is planned from the whole file, as without an index (its
+            # errors are the ones reported). An empty container (a fresh optimizer's state) is filled from the keys
+            # this rank saved under it: in a job whose ranks hold the same keys (FSDP, TP, DDP), the whole file's;
+            # each filled target must fit like any other
+            try:
+                plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
+            except CheckpointError:
+                plan = None
+            if plan is None or plan.reshard or not rank_index.fits(md, plan.load_sd, _shards(plan)):
+                md, md_key, plan = None, None, None
         indexed = md is not None
-        if md is None:
-            md, md_key, refused = whole()
+        got = self._assemble(step, set() if indexed else {DCP_METADATA}, files, in_persistent)
+        if got is None:
+            return None
+        paths, mem, sources = got
+        if not indexed:
+            key = (files[DCP_METADATA].size, files[DCP_METADATA].crc32c)
+            md_key = key
+            try:
+                md = _metadata_cache.get(key)
+                if md is None:
+                    md = load_metadata(mem[DCP_METADATA] if DCP_METADATA in mem else paths[DCP_METADATA].read_bytes(),
+                                       what=f"{sources.get(DCP_METADATA)} tier, step {step}, {DCP_METADATA}")
+                    if files[DCP_METADATA].size <= METADATA_CACHE_MAX:
+                        _metadata_cache.put(key, md)
+            except UnsafeCheckpointError as e:
+                md, refused = None, (sources.get(DCP_METADATA), str(e))
+            except FAILURES as e:
+                logger.warning("rank %d: step %d: %s", self.ctx.rank, step, _one_line(e))
+                md, refused = None, ("", "")
         phases["index" if indexed else "metadata"] = time.perf_counter() - t_phase
         # one agreement on what each rank found before any data file moves: a refused .metadata, a plan that
         # failed, state that cannot follow a world-size change, files no manifest lists (each was a
         # collective of its own: a round trip each that the raw transfer does not pay)
         self._tell_refused(step, refused)
-        plan: _LoadPlan | None = None
-        failed: BaseException | None = None
-        missing: list[str] = []
-        if refused is None:
-            assert md is not None
+        if md is not None and plan is None:
             try:
                 plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
             except CheckpointError as e:
                 failed = e
-            if indexed and (plan is None or plan.reshard or not rank_index.fits(md, plan.load_sd, _shards(plan))):
-                # the target is not the layout this rank saved (or the index misses something): the whole file
-                # decides, as without an index (its errors are the ones reported). An empty container (a fresh
-                # optimizer's state) is filled from the keys this rank saved under it: in a job whose ranks hold the
-                # same keys (FSDP, TP, DDP), the whole file's; each filled target must fit like any other
-                t_phase = time.perf_counter()
-                indexed, plan, failed = False, None, None
-                md, md_key, refused = whole()
-                phases["metadata"] = phases.pop("index", 0.0) + time.perf_counter() - t_phase
-                self._tell_refused(step, refused)
-                if refused is None:
-                    try:
-                        plan = self._plan_load(step, state, md.state_dict_metadata, per_rank_keys, world_old)
-                    except CheckpointError as e:
-                        failed = e
         if plan is not None:
-            need = {DCP_METADATA} | {info.relative_path for _, info in _items_read(md, plan)}
+            # a rank planned from its index reads no .metadata at all, DCP's reader included (it is handed the index)
+            need = ({DCP_METADATA} if not indexed else set()) | {info.relative_path for _, info in _items_read(md, plan)}
             missing = sorted(n for n in need if n not in files)
         told = self._gather((refused, None if failed is None else (type(failed).__name__, str(failed)),
                              plan.reshard if plan is not None else {}, bool(missing)), self.ctx.pg)
@@ -834,7 +825,7 @@ class Restorer(Component):
                 if n not in mem:
                     os.symlink(os.path.abspath(p), view / n)
             try:
-                reader = FastReader(view, mem)
+                reader = FastReader(view, mem, metadata=md if indexed else None)
                 try:
                     _quiet(dcp.load, slow_sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
                     plan.load_sd.update(slow_sd)
