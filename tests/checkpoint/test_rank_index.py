@@ -170,6 +170,25 @@ def test_a_rank_planned_from_its_index_never_reads_the_metadata_file(tmp_path: P
 
 
 @pytest.mark.timeout(60)
+def test_dcp_reader_is_handed_the_parsed_metadata_not_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an index (a single rank's is not kept), a target DCP's reader fills (float64 for a float32 tensor)
+    is planned from the ``.metadata`` the restore parsed once: the reader never parses the file again."""
+    from resilient.checkpoint.restore import reader
+
+    monkeypatch.setattr(rank_index, "MOST", 0.75)
+    state = _saved(tmp_path / "c")
+    assert "index" not in json.loads(_manifest(tmp_path / "c").read_text())
+
+    def parsed_again(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("DCP's reader parsed .metadata again")
+    monkeypatch.setattr(reader, "load_metadata", parsed_again)
+    target = {**_fresh(), "a": torch.zeros(64, dtype=torch.float64)}
+    phases = _restore(tmp_path / "c", target)
+    assert "metadata" in phases, phases
+    assert torch.equal(target["a"], state["a"].double())
+
+
+@pytest.mark.timeout(60)
 def test_an_empty_container_is_filled_from_the_index(tmp_path: Path) -> None:
     # a fresh optimizer's state is empty at a restart: filled with what this rank saved under its key
     state = _saved(tmp_path / "c")

@@ -116,8 +116,11 @@ def test_auto_cadence_is_agreed_so_every_rank_snapshots_the_same_steps(tmp_path:
     (step 6), and again at each disk save."""
     ok(_job(workers, tmp_path, shm, 0, every="auto"))
     held = [sorted(h["step"] for h in _heads(shm, r).values()) for r in range(2)]
-    assert held[0] == held[1], held
-    assert max(held[0]) >= 6, held  # the agreed schedule starts at step 2 + 4
+    # both ranks' newest snapshot is of the same step, on the agreed schedule (it starts at step 2 + 4). The older
+    # slot may differ: a rank whose training passed the agreed first step before its save worker installed the
+    # cadence (a loaded machine, steps of a few ms) keeps a measuring snapshot there instead, as the design allows
+    # (manager.py, _AGREE_AHEAD); seen in CI as [[1, 12], [6, 12]]
+    assert held[0][-1] == held[1][-1] >= 6, held
 
 
 @pytest.mark.timeout(240)
