@@ -113,7 +113,10 @@ def test_a_stopped_rank_is_acted_on_within_the_learned_bound(tmp_path):
     assert d["timeout_source"] == "learned" and d["process_state"] == "T" and d["suspect"] is True
     assert d["timeout"] == pytest.approx(max(1.0, 3 * d["longest_step_seconds"]))
     steps = [e["details"]["seconds"] for e in of(events, "step") if e["attempt"] == 0]
-    assert d["longest_step_seconds"] <= max(steps) + 0.5  # a step of this run, not a start-up or a default
+    # a step of this run, not a start-up (a worker's import and rendezvous, 2 s and more here) or a default. The agent
+    # measures a step between heartbeats, so scheduling delay counts: beside a CPU burner a 0.05-s step was seen as
+    # 0.57 s (a fresh-clone run), hence the margin
+    assert d["longest_step_seconds"] <= max(steps) + 1.5
     # acted on: the frozen rank's attempt was restarted, within the bound (generous margin: a loaded machine)
     stopped = float((out / "stopped0").read_text())
     assert hang["wall"] - stopped >= d["timeout"] - 0.5
