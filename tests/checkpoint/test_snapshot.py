@@ -467,6 +467,41 @@ def test_a_ring_of_another_rank_or_world_offers_nothing(shm: Path) -> None:
     a.close()
 
 
+def test_a_rank_killed_while_a_digest_lags_still_holds_a_committed_snapshot(shm: Path, monkeypatch) -> None:
+    """Under load the commit thread can lag a step behind: the newer slot's digest still running when the next
+    snapshot would overwrite the older slot. Dropping the older slot's commit record then would leave a rank killed at
+    that instant no snapshot (a restart fell back to a disk tier, seen beside two CPU burners); the next snapshot
+    waits for it instead, and is skipped when it stays stalled. A fresh ring on the directory is what a restarted
+    process sees."""
+    import threading
+
+    from resilient.checkpoint.snapshot import ring as ring_mod
+
+    stalled, entered = threading.Event(), threading.Event()
+    real_write = ring_mod._write_file
+
+    def stalling_write(path, data):  # a write that hangs until released: the digest thread stuck mid-commit
+        if not stalled.is_set():
+            entered.set()
+            assert stalled.wait(30), "the stalled write was never released"
+        return real_write(path, data)
+
+    monkeypatch.setattr(ring_mod, "_COMMIT_WAIT_S", 0.3)
+    r = SnapshotRing(shm, rank=0, world_size=1, every=1)
+    state = {"w": torch.arange(6.0)}
+    assert r.take(0, state) and r.take(1, state) and r.flush(10)
+    monkeypatch.setattr(ring_mod, "_write_file", stalling_write)
+    assert r.take(2, state) and entered.wait(10)  # slot of step 0 rewritten; its commit hangs
+    held = lambda: sorted(s for s, _ in SnapshotRing(shm, rank=0, world_size=1, every=1).offer().held)  # noqa: E731
+    assert held() == [1]
+    assert not r.take(3, state)  # would drop step 1's record while step 2's is not written: skipped
+    assert held() == [1], "a kill now would leave this rank no snapshot"
+    stalled.set()
+    assert r.flush(10) and held() == [1, 2]
+    assert r.take(3, state) and r.flush(10) and held() == [2, 3]
+    r.close()
+
+
 def test_auto_cadence_follows_cost_over_step_time_and_waits_for_the_agreement(shm: Path) -> None:
     r = SnapshotRing(shm, rank=0, world_size=2, every="auto", budget=0.01)
     assert r.due(0) and r.proposal() is None  # nothing measured: the first two snapshots measure its cost

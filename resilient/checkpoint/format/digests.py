@@ -78,6 +78,11 @@ def file_entry(path: str | os.PathLike[str]) -> FileEntry:
     return FileEntry(size=size, crc32c=crc, xxh3=(h.intdigest(),))
 
 
+def bytes_entry(data: bytes | memoryview) -> FileEntry:
+    """What :func:`file_entry` gives for a file holding ``data``."""
+    return FileEntry(size=len(data), crc32c=_crc.crc32c(data), xxh3=(_xxh.xxh3_64_intdigest(data),))
+
+
 def verify_file(path: str | os.PathLike[str], expected: FileEntry) -> None:
     """Raise :class:`CorruptFileError` unless the file's size and crc32c match ``expected``."""
     map_verified(path, expected)

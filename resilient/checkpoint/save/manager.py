@@ -47,8 +47,8 @@ from resilient.checkpoint.api import (CKPT_STOP_MARK_DIR, COMMIT_MARKER, Checkpo
                                       DEFAULT_BACKGROUND_NICE,
                                       DEFAULT_MAX_FAILED_SAVES, FileEntry, Manifest, RestoreResult, TierName)
 from resilient.checkpoint.format import rank_index
-from resilient.checkpoint.format.digests import (BLOCK, bytes_blocks, crc_bytes, file_blocks, file_entry,
-                                                 xxh3_bytes)
+from resilient.checkpoint.format.digests import (BLOCK, bytes_blocks, bytes_entry, crc_bytes, file_blocks,
+                                                 file_entry)
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.format.state import dtensor_type, flatten, leaf_nbytes, local_tensor, plain_state
@@ -78,7 +78,8 @@ _SMALL = 1 << 20  # leaves up to this size are compared across ranks to find per
 DEFAULT_AUTO_FALLBACK = 10
 
 
-def _bytes_entry(data: bytes) -> FileEntry:
+def _blocked_entry(data: bytes) -> FileEntry:
+    """A file's entry with its verification blocks (what a manifest lists)."""
     return bytes_blocks(data, BLOCK)
 
 
@@ -852,7 +853,7 @@ class CheckpointManager:
             files = writer.files
         except FAILURES as e:
             ok, error = False, e
-        md_entry = self._bcast(_bytes_entry(files[DCP_METADATA]).to_json() if ok and self.rank == 0 else None,
+        md_entry = self._bcast(_blocked_entry(files[DCP_METADATA]).to_json() if ok and self.rank == 0 else None,
                                self._pg)
         if not self._all(ok and md_entry is not None):
             logger.debug("step %d: in-memory copy for the persistent tier failed too: %s", step,
@@ -863,7 +864,7 @@ class CheckpointManager:
         mine = {n: b for n, b in files.items() if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")}
         # only rank 0 holds .metadata in memory: the other ranks' manifests go without a layout (restore then
         # parses their files)
-        entries = self._with_layout({n: _bytes_entry(b) for n, b in mine.items()}, files.get(DCP_METADATA),
+        entries = self._with_layout({n: _blocked_entry(b) for n, b in mine.items()}, files.get(DCP_METADATA),
                                     lambda n: MemSource(mine[n], "memory"))
         m = Manifest(step=step, rank=self.rank, world_size=self.world_size,
                      files=entries,
@@ -1030,7 +1031,7 @@ class CheckpointManager:
         if self.rank == 0:
             data = (d / DCP_METADATA).read_bytes()
             if entry is None:
-                entry = FileEntry(size=len(data), crc32c=crc_bytes(data), xxh3=(xxh3_bytes(data),))
+                entry = bytes_entry(data)
             sent = (data, entry)
         data, entry = self._bcast(sent, self._pg)
         if self.rank != 0 and (self.local_rank == 0 or not shared_by_node):

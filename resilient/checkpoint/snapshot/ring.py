@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SLOTS = 2
 VERSION = 1
-_COMMIT_WAIT_S = 5.0  # the older slot's digest still running after this long: skip a snapshot rather than wait
+_COMMIT_WAIT_S = 5.0  # an earlier snapshot's digest still running after this long: skip a snapshot rather than wait
 _MAX_EVERY = 100_000
 
 
@@ -270,10 +270,15 @@ class SnapshotRing:
         """Copy ``state`` (after step ``step``) into the older slot; its commit follows on the ring's thread."""
         t0 = time.perf_counter()
         slot = self._slots[self._next_slot]
-        if not slot.done.wait(_COMMIT_WAIT_S):
-            logger.warning("snapshot of step %d skipped: the digest of the slot it would overwrite is still running",
-                           step)
-            return False
+        # every slot's digest done, not only this one's: this slot's commit record goes now, so the other slot must
+        # be committed already, or a kill in between leaves the rank no snapshot at all (under load the newer slot's
+        # digest, queued behind this one's, can still be running here; a restart then fell back to a disk tier)
+        deadline = time.monotonic() + _COMMIT_WAIT_S
+        for s in self._slots:
+            if not s.done.wait(max(0.0, deadline - time.monotonic())):
+                logger.warning("snapshot of step %d skipped: the digest of an earlier snapshot is still running after "
+                               "%.0f s", step, _COMMIT_WAIT_S)
+                return False
         try:
             objects, layout_json, key = self._copy(slot, state)
         except OSError as e:
