@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", default=None)
     ap.add_argument("--persistent-every", default=None)
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--snapshot-budget", type=float, default=None,
+                    help="share of step time a snapshot in node memory may cost (sets --ckpt-snapshot auto's cadence)")
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--settle-before", type=int, default=None, metavar="STEP",
                     help="before STEP, wait until no save is in flight (a planned fault then comes between saves)")
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": model, "optim": optim, "rng": rng, "data": data}
 
     overrides = {k: v for k, v in {"local": args.local, "persistent": args.persistent,
-                                   "interval": args.interval, "persistent_every": args.persistent_every}.items()
+                                   "interval": args.interval, "persistent_every": args.persistent_every,
+                                   "snapshot_budget": args.snapshot_budget}.items()
                  if v is not None}
     if args.overlap:
         overrides["overlap"] = True

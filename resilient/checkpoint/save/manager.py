@@ -231,7 +231,8 @@ class CheckpointManager:
     ``local`` may hold ``{node}``/``{rank}``/``{local_rank}`` (one machine standing in for several
     nodes); ``interval``/``persistent_every`` may be ``"auto"`` (goodput's ``IntervalTuner`` on rank 0,
     built with ``tuner_options``, broadcast to all ranks); ``overlap=True`` stages behind the next
-    forward/backward. Per-rank values (RNG states, data positions: any small leaf whose value differs
+    forward/backward; ``snapshot="auto"`` snapshots into node memory as often as keeps their cost within
+    ``snapshot_budget`` of the step time. Per-rank values (RNG states, data positions: any small leaf whose value differs
     across ranks at save time) are stored per rank and come back per rank.
     """
 
@@ -244,7 +245,8 @@ class CheckpointManager:
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
                  upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES,
                  background_nice: int | str = DEFAULT_BACKGROUND_NICE, snapshot: int | str = "auto",
-                 snapshot_dir: str | os.PathLike[str] | None = None):
+                 snapshot_dir: str | os.PathLike[str] | None = None,
+                 snapshot_budget: float = CheckpointConfig.snapshot_budget):
         if upload_grace_s is None:  # the job's --upload-grace, when resilient-run started this process
             try:
                 upload_grace_s = _env.upload_grace_s()
@@ -258,7 +260,7 @@ class CheckpointManager:
             collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
             persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
             upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves, background_nice=background_nice,
-            snapshot=snapshot,
+            snapshot=snapshot, snapshot_budget=snapshot_budget,
             # the node's directory in memory, when resilient-run made one (it outlives this process)
             snapshot_dir=snapshot_dir if snapshot_dir is not None else os.environ.get(_env.CKPT_SNAPSHOT_DIR) or None)
         cfg = self.config

@@ -268,7 +268,6 @@ class SnapshotRing:
 
     def take(self, step: int, state: Mapping[str, Any]) -> bool:
         """Copy ``state`` (after step ``step``) into the older slot; its commit follows on the ring's thread."""
-        t0 = time.perf_counter()
         slot = self._slots[self._next_slot]
         # every slot's digest done, not only this one's: this slot's commit record goes now, so the other slot must
         # be committed already, or a kill in between leaves the rank no snapshot at all (under load the newer slot's
@@ -279,6 +278,9 @@ class SnapshotRing:
                 logger.warning("snapshot of step %d skipped: the digest of an earlier snapshot is still running after "
                                "%.0f s", step, _COMMIT_WAIT_S)
                 return False
+        # the cost starts here: a wait above is the digest of the snapshot before, which the cost counts already (and
+        # the first two snapshots, a step apart, would count the first one's twice)
+        t0 = time.perf_counter()
         try:
             objects, layout_json, key = self._copy(slot, state)
         except OSError as e:
