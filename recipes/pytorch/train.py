@@ -148,11 +148,21 @@ def _bad_input(message: str) -> int:
     return 2
 
 
+# The default process group, referenced from Python until main() has returned (see the end of this file). DDP's
+# reducer holds the group too; were the reducer its last holder, the model freed as main() returns would destroy the
+# group while holding the GIL, joining gloo's threads, and one of them may still need the GIL to free the tensors of
+# the last collective: a deadlock (seen with gdb) that stalled about half of bench/goodput.py's fault-free torchrun
+# runs, whose last step ends on a dcp.save; none in 10 runs since. Freed through its Python object, the group lets go
+# of the GIL first (torch binds ProcessGroup with a holder that does).
+_GROUP: list[object] = []
+
+
 def main() -> int:
     args = parse_args()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.init_group and "RANK" in os.environ)
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        _GROUP.append(dist.group.WORLD)
         _mark("group")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
@@ -342,4 +352,6 @@ class _null:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    _GROUP.clear()  # the model is gone with main()'s frame: the group is freed here, without the GIL (see _GROUP)
+    sys.exit(code)
