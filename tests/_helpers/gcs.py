@@ -16,7 +16,33 @@ from pathlib import Path
 _OBJECT_XATTR = "user.metadata"  # where fake-gcs-server's filesystem backend keeps an object's metadata
 
 
+_BAND = 2000  # ports a pytest-xdist worker picks from: its own, so two workers never pick the same
+_FIRST = 10000
+
+
 def free_port() -> int:
+    """A loopback port free now that no other process is handed before the caller binds it: one below the kernel's
+    ephemeral range, which bind(0) and outgoing connections never take (a port that bind(0) had found free was taken
+    meanwhile by another test's torchrun store under load, and a supervisor started on it failed with EADDRINUSE
+    while the agents talked to that store), in a band of this pytest worker's own. Where the machine's ephemeral
+    range leaves no room below it, whatever bind(0) gives."""
+    import random
+
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = _FIRST + (int(worker) if worker.isdigit() else 0) % 8 * _BAND
+    if first + _BAND <= ephemeral_low:
+        for _ in range(100):
+            port = random.randrange(first, first + _BAND)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
