@@ -48,6 +48,7 @@ def test_spare_taken_in_at_the_next_boundary_when_every_node_has_its_own_run_dir
     c = cluster_factory("1:2", nproc=1, flags=["--heartbeat-timeout", "300"])  # the gates are no hangs
     sup = c.start_supervisor(["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"], env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", "3", "8",

@@ -34,6 +34,7 @@ def test_standalone_supervisor_node0_lost_hot_swap(cluster_factory, tmp_path: Pa
     sup = c.start_supervisor(["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "20",
                               "--last-call-timeout", "0"], env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
@@ -87,6 +88,7 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP), "8"]
@@ -129,6 +131,7 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
@@ -171,6 +174,7 @@ def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluste
     flags = ["--spare-nodes", "1", "--max-restarts", "3", "--node-timeout", "120", "--last-call-timeout", "0"]
     sup = c.start_supervisor(flags, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]

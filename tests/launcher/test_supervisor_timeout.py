@@ -45,6 +45,7 @@ def test_agents_that_need_a_decision_exit_within_the_bound_when_no_supervisor_an
     sup = c.start_supervisor(["--max-restarts", "3", "--node-timeout", str(NODE_TIMEOUT), "--last-call-timeout", "0"],
                              env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
     gate.mkdir()
     args = ["--steps", "8", "--out", str(out), "--gate", str(gate), "--gate-step", "2"]

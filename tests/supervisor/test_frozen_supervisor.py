@@ -191,6 +191,7 @@ def test_standalone_supervisor_stopped_past_the_node_timeout_and_let_go_fails_no
         sup = c.start_supervisor(["--max-restarts", "3", "--node-timeout", "4", "--last-call-timeout", "0"],
                                  env=secret)
         wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+        assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
         args, gate = _train_args(tmp_path, 40)
         a, b = c.start("a", args, env=secret), c.start("b", args, env=secret)
         wait_for(lambda: (gate / "at-0").exists() and (gate / "at-1").exists(), 120, "training under way")
