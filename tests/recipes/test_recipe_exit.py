@@ -6,50 +6,32 @@ last save's tensors: 6 of 8 such runs under torchrun hung at exit on a loaded 2-
 8 of the old recipe under resilient-run, whose workers keep their last collectives' works). Three runs each, so that
 a return of the deadlock fails this test with a probability of about 98 % (it did, at the second run, with the fix
 taken out)."""
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests._helpers.bench import goodput_bench
 from tests._helpers.procs import kill_sessions
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "pytorch" / "train.py"
 RUNS = 3
-
-
-def _job_wrapper() -> str:
-    name = "goodput_bench"
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "goodput.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # its dataclasses look their module up while being defined
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod.JOB
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", ["torchrun", "resilient-run"])
 def test_the_recipe_ends_after_a_last_step_saved_with_plain_dcp(tmp_path: Path, launcher: str) -> None:
+    bench = goodput_bench()
     job = tmp_path / "job.py"
-    job.write_text(_job_wrapper())
+    job.write_text(bench.JOB)
     for i in range(RUNS):
         d = tmp_path / f"run{i}"
-        (d / "out").mkdir(parents=True)
-        (d / "persistent").mkdir()
-        cfg = {"mode": "dcp", "out": str(d / "out"), "script": str(RECIPE), "persistent": str(d / "persistent"),
-               "every": 5, "pg_timeout": 30.0,  # 20 steps: the last one, step 19, is saved
-               "args": ["--steps", "20", "--n-layer", "1", "--d-model", "32", "--global-batch", "4",
-                        "--micro-batch", "2", "--log-every", "1000"]}
-        (d / "cfg.json").write_text(json.dumps(cfg))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILIENT_", "TORCHELASTIC_", "PET_"))}
-        env.update(GOODPUT_BENCH_CFG=str(d / "cfg.json"), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+        d.mkdir()
+        # 20 steps saved every 5: the last one, step 19, is saved
+        cfg = bench.write_cfg(d, "dcp", ["--steps", "20", "--n-layer", "1", "--d-model", "32", "--global-batch", "4",
+                                         "--micro-batch", "2", "--log-every", "1000"], d / "persistent", 5, 30.0)
+        env = bench.child_env({"GOODPUT_BENCH_CFG": str(cfg)})
         head = ([sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else
                 [sys.executable, "-m", "resilient.run", "--run-dir", str(d / "run")])
         cmd = [*head, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", str(job)]

@@ -4,10 +4,7 @@ through a real SupervisorCore (no processes), including the headline benchmark's
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,18 +13,12 @@ from resilient.supervisor.api import Cordon, HotSwap, NodeState, Restart
 from resilient.supervisor.config import SupervisorConfig
 from resilient.supervisor.core import SupervisorCore
 from resilient.supervisor.default_policy import DefaultPolicy, bad_luck_chance
+from tests._helpers.bench import goodput_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_module():
-    if "goodput_bench" in sys.modules:
-        return sys.modules["goodput_bench"]
-    spec = importlib.util.spec_from_file_location("goodput_bench", ROOT / "bench" / "goodput.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["goodput_bench"] = mod  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return goodput_bench()
 
 
 class Job:
