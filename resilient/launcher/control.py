@@ -109,6 +109,10 @@ class ControlClient:
         self._last_succession = 0.0
         self._succession_body: dict | None = None  # the newest Keys.succession read
         self._unsent: list[Event] = []  # reports that found no supervisor
+        # reports pushed since the store last answered a call: a queue push reads no answer (torch's client), and one
+        # written on the connection of a supervisor that had died meanwhile is taken by the kernel and lost; told
+        # again with the unsent ones unless a later call's answer shows the store read them (one connection, in order)
+        self._unconfirmed: list[Event] = []
         self._sup_gone = False  # the supervisor closed its end: join it again (its new term) when it is back
         self._lost_at: float | None = None  # written by _reached only
         self._last_ok = time.monotonic()  # the last store call that succeeded; written by _reached only
@@ -298,12 +302,15 @@ class ControlClient:
     # ---------------------------------------------------------------- reachability
     def _reached(self, e: Exception | None) -> None:
         """The one writer of ``_lost_at``: None once a store call succeeded; after a failure, the time of the last
-        call that succeeded (a failing call took up to its timeout: the store was already away then)."""
+        call that succeeded (a failing call took up to its timeout: the store was already away then). After a failure,
+        the reports no answer confirmed are told again with the unsent ones."""
         if e is None:
             self._lost_at = None
             self._last_ok = time.monotonic()
             self._said_waiting = False
-        elif self._lost_at is None:
+            return
+        self._unsent[:0], self._unconfirmed = self._unconfirmed, []
+        if self._lost_at is None:
             self._lost_at = self._last_ok
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             if self.training:
@@ -361,6 +368,8 @@ class ControlClient:
             self._reached(e)
             self._unsent.append(ev)  # told again once the supervisor is back: it must not be lost
             return
+        if self.sup_loop is None:  # (an in-process supervisor's store cannot die without this process)
+            self._unconfirmed.append(ev)
         self.kick()
 
     def _flush_unsent(self) -> None:
@@ -656,6 +665,7 @@ class ControlClient:
         if self._away():
             return None
         chan, resync = self.chan, self._resync
+        pushed = len(self._unconfirmed)  # the reports pushed before this call: its answer comes after theirs
 
         def read() -> dict | None:
             # a restarted supervisor's store holds its newest round only: an agent more than one round behind (a
@@ -672,6 +682,7 @@ class ControlClient:
             self._reached(e)
             return None
         self._reached(None)
+        del self._unconfirmed[:pushed]
         if plan is not None and int(plan.get("round", -1)) > round_:
             self._resync = False
             if isinstance(plan.get("succession"), dict):

@@ -161,6 +161,82 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
+# the syscalls of an agent's wait between passes (selectors on Linux: epoll; poll and select where those are used)
+_WAITING_SYSCALLS = {7, 23, 232, 270, 271, 281}
+
+
+def _waiting(pid: int) -> bool:
+    """Whether ``pid``'s main thread is blocked in its wait between passes."""
+    call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+    return call.isdigit() and int(call) in _WAITING_SYSCALLS
+
+
+def _stop_in_its_wait(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP the agent ``pid`` while its main thread waits between passes, so that what happens meanwhile reaches it
+    in one wake-up, before its next pass looks at its connections."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 10, "the agent to stop")
+        if _waiting(pid):
+            return
+        os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"agent {pid} was never stopped in its wait within {timeout:g} s")
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_a_failure_reported_into_a_dead_supervisors_connection_is_told_again(cluster_factory, tmp_path: Path,
+                                                                            reference_world) -> None:
+    """A queue push reads no answer: written on the connection of a supervisor that had died meanwhile, the kernel
+    takes it and it is lost (seen once under the full suite: the failure was never decided). The victim's agent is
+    stopped while its supervisor dies and its worker is killed, so that its report goes out on that connection before
+    anything else tells it the supervisor is gone."""
+    import os
+    import signal
+
+    import psutil
+
+    c = cluster_factory("2", nproc=NPROC)
+    flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
+    sup = c.start_supervisor(flags, env=SECRET)
+    wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
+    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    gate.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
+    a, b = _agents(c, args, ["a", "b"], env=SECRET)
+    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    starts = [e for e in c.events() if e.kind == EventKind.ATTEMPT_START]
+    holder = next(n for n in (a, b) if any(e.node == node_name(n) and "1" in e.details["pids"] for e in starts))
+    victim = psutil.Process(int((gate / "at-1").read_text()))  # rank 1's worker
+    server = victim.ppid()  # the agent's fork server: it reaps the worker and tells the agent
+    _stop_in_its_wait(holder.proc.pid)
+    try:
+        sup.kill()  # reaped: its end of every connection is closed before the worker dies
+        victim.kill()
+        wait_for(lambda: not psutil.pid_exists(victim.pid) and _waiting(server), 30,
+                 "the worker's exit to be told to its (stopped) agent")
+    finally:
+        os.kill(holder.proc.pid, signal.SIGCONT)
+    wait_for(lambda: any(e.kind == EventKind.WORKER_EXIT and e.rank == 1 for e in c.events()), 60,
+             "the failure to be recorded on its node")
+    sup2 = c.start_supervisor(flags, env=SECRET, name="supervisor2")
+    wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "restart" for e in c.events()), 90,
+             "the restart decided by the new supervisor")
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+    assert [a.proc.returncode, b.proc.returncode] == [0, 0], holder.output()
+    wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
+    assert_same(reference_world, final(out, WORLD))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
 @pytest.mark.timeout(300, func_only=True)
 def test_spare_joining_while_a_restart_is_in_progress_does_not_disturb_it(cluster_factory, tmp_path: Path,
                                                                           reference_world) -> None:
