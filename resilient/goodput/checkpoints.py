@@ -34,6 +34,8 @@ class CheckpointSummary:
     restore_missing: list[int] = field(default_factory=list)  # steps a restart found nowhere (CKPT_RESTORE_MISSING)
     state_undefined: str | None = None  # the first restore that found no usable step: what was missing, what would do
     rank0: bool = False  # the ledger holds rank 0's checkpoint records (another node's own ledger may not)
+    snapshots_skipped: list[int] = field(default_factory=list)  # steps whose node-memory snapshot a rank skipped
+    skip_reason: str | None = None  # the first skip's reason
 
     def newest(self, tier: str | None = None) -> int | None:
         if tier is not None:
@@ -50,7 +52,8 @@ class CheckpointSummary:
         return None if there is not None and there >= newest else (newest, there)
 
     def lines(self) -> list[str]:
-        if not self.attempted and not self.tiers and not self.failed and not self.state_undefined:
+        if (not self.attempted and not self.tiers and not self.failed and not self.state_undefined
+                and not self.snapshots_skipped):
             return []
         order = {"local": 0, "peer": 1, "persistent": 2}
         where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
@@ -64,6 +67,9 @@ class CheckpointSummary:
                        "were saved before; it started from step 0")
         if self.state_undefined:
             out.append(f"checkpoints: state undefined: {self.state_undefined}")
+        if self.snapshots_skipped:
+            out.append(f"checkpoints: {len(self.snapshots_skipped)} snapshot(s) in node memory skipped: steps "
+                       f"{_steps_text(self.snapshots_skipped)}; first: {self.skip_reason or 'unknown'}")
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -71,7 +77,9 @@ class CheckpointSummary:
                 "tiers": {t: {"count": v.count, "newest": v.newest} for t, v in self.tiers.items()},
                 "failed": {"count": len(self.failed), "steps": list(self.failed), "first_error": self.first_error},
                 "stopped": self.stopped, "restore_missing": list(self.restore_missing),
-                "state_undefined": self.state_undefined}
+                "state_undefined": self.state_undefined,
+                "snapshots_skipped": {"count": len(self.snapshots_skipped), "steps": list(self.snapshots_skipped),
+                                      "first_reason": self.skip_reason}}
 
 
 def fleet_lines(events: Iterable[Event]) -> list[str]:
@@ -135,12 +143,21 @@ class CheckpointTally:
         self._stopped: tuple[tuple[float, int], str] | None = None
         self._undefined: tuple[tuple[float, int], str] | None = None
         self._missing: set[int] = set()
+        self._skipped: set[int] = set()
+        self._skip_reason: tuple[tuple[float, int], str] | None = None
 
     def add(self, ev: Event) -> None:
         self._seq += 1
         at = (ev.wall, self._seq)
         step = _step_of(ev)
         k = ev.kind
+        if k is EventKind.CKPT_TIER_FAILED and ev.details.get("skipped") is True:
+            # a snapshot skipped, the tier still on: no save of that step failed (a disk save of the same step is
+            # judged by its own records)
+            if step is not None:
+                self._skipped.add(step)
+            self._skip_reason = _earliest(self._skip_reason, at, str(ev.details.get("error") or "skipped"))
+            return
         if k is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
             self._undefined = _earliest(self._undefined, at,
                                         str(ev.details.get("error") or "no usable step on any tier"))
@@ -178,6 +195,8 @@ class CheckpointTally:
         out.state_undefined = self._undefined[1] if self._undefined is not None else None
         out.restore_missing = sorted(self._missing)
         out.rank0 = self._rank0
+        out.snapshots_skipped = sorted(self._skipped)
+        out.skip_reason = self._skip_reason[1] if self._skip_reason is not None else None
         return out
 
 

@@ -492,7 +492,8 @@ def test_a_rank_killed_while_a_digest_lags_still_holds_a_committed_snapshot(shm:
         return real_write(path, data)
 
     monkeypatch.setattr(ring_mod, "_COMMIT_WAIT_S", 0.3)
-    r = SnapshotRing(shm, rank=0, world_size=1, every=1)
+    skips: list[tuple[int, str]] = []
+    r = SnapshotRing(shm, rank=0, world_size=1, every=1, on_skipped=lambda step, why: skips.append((step, why)))
     state = {"w": torch.arange(6.0)}
     assert r.take(0, state) and r.take(1, state) and r.flush(10)
     monkeypatch.setattr(ring_mod, "_write_file", stalling_write)
@@ -501,10 +502,50 @@ def test_a_rank_killed_while_a_digest_lags_still_holds_a_committed_snapshot(shm:
     assert held() == [1]
     assert not r.take(3, state)  # would drop step 1's record while step 2's is not written: skipped
     assert held() == [1], "a kill now would leave this rank no snapshot"
+    assert [step for step, _ in skips] == [3] and "still running" in skips[0][1]
     stalled.set()
     assert r.flush(10) and held() == [1, 2]
     assert r.take(3, state) and r.flush(10) and held() == [2, 3]
     r.close()
+
+
+def test_a_skipped_snapshot_is_in_the_ledger_and_the_report_not_as_a_failed_save(tmp_path: Path, shm: Path,
+                                                                                   monkeypatch) -> None:
+    """A snapshot skipped while an earlier one's digest stalls is a tier a restart may not find: the ledger records it
+    (a log line alone reaches no one) and the checkpoint report says so, without counting a failed save."""
+    import threading
+
+    from resilient import env as renv
+    from resilient.checkpoint import CheckpointManager
+    from resilient.checkpoint.snapshot import ring as ring_mod
+    from resilient.goodput.checkpoints import checkpoint_summary
+
+    run = tmp_path / "run"
+    monkeypatch.setenv(renv.RUN_DIR, str(run))
+    stalled = threading.Event()
+    real_write = ring_mod._write_file
+
+    def stalling_write(path, data):
+        assert stalled.wait(30), "the stalled write was never released"
+        return real_write(path, data)
+
+    monkeypatch.setattr(ring_mod, "_COMMIT_WAIT_S", 0.3)
+    state = {"w": torch.arange(6.0)}
+    with CheckpointManager(local=tmp_path / "ckpt", interval=5, peer=False, snapshot=1, snapshot_dir=shm) as ck:
+        for step in range(2):
+            ck.save(step, state)
+        assert ck.snapshot.flush(10)
+        monkeypatch.setattr(ring_mod, "_write_file", stalling_write)
+        for step in range(2, 4):  # step 2's commit stalls, so step 3's snapshot is skipped
+            ck.save(step, state)
+        stalled.set()
+        assert ck.wait(60) and ck.snapshot.flush(10)
+    evs = list(read_events(run))
+    skipped = [e for e in evs if e.kind is EventKind.CKPT_TIER_FAILED and e.details.get("skipped")]
+    assert [(e.details["step"], e.details["tier"]) for e in skipped] == [(3, "snapshot")], skipped
+    summary = checkpoint_summary(evs)
+    assert summary.failed == [] and summary.snapshots_skipped == [3]
+    assert any("1 snapshot(s) in node memory skipped: steps 3" in line for line in summary.lines()), summary.lines()
 
 
 def test_auto_cadence_follows_cost_over_step_time_and_waits_for_the_agreement(shm: Path) -> None:

@@ -394,8 +394,13 @@ class CheckpointManager:
         def failed(why: str) -> None:
             self._emit(EventKind.CKPT_TIER_FAILED, step=None, tier="snapshot", error=why)
 
+        def skipped(step: int, why: str) -> None:
+            # in the ledger, not only the log: a tier that skips is a tier a restart may not find (no save failed: a
+            # snapshot step is no disk save, so the report's failed saves do not count it)
+            self._emit(EventKind.CKPT_TIER_FAILED, step=step, tier="snapshot", error=why, skipped=True)
+
         return SnapshotRing(cfg.snapshot_dir, self.rank, self.world_size, every=cfg.snapshot,
-                            budget=cfg.snapshot_budget, on_failure=failed)
+                            budget=cfg.snapshot_budget, on_failure=failed, on_skipped=skipped)
 
     def _snap_proposal(self) -> int | None:
         """This rank's snapshot cadence for the agreement at a save (0: none here; None: not measured yet)."""

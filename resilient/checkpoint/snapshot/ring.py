@@ -157,7 +157,7 @@ class SnapshotRing:
     """One rank's two snapshot slots in ``directory`` (see the module's docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str], rank: int, world_size: int, every: int | str = "auto",
-                 budget: float = 0.01, on_failure: Any = None):
+                 budget: float = 0.01, on_failure: Any = None, on_skipped: Any = None):
         self.dir = Path(directory)
         self.rank, self.world_size = rank, world_size
         self.every, self.budget = every, budget
@@ -165,6 +165,7 @@ class SnapshotRing:
         self._slots = [_Slot(self.dir, rank, k) for k in range(SLOTS)]
         self._next_slot = self._newer_free()
         self._on_failure = on_failure  # called once with the reason when the tier turns itself off
+        self._on_skipped = on_skipped  # called with (step, reason) for each snapshot skipped (the tier stays on)
         self.off: str | None = None  # why snapshots stopped, once they did
         # auto: every (first step, steps between snapshots) agreed, oldest first; the training thread reads it whole
         # (one tuple, replaced by the save worker), so a new cadence takes over at its first step and the one before
@@ -275,8 +276,14 @@ class SnapshotRing:
         deadline = time.monotonic() + _COMMIT_WAIT_S
         for s in self._slots:
             if not s.done.wait(max(0.0, deadline - time.monotonic())):
-                logger.warning("snapshot of step %d skipped: the digest of an earlier snapshot is still running after "
-                               "%.0f s", step, _COMMIT_WAIT_S)
+                why = (f"snapshot of step {step} skipped: the digest of an earlier snapshot is still running after "
+                       f"{_COMMIT_WAIT_S:g} s (the host is overloaded, or its memory directory stalls)")
+                logger.warning("rank %d: %s", self.rank, why)
+                if self._on_skipped is not None:
+                    try:
+                        self._on_skipped(step, why)
+                    except Exception as e:  # noqa: BLE001 - a report must not stop training
+                        logger.debug("snapshot skip report failed: %s", e)
                 return False
         # the cost starts here: a wait above is the digest of the snapshot before, which the cost counts already (and
         # the first two snapshots, a step apart, would count the first one's twice)
