@@ -18,6 +18,7 @@ A standalone supervisor has no successor: it holds its decisions until it accoun
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -92,6 +93,11 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.pause_after ({self.pause_after}) must be longer than tick ({self.tick})")
 
 
+# reports remembered for telling a repeat: far more than an agent re-sends after one loss of the store (those pushed
+# between two of its store calls, a second or so of reports)
+_TAKEN_KEPT = 4096
+
+
 def _newest_heartbeats(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``msgs`` in order, less every heartbeat of a node but its newest (a heartbeat only says the node was heard:
     a backlog after a stall costs one per node)."""
@@ -118,6 +124,9 @@ class SupervisorLoop:
         self._spare_store: Any = None  # the next round's store, made ahead of time
         self._spare_lock = threading.Lock()
         self._done: set[str] = set()
+        # the newest reports taken, by identity: an agent tells again the reports no store answer confirmed (it
+        # cannot know whether a push reached a supervisor that stalled, or died, meanwhile), so one may come twice
+        self._taken: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
         self._acks: dict[int, set[str]] = {}
         self._final_round: int | None = None
         self._final_at: float | None = None
@@ -351,6 +360,13 @@ class SupervisorLoop:
             except (KeyError, ValueError, TypeError) as e:
                 logger.warning("unreadable event from %s: %s", node, e)
                 return []
+            key = (ev.kind, ev.node, ev.rank, ev.attempt, ev.wall, ev.mono)
+            if key in self._taken:
+                logger.info("a report from %s told again (%s of rank %s): taken once", node, ev.kind.value, ev.rank)
+                return []
+            self._taken[key] = None
+            if len(self._taken) > _TAKEN_KEPT:
+                self._taken.popitem(last=False)
             return self.core.handle(ev, now)
         if kind == MessageKind.ACK:
             self._acks.setdefault(int(msg.get("round", -1)), set()).add(node)

@@ -130,6 +130,22 @@ def test_a_report_replayed_does_not_restart_the_job_again(job: Job) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_report_told_again_by_its_agent_is_taken_once(job: Job) -> None:
+    """An agent tells again the reports no store answer confirmed (a push reads no answer: one written to a supervisor
+    that stalled meanwhile may have arrived after all). Sealed anew, the copy is no replay; it must still count once:
+    a straggler counted twice is nearer to its eviction."""
+    a = job.chans["a"]
+    ev = Event(EventKind.STRAGGLER, node="a", rank=0, attempt=0, details={"slowdown": 2.0})
+    other = Event(EventKind.STRAGGLER, node="a", rank=0, attempt=0, details={"slowdown": 2.0})  # a second one
+    for e in (ev, ev, other):
+        a.send(T.MessageKind.EVENT, event=e.to_json())
+    job.until(lambda: job.attacker.queue_len(T.Keys(JOB).queue) == 0, "the reports to be taken")
+    job.step()
+    assert job.loop.chan.refused == 0
+    assert job.loop.core.view(time.monotonic()).nodes["a"].stragglers == 2
+
+
+@pytest.mark.timeout(60)
 def test_a_message_signed_with_the_same_secret_for_another_job_is_refused(job: Job, caplog) -> None:
     caplog.set_level(logging.WARNING)
     other = T.Signer(SECRET, "joby")  # a job that shares this job's secret
