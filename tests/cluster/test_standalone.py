@@ -121,15 +121,13 @@ def test_supervisor_killed_and_restarted_training_goes_on(cluster_factory, tmp_p
     wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
 
 
-@pytest.mark.timeout(300, func_only=True)
-def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(cluster_factory, tmp_path: Path,
-                                                                                reference_world) -> None:
-    import os
-    import signal
+# the supervisor of the tests that lose it while the job waits at its gate (and of the one started in its place)
+_AWAY_FLAGS = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
 
-    c = cluster_factory("2", nproc=NPROC)
-    flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
-    sup = c.start_supervisor(flags, env=SECRET)
+
+def _at_the_gate(c, tmp_path: Path):
+    """A standalone supervisor and two agents whose ranks all wait at the gate: (supervisor, a, b, gate, out)."""
+    sup = c.start_supervisor(_AWAY_FLAGS, env=SECRET)
     wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
     assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
     gate, out = tmp_path / "gate", tmp_path / "out"
@@ -137,6 +135,28 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
     a, b = _agents(c, args, ["a", "b"], env=SECRET)
     wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    return sup, a, b, gate, out
+
+
+def _ends_bit_exact(c, a, b, sup, gate: Path, out: Path, reference_world) -> None:
+    """Open the gate: both agents end well, the supervisor with them, the model as the reference's."""
+    (gate / "go").touch()
+    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
+    assert a.proc.returncode == 0, a.output()
+    assert b.proc.returncode == 0, b.output()
+    wait_for(lambda: sup.proc.poll() is not None, 30, "the new supervisor to exit with the job")
+    assert_same(reference_world, final(out, WORLD))
+    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(cluster_factory, tmp_path: Path,
+                                                                                reference_world) -> None:
+    import os
+    import signal
+
+    c = cluster_factory("2", nproc=NPROC)
+    sup, a, b, gate, out = _at_the_gate(c, tmp_path)
     sup.kill()
     victim = int((gate / "at-1").read_text())  # rank 1's worker pid
     os.kill(victim, signal.SIGKILL)  # fails while no supervisor can hear of it
@@ -144,7 +164,7 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
              "the failure to be recorded on its node")
     # the report found no supervisor (its store calls gave up): it must be told again, not lost
     wait_for(lambda: "store is unreachable" in a.text() + b.text(), 90, "the report to fail")
-    sup2 = c.start_supervisor(flags, env=SECRET, name="supervisor2")
+    sup2 = c.start_supervisor(_AWAY_FLAGS, env=SECRET, name="supervisor2")
     try:
         wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "restart"
                              for e in c.events()), 90, "the restart decided by the new supervisor")
@@ -152,13 +172,7 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
         tails = "".join(f"\n--- {n}\n{x.text()[-4000:]}" for n, x in (("node a", a), ("node b", b),
                                                                       ("supervisor2", sup2)))
         raise AssertionError(f"{e}{tails}") from None
-    (gate / "go").touch()
-    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
-    assert a.proc.returncode == 0, a.output()
-    assert b.proc.returncode == 0, b.output()
-    wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
-    assert_same(reference_world, final(out, WORLD))
-    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+    _ends_bit_exact(c, a, b, sup2, gate, out, reference_world)
 
 
 # the syscalls of an agent's wait between passes (selectors on Linux: epoll; poll and select where those are used)
@@ -203,15 +217,7 @@ def test_a_failure_reported_into_a_dead_supervisors_connection_is_told_again(clu
     import psutil
 
     c = cluster_factory("2", nproc=NPROC)
-    flags = ["--max-restarts", "3", "--node-timeout", "20", "--last-call-timeout", "0"]
-    sup = c.start_supervisor(flags, env=SECRET)
-    wait_for(lambda: _listening(c.port) or sup.proc.poll() is not None, 60, "the supervisor to listen")
-    assert sup.proc.poll() is None, f"the supervisor exited: {sup.output()}"
-    gate, out = tmp_path / "gate", tmp_path / "out"
-    gate.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--gate", str(gate), "--gate-step", str(GATE_STEP)]
-    a, b = _agents(c, args, ["a", "b"], env=SECRET)
-    wait_for(lambda: at_gate(gate, WORLD), 90, "every rank at the gate")
+    sup, a, b, gate, out = _at_the_gate(c, tmp_path)
     starts = [e for e in c.events() if e.kind == EventKind.ATTEMPT_START]
     holder = next(n for n in (a, b) if any(e.node == node_name(n) and "1" in e.details["pids"] for e in starts))
     victim = psutil.Process(int((gate / "at-1").read_text()))  # rank 1's worker
@@ -226,15 +232,10 @@ def test_a_failure_reported_into_a_dead_supervisors_connection_is_told_again(clu
         os.kill(holder.proc.pid, signal.SIGCONT)
     wait_for(lambda: any(e.kind == EventKind.WORKER_EXIT and e.rank == 1 for e in c.events()), 60,
              "the failure to be recorded on its node")
-    sup2 = c.start_supervisor(flags, env=SECRET, name="supervisor2")
+    sup2 = c.start_supervisor(_AWAY_FLAGS, env=SECRET, name="supervisor2")
     wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "restart" for e in c.events()), 90,
              "the restart decided by the new supervisor")
-    (gate / "go").touch()
-    wait_for(lambda: a.proc.poll() is not None and b.proc.poll() is not None, 120, "the job to end")
-    assert [a.proc.returncode, b.proc.returncode] == [0, 0], holder.output()
-    wait_for(lambda: sup2.proc.poll() is not None, 30, "the new supervisor to exit with the job")
-    assert_same(reference_world, final(out, WORLD))
-    wait_for(lambda: not c.leftovers(), 20, "no process of the job left")
+    _ends_bit_exact(c, a, b, sup2, gate, out, reference_world)
 
 
 @pytest.mark.timeout(300, func_only=True)
