@@ -15,6 +15,8 @@ from typing import Iterable
 
 import psutil
 
+from tests._helpers.wait import wait_for
+
 
 def session_procs(*sids: int, tree_of: Iterable[int] = (), mark: str | None = None) -> list[psutil.Process]:
     """Live (not zombie) processes whose session is one of ``sids``, the descendants of ``tree_of`` (pass only
@@ -87,3 +89,27 @@ def stop_sessions(procs: Iterable[subprocess.Popen], grace: float, timeout: floa
             pass
     _reap(live, grace)
     return kill_sessions(procs, timeout)
+
+
+# the system calls of a loop's wait between its passes, by number on x86-64 (selectors: epoll_wait, epoll_pwait; poll,
+# select, pselect6, ppoll where those are used)
+_WAITING_SYSCALLS = {7, 23, 232, 270, 271, 281}
+
+
+def waiting(pid: int) -> bool:
+    """Whether ``pid``'s main thread is blocked in its wait between passes (``/proc/PID/syscall``)."""
+    call = open(f"/proc/{pid}/syscall").read().split()[0]
+    return call.isdigit() and int(call) in _WAITING_SYSCALLS
+
+
+def stop_in_its_wait(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP ``pid`` (an agent) while its main thread waits between passes, so that what happens meanwhile reaches
+    it in one wake-up, before its next pass looks at anything else. The caller sends SIGCONT."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 10, f"process {pid} to stop")
+        if waiting(pid):
+            return
+        os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"process {pid} was never stopped in its wait within {timeout:g} s")

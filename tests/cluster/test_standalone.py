@@ -12,6 +12,8 @@ import pytest
 
 from resilient.events.api import EventKind
 
+from tests._helpers.procs import stop_in_its_wait, waiting
+
 from .conftest import REPO, child_env, wait_for
 from .test_node_loss import (GATE_STEP, STEPS, _listening, assert_same, final, node_name,  # noqa: F401
                              reference_world, NPROC, WORLD, at_gate)
@@ -175,35 +177,6 @@ def test_worker_failure_while_the_supervisor_is_away_is_decided_when_it_is_back(
     _ends_bit_exact(c, a, b, sup2, gate, out, reference_world)
 
 
-# the syscalls of an agent's wait between passes (selectors on Linux: epoll; poll and select where those are used)
-_WAITING_SYSCALLS = {7, 23, 232, 270, 271, 281}
-
-
-def _waiting(pid: int) -> bool:
-    """Whether ``pid``'s main thread is blocked in its wait between passes."""
-    call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
-    return call.isdigit() and int(call) in _WAITING_SYSCALLS
-
-
-def _stop_in_its_wait(pid: int, timeout: float = 30.0) -> None:
-    """SIGSTOP the agent ``pid`` while its main thread waits between passes, so that what happens meanwhile reaches it
-    in one wake-up, before its next pass looks at its connections."""
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 10, "the agent to stop")
-        if _waiting(pid):
-            return
-        os.kill(pid, signal.SIGCONT)
-    raise AssertionError(f"agent {pid} was never stopped in its wait within {timeout:g} s")
-
-
 @pytest.mark.timeout(300, func_only=True)
 def test_a_failure_reported_into_a_dead_supervisors_connection_is_told_again(cluster_factory, tmp_path: Path,
                                                                             reference_world) -> None:
@@ -222,11 +195,11 @@ def test_a_failure_reported_into_a_dead_supervisors_connection_is_told_again(clu
     holder = next(n for n in (a, b) if any(e.node == node_name(n) and "1" in e.details["pids"] for e in starts))
     victim = psutil.Process(int((gate / "at-1").read_text()))  # rank 1's worker
     server = victim.ppid()  # the agent's fork server: it reaps the worker and tells the agent
-    _stop_in_its_wait(holder.proc.pid)
+    stop_in_its_wait(holder.proc.pid)
     try:
         sup.kill()  # reaped: its end of every connection is closed before the worker dies
         victim.kill()
-        wait_for(lambda: not psutil.pid_exists(victim.pid) and _waiting(server), 30,
+        wait_for(lambda: not psutil.pid_exists(victim.pid) and waiting(server), 30,
                  "the worker's exit to be told to its (stopped) agent")
     finally:
         os.kill(holder.proc.pid, signal.SIGCONT)
