@@ -375,6 +375,8 @@ class ControlClient:
     def _flush_unsent(self) -> None:
         """A failure reported while the supervisor was away still needs its decision: tell it again."""
         unsent, self._unsent = self._unsent, []
+        if unsent:
+            logger.warning("telling the supervisor %d report(s) it may not have had: %s", len(unsent), _tally(unsent))
         for ev in unsent:
             self.report(ev)
 
@@ -725,3 +727,16 @@ class ControlClient:
         if self.sup_loop is not None:
             self.sup_loop.close()
         self.store = self._standby = self._pointer = None
+
+
+def _tally(events: list[Event]) -> str:
+    """``1 worker_exit (rank 1), 9 ckpt_tier_done``: the kinds of ``events`` in their order, the ranks of the few."""
+    ranks: dict[str, list[int]] = {}
+    for ev in events:
+        ranks.setdefault(ev.kind.value, []).append(-1 if ev.rank is None else ev.rank)
+    parts = []
+    for kind, rs in ranks.items():
+        named = sorted({r for r in rs if r >= 0})
+        rank_s = f" (rank {', '.join(map(str, named))})" if named and len(rs) <= 3 else ""
+        parts.append(f"{len(rs)} {kind}{rank_s}")
+    return ", ".join(parts)

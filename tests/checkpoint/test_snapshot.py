@@ -389,21 +389,26 @@ def test_auto_interval_counts_only_the_restarts_that_needed_a_disk_tier(tmp_path
 
 @pytest.mark.timeout(240)
 def test_auto_cadence_follows_a_slower_step_between_disk_saves(tmp_path: Path) -> None:
-    """No disk save in the run (interval 1000), so no disk save re-agrees the cadence: steps become 50 ms slower after
+    """No disk save in the run (interval 1000), so no disk save re-agrees the cadence: steps become 200 ms slower after
     step 30 (rank 1 sleeps; rank 0 waits for it in the all-reduce), which makes a snapshot relatively cheaper, and the
-    ranks must agree a shorter cadence within about ``_REAGREE_CALLS`` steps, from a step no rank has passed."""
+    ranks must agree a shorter cadence within about ``_REAGREE_CALLS`` steps, from a step no rank has passed.
+
+    The slowdown is an order of magnitude over the step: a snapshot's measured cost wavers 2-3x beside other work
+    (0.5-1.8 ms here), and with steps only 3x slower (50 ms) the cost measured under load once outweighed it (the
+    proposals stayed within a quarter of the cadence in force, which keeps it, by design)."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this host")
     r, _ = resilient_run(tmp_path, ["--ckpt-snapshot", "auto", "--ckpt-interval", "1000"],
-                         plan_env(WorkerFault(FaultHow.SLOW, rank=1, step=30, attempt=None, seconds=0.05)),
-                         args=("--steps", "100"))
+                         plan_env(WorkerFault(FaultHow.SLOW, rank=1, step=30, attempt=None, seconds=0.2)),
+                         args=("--steps", "60"))  # the re-agreement comes at the 53rd save() call
     assert r.returncode == 0, r.stderr[-4000:]
     agreed = [e.details for e in read_events(tmp_path / "run")
               if e.kind is EventKind.CKPT_SNAPSHOT_CADENCE and e.details["source"] == "agreed"]
     assert agreed and agreed[0]["from_step"] < 30, agreed
     fast = agreed[0]["every"]
     later = [a for a in agreed[1:] if a["from_step"] > 30]
-    assert later, f"the cadence agreed at the start ({fast}) was never agreed again: {agreed}"
+    said = [ln for ln in r.stderr.splitlines() if "cadence" in ln]
+    assert later, f"the cadence agreed at the start ({fast}) was never agreed again: {agreed}; {said[-10:]}"
     assert later[-1]["every"] < fast, agreed
     assert all(a["from_step"] <= 30 + _REAGREE_CALLS + 2 * _AGREE_AHEAD for a in later[:1]), agreed
 

@@ -3,7 +3,7 @@ supervisor itself may die and come back (fail static), and messages without the 
 
 from __future__ import annotations
 
-import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -208,6 +208,8 @@ def test_a_failure_reported_into_a_dead_supervisors_connection_is_told_again(clu
     sup2 = c.start_supervisor(_AWAY_FLAGS, env=SECRET, name="supervisor2")
     wait_for(lambda: any(e.kind == EventKind.ACTION and e.details.get("action") == "restart" for e in c.events()), 90,
              "the restart decided by the new supervisor")
+    told = re.findall(r"telling the supervisor \d+ report\(s\) it may not have had: (.*)", holder.text())
+    assert any("1 worker_exit (rank 1)" in t for t in told), holder.output()  # said in its agent's log
     _ends_bit_exact(c, a, b, sup2, gate, out, reference_world)
 
 
