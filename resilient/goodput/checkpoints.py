@@ -36,6 +36,10 @@ class CheckpointSummary:
     rank0: bool = False  # the ledger holds rank 0's checkpoint records (another node's own ledger may not)
     snapshots_skipped: list[int] = field(default_factory=list)  # steps whose node-memory snapshot a rank skipped
     skip_reason: str | None = None  # the first skip's reason
+    # ranks whose snapshot tier turned itself off (a full or missing memory directory, a state it cannot copy): their
+    # restarts go to the disk tiers
+    snapshots_off: list[int] = field(default_factory=list)
+    off_reason: str | None = None  # the first rank's reason
 
     def newest(self, tier: str | None = None) -> int | None:
         if tier is not None:
@@ -53,7 +57,7 @@ class CheckpointSummary:
 
     def lines(self) -> list[str]:
         if (not self.attempted and not self.tiers and not self.failed and not self.state_undefined
-                and not self.snapshots_skipped):
+                and not self.snapshots_skipped and not self.snapshots_off):
             return []
         order = {"local": 0, "peer": 1, "persistent": 2}
         where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
@@ -70,6 +74,10 @@ class CheckpointSummary:
         if self.snapshots_skipped:
             out.append(f"checkpoints: {len(self.snapshots_skipped)} snapshot(s) in node memory skipped: steps "
                        f"{_steps_text(self.snapshots_skipped)}; first: {self.skip_reason or 'unknown'}")
+        if self.snapshots_off:
+            out.append(f"checkpoints: snapshots in node memory off on {len(self.snapshots_off)} rank(s) ("
+                       f"{_steps_text(self.snapshots_off)}), their restarts restore from disk; first: "
+                       f"{self.off_reason or 'unknown'}")
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -79,7 +87,8 @@ class CheckpointSummary:
                 "stopped": self.stopped, "restore_missing": list(self.restore_missing),
                 "state_undefined": self.state_undefined,
                 "snapshots_skipped": {"count": len(self.snapshots_skipped), "steps": list(self.snapshots_skipped),
-                                      "first_reason": self.skip_reason}}
+                                      "first_reason": self.skip_reason},
+                "snapshots_off": {"ranks": list(self.snapshots_off), "first_reason": self.off_reason}}
 
 
 def fleet_lines(events: Iterable[Event]) -> list[str]:
@@ -145,6 +154,8 @@ class CheckpointTally:
         self._missing: set[int] = set()
         self._skipped: set[int] = set()
         self._skip_reason: tuple[tuple[float, int], str] | None = None
+        self._off: set[int] = set()
+        self._off_reason: tuple[tuple[float, int], str] | None = None
 
     def add(self, ev: Event) -> None:
         self._seq += 1
@@ -157,6 +168,12 @@ class CheckpointTally:
             if step is not None:
                 self._skipped.add(step)
             self._skip_reason = _earliest(self._skip_reason, at, str(ev.details.get("error") or "skipped"))
+            return
+        if k is EventKind.CKPT_TIER_FAILED and step is None and ev.details.get("tier") == "snapshot":
+            # the tier turned off on a rank (no step of its own): its saves go on on the disk tiers
+            if ev.rank is not None:
+                self._off.add(ev.rank)
+            self._off_reason = _earliest(self._off_reason, at, str(ev.details.get("error") or "off"))
             return
         if k is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
             self._undefined = _earliest(self._undefined, at,
@@ -197,6 +214,8 @@ class CheckpointTally:
         out.rank0 = self._rank0
         out.snapshots_skipped = sorted(self._skipped)
         out.skip_reason = self._skip_reason[1] if self._skip_reason is not None else None
+        out.snapshots_off = sorted(self._off)
+        out.off_reason = self._off_reason[1] if self._off_reason is not None else None
         return out
 
 

@@ -279,11 +279,39 @@ def test_one_rank_without_snapshots_means_none_is_used(tmp_path: Path, shm: Path
 def test_a_full_shm_turns_the_tier_off_and_training_goes_on(tmp_path: Path, full_disk: Path,  # noqa: F811
                                                             workers: Workers, reference: list[dict]) -> None:
     """A real tmpfs with no room: the slot's memory is reserved up front (posix_fallocate), so the snapshot fails
-    with ENOSPC at once instead of a SIGBUS later; the rank says so and trains on with its disk saves."""
-    res = ok(_job(workers, tmp_path, full_disk, 0))
+    with ENOSPC at once instead of a SIGBUS later; the rank says so and trains on with its disk saves. The ledger
+    records it and the checkpoint report names the ranks and why (a log line alone reaches no one)."""
+    from resilient import env as renv
+    from resilient.goodput.checkpoints import checkpoint_summary
+
+    res = ok(_job(workers, tmp_path, full_disk, 0, {renv.RUN_DIR: str(tmp_path / "run")}))
     assert all("the snapshot tier is off" in r.output for r in res), res[0].output[-3000:]
     assert_bit_exact(reference, final(tmp_path / "out", 2))
     assert not list(full_disk.glob("rank*-slot*.json"))
+    summary = checkpoint_summary(read_events(tmp_path / "run"))
+    assert summary.snapshots_off == [0, 1] and "No space left" in (summary.off_reason or ""), summary
+    assert summary.failed == [] and summary.tiers["local"].count > 0  # no save failed: the disk tiers have them
+    line = next(ln for ln in summary.lines() if "snapshots in node memory off" in ln)
+    assert line.startswith("checkpoints: snapshots in node memory off on 2 rank(s) (0, 1), their restarts restore "
+                           "from disk; first: "), line
+    assert summary.to_json()["snapshots_off"]["ranks"] == [0, 1]
+
+
+def test_a_missing_snapshot_directory_is_in_the_ledger(tmp_path: Path, monkeypatch) -> None:
+    """The tier cannot start (its directory is gone): training goes on without it, and the ledger says why."""
+    from resilient import env as renv
+    from resilient.checkpoint import CheckpointManager
+    from resilient.goodput.checkpoints import checkpoint_summary
+
+    monkeypatch.setenv(renv.RUN_DIR, str(tmp_path / "run"))
+    with CheckpointManager(local=tmp_path / "ckpt", interval=2, peer=False, snapshot=1,
+                           snapshot_dir=tmp_path / "gone") as ck:
+        assert ck.snapshot is None
+        ck.save(0, {"w": torch.ones(3)}, force=True)
+        assert ck.wait(60)
+    summary = checkpoint_summary(read_events(tmp_path / "run"))
+    assert summary.snapshots_off == [0] and "gone does not exist" in (summary.off_reason or ""), summary
+    assert summary.failed == [] and summary.tiers["local"].newest == 0
 
 
 # ---------------------------------------------------------------------------------------------- under resilient-run

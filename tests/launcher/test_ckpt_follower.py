@@ -139,7 +139,8 @@ def test_a_tally_fed_in_any_order_sums_up_as_the_run_sorted_by_wall() -> None:
     for seed in range(300):
         r = random.Random(seed)
         evs = [Event(r.choice(kinds), node=NODE, rank=r.choice([0, 1, None]), wall=1000.0 + i,
-                     details={"step": r.choice([r.randrange(6), "x", None]), "tier": r.choice(["local", "persistent"]),
+                     details={"step": r.choice([r.randrange(6), "x", None]),
+                              "tier": r.choice(["local", "persistent", "snapshot"]),
                               "error": r.choice(["e1", "e2"]), "message": r.choice(["m1", "m2"]),
                               "state_undefined": r.random() < 0.2, "attempted_steps": r.choice([None, [1, 2]]),
                               "skipped": r.random() < 0.2})

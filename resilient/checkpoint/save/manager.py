@@ -390,6 +390,8 @@ class CheckpointManager:
             return None
         if not os.path.isdir(cfg.snapshot_dir):
             logger.warning("snapshot tier off: its directory %s does not exist", cfg.snapshot_dir)
+            self._emit(EventKind.CKPT_TIER_FAILED, step=None, tier="snapshot",
+                       error=f"its directory {cfg.snapshot_dir} does not exist")
             return None
         def failed(why: str) -> None:
             self._emit(EventKind.CKPT_TIER_FAILED, step=None, tier="snapshot", error=why)
