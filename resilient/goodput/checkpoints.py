@@ -21,6 +21,17 @@ class TierSaves:
 
 
 @dataclass
+class TierFailures:
+    """What went wrong on one tier, from its CKPT_TIER_FAILED records: a save or restore that tier did not do (the
+    step may well be on another tier: a failed save is one that reached none)."""
+
+    tier: str
+    count: int  # records
+    steps: list[int]  # the steps they name (a failure at a restore's probe names none)
+    first_error: str
+
+
+@dataclass
 class CheckpointSummary:
     """Which steps were saved where, and which saves failed (``resilient goodput`` and the launcher's closing
     lines). A failed save is one that reached no tier: a CKPT_SAVE_FAILED record, or (ledgers written before that
@@ -40,6 +51,10 @@ class CheckpointSummary:
     # restarts go to the disk tiers
     snapshots_off: list[int] = field(default_factory=list)
     off_reason: str | None = None  # the first rank's reason
+    # every tier's failures, a failed save's included: an upload that failed while the local tier got the step is no
+    # failed save, and would otherwise be seen by nobody
+    tier_failures: dict[str, TierFailures] = field(default_factory=dict)
+    tier_failure_first: str | None = None  # the earliest of them: "tier: error"
 
     def newest(self, tier: str | None = None) -> int | None:
         if tier is not None:
@@ -74,6 +89,12 @@ class CheckpointSummary:
         if self.snapshots_skipped:
             out.append(f"checkpoints: {len(self.snapshots_skipped)} snapshot(s) in node memory skipped: steps "
                        f"{_steps_text(self.snapshots_skipped)}; first: {self.skip_reason or 'unknown'}")
+        if self.tier_failures:
+            order = {"local": 0, "peer": 1, "persistent": 2}
+            fs = sorted(self.tier_failures.values(), key=lambda f: (order.get(f.tier, 9), f.tier))
+            out.append("checkpoints: tier failures: " + ", ".join(
+                f"{f.tier} {f.count}" + (f" (step{'s' if len(f.steps) > 1 else ''} {_steps_text(f.steps)})"
+                                         if f.steps else "") for f in fs) + f"; first: {self.tier_failure_first}")
         if self.snapshots_off:
             out.append(f"checkpoints: snapshots in node memory off on {len(self.snapshots_off)} rank(s) ("
                        f"{_steps_text(self.snapshots_off)}), their restarts restore from disk; first: "
@@ -88,7 +109,10 @@ class CheckpointSummary:
                 "state_undefined": self.state_undefined,
                 "snapshots_skipped": {"count": len(self.snapshots_skipped), "steps": list(self.snapshots_skipped),
                                       "first_reason": self.skip_reason},
-                "snapshots_off": {"ranks": list(self.snapshots_off), "first_reason": self.off_reason}}
+                "snapshots_off": {"ranks": list(self.snapshots_off), "first_reason": self.off_reason},
+                "tier_failures": {t: {"count": f.count, "steps": list(f.steps), "first_error": f.first_error}
+                                  for t, f in self.tier_failures.items()},
+                "tier_failure_first": self.tier_failure_first}
 
 
 def fleet_lines(events: Iterable[Event]) -> list[str]:
@@ -155,6 +179,8 @@ class CheckpointTally:
         self._skipped: set[int] = set()
         self._skip_reason: tuple[tuple[float, int], str] | None = None
         self._off: set[int] = set()
+        # tier -> [records, steps, ((wall, seq), error) of its earliest]
+        self._trouble: dict[str, list] = {}
         self._off_reason: tuple[tuple[float, int], str] | None = None
 
     def add(self, ev: Event) -> None:
@@ -175,6 +201,13 @@ class CheckpointTally:
                 self._off.add(ev.rank)
             self._off_reason = _earliest(self._off_reason, at, str(ev.details.get("error") or "off"))
             return
+        if k is EventKind.CKPT_TIER_FAILED:
+            tier = str(ev.details.get("tier") or "unknown")
+            t = self._trouble.setdefault(tier, [0, set(), None])
+            t[0] += 1
+            if step is not None:
+                t[1].add(step)
+            t[2] = _earliest(t[2], at, str(ev.details.get("error") or "unknown"))
         if k is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
             self._undefined = _earliest(self._undefined, at,
                                         str(ev.details.get("error") or "no usable step on any tier"))
@@ -216,6 +249,11 @@ class CheckpointTally:
         out.skip_reason = self._skip_reason[1] if self._skip_reason is not None else None
         out.snapshots_off = sorted(self._off)
         out.off_reason = self._off_reason[1] if self._off_reason is not None else None
+        out.tier_failures = {tier: TierFailures(tier, n, sorted(steps), first[1])
+                             for tier, (n, steps, first) in self._trouble.items()}
+        if self._trouble:
+            tier, (_, _, (_, err)) = min(self._trouble.items(), key=lambda kv: kv[1][2][0])
+            out.tier_failure_first = f"{tier}: {err}"
         return out
 
 
