@@ -72,7 +72,7 @@ class CheckpointSummary:
 
     def lines(self) -> list[str]:
         if (not self.attempted and not self.tiers and not self.failed and not self.state_undefined
-                and not self.snapshots_skipped and not self.snapshots_off):
+                and not self.snapshots_skipped and not self.snapshots_off and not self.tier_failures):
             return []
         order = {"local": 0, "peer": 1, "persistent": 2}
         where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
@@ -158,6 +158,15 @@ def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
     return tally.summary()
 
 
+@dataclass
+class _Trouble:
+    """One tier's CKPT_TIER_FAILED records as a tally adds them."""
+
+    records: int = 0
+    steps: set[int] = field(default_factory=set)
+    first: tuple[tuple[float, int], str] | None = None  # ((wall, seq), error) of the earliest
+
+
 class CheckpointTally:
     """:func:`checkpoint_summary` kept up to date one event at a time, in any order: a follower of a growing ledger
     (the launcher's, see :class:`resilient.launcher.report.CheckpointFollower`) adds what each look found, and at
@@ -179,8 +188,7 @@ class CheckpointTally:
         self._skipped: set[int] = set()
         self._skip_reason: tuple[tuple[float, int], str] | None = None
         self._off: set[int] = set()
-        # tier -> [records, steps, ((wall, seq), error) of its earliest]
-        self._trouble: dict[str, list] = {}
+        self._trouble: dict[str, _Trouble] = {}
         self._off_reason: tuple[tuple[float, int], str] | None = None
 
     def add(self, ev: Event) -> None:
@@ -202,12 +210,11 @@ class CheckpointTally:
             self._off_reason = _earliest(self._off_reason, at, str(ev.details.get("error") or "off"))
             return
         if k is EventKind.CKPT_TIER_FAILED:
-            tier = str(ev.details.get("tier") or "unknown")
-            t = self._trouble.setdefault(tier, [0, set(), None])
-            t[0] += 1
+            t = self._trouble.setdefault(str(ev.details.get("tier") or "unknown"), _Trouble())
+            t.records += 1
             if step is not None:
-                t[1].add(step)
-            t[2] = _earliest(t[2], at, str(ev.details.get("error") or "unknown"))
+                t.steps.add(step)
+            t.first = _earliest(t.first, at, str(ev.details.get("error") or "unknown"))
         if k is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
             self._undefined = _earliest(self._undefined, at,
                                         str(ev.details.get("error") or "no usable step on any tier"))
@@ -249,11 +256,11 @@ class CheckpointTally:
         out.skip_reason = self._skip_reason[1] if self._skip_reason is not None else None
         out.snapshots_off = sorted(self._off)
         out.off_reason = self._off_reason[1] if self._off_reason is not None else None
-        out.tier_failures = {tier: TierFailures(tier, n, sorted(steps), first[1])
-                             for tier, (n, steps, first) in self._trouble.items()}
+        out.tier_failures = {tier: TierFailures(tier, t.records, sorted(t.steps), t.first[1])
+                             for tier, t in self._trouble.items() if t.first is not None}
         if self._trouble:
-            tier, (_, _, (_, err)) = min(self._trouble.items(), key=lambda kv: kv[1][2][0])
-            out.tier_failure_first = f"{tier}: {err}"
+            tier, t = min(self._trouble.items(), key=lambda kv: kv[1].first[0] if kv[1].first else (0.0, 0))
+            out.tier_failure_first = f"{tier}: {t.first[1] if t.first else 'unknown'}"
         return out
 
 
