@@ -69,6 +69,7 @@ class LedgerCollector(Collector):
         self._last: dict[EventKind, Event] = {}
         self._last_step: tuple[float, Any, Any] | None = None  # (wall, step, seconds) of the newest STEP record
         self._tier_done: dict[str, Event] = {}
+        self._tier_failed: Counter[str] = Counter()  # CKPT_TIER_FAILED by tier, a skipped snapshot not counted
         self._errors = RateLimitedLog(logger, 60.0)
 
     def _update(self) -> None:
@@ -86,6 +87,8 @@ class LedgerCollector(Collector):
         prev = self._last.get(ev.kind)
         if prev is None or ev.wall >= prev.wall:
             self._last[ev.kind] = ev
+        if ev.kind is EventKind.CKPT_TIER_FAILED and ev.details.get("skipped") is not True:
+            self._tier_failed[str(ev.details.get("tier") or "unknown")] += 1
         if ev.kind is EventKind.CKPT_TIER_DONE:
             tier = str(ev.details.get("tier"))
             p = self._tier_done.get(tier)
@@ -176,6 +179,14 @@ class LedgerCollector(Collector):
                 cstep.add_metric([tier], _f(ev.details.get("step")))
             yield age
             yield cstep
+        if self._tier_failed:
+            # an alert's input: an upload refused while the local tier has the step is no failed save, and the
+            # checkpoint's age on that tier grows only as fast as the interval
+            failed = CounterMetricFamily(f"{p}_checkpoint_tier_failures", "Checkpoint saves or restores a tier did "
+                                         "not do (the step may be on another tier)", labels=["tier"])
+            for tier, n in sorted(self._tier_failed.items()):
+                failed.add_metric([tier], n)
+            yield failed
         interval = self._last.get(EventKind.CKPT_INTERVAL)
         if interval is not None:
             yield _gauge(f"{p}_checkpoint_interval_steps", "Current checkpoint interval (steps)",

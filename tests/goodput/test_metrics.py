@@ -31,6 +31,8 @@ WRITER = textwrap.dedent("""
         elif cmd[0] == "save":
             led.emit(EventKind.CKPT_SAVE, rank=0, step=int(cmd[1]), blocking_seconds=0.01)
             led.emit(EventKind.CKPT_TIER_DONE, rank=0, step=int(cmd[1]), tier="local", seconds=0.02)
+        elif cmd[0] == "fail":  # an upload refused: the step is on the local tier all the same
+            led.emit(EventKind.CKPT_TIER_FAILED, rank=0, step=int(cmd[1]), tier="persistent", error="store down")
         elif cmd[0] == "half":  # a line cut in two writes, as a writer dying mid-line would leave it
             fd = os.open(os.path.join(sys.argv[1], "events.jsonl"), os.O_WRONLY | os.O_APPEND)
             os.write(fd, b'{"kind":"restart","node":"n0","attempt":1,"details":{"cause":"failed"},')
@@ -93,6 +95,11 @@ def test_scrape_follows_a_growing_ledger(tmp_path, writer):
         cats = {lab["category"] for lab, _ in m["resilient_badput_seconds"]}
         assert {"checkpoint_save_stall", "wasted_progress", "checkpoint_interference", "step_slowdown"} <= cats
         assert value(m, "resilient_clean_step_seconds") >= 0
+        assert "resilient_checkpoint_tier_failures_total" not in m  # none yet
+        writer("fail 4")
+        writer("fail 4")
+        m = scrape(srv.port)
+        assert value(m, "resilient_checkpoint_tier_failures_total", tier="persistent") == 2
         writer("half")
         m = scrape(srv.port)  # the half line is not an event yet
         assert value(m, "resilient_restarts_total") == 0
