@@ -74,9 +74,8 @@ class CheckpointSummary:
         if (not self.attempted and not self.tiers and not self.failed and not self.state_undefined
                 and not self.snapshots_skipped and not self.snapshots_off and not self.tier_failures):
             return []
-        order = {"local": 0, "peer": 1, "persistent": 2}
         where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
-                          for t in sorted(self.tiers.values(), key=lambda t: (order.get(t.tier, 9), t.tier)))
+                          for t in sorted(self.tiers.values(), key=lambda t: _tier_order(t.tier)))
         out = [f"checkpoints: {len(self.attempted)} save(s); {where or 'no tier holds any step'}"]
         if self.failed:
             out.append(f"checkpoints: {len(self.failed)} failed save(s) (reached no tier): steps "
@@ -90,8 +89,7 @@ class CheckpointSummary:
             out.append(f"checkpoints: {len(self.snapshots_skipped)} snapshot(s) in node memory skipped: steps "
                        f"{_steps_text(self.snapshots_skipped)}; first: {self.skip_reason or 'unknown'}")
         if self.tier_failures:
-            order = {"local": 0, "peer": 1, "persistent": 2}
-            fs = sorted(self.tier_failures.values(), key=lambda f: (order.get(f.tier, 9), f.tier))
+            fs = sorted(self.tier_failures.values(), key=lambda f: _tier_order(f.tier))
             out.append("checkpoints: tier failures: " + ", ".join(
                 f"{f.tier} {f.count}" + (f" (step{'s' if len(f.steps) > 1 else ''} {_steps_text(f.steps)})"
                                          if f.steps else "") for f in fs) + f"; first: {self.tier_failure_first}")
@@ -130,6 +128,11 @@ def fleet_lines(events: Iterable[Event]) -> list[str]:
     if lost:
         out.append(f"spares lost: {len(lost)}: " + "; ".join(lost[:8]) + (" …" if len(lost) > 8 else ""))
     return out
+
+
+def _tier_order(tier: str) -> tuple[int, str]:
+    """The fastest tier first in a report's lines; others after, by name."""
+    return {"local": 0, "peer": 1, "persistent": 2}.get(tier, 9), tier
 
 
 def _steps_text(steps: Sequence[int], most: int = 12) -> str:
