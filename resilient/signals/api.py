@@ -14,6 +14,11 @@ from typing import Protocol
 
 from resilient.events.api import Event
 
+# The section a checkpoint restore is reported as (``resilient.section(RESTORE_SECTION)`` marks a restore of one's
+# own the same way). It is held to the start-up bound, not a learned one (a restore from another tier can take ten
+# times the last), and its time is left out of the start-up a later attempt's bound is learned from.
+RESTORE_SECTION = "restore"
+
 
 @dataclass(frozen=True)
 class MonitorConfig:
@@ -34,6 +39,12 @@ class MonitorConfig:
     # cannot repeat forever; not one where a rank's process was stopped (no long step looks like that).
     learn_factor: float = 3.0
     min_learned_timeout: float = 1.0
+    # A later attempt's start-up (spawn → ``steps()``, a marked restore left out) is held to ``learn_factor`` × the
+    # longest an earlier attempt's took, never below this floor (nor above the start-up bound's reach: it replaces
+    # ``initial_timeout`` there), once an earlier attempt restored through the checkpointer, whose restore is
+    # marked (:data:`RESTORE_SECTION`). The floor covers what a start-up waits for beyond its own work: other
+    # nodes' workers joining the process group a few seconds later, a loaded machine.
+    min_learned_startup: float = 30.0
     learn_after: int = 3
     warmup_steps: int = 3
     # Straggler scores (1.0 = as fast as the reference): "peers" compares a rank's median own-work
@@ -64,7 +75,7 @@ class MonitorConfig:
             raise ValueError(f"heartbeat timeout must be > 0 seconds, got {self.heartbeat_timeout}")
         if self.initial_timeout <= 0:
             raise ValueError(f"initial timeout must be > 0 seconds, got {self.initial_timeout}")
-        for name in ("learn_factor", "min_learned_timeout", "health_interval", "preempt_poll", "preempt_url_poll",
+        for name in ("learn_factor", "min_learned_timeout", "min_learned_startup", "health_interval", "preempt_poll", "preempt_url_poll",
                      "straggler_min_gap", "gpu_temperature_threshold"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MonitorConfig.{name} must be > 0, got {getattr(self, name)}")

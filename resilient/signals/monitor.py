@@ -6,9 +6,14 @@ hang deadline falls, so a missed heartbeat is reported at the deadline, not a po
 
 Hang rule, per local rank:
 
-* before its first message: ``attempt start + initial_timeout`` (or ``learn_factor`` × the longest start-up
-  seen, if longer) — armed only once the job is known to use the worker client (some rank of this node has said hello in this or an earlier attempt), so a script
-  that never imports ``resilient`` is never called hung;
+* before ``steps()`` (its hello), outside sections: ``attempt start + initial_timeout`` (or ``learn_factor`` × the
+  longest start-up seen, if longer) — armed only once the job is known to use the worker client (some rank of this
+  node has said hello in this or an earlier attempt), so a script that never imports ``resilient`` is never called
+  hung. Once an earlier attempt's ranks restored through the checkpointer (a marked restore, ``RESTORE_SECTION``),
+  the start-up is held to what it was then instead: ``learn_factor`` × the longest such start-up with its restore
+  left out, at least ``min_learned_startup``, the clock stopped while the rank is inside a section;
+* inside a marked restore: its start + ``max(initial_timeout, learn_factor`` × the longest restore seen``)``, never
+  learned shorter (a restore from a slower tier can take ten times the last one);
 * inside a ``section``: section start + its timeout (given, else learned for that section name once
   ``learn_after`` of them were seen, else ``initial_timeout``);
 * during the rank's first ``warmup_steps`` steps of the attempt: last message + ``initial_timeout`` (or
@@ -57,7 +62,7 @@ from resilient.events.api import Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.logs import RateLimitedLog
 from resilient.signals import protocol as P
-from resilient.signals.api import MonitorConfig, NodeMonitor
+from resilient.signals.api import RESTORE_SECTION, MonitorConfig, NodeMonitor
 from resilient.signals.health import HealthConfig, HealthThread, HostChecks, NoticeFile, NoticeURL
 from resilient.signals.straggler import StragglerConfig, StragglerScorer
 
@@ -99,6 +104,8 @@ class _Rank:
     steps_seen: int = 0  # STEP messages in this attempt
     last_type: int | None = None  # of the last message
     after_section: tuple[str, float] | None = None  # (name, timeout) of the section just left, until the next STEP
+    pre_sections: float = 0.0  # seconds inside sections before the hello: not start-up work (a restore)
+    restored: bool = False  # a marked restore ended before the hello: this start-up is a sample for later attempts
 
 
 @dataclass
@@ -169,7 +176,14 @@ class SocketNodeMonitor:
         self._section_seen: dict[tuple[str, int], int] = {}  # (section, global rank) → times ended
         self._max_warmup = 0.0  # longest warm-up step seen: a compile longer than the initial timeout stays safe
         self._backoff = 1.0  # ×2 per hang declared on a learned timeout
-        self._max_startup = 0.0  # longest spawn → first message seen: a slow restore must not trip later attempts
+        self._max_startup = 0.0  # longest spawn → first message seen: a slow start must not trip later attempts
+        # longest start-up (spawn → hello, sections left out) of an earlier attempt whose ranks restored through
+        # the checkpointer, and how many such start-ups were seen; this attempt's, folded in when the next starts
+        # (never learned within an attempt: one rank's own work before the loop, a tracker's login on rank 0, may
+        # outlast the others' by far, every attempt alike)
+        self._startup_learned = 0.0
+        self._startup_samples = 0
+        self._startup_now: list[float] = []
 
         self._straggler = StragglerScorer(StragglerConfig(
             threshold=config.straggler_threshold, history_threshold=config.straggler_history_threshold,
@@ -197,6 +211,10 @@ class SocketNodeMonitor:
                         ranks_per_replica: int | None = None) -> None:
         """``ranks``: local → global rank; ``ranks_per_replica`` (None: every rank a replica) tells the
         straggler scores which ranks are data-parallel peers."""
+        if self._startup_now:
+            self._startup_learned = max(self._startup_learned, *self._startup_now)
+            self._startup_samples += len(self._startup_now)
+            self._startup_now = []
         self.attempt = attempt
         self._active = True
         self._attempt_t0 = self._last_call = time.monotonic()
@@ -309,6 +327,14 @@ class SocketNodeMonitor:
             return self._learned(self._max_gap), "learned"
         return self.config.initial_timeout, "initial"
 
+    def startup_timeout(self) -> tuple[float, str]:
+        """The start-up bound (spawn → ``steps()``, outside sections) in force and where it comes from."""
+        cfg = self.config
+        if self._startup_samples:
+            return self._backoff * max(min(cfg.min_learned_startup, cfg.initial_timeout),
+                                       cfg.learn_factor * self._startup_learned), "startup:learned"
+        return max(cfg.initial_timeout, cfg.learn_factor * self._max_startup), "initial"
+
     def _learned(self, longest: float) -> float:
         return self._backoff * max(self.config.min_learned_timeout, self.config.learn_factor * longest)
 
@@ -319,6 +345,11 @@ class SocketNodeMonitor:
         step."""
         if given is not None:
             return given, f"section:{name}"
+        if name == RESTORE_SECTION:
+            t, source = max(self.config.initial_timeout,
+                            self.config.learn_factor * self._section_max.get(name, 0.0)), f"section:{name}:startup"
+            floor = self.config.heartbeat_timeout
+            return (floor, f"section:{name}:configured") if floor is not None and floor > t else (t, source)
         seen = (max((n for (s, _), n in self._section_seen.items() if s == name), default=0) if rank is None
                 else self._section_seen.get((name, rank), 0))
         if seen < self.config.learn_after:
@@ -507,6 +538,8 @@ class SocketNodeMonitor:
         r.last_seen = now
         r.last_type = t
         if t == P.HELLO:
+            if not r.hello and r.restored:
+                self._startup_now.append(now - self._attempt_t0 - r.pre_sections)
             r.hello, r.done, r.step = True, False, msg.step
             if not self._client_seen:
                 self._client_seen = True
@@ -536,8 +569,11 @@ class SocketNodeMonitor:
             for i in range(len(r.sections) - 1, -1, -1):
                 if r.sections[i][0] == msg.name:
                     if i == 0:
-                        name, _start, given = r.sections[0]
+                        name, start, given = r.sections[0]
                         r.after_section = (name, self._section_timeout(name, given, r.rank)[0])
+                        if not r.hello:
+                            r.pre_sections += now - start
+                            r.restored = r.restored or name == RESTORE_SECTION
                     del r.sections[i:]
                     break
             if msg.seconds == msg.seconds:
@@ -552,17 +588,20 @@ class SocketNodeMonitor:
     def _deadline(self, r: _Rank) -> tuple[float, float, str] | None:
         """(deadline, timeout, source) of a rank, or None when it is not watched."""
         cfg = self.config
+        if not r.hello and not self._client_seen:
+            return None  # a script that never entered steps() on this node: not known to use the client
         if r.last_seen is None:
-            if not self._client_seen:
-                return None
-            t = max(cfg.initial_timeout, cfg.learn_factor * self._max_startup)
-            return self._attempt_t0 + t, t, "initial"
+            t, source = self.startup_timeout()
+            return self._attempt_t0 + t, t, source
         if r.sections:
             name, start, given = r.sections[-1]
             t, source = self._section_timeout(name, given, r.rank)
             return start + t, t, source
         if r.done:
             return None
+        if not r.hello:  # between sections before steps() (after a restore): still the start-up, its clock stopped
+            t, source = self.startup_timeout()                 # while the rank was inside them
+            return self._attempt_t0 + r.pre_sections + t, t, source
         timeout, source = self.heartbeat_timeout()
         if source != "configured" and r.steps_seen <= cfg.warmup_steps:
             timeout, source = max(cfg.initial_timeout, cfg.learn_factor * self._max_warmup), "warmup"
@@ -610,11 +649,15 @@ class SocketNodeMonitor:
             }
             if r.sections:
                 details["section"] = r.sections[-1][0]
-            if _is_learned(source):
+            if source.startswith("startup:learned"):
+                details["longest_startup_seconds"] = self._startup_learned  # what the learned bound came from
+            elif _is_learned(source):
                 details["longest_step_seconds"] = self._max_gap  # what the learned step timeout came from
             # the start-up bound is the one a user may find too long or too short for the job: say what sets it
-            hint = "; resilient-run --startup-timeout sets it" if source.split("+after:", 1)[0] in (
-                "initial", "warmup") else ""
+            base = source.split("+after:", 1)[0]
+            hint = ("; resilient-run --startup-timeout sets it" if base in ("initial", "warmup", "section:restore:startup")
+                    else f"; {self.config.learn_factor:g} x the longest start-up of an earlier attempt "
+                         f"({self._startup_learned:.2f} s, its restore left out)" if base == "startup:learned" else "")
             logger.error("hang: rank %d (local %d, pid %s, state %s%s) silent for %.2f s (timeout %.2f s, %s%s)",
                          r.rank, r.local_rank, r.pid, state, ", suspect" if details["suspect"] else "",
                          now - since, timeout, source, hint)
@@ -625,7 +668,7 @@ class SocketNodeMonitor:
 def _is_learned(source: str) -> bool:
     """Whether a deadline's source (``learned``, ``section:NAME:learned``, ``…+after:NAME``) was learned."""
     base = source.split("+after:", 1)[0]
-    return base == "learned" or (base.startswith("section:") and base.endswith(":learned"))
+    return base in ("learned", "startup:learned") or (base.startswith("section:") and base.endswith(":learned"))
 
 
 def _open_reserve() -> int | None:

@@ -35,7 +35,7 @@ from resilient import env
 from resilient.events.api import SCHEMA_VERSION, Event, EventKind
 from resilient.events.ledger import Ledger
 from resilient.signals import protocol as P
-from resilient.signals.api import ScaleEvent
+from resilient.signals.api import RESTORE_SECTION, ScaleEvent
 from resilient.worker import collectives, exit_safety, preemption
 from resilient.worker import scale as _scale
 from resilient.worker.collectives import current_wait_seconds
@@ -336,7 +336,9 @@ def section(name: str, timeout: float | None = None) -> Iterator[None]:
     after it gets the section's timeout on top. Open it on every rank, also on ranks that only wait for
     the ones doing the work (``with resilient.section("eval"): evaluate(); dist.barrier()``): a rank waiting
     outside a section is held to the step timeout. Rank 0 records a SECTION event (name, seconds) when it
-    ends. A checkpoint save's blocking part is already a section (:func:`checkpoint_section`).
+    ends. A checkpoint save's blocking part is already a section (:func:`checkpoint_section`), and so is a restore
+    through the checkpointer (:func:`restore_section`); a restore of one's own marked as ``section("restore")`` is
+    held to the start-up bound like it and left out of the start-up a later attempt is held to.
     """
     if timeout is not None and timeout <= 0:
         raise ValueError(f"section {name!r}: timeout must be > 0 seconds or None, got {timeout}")
@@ -358,6 +360,24 @@ def section(name: str, timeout: float | None = None) -> Iterator[None]:
         if c.ledger is not None:
             extra = {"failed": True} if failed else {}
             c.ledger.emit(EventKind.SECTION, rank=c.rank, name=name, seconds=secs, **extra)
+
+
+@contextlib.contextmanager
+def restore_section() -> Iterator[None]:
+    """A checkpoint restore, reported to the agent as the section :data:`RESTORE_SECTION`, before ``steps()`` too (a
+    restore comes before the loop): the agent holds it to the start-up bound and leaves its time out of the
+    start-up it learns a later attempt's bound from. No SECTION ledger event: the restore's CKPT_RESTORE event
+    has its seconds."""
+    c = _client()
+    if c is None:
+        yield
+        return
+    c.section_start(RESTORE_SECTION, None)
+    t0 = _perf()
+    try:
+        yield
+    finally:
+        c.section_end(RESTORE_SECTION, _perf() - t0)
 
 
 @contextlib.contextmanager

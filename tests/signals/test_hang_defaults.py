@@ -48,6 +48,23 @@ WORKER = textwrap.dedent('''
             time.sleep(5.0 if step == 0 else 0.3)
             if attempt == 0 and step == 12 and rank == 0:
                 sys.exit(3)
+    elif mode == "startup":  # restores through the checkpointer; attempt 0 fails at step 8, attempt 1 stops before its loop
+        import torch
+
+        ckpt = resilient.CheckpointManager.from_env()
+        state = {"w": torch.zeros(8)}
+        start = ckpt.restore(state)
+        if attempt == 1:
+            with open(os.path.join(out, "stuck1"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        for step in resilient.steps(start, 12):
+            time.sleep(0.05)
+            state["w"] += 1
+            ckpt.save(step, state)
+            if attempt == 0 and step == 8:
+                sys.exit(3)
+        ckpt.close()
     elif mode == "eval":  # an evaluation of 5 s (50 steps), marked
         for step in resilient.steps(0, 16):
             time.sleep(0.1)
@@ -154,6 +171,26 @@ def test_a_hang_in_the_warm_up_is_bounded_by_the_startup_timeout(tmp_path):
     assert d["timeout"] - 0.5 <= hang["wall"] - stopped <= d["timeout"] + 10.0
     assert [x["details"]["cause"] for x in of(events, "restart")] == ["hung"]
     assert "--startup-timeout sets it" in r.stderr  # the log names the flag that sets the bound
+
+
+@pytest.mark.timeout(240)
+def test_a_restarts_start_up_is_held_to_the_first_attempts(tmp_path):
+    # attempt 1 stops after its restore, before its loop: held to 3 x attempt 0's start-up (its restore left out),
+    # at least 30 s, instead of the 600-s start-up timeout
+    r, events, out = launch(tmp_path, "startup", extra=("--max-restarts", "2", "--ckpt-local", str(tmp_path / "ckpt"),
+                                                        "--ckpt-interval", "1"), timeout=200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["details"]["cause"] for x in of(events, "restart")] == ["failed", "hung"]
+    (hang,) = of(events, "hang")
+    d = hang["details"]
+    assert d["timeout_source"] == "startup:learned" and d["process_state"] == "T" and hang["attempt"] == 1, d
+    assert d["timeout"] == pytest.approx(max(30.0, 3 * d["longest_startup_seconds"])) and d["timeout"] < 600
+    stuck = float((out / "stuck1").read_text())
+    assert hang["wall"] - stuck <= d["timeout"] + 10.0
+    # the last attempt resumed after the step attempt 0 saved last and ran to the end
+    restores = [e for e in of(events, "ckpt_restore") if e["attempt"] == 2]
+    assert restores and restores[0]["details"]["step"] == 8, restores
+    assert max(e["details"]["step"] for e in of(events, "step") if e["attempt"] == 2) == 11
 
 
 @pytest.mark.timeout(180)

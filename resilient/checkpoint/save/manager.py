@@ -70,7 +70,7 @@ from resilient.checkpoint.upload.uploader import Uploader
 from resilient.events.api import EventKind
 from resilient.events.ledger import Ledger
 from resilient.worker.preemption import preempt_save_due as _preempt_save_due
-from resilient.worker.steps import checkpoint_section as _checkpoint_section
+from resilient.worker.steps import checkpoint_section as _checkpoint_section, restore_section as _restore_section
 
 logger = logging.getLogger(__name__)
 
@@ -1331,8 +1331,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("restore() after close()")
-        self.wait()
-        res = self._restorer.restore(state)
+        # the agent holds a restore to the start-up bound, and learns a later attempt's start-up without it
+        with _restore_section():
+            self.wait()
+            res = self._restorer.restore(state)
         self.last_restore = res
         if self._restorer.cadence_carried_over and self._agree_at_call is not None:
             # the snapshots resume under the cadence they were taken under: agreed again after the usual calls
