@@ -184,6 +184,7 @@ class SocketNodeMonitor:
         self._startup_learned = 0.0
         self._startup_samples = 0
         self._startup_now: list[float] = []
+        self._startup_off = False  # a start-up held to the learned bound ran past it without being stopped
 
         self._straggler = StragglerScorer(StragglerConfig(
             threshold=config.straggler_threshold, history_threshold=config.straggler_history_threshold,
@@ -330,9 +331,9 @@ class SocketNodeMonitor:
     def startup_timeout(self) -> tuple[float, str]:
         """The start-up bound (spawn → ``steps()``, outside sections) in force and where it comes from."""
         cfg = self.config
-        if self._startup_samples:
-            return self._backoff * max(min(cfg.min_learned_startup, cfg.initial_timeout),
-                                       cfg.learn_factor * self._startup_learned), "startup:learned"
+        if self._startup_samples and not self._startup_off:
+            return max(min(cfg.min_learned_startup, cfg.initial_timeout),
+                       cfg.learn_factor * self._startup_learned), "startup:learned"
         return max(cfg.initial_timeout, cfg.learn_factor * self._max_startup), "initial"
 
     def _learned(self, longest: float) -> float:
@@ -632,6 +633,13 @@ class SocketNodeMonitor:
         else:
             low = min(x[0].step for x in stalled)
             suspects = {x[0].local_rank for x in stalled if x[0].step == low}
+        if not stopped and any(x[4] == "startup:learned" for x in stalled) and not self._startup_off:
+            # maybe work before the loop that only a resumed attempt does (batches skipped by hand): the bound is
+            # not learned again, so such a job loses one attempt at most, not one per doubling up to the timeout
+            self._startup_off = True
+            logger.warning("hang declared on a learned start-up bound: later attempts' start-ups are held to the "
+                           "start-up timeout (%g s) again; mark work before steps() that only a resumed attempt does "
+                           "with resilient.section()", self.config.initial_timeout)
         if not stopped and any(_is_learned(x[4]) for x in stalled):
             # maybe a long step rather than a hang: if so, the next attempt must not trip on it again. A stopped
             # process is a hang for certain, and backing off then would only slow the next detection.
@@ -668,7 +676,7 @@ class SocketNodeMonitor:
 def _is_learned(source: str) -> bool:
     """Whether a deadline's source (``learned``, ``section:NAME:learned``, ``…+after:NAME``) was learned."""
     base = source.split("+after:", 1)[0]
-    return base in ("learned", "startup:learned") or (base.startswith("section:") and base.endswith(":learned"))
+    return base == "learned" or (base.startswith("section:") and base.endswith(":learned"))
 
 
 def _open_reserve() -> int | None:
