@@ -346,20 +346,29 @@ def section(name: str, timeout: float | None = None) -> Iterator[None]:
     if c is None:
         yield
         return
-    c.section_start(name, timeout)
     t0 = _perf()
     failed = False
     try:
-        yield
+        with _told(c, name, timeout):
+            yield
     except BaseException:
         failed = True
         raise
     finally:
-        secs = _perf() - t0
-        c.section_end(name, secs)
         if c.ledger is not None:
             extra = {"failed": True} if failed else {}
-            c.ledger.emit(EventKind.SECTION, rank=c.rank, name=name, seconds=secs, **extra)
+            c.ledger.emit(EventKind.SECTION, rank=c.rank, name=name, seconds=_perf() - t0, **extra)
+
+
+@contextlib.contextmanager
+def _told(c: _Client, name: str, timeout: float | None) -> Iterator[None]:
+    """The agent told that section ``name`` is open while the body runs, and its seconds when it ends."""
+    c.section_start(name, timeout)
+    t0 = _perf()
+    try:
+        yield
+    finally:
+        c.section_end(name, _perf() - t0)
 
 
 @contextlib.contextmanager
@@ -372,12 +381,8 @@ def restore_section() -> Iterator[None]:
     if c is None:
         yield
         return
-    c.section_start(RESTORE_SECTION, None)
-    t0 = _perf()
-    try:
+    with _told(c, RESTORE_SECTION, None):
         yield
-    finally:
-        c.section_end(RESTORE_SECTION, _perf() - t0)
 
 
 @contextlib.contextmanager
@@ -391,9 +396,5 @@ def checkpoint_section() -> Iterator[None]:
     if _looping <= 0 or c is None or c.pid != os.getpid():
         yield
         return
-    c.section_start(CHECKPOINT_SECTION, None)
-    t0 = _perf()
-    try:
+    with _told(c, CHECKPOINT_SECTION, None):
         yield
-    finally:
-        c.section_end(CHECKPOINT_SECTION, _perf() - t0)
