@@ -65,6 +65,34 @@ WORKER = textwrap.dedent('''
             if attempt == 0 and step == 8:
                 sys.exit(3)
         ckpt.close()
+    elif mode == "startup-fsdp":  # the same with 2 ranks of FSDP2 state (sharded weights, small biases, Adam moments)
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        ckpt = resilient.CheckpointManager.from_env()
+        state = {"model": model, "optim": optim}
+        start = ckpt.restore(state)
+        if attempt == 1 and rank == 0:  # its peer goes on into its first step and waits there for it
+            with open(os.path.join(out, "stuck1"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        x = torch.ones(4, 8)
+        for step in resilient.steps(start, 12):
+            model(x).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            ckpt.save(step, state)
+            if attempt == 0 and step == 8 and rank == 0:
+                sys.exit(3)
+        ckpt.close()
     elif mode == "eval":  # an evaluation of 5 s (50 steps), marked
         for step in resilient.steps(0, 16):
             time.sleep(0.1)
@@ -174,22 +202,26 @@ def test_a_hang_in_the_warm_up_is_bounded_by_the_startup_timeout(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_restarts_start_up_is_held_to_the_first_attempts(tmp_path):
-    # attempt 1 stops after its restore, before its loop: held to 3 x attempt 0's start-up (its restore left out),
-    # at least 30 s, instead of the 600-s start-up timeout
-    r, events, out = launch(tmp_path, "startup", extra=("--max-restarts", "2", "--ckpt-local", str(tmp_path / "ckpt"),
-                                                        "--ckpt-interval", "1"), timeout=200)
+@pytest.mark.parametrize("mode,nproc", [("startup", 1), ("startup-fsdp", 2)], ids=["one-rank", "fsdp2-2-ranks"])
+def test_a_restarts_start_up_is_held_to_the_first_attempts(tmp_path, mode, nproc):
+    # attempt 1 stops (rank 0) after its restore, before its loop: held to 3 x attempt 0's start-up (its restore left
+    # out), at least 30 s, instead of the 600-s start-up timeout; with 2 ranks its peer waits in its first step
+    r, events, out = launch(tmp_path, mode, nproc=nproc, extra=("--max-restarts", "2", "--ckpt-local",
+                                                                str(tmp_path / "ckpt"), "--ckpt-interval", "1"),
+                            timeout=200)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["details"]["cause"] for x in of(events, "restart")] == ["failed", "hung"]
-    (hang,) = of(events, "hang")
+    hangs = of(events, "hang")
+    (hang,) = [h for h in hangs if h["details"]["suspect"]]  # the stopped rank; a peer waiting for it may be told too
     d = hang["details"]
     assert d["timeout_source"] == "startup:learned" and d["process_state"] == "T" and hang["attempt"] == 1, d
+    assert all(h["attempt"] == 1 for h in hangs), hangs
     assert d["timeout"] == pytest.approx(max(30.0, 3 * d["longest_startup_seconds"])) and d["timeout"] < 600
     stuck = float((out / "stuck1").read_text())
     assert hang["wall"] - stuck <= d["timeout"] + 10.0
-    # the last attempt resumed after the step attempt 0 saved last and ran to the end
-    restores = [e for e in of(events, "ckpt_restore") if e["attempt"] == 2]
-    assert restores and restores[0]["details"]["step"] == 8, restores
+    # the last attempt resumed from the step attempt 1 restored (it saved nothing), one attempt 0 saved near its end
+    got = {a: {e["details"]["step"] for e in of(events, "ckpt_restore") if e["attempt"] == a} for a in (1, 2)}
+    assert len(got[2]) == 1 and got[2] == got[1] and 5 <= min(got[2]) <= 8, got
     assert max(e["details"]["step"] for e in of(events, "step") if e["attempt"] == 2) == 11
 
 
