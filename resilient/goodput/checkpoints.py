@@ -165,9 +165,9 @@ def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
 class _Trouble:
     """One tier's CKPT_TIER_FAILED records as a tally adds them."""
 
+    first: tuple[tuple[float, int], str]  # ((wall, seq), error) of the earliest
     records: int = 0
     steps: set[int] = field(default_factory=set)
-    first: tuple[tuple[float, int], str] | None = None  # ((wall, seq), error) of the earliest
 
 
 class CheckpointTally:
@@ -213,11 +213,15 @@ class CheckpointTally:
             self._off_reason = _earliest(self._off_reason, at, str(ev.details.get("error") or "off"))
             return
         if k is EventKind.CKPT_TIER_FAILED:
-            t = self._trouble.setdefault(str(ev.details.get("tier") or "unknown"), _Trouble())
+            tier, err = str(ev.details.get("tier") or "unknown"), str(ev.details.get("error") or "unknown")
+            t = self._trouble.get(tier)
+            if t is None:
+                t = self._trouble[tier] = _Trouble(first=(at, err))
+            else:
+                t.first = _earliest(t.first, at, err)
             t.records += 1
             if step is not None:
                 t.steps.add(step)
-            t.first = _earliest(t.first, at, str(ev.details.get("error") or "unknown"))
         if k is EventKind.CKPT_TIER_FAILED and ev.details.get("state_undefined") is True:
             self._undefined = _earliest(self._undefined, at,
                                         str(ev.details.get("error") or "no usable step on any tier"))
@@ -260,10 +264,10 @@ class CheckpointTally:
         out.snapshots_off = sorted(self._off)
         out.off_reason = self._off_reason[1] if self._off_reason is not None else None
         out.tier_failures = {tier: TierFailures(tier, t.records, sorted(t.steps), t.first[1])
-                             for tier, t in self._trouble.items() if t.first is not None}
+                             for tier, t in self._trouble.items()}
         if self._trouble:
-            tier, t = min(self._trouble.items(), key=lambda kv: kv[1].first[0] if kv[1].first else (0.0, 0))
-            out.tier_failure_first = f"{tier}: {t.first[1] if t.first else 'unknown'}"
+            tier, t = min(self._trouble.items(), key=lambda kv: kv[1].first[0])
+            out.tier_failure_first = f"{tier}: {t.first[1]}"
         return out
 
 
