@@ -7,7 +7,8 @@ steps, timed as wall time on the training thread, with:
 * ``none``: no checkpointing (the baseline; every repetition has its own);
 * ``local``: a ``CheckpointManager`` with the local tier only;
 * ``peer``: local + replication to the partner node;
-* ``persistent``: local + peer + uploads of every save to a ``file://`` store;
+* ``persistent``: local + peer + uploads of every save to a store (``--store``: a ``file://`` directory, or ``gcs``,
+  the bundled fake-gcs-server on this machine through gcsfs, as a ``gs://`` job uploads);
 
 each saved every step (``--intervals 1``) and every N steps (a save at the first step of each period of N, so each
 save's background work falls inside the window), and each with every lever value of ``--levers``
@@ -16,7 +17,8 @@ thread; ``idle`` SCHED_IDLE), of ``--switch-intervals`` (the interpreter's GIL s
 while the window runs: how long a thread that wants the GIL waits before asking its holder to let go; Python's default
 is 5 ms) and of ``--writers`` (the local tier's writer: ``record``, ours, which writes each
 tensor's record from a template and hashes as it writes; ``stock``, DCP's ``FileSystemWriter`` with the manifest
-read back, as before it). ``--profile PREFIX`` runs rank 0's save worker under cProfile. Cases run interleaved:
+read back, as before it), and for the persistent tier of ``--upload-process`` (``on``: uploads' bytes sent from the
+upload process, the default; ``off``: from the upload thread in the training process, ``CheckpointConfig.upload_process``). ``--profile PREFIX`` runs rank 0's save worker under cProfile. Cases run interleaved:
 each repetition runs every case once, in an order of its own. A case's overhead is its window's wall over the baseline's of the same repetition, minus one; the table
 gives the median over repetitions and the spread (min-max).
 
@@ -46,7 +48,8 @@ through the shared caches), ``no core`` (runnable, waiting for a CPU) and ``off 
 the GIL held by the save's Python, locks; on a GPU also waits for the device beyond the baseline's).
 
     python bench/interference.py [--reps 5] [--steps 30] [--intervals 1,10] [--levers 0,19,idle]
-        [--writers stock,record] [--switch-intervals 0.005,0.0005] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent] [--profile PREFIX]
+        [--writers stock,record] [--switch-intervals 0.005,0.0005] [--n-layer 4 --d-model 256] [--tiers local,peer,persistent]
+        [--store file|gcs] [--upload-process on,off] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -82,10 +86,12 @@ def _cases(args: argparse.Namespace) -> list[dict]:
             for nice in args.levers:
                 for writer in args.writers:
                     for sw in args.switch_intervals:
-                        name = f"{tier}/every{interval}/nice={nice}/{writer}" + (
-                            f"/switch={sw * 1e3:g}ms" if sw != DEFAULT_SWITCH_S else "")
-                        out.append({"name": name, "tier": tier, "nice": nice, "interval": interval, "writer": writer,
-                                    "switch": sw})
+                        for up in (args.upload_process if tier == "persistent" else ["on"]):
+                            name = f"{tier}/every{interval}/nice={nice}/{writer}" + (
+                                f"/switch={sw * 1e3:g}ms" if sw != DEFAULT_SWITCH_S else "") + (
+                                "/upload=thread" if up == "off" else "")
+                            out.append({"name": name, "tier": tier, "nice": nice, "interval": interval,
+                                        "writer": writer, "switch": sw, "upload_process": up == "on"})
     return out
 
 
@@ -231,7 +237,9 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
                     os.sched_setaffinity(0, others)  # the manager's threads off the training thread's CPU
                 ck = CheckpointManager(
                     local=str(d / "local{node}"), peer=case["tier"] != "local" and world > 1,
-                    persistent=f"file://{d / 'store'}" if case["tier"] == "persistent" else None,
+                    persistent=(None if case["tier"] != "persistent" else f"gs://bench/{d.name}" if args.store == "gcs"
+                                else f"file://{d / 'store'}"),
+                    upload_process=case.get("upload_process", True),
                     interval=1, persistent_every=1, keep_local=2, keep_peer=2, keep_persistent=2,
                     background_nice=case["nice"], upload_grace_s=120, collective_timeout_s=300)
                 for _ in range(2):  # the first save allocates the staging buffers: outside the window
@@ -336,10 +344,11 @@ def summarise(rows: list[dict], args: argparse.Namespace) -> dict:
     out = {}
     for name, c in cases.items():
         tier, every, nice, *rest = name.split("/")
-        writer = next((x for x in rest if not x.startswith("switch=")), "stock")
+        writer = next((x for x in rest if not x.startswith(("switch=", "upload="))), "stock")
+        upload = next((x.split("=", 1)[1] for x in rest if x.startswith("upload=")), "process")
         switch = next((x.split("=", 1)[1] for x in rest if x.startswith("switch=")), f"{DEFAULT_SWITCH_S * 1e3:g}ms")
         s = {"tier": tier, "interval": int(every[len("every"):]), "background_nice": nice.split("=", 1)[1],
-             "writer": writer, "switch_interval": switch,
+             "writer": writer, "switch_interval": switch, "upload": upload,
              "overhead_median": statistics.median(c["overhead"]), "overhead_min": min(c["overhead"]),
              "overhead_max": max(c["overhead"]), "cost_per_save_s": statistics.median(c["cost_per_save_s"]),
              "blocking_per_save_s": statistics.median(c["blocking_per_save_s"]),
@@ -374,6 +383,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiers", default=",".join(TIERS))
     ap.add_argument("--writers", default="stock,record",
                     help="the local tier's writer, comma-separated: record (ours) or stock (DCP's FileSystemWriter)")
+    ap.add_argument("--store", choices=("file", "gcs"), default="file",
+                    help="the persistent tier: a file:// directory, or the bundled fake-gcs-server through gcsfs")
+    ap.add_argument("--upload-process", default="on",
+                    help="for the persistent tier, comma-separated: on (uploads' bytes from the upload process) and/or "
+                         "off (from the upload thread in the training process)")
     ap.add_argument("--profile", metavar="PREFIX", default=None,
                     help="profile rank 0's save worker: PREFIX.<manager>.prof (cProfile) and .cpu (its CPU seconds)")
     ap.add_argument("--n-layer", type=int, default=4)
@@ -407,6 +421,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.writers = [w.strip() for w in args.writers.split(",")]
     if any(w not in ("record", "stock") for w in args.writers):
         ap.error("--writers: record, stock")
+    args.upload_process = [u.strip() for u in args.upload_process.split(",")]
+    if any(u not in ("on", "off") for u in args.upload_process):
+        ap.error("--upload-process: on, off")
     if any(t not in TIERS for t in args.tiers):
         ap.error(f"--tiers: each of {', '.join(TIERS)}")
     if args.launch_ops < 1:
@@ -442,11 +459,24 @@ def main() -> int:
         root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="interference-"))
         root.mkdir(parents=True, exist_ok=True)
         raw = root / "rows.json"
+        gcs = None
+        if args.store == "gcs":
+            from tests._helpers.gcs import LocalGCS
+
+            gcs = LocalGCS(root / "gcs").start()
+            if args.pin:  # the store's server off the training threads' CPUs, as a remote store would be
+                others = set(range(args.world, os.cpu_count() or args.world + 1))
+                for t in psutil.Process(gcs.proc.pid).threads():  # type: ignore[union-attr]
+                    os.sched_setaffinity(t.id, others)
+            gcs.make_bucket("bench")
+            os.environ.update(gcs.env())  # the ranks inherit it
         try:
             mp.start_processes(_rank_main, args=(args.world, f"file://{root / 'rdzv'}", str(root), args, str(raw)),
                                nprocs=args.world, start_method="spawn")
             data = json.loads(raw.read_text())
         finally:
+            if gcs is not None:
+                gcs.stop()
             if not args.root:
                 shutil.rmtree(root, ignore_errors=True)
     summary = summarise(data["rows"], args)
@@ -455,7 +485,7 @@ def main() -> int:
                                                  "device": args.device, "device_name": data.get("device_name", "cpu"),
                                                  "step": args.step, "launch_ops": args.launch_ops, "pin": args.pin},
               "state_bytes_per_rank": data["state_bytes_per_rank"], "reps": args.reps, "steps": args.steps,
-              "cpus": os.cpu_count(), "load_before": load0,
+              "cpus": os.cpu_count(), "load_before": load0, "store": getattr(args, "store", "file"),
               "load_after": json.loads(Path(args.summarise).read_text())["load_after"] if args.summarise
               else os.getloadavg(),
               "seconds": time.time() - t0, "torch": torch.__version__, **summary, "rows": data["rows"]}
@@ -464,15 +494,16 @@ def main() -> int:
           f"(model + AdamW), clean step {summary['clean_step_s'] * 1e3:.1f} ms "
           f"({(summary['cpu_per_clean_step_s'] or 0) * 1e3:.1f} ms CPU), {args.reps} reps x {args.steps} "
           f"steps; load {load0[0]:.1f} -> {result['load_after'][0]:.1f}")
-    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'writer':>6} {'switch':>7} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
+    print(f"{'tier':<11} {'every':>5} {'nice':>5} {'writer':>6} {'switch':>7} {'upload':>7} {'overhead':>9} {'spread':>17} {'cost/save ms':>12} "
           f"{'block ms':>8} {'cpu/save ms':>11} {'auto every':>10} {'auto ovh':>8}   per save, ms: staging waiting "
           f"slower no-core off-CPU")
     for s in sorted(summary["cases"].values(), key=lambda s: (s["interval"], TIERS.index(s["tier"]),
                                                               str(s["background_nice"]), s["writer"],
-                                                              -float(s["switch_interval"].rstrip("ms")))):
+                                                              -float(s["switch_interval"].rstrip("ms")), s["upload"])):
         auto = (f"{s['auto_interval_steps']:>10d} {s['auto_overhead'] * 100:>7.2f}%"
                 if "auto_interval_steps" in s else f"{'':>10} {'':>8}")
         print(f"{s['tier']:<11} {s['interval']:>5d} {s['background_nice']:>5} {s['writer']:>6} {s['switch_interval']:>7} "
+              f"{s['upload'] if s['tier'] == 'persistent' else '':>7} "
               f"{s['overhead_median'] * 100:>8.1f}% "
               f"[{s['overhead_min'] * 100:>6.1f}%, {s['overhead_max'] * 100:>6.1f}%] "
               f"{s['cost_per_save_s'] * 1e3:>12.1f} {s['blocking_per_save_s'] * 1e3:>8.1f} "

@@ -28,6 +28,8 @@ CKPT_MAX_FAILED_SAVES = "RESILIENT_CKPT_MAX_FAILED_SAVES"
 # snapshots in node memory: "auto", N steps or "0" (resilient-run --ckpt-snapshot), and the node's directory for them
 CKPT_SNAPSHOT = "RESILIENT_CKPT_SNAPSHOT"
 CKPT_SNAPSHOT_DIR = "RESILIENT_CKPT_SNAPSHOT_DIR"
+# "on" | "off": persistent uploads' bytes sent from a process of their own (resilient-run --ckpt-upload-process)
+CKPT_UPLOAD_PROCESS = "RESILIENT_CKPT_UPLOAD_PROCESS"
 HEARTBEAT_TIMEOUT = "RESILIENT_HEARTBEAT_TIMEOUT"  # seconds
 POLICY = "RESILIENT_POLICY"
 SPARE_NODES = "RESILIENT_SPARE_NODES"
@@ -113,6 +115,7 @@ class WorkerEnv:
     ckpt_max_failed_saves: int | None = None
     ckpt_snapshot: str | None = None  # "auto", "N" steps or "0"
     ckpt_snapshot_dir: str | None = None  # the node's snapshot directory (in memory), made by the agent
+    ckpt_upload_process: str | None = None  # "on" | "off"; None: on
     heartbeat_timeout: float | None = None
     policy: str | None = None
     spare_nodes: int | None = None
@@ -187,6 +190,7 @@ _VARS = {
     "ckpt_persistent_every": (CKPT_PERSISTENT_EVERY, _int), "ckpt_compress": (CKPT_COMPRESS, _text),
     "upload_grace": (UPLOAD_GRACE, _float), "ckpt_max_failed_saves": (CKPT_MAX_FAILED_SAVES, _int),
     "ckpt_snapshot": (CKPT_SNAPSHOT, _text), "ckpt_snapshot_dir": (CKPT_SNAPSHOT_DIR, _text),
+    "ckpt_upload_process": (CKPT_UPLOAD_PROCESS, _text),
     "heartbeat_timeout": (HEARTBEAT_TIMEOUT, _float), "policy": (POLICY, _text),
     "spare_nodes": (SPARE_NODES, _int), "faults": (FAULTS, _text),
     "dp_size": (DP_SIZE, _int), "dp_rank": (DP_RANK, _int), "nodes_per_replica": (NODES_PER_REPLICA, _int),

@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot each rank's state into node memory (/dev/shm) after a step, so a restart on the "
                         "same node resumes from the last step instead of the last save: auto (whenever its measured "
                         f"cost stays within 1%% of the step; default), every N steps, or off (env {renv.CKPT_SNAPSHOT})")
+    g.add_argument("--ckpt-upload-process", "--ckpt_upload_process", default="on", choices=("on", "off"),
+                   help="send the persistent tier's uploads from a process of their own, so that their Python does "
+                        "not hold the training process's interpreter lock: on (default) or off (from a thread of "
+                        f"the training process) (env {renv.CKPT_UPLOAD_PROCESS})")
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,
@@ -402,7 +406,7 @@ def parse(argv: list[str]) -> AgentConfig:
             ckpt_interval=args.ckpt_interval, ckpt_persistent_every=args.ckpt_persistent_every,
             ckpt_compress=args.ckpt_compress,
             upload_grace=args.upload_grace, ckpt_max_failed_saves=_max_failed_saves_of(args.ckpt_max_failed_saves),
-            ckpt_snapshot=_snapshot_of(args.ckpt_snapshot),
+            ckpt_snapshot=_snapshot_of(args.ckpt_snapshot), ckpt_upload_process=args.ckpt_upload_process,
             heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
             health_interval=args.health_interval,
             spare_nodes=args.spare_nodes, metrics_port=args.metrics_port,

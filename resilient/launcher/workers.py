@@ -94,7 +94,7 @@ def worker_env(cfg: AgentConfig, nr: NodeRound, local_rank: int, attempt: int, m
         ckpt_interval=c.ckpt_interval, ckpt_persistent_every=c.ckpt_persistent_every, ckpt_compress=c.ckpt_compress,
         upload_grace=c.upload_grace, ckpt_max_failed_saves=c.ckpt_max_failed_saves,
         ckpt_snapshot=(None if snapshot_dir is None else "0" if c.ckpt_snapshot == "off" else c.ckpt_snapshot),
-        ckpt_snapshot_dir=snapshot_dir,
+        ckpt_snapshot_dir=snapshot_dir, ckpt_upload_process=c.ckpt_upload_process,
         heartbeat_timeout=c.heartbeat_timeout, policy=c.policy, spare_nodes=c.spare_nodes or None,
         dp_size=dp_size, dp_rank=rank // rpr, nodes_per_replica=nr.nodes_per_replica,
         round_reason=nr.reason,

@@ -2,9 +2,8 @@
 
 The gates are files in ``$DRILL_DIR``; every wait on them is bounded (``DRILL_WAIT_S``, default 120 s).
 
-* ``DRILL_HOLD_UPLOAD=S``: on rank 0, right after its first ``.distcp`` file of step ``S`` reached the
-  persistent tier, the upload touches ``upload-in-flight`` and waits for ``store-killed``: the test kills
-  the store with step ``S`` half uploaded, never before, never after.
+* ``DRILL_HOLD_UPLOAD=S``: holds rank 0's upload of step ``S`` half done until the store is killed; that hold is
+  in ``_upload_hold/sitecustomize.py``, since the upload may run in the upload process, not in this script.
 * ``DRILL_PERSISTENT_TIMEOUT_S=S``: the bound on one call to the persistent store (``persistent_timeout_s``).
 * ``DRILL_GATES=G:FILE[,G:FILE...]``: at step ``G`` every rank touches ``at-<G>-<rank>`` and waits for
   ``FILE``. The outage drill holds training at step 8 until the store is dead (so that the next saves
@@ -36,31 +35,6 @@ def _wait_for(name: str) -> None:
 
 def _install() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    hold = int(os.environ.get("DRILL_HOLD_UPLOAD", "-1"))
-    if hold >= 0 and rank == 0:
-        from resilient.checkpoint.storage import tiers
-
-        # the bounded tier's calls, not the store's: the hold is outside the bound on one call, which would
-        # otherwise give the held call up while the store is still alive (and a retry would finish the step)
-        orig_put, orig_write = tiers.BoundedTier.put_file, tiers.BoundedTier.write_bytes
-        held: list[bool] = []
-
-        def after(self, step, name):  # type: ignore[no-untyped-def]
-            if step == hold and self.name == "persistent" and name.endswith(".distcp") and not held:
-                held.append(True)
-                (DRILL / "upload-in-flight").touch()
-                _wait_for("store-killed")
-
-        def put_file(self, step, name, local_path):  # type: ignore[no-untyped-def]
-            orig_put(self, step, name, local_path)
-            after(self, step, name)
-
-        def write_bytes(self, step, name, data):  # type: ignore[no-untyped-def]
-            orig_write(self, step, name, data)  # a file of one part goes up in one request
-            after(self, step, name)
-
-        tiers.BoundedTier.put_file = put_file  # type: ignore[method-assign]
-        tiers.BoundedTier.write_bytes = write_bytes  # type: ignore[method-assign]
     bound = os.environ.get("DRILL_PERSISTENT_TIMEOUT_S")
     if bound:
         # the bound on one call to the store (default 30 s): what a call to the killed store waits before it is given

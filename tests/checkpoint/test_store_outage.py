@@ -28,6 +28,7 @@ from resilient.events.ledger import read_events
 from .conftest import GCS, REPO, _child_env
 
 DRILL_SCRIPT = Path(__file__).resolve().parent / "_outage_train.py"
+HOLD_HOOK = Path(__file__).resolve().parent / "_upload_hold"
 INTERVAL, HELD, GATE, STEPS = 4, 7, 16, 32
 SAVED = list(range(INTERVAL - 1, STEPS, INTERVAL))  # 3, 7, ..., 31
 
@@ -95,7 +96,10 @@ def test_store_killed_mid_upload_then_back(tmp_path: Path, gcs: GCS) -> None:
            "--ckpt-persistent-every", "1", "--upload-grace", "120",
            str(DRILL_SCRIPT), "--steps", str(STEPS), "--out", str(tmp_path / "out")]
     log = open(tmp_path / "job.log", "w+b")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(env), stdout=log, stderr=subprocess.STDOUT,
+    child_env = _child_env(env)
+    # the upload hold, in whichever process sends rank 0's upload (see _upload_hold/sitecustomize.py)
+    child_env["PYTHONPATH"] = str(HOLD_HOOK) + os.pathsep + child_env["PYTHONPATH"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         # 1. step 7 is half uploaded: one file of rank 0 is in the bucket, its upload is held there

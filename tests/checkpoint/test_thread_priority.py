@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
 from resilient.checkpoint.save.manager import CheckpointManager
-from resilient.checkpoint.save.priority import thread_priority
+from resilient.checkpoint.storage.priority import thread_priority
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")]

@@ -90,6 +90,31 @@ def test_ckpt_compress_reaches_the_workers_through_the_config_not_the_agents_env
     assert cfg.ckpt_compress is None
 
 
+def test_ckpt_upload_process_reaches_the_workers_manager(tmp_path, monkeypatch):
+    from resilient import env as renv
+    from resilient.checkpoint.save.manager import CheckpointManager
+    from resilient.launcher.api import NodeRole, NodeRound
+    from resilient.launcher.workers import worker_env
+
+    nr = NodeRound(round=0, role=NodeRole.ACTIVE, world_size=1)
+    for flag, expect in ((["--ckpt-upload-process", "off"], False), ([], True)):
+        cfg = parse(["--nproc-per-node", "1", *flag, "--run-dir", str(tmp_path / "r"), SCRIPT])
+        env = worker_env(cfg, nr, 0, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
+                         monitor_socket=None, drill_env={})
+        assert renv.WorkerEnv.from_env(env).ckpt_upload_process == ("off" if flag else "on")
+        monkeypatch.setenv(renv.CKPT_UPLOAD_PROCESS, env[renv.CKPT_UPLOAD_PROCESS])
+        ck = CheckpointManager.from_env(local=str(tmp_path / "ck"))
+        try:
+            assert ck.config.upload_process is expect
+        finally:
+            ck.close()
+    with pytest.raises(LaunchError, match="--ckpt-upload-process.*invalid choice: 'maybe'"):
+        parse(["--nproc-per-node", "1", "--ckpt-upload-process", "maybe", "--run-dir", str(tmp_path / "r"), SCRIPT])
+    monkeypatch.setenv(renv.CKPT_UPLOAD_PROCESS, "maybe")
+    with pytest.raises(ValueError, match="upload_process='maybe'.*--ckpt-upload-process on\\|off"):
+        CheckpointManager.from_env(local=str(tmp_path / "ck"))
+
+
 @pytest.mark.parametrize("nnodes", ["x", "1:2:3", "2:1", "0"])
 def test_both_commands_refuse_a_bad_nnodes_in_the_same_words(tmp_path, nnodes):
     from resilient.supervisor import standalone as S

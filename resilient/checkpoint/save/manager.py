@@ -57,7 +57,7 @@ from resilient.checkpoint.restore.load import FileSource, MemSource, file_layout
 from resilient.checkpoint.restore.restore import Restorer
 from resilient.checkpoint.save import plan as _plan
 from resilient.checkpoint.save.interval import IntervalTuner
-from resilient.checkpoint.save.priority import lower_thread_priority
+from resilient.checkpoint.storage.priority import lower_thread_priority
 from resilient.checkpoint.save.stage import MutationGuard, Stager
 from resilient.checkpoint.snapshot.ring import SnapshotRing
 from resilient.checkpoint.save.writer import MemoryWriter, RecordWriter
@@ -244,7 +244,8 @@ class CheckpointManager:
                  collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
                  upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES,
-                 background_nice: int | str = DEFAULT_BACKGROUND_NICE, snapshot: int | str = "auto",
+                 background_nice: int | str = DEFAULT_BACKGROUND_NICE, upload_process: bool | str = True,
+                 snapshot: int | str = "auto",
                  snapshot_dir: str | os.PathLike[str] | None = None,
                  snapshot_budget: float = CheckpointConfig.snapshot_budget):
         if upload_grace_s is None:  # the job's --upload-grace, when resilient-run started this process
@@ -260,6 +261,7 @@ class CheckpointManager:
             collective_timeout_s=collective_timeout_s, storage_options=dict(storage_options or {}),
             persistent_timeout_s=persistent_timeout_s, restore_probe_s=restore_probe_s,
             upload_grace_s=upload_grace_s, max_failed_saves=max_failed_saves, background_nice=background_nice,
+            upload_process=upload_process,
             snapshot=snapshot, snapshot_budget=snapshot_budget,
             # the node's directory in memory, when resilient-run made one (it outlives this process)
             snapshot_dir=snapshot_dir if snapshot_dir is not None else os.environ.get(_env.CKPT_SNAPSHOT_DIR) or None)
@@ -377,6 +379,8 @@ class CheckpointManager:
             kw["max_failed_saves"] = os.environ[_env.CKPT_MAX_FAILED_SAVES]
         if os.environ.get(_env.CKPT_SNAPSHOT):
             kw["snapshot"] = os.environ[_env.CKPT_SNAPSHOT]
+        if os.environ.get(_env.CKPT_UPLOAD_PROCESS):
+            kw["upload_process"] = os.environ[_env.CKPT_UPLOAD_PROCESS]
         kw.update(overrides)
         if not kw.get("local") and not kw.get("persistent"):
             raise CheckpointError(f"no checkpoint tier configured: set {_env.CKPT_LOCAL} and/or "

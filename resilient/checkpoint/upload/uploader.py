@@ -2,11 +2,10 @@
 local tier could not hold) to the store on a gloo group of its own, newest requested step first.
 
 Plain files travel like compressed ones (:mod:`resilient.checkpoint.storage.parts`): in part objects of one
-request each, two at a time. A file of one part goes up under its own name; a larger one goes up as hidden
-parts that the store then composes into the file (GCS compose: no byte travels twice), where the store can
-(else one resumable upload).
-Either way a file appears whole or not at all, and the step stays invisible until rank 0 commits it after
-every rank's files landed.
+request each, two at a time (:mod:`.send`), sent from the upload process (:mod:`.process`, so that their Python
+does not hold the training process's interpreter lock) unless ``CheckpointConfig.upload_process`` is off or the
+process cannot be used. A file appears whole or not at all, and the step stays invisible until rank 0 commits it
+after every rank's files landed.
 """
 
 from __future__ import annotations
@@ -16,24 +15,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 from resilient.checkpoint.api import COMMIT_MARKER, CheckpointError, CorruptFileError, DCP_METADATA, Manifest, TierName
-from resilient.checkpoint.format.digests import map_verified, verify_bytes
+from resilient.checkpoint.format.digests import verify_bytes
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.storage.context import Component, Context, FAILURES, one_line as _one_line
-from resilient.checkpoint.storage.parts import SENDERS, TierDest, part_size
 from resilient.checkpoint.storage.tiers import DirTier, read_manifest, retry
 from resilient.checkpoint.upload import prepare
 from resilient.checkpoint.upload.chooser import chooser_from_env
+from resilient.checkpoint.upload.process import SendProcess, SenderDied, SenderUnavailable, TierSpec
+from resilient.checkpoint.upload.send import SendJob, send_files
 from resilient.checkpoint.upload.transcode import clear
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)
-
-_COMPOSE_MAX = 32  # parts one GCS compose request takes
 
 
 class Uploader(Component):
@@ -63,6 +60,13 @@ class Uploader(Component):
         # step to upload is agreed by a gather, and every rank drops the same older ones)
         self.superseded: dict[int, int] = {}
         self._collective = threading.Event()  # set while the upload thread is inside a collective on its group
+        cfg = ctx.config
+        # the bytes of plain uploads go from a process of its own (see .process); None: from this thread
+        self.sender: SendProcess | None = (
+            SendProcess(TierSpec(url=cfg.persistent, name=TierName.PERSISTENT.value,
+                                 storage_options=dict(cfg.storage_options), timeout_s=cfg.persistent_timeout_s,
+                                 nice=cfg.background_nice))
+            if cfg.persistent and cfg.upload_process else None)
 
     def start(self, on_start: Callable[[], Any] | None = None) -> None:
         """Start the upload thread; it first calls ``on_start`` (the manager lowers its priority there, which
@@ -70,8 +74,17 @@ class Uploader(Component):
         def run() -> None:
             if on_start is not None:
                 on_start()
-            self._upload_loop()
+            try:
+                self._upload_loop()
+            finally:
+                if self.sender is not None:
+                    self.sender.close()
 
+        if self.sender is not None and self.sender.off is None:
+            try:
+                self.sender.spawn()  # its imports run while training starts; the first upload waits for what is left
+            except SenderUnavailable as e:
+                _unavailable(e)
         self._thread = threading.Thread(target=run, name="resilient-ckpt-upload", daemon=True)
         self._thread.start()
 
@@ -88,6 +101,8 @@ class Uploader(Component):
     def abandon(self) -> list[int]:
         """Stop retrying (exit): the steps still pending or in flight, now abandoned."""
         self._up_abandon = True
+        if self.sender is not None:
+            self.sender.kill()  # an upload in it is abandoned too; the thread sends nothing more by itself
         with self._up_cv:
             return sorted(set(self._up_pending) | ({self._up_current} if self._up_current is not None else set()))
 
@@ -300,79 +315,25 @@ class Uploader(Component):
                            "removes them", step, len(left), _one_line(error), _names(left))
 
     def _send_plain(self, step: int, d: Path, names: list[str], m: Manifest) -> int:
-        """Send the files ``names`` of ``d`` to ``step`` of the persistent tier over the transport coded steps
-        use (see the module note); each verified against ``m`` first (a copy that rotted on the local disk is
-        never uploaded). Returns the bytes sent; raises when a file did not land."""
-
-        tier, cfg = self.ctx.persistent, self.ctx.config
-        assert tier is not None
+        """Send the files ``names`` of ``d`` to ``step`` of the persistent tier (see the module note), each verified
+        against ``m`` first. Returns the bytes sent; raises when a file did not land."""
+        cfg = self.ctx.config
+        job = SendJob(step=step, src=str(d), names=tuple(names), data=frozenset(m.files), expected=m.all_files(),
+                      retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                      backoff_max_s=cfg.upload_backoff_max_s)
         stop = (lambda: self._give_up(step))
-        dest = TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
-                                 backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)
-        can_compose = bool(getattr(tier, "can_compose", False))
-        expected = m.all_files()
-        composed: list[tuple[str, list[str], int]] = []  # (file, its parts, bytes): made once the parts landed
-        sent: list[tuple[str, int, Future[Any]]] = []
-        total = 0
-
-        def wait_all() -> None:
+        sender = self.sender
+        if sender is not None and sender.off is None:
             try:
-                for n, size, fut in sent:
-                    try:
-                        fut.result(timeout=dest.deadline(size))
-                    except FutureTimeout:
-                        if fut.done():
-                            raise  # the upload's own timeout (builtin TimeoutError is the futures' one)
-                        raise TimeoutError(f"upload of {n} of step {step} got no answer in time "
-                                           "(is the store reachable?)") from None
-            finally:
-                for _, _, fut in sent:
-                    fut.cancel()
-
-        # the data files first, then the manifest and .metadata one at a time (small: nothing to gain from
-        # two at once, and a dead store is given up on after one of them): a manifest lists files there
-        batches = [[n for n in names if n in m.files], [n for n in names if n not in m.files]]
-        with ThreadPoolExecutor(SENDERS, thread_name_prefix="resilient-ckpt-send") as ex:
-            for batch in batches:
-                sent.clear()
-                composed.clear()
-                for n in batch:
-                    fe = expected.get(n)
-                    data: Any = map_verified(d / n, fe) if fe is not None else (d / n).read_bytes()
-                    mv = memoryview(data).cast("B") if len(data) else memoryview(b"")
-                    size = len(mv)
-                    total += size
-                    psize = part_size(size)
-                    if size <= psize:
-                        sent.append((n, size, ex.submit(dest.put, n, mv)))
-                        if n not in m.files:
-                            wait_all()
-                            sent.clear()
-                    elif can_compose:
-                        psize = max(psize, -(-size // _COMPOSE_MAX))
-                        parts = [f".{n}.up{i}" for i in range(-(-size // psize))]
-                        for i, p in enumerate(parts):
-                            piece = mv[i * psize:(i + 1) * psize]
-                            sent.append((p, len(piece), ex.submit(dest.put, p, piece)))
-                        composed.append((n, parts, size))
-                    else:
-                        path = str(d / n)
-                        sent.append((n, size, ex.submit(
-                            retry, lambda path=path, n=n: tier.put_file(step, n, path),
-                            what=f"upload {n} of step {step}", retries=cfg.upload_retries,
-                            backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)))
-                wait_all()
-                for n, parts, size in composed:
-                    retry(lambda n=n, parts=parts, size=size: tier.compose(step, n, parts, size),  # type: ignore
-                          what=f"compose {n} of step {step}", retries=cfg.upload_retries,
-                          backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s, should_stop=stop)
-                for _, parts, _ in composed:
-                    for p in parts:  # the parts are copies now; one left behind goes with the step's retention
-                        try:
-                            tier.delete_file(step, p)
-                        except FAILURES as e:
-                            logger.debug("step %d: deleting part %s failed: %s", step, p, e)
-        return total
+                return sender.send(job, stop)
+            except SenderUnavailable as e:
+                _unavailable(e)
+            except SenderDied as e:
+                if self._abandoned():
+                    raise
+                # the step must not miss the persistent tier for it: this thread sends it now
+                logger.warning("%s; this thread sends step %d itself", e, step)
+        return send_files(self.ctx.persistent, job, stop)
 
     def _newer_pending(self, step: int) -> int | None:
         """A later step queued for upload on this rank, if any."""
@@ -384,6 +345,11 @@ class Uploader(Component):
         """Stop retrying the upload of ``step``: exit abandons it, or a newer step waits behind it (each rank
         decides alone; the upload's closing gather makes every rank drop the step if one did)."""
         return (self.closed and self._up_abandon) or self._newer_pending(step) is not None
+
+
+def _unavailable(e: SenderUnavailable) -> None:
+    logger.warning("the upload process cannot be used (%s): uploads are sent from the training process for the rest "
+                   "of this run", e)
 
 
 def _names(names: list[str], most: int = 5) -> str:

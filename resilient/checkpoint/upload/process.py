@@ -1,0 +1,330 @@
+"""The upload process: a rank's bytes for the persistent tier sent from a process of its own.
+
+Why: an upload's Python (the store client's requests, its event loop, the verification of every file as it is read)
+needs the interpreter lock, and in the training process it takes it from the training thread. A GPU job's training
+thread needs the lock for every kernel launch, so there it waits out each upload (measured on a launch-bound CPU
+stand-in: a 37 MiB upload to a GCS emulator every 10 steps cost +49 % of the training thread's time from a thread,
++13 % from a process; ``bench/interference.py --store gcs``). The upload thread keeps everything that needs the job's
+process group or the manager (the agreements, the commit, the events); this process only moves bytes
+(:func:`~resilient.checkpoint.upload.send.send_files`).
+
+It is started with the manager (``python -m resilient.checkpoint.upload.process FD``, over a socket pair) without
+waiting for it: its imports and its store client take 0.3–0.7 s, which a first upload would otherwise wait for while
+newer steps supersede the one waiting. It lives as long as the manager and imports no torch. It ends when its socket closes, which the kernel does when the training
+process ends, however it ends. What can go wrong, and what then happens:
+
+* it cannot start, or cannot reach its store where the training process can (a filesystem registered only in the
+  training process, storage options that cannot be pickled, a broken interpreter): the upload thread sends by itself
+  for the rest of the run, with a warning; nothing is lost;
+* it dies during an upload (killed, out of memory), or stops answering (stopped, stuck: the upload thread gives it
+  the job's whole bound, :meth:`SendJob.deadline_s`, then kills it): the upload thread sends that step itself, with a
+  warning, and the next upload starts a new process; after :data:`MAX_DEATHS` such failures in a row the upload
+  thread sends by itself for the rest of the run;
+* a newer step waits: the thread tells it to stop retrying, as the thread itself would; the manager's exit kills it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from resilient.checkpoint.api import CheckpointError
+from resilient.checkpoint.storage.priority import lower_thread_priority
+from resilient.checkpoint.storage.tiers import BoundedTier, make_tier
+from resilient.checkpoint.upload.send import SendJob, send_files
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 60.0  # a start-up that takes longer (imports from a cold disk): the thread sends instead
+MAX_DEATHS = 2  # deaths in a row during uploads after which the thread sends by itself
+_POLL_S = 0.05
+# filesystems that live inside one process: another process would upload into its own copy
+IN_PROCESS_PROTOCOLS = frozenset({"memory"})
+
+
+class SenderUnavailable(CheckpointError):
+    """The upload process cannot be used for this run; the upload thread sends by itself."""
+
+
+class SenderDied(CheckpointError):
+    """The upload process ended during an upload; that upload failed, the next one starts a new process."""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """The persistent tier as the upload process builds it: the manager's own construction, bounded calls included."""
+
+    url: str
+    name: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0
+    min_rate: float = float(8 << 20)  # bytes/s a call is given time for on top of timeout_s (BoundedTier's own)
+    # the checkpoint threads' nice value (``CheckpointConfig.background_nice``), the whole process's here
+    nice: int | str = 0
+
+    def build(self) -> Any:
+        return BoundedTier(make_tier(self.url, self.name, self.storage_options), self.timeout_s, self.min_rate)
+
+    def why_not(self) -> str | None:
+        """Why this tier cannot be reached from another process, or None."""
+        scheme = urlsplit(self.url).scheme if "://" in self.url else ""
+        if scheme in IN_PROCESS_PROTOCOLS:
+            return f"{scheme}:// lives inside the training process"
+        try:
+            pickle.dumps(self)
+        except Exception as e:  # any object a user put in storage_options
+            return f"its storage options cannot be sent to another process ({type(e).__name__}: {e})"
+        return None
+
+
+class SendProcess:
+    """The upload thread's handle on its upload process: one job at a time, from that thread only."""
+
+    def __init__(self, spec: TierSpec, python: str | None = None, ready_timeout_s: float = READY_TIMEOUT_S):
+        self.spec, self.python = spec, python or sys.executable
+        self.ready_timeout_s = ready_timeout_s
+        self.off: str | None = spec.why_not()  # set once the process is not to be used again: why
+        self.deaths = 0  # in a row, during uploads
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._ready = False  # the process said it reached its store
+        self._lock = threading.Lock()  # kill() comes from other threads
+
+    @property
+    def pid(self) -> int | None:
+        p = self._proc
+        return p.pid if p is not None and p.poll() is None else None
+
+    def send(self, job: SendJob, should_stop: Callable[[], bool]) -> int:
+        """Run ``job`` in the process; returns the bytes sent, raises what the store raised there. Raises
+        :class:`SenderUnavailable` when the process cannot be used (the caller then sends by itself)."""
+        if self.off is not None:
+            raise SenderUnavailable(self.off)
+        conn = self.start()
+        bound = job.deadline_s(self.spec.timeout_s, self.spec.min_rate)
+        deadline = time.monotonic() + bound
+        told_stop = False
+        why: str | None = None
+        try:
+            conn.send(("send", job))
+            while True:
+                if conn.poll(_POLL_S):
+                    kind, *rest = conn.recv()
+                    self.deaths = 0
+                    if kind == "done":
+                        return int(rest[0])
+                    raise _error(rest[0])
+                if self._proc is None or self._proc.poll() is not None:
+                    raise EOFError
+                if not told_stop and should_stop():
+                    conn.send(("stop", job.step))
+                    told_stop = True
+                if time.monotonic() > deadline:
+                    why = (f"sent nothing back within the upload's bound of {bound:.0f} s (stopped or stuck?) and "
+                           "was killed")
+                    self.kill()
+                    raise EOFError
+        except (EOFError, OSError) as e:
+            pid = self._proc.pid if self._proc is not None else None
+            code = self._reap()
+            self.deaths += 1
+            why = why or f"died ({_how(code)})"
+            if self.deaths >= MAX_DEATHS:
+                self.off = f"the upload process failed during {self.deaths} uploads in a row (last: it {why})"
+            raise SenderDied(f"the upload process (pid {pid}) {why} during the upload of step {job.step}; "
+                             + ("uploads are sent from the training process from now on" if self.off else
+                                "the next upload starts a new one")) from (e if isinstance(e, OSError) else None)
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (the manager does this as it starts, so that the first upload does
+        not wait for the process's imports); :meth:`start` then waits for it to be ready. Raises
+        :class:`SenderUnavailable`."""
+        if self.off is not None:
+            raise SenderUnavailable(self.off)
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        if self._proc is not None:
+            logger.warning("the upload process (pid %d) ended between uploads (%s); starting a new one",
+                           self._proc.pid, _how(self._proc.returncode))
+        self._reap()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # the package as this process imported it, also when it runs from a source tree
+        root = str(Path(__file__).resolve().parents[3])
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        try:
+            with theirs:
+                proc = subprocess.Popen([self.python, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                        stdin=subprocess.DEVNULL, env=env)
+        except OSError as e:
+            ours.close()
+            self.off = f"it could not be started ({self.python}: {e})"
+            raise SenderUnavailable(self.off) from e
+        conn = Connection(ours.detach())
+        with self._lock:
+            self._proc, self._conn, self._ready = proc, conn, False
+        try:
+            conn.send(("tier", self.spec))
+        except OSError:
+            pass  # it died at once: start() says how
+
+    def start(self) -> Connection:
+        """The process's connection, once it is ready (started now if it does not run). Raises
+        :class:`SenderUnavailable`."""
+        self.spawn()
+        proc, conn = self._proc, self._conn
+        assert proc is not None and conn is not None
+        if self._ready:
+            return conn
+        try:
+            if not conn.poll(self.ready_timeout_s):
+                raise TimeoutError(f"not ready within {self.ready_timeout_s:.0f} s")
+            kind, detail = conn.recv()
+            if kind != "ready":
+                raise CheckpointError(detail)
+        except (EOFError, OSError, CheckpointError) as e:
+            self._reap()
+            self.off = f"it did not start ({e if str(e) else _how(proc.returncode)})"
+            raise SenderUnavailable(self.off) from None
+        self._ready = True
+        logger.debug("upload process %d ready", proc.pid)
+        return conn
+
+    def _reap(self) -> int | None:
+        """Forget the process (killing it if it runs); its exit code, or None."""
+        with self._lock:
+            proc, conn = self._proc, self._conn
+            self._proc = self._conn = None
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            return proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """End the process now, from any thread (exit, a stuck upload); an upload in it fails."""
+        with self._lock:
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the process: it exits when its socket closes (and is killed after ``timeout``)."""
+        with self._lock:
+            proc, conn = self._proc, self._conn
+            self._proc = self._conn = None
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _error(payload: Any) -> BaseException:
+    """The exception the process sent back (pickled), or a CheckpointError with its text."""
+    try:
+        e = pickle.loads(payload)
+        if isinstance(e, BaseException):
+            return e
+    except Exception:  # a store's exception class this process cannot rebuild
+        pass
+    return CheckpointError(f"the upload process failed: {payload!r}"[:2000])
+
+
+# ------------------------------------------------------------------ the process itself
+def _reply_error(e: BaseException) -> bytes:
+    try:
+        data = pickle.dumps(e)
+        pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
+        return data
+    except Exception:
+        return pickle.dumps(CheckpointError(f"{type(e).__name__}: {e}"))
+
+
+def serve(conn: Connection) -> None:
+    """The process's loop: build the tier, then run each job; a reader thread takes the socket's messages, so a
+    "stop" reaches the retries of the job running, and the socket's end (the training process gone) ends the process
+    at once, mid-upload too (a file appears whole or not at all, and the step stays uncommitted)."""
+    jobs: queue.Queue[SendJob] = queue.Queue()
+    stop_step = [-1]
+    if not conn.poll(READY_TIMEOUT_S):  # the training process sends the tier at once
+        return
+    kind, spec = conn.recv()
+    try:
+        if kind != "tier":
+            raise CheckpointError(f"expected the tier first, got {kind!r}")
+        if spec.nice:
+            lower_thread_priority(spec.nice)  # before the sender threads start: they inherit it
+        tier = spec.build()
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+
+    def read() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)
+            if msg[0] == "send":
+                jobs.put(msg[1])
+            elif msg[0] == "stop":
+                stop_step[0] = max(stop_step[0], int(msg[1]))
+
+    threading.Thread(target=read, name="resilient-upload-reader", daemon=True).start()
+    while True:
+        job = jobs.get()
+        try:
+            n = send_files(tier, job, should_stop=lambda: stop_step[0] >= job.step)
+            conn.send(("done", n))
+        except BaseException as e:  # every failure goes back to the upload thread, which reports it
+            conn.send(("error", _reply_error(e)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format=f"[upload process {os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    conn = Connection(int(args[0]))
+    try:
+        serve(conn)
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

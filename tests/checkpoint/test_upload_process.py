@@ -1,0 +1,217 @@
+"""The upload process: persistent uploads' bytes sent from a process of their own, against a real GCS API server.
+
+Real faults on the real process: SIGKILL and SIGSTOP while it holds a step half uploaded (the hold is
+``_upload_hold/sitecustomize.py``, which the upload process imports at start since it inherits ``PYTHONPATH``); a
+filesystem registered only in the training process; a tier that lives inside the training process; bad settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import fsspec
+import psutil
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
+from resilient.checkpoint.save.manager import CheckpointManager
+from resilient.checkpoint.storage.tiers import FsspecTier
+from resilient.checkpoint.upload import uploader as uploader_mod
+from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec
+
+from tests._helpers.wait import wait_for
+
+from .conftest import GCS, REPO
+
+HOLD_HOOK = Path(__file__).resolve().parent / "_upload_hold"
+
+
+def state(v: float) -> dict:
+    # several files' worth: a tensor larger than a part (4 MiB) goes up in parts composed by the store
+    return {"w": torch.full((1024, 1280), v), "b": torch.full((7,), v), "meta": {"v": v}}
+
+
+def restored_from_store(tmp_path: Path, url: str, **kw: object) -> tuple[int, dict]:
+    """A fresh manager with an empty local tier: what the store holds, restored."""
+    st = {"w": torch.zeros(1024, 1280), "b": torch.zeros(7), "meta": {"v": -1.0}}
+    ck = CheckpointManager(local=tmp_path / "fresh-local", persistent=url, interval=1, **kw)  # type: ignore[arg-type]
+    try:
+        start = ck.restore(st)
+        assert ck.last_restore is not None and ck.last_restore.tier == "persistent"
+    finally:
+        ck.close()
+    return start, st
+
+
+def sent_in_thread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps the upload thread sent by itself (its fallback), counted where it calls the sender."""
+    steps: list[int] = []
+    real = uploader_mod.send_files
+
+    def counting(tier, job, should_stop=None):  # type: ignore[no-untyped-def]
+        steps.append(job.step)
+        return real(tier, job, should_stop)
+
+    monkeypatch.setattr(uploader_mod, "send_files", counting)
+    return steps
+
+
+def hold(monkeypatch: pytest.MonkeyPatch, drill: Path, step: int) -> None:
+    """The upload process (not this one) holds its upload of ``step`` half done until ``store-killed`` appears."""
+    drill.mkdir(exist_ok=True)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HOLD_HOOK), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("DRILL_DIR", str(drill))
+    monkeypatch.setenv("DRILL_HOLD_UPLOAD", str(step))
+    monkeypatch.setenv("DRILL_WAIT_S", "60")
+    monkeypatch.setenv("RANK", "0")
+
+
+@pytest.mark.timeout(120)
+def test_uploads_go_from_the_upload_process_and_restore_bit_exact(tmp_path: Path, gcs: GCS,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    gcs.make_bucket("up")
+    url = f"gs://up/{tmp_path.name}"
+    in_thread = sent_in_thread(monkeypatch)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    pids = set()
+    try:
+        for s in range(3):
+            ck.save(s, state(float(s)))
+            assert ck.wait(60)
+            sender = ck._up.sender
+            assert sender is not None and sender.pid is not None
+            pids.add(sender.pid)
+            # a child of this process that imports no torch (it only moves bytes)
+            child = psutil.Process(sender.pid)
+            assert child.ppid() == os.getpid()
+            assert not any("torch" in m.path for m in child.memory_maps()), "the upload process loaded torch"
+        assert ck.persistent is not None and ck.persistent.steps() == {0: True, 1: True, 2: True}
+    finally:
+        ck.close()
+    assert in_thread == [], "the upload thread sent bytes itself"
+    assert len(pids) == 1, pids  # one process for the manager's life
+    (pid,) = pids
+    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
+             "the upload process gone after close()")
+    start, st = restored_from_store(tmp_path, url)
+    assert start == 3 and torch.equal(st["w"], torch.full((1024, 1280), 2.0)) and st["meta"] == {"v": 2.0}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_an_upload_process_lost_mid_upload_loses_no_step(fault: str, tmp_path: Path, gcs: GCS,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Killed, or stopped (then killed when the upload's bound runs out), with step 1 half uploaded: the upload thread
+    sends step 1 itself, a warning names what happened, and the next upload goes from a new process."""
+    gcs.make_bucket("up")
+    url = f"gs://up/{tmp_path.name}"
+    drill = tmp_path / "drill"
+    hold(monkeypatch, drill, 1)
+    in_thread = sent_in_thread(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
+    # a stopped process is given the upload's whole bound: short calls and no retries keep it to seconds
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+                           persistent_timeout_s=1.0, upload_retries=0, upload_backoff_max_s=0.1)
+    try:
+        ck.save(0, state(0.0))
+        assert ck.wait(60)
+        assert ck._up.sender is not None
+        first = ck._up.sender.pid
+        ck.save(1, state(1.0))
+        wait_for((drill / "upload-in-flight").exists, 60, "the upload process holding step 1 half uploaded")
+        assert ck.persistent is not None and ck.persistent.steps().get(1) is not True
+        os.kill(first, getattr(signal, fault))
+        assert ck.wait(120)
+        assert ck._up.outcomes.get(1) is True, ck._up.errors
+        assert in_thread == [1]
+        ck.save(2, state(2.0))
+        assert ck.wait(60)
+        second = ck._up.sender.pid
+        assert second is not None and second != first and in_thread == [1]
+        assert ck.persistent.steps() == {0: True, 1: True, 2: True}
+    finally:
+        if fault == "SIGSTOP" and psutil.pid_exists(first):
+            os.kill(first, signal.SIGKILL)
+        ck.close()
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    expect = "died (killed by SIGKILL)" if fault == "SIGKILL" else "sent nothing back within the upload's bound"
+    assert f"the upload process (pid {first}) {expect}" in said and "this thread sends step 1 itself" in said, said
+    start, st = restored_from_store(tmp_path, url)
+    assert start == 3 and torch.equal(st["w"], torch.full((1024, 1280), 2.0))
+
+
+class ParentOnlyFS(LocalFileSystem):
+    """A filesystem a training script registers for itself: no other process knows its protocol."""
+
+    protocol = "parentonly"
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return super()._strip_protocol(str(path).replace("parentonly://", "", 1))
+
+
+@pytest.mark.timeout(120)
+def test_a_store_only_the_training_process_can_reach_is_uploaded_from_its_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    fsspec.register_implementation("parentonly", ParentOnlyFS, clobber=True)
+    in_thread = sent_in_thread(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
+    url = f"parentonly://{tmp_path}/bucket"
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    try:
+        for s in range(3):
+            ck.save(s, state(float(s)))
+            assert ck.wait(60)
+        assert ck.persistent is not None and ck.persistent.steps() == {0: True, 1: True, 2: True}
+    finally:
+        ck.close()
+    assert in_thread == [0, 1, 2]
+    warned = [r.getMessage() for r in caplog.records if "the upload process cannot be used" in r.getMessage()]
+    assert len(warned) == 1 and "parentonly" in warned[0], warned  # once, naming why
+    start, st = restored_from_store(tmp_path, url)
+    assert start == 3 and torch.equal(st["b"], torch.full((7,), 2.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_store_inside_the_training_process_is_never_sent_from_another(tmp_path: Path) -> None:
+    url = f"memory://{tmp_path.name}/bucket"
+    spec = TierSpec(url=url, name="persistent")
+    assert spec.why_not() is not None and "memory://" in spec.why_not()  # type: ignore[operator]
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    try:
+        ck.save(0, state(0.0))
+        assert ck.wait(60)
+        assert ck._up.sender is not None and ck._up.sender.pid is None  # never started
+        assert FsspecTier(url, "persistent").steps() == {0: True}  # in this process's memory filesystem
+    finally:
+        ck.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_process_that_cannot_start_says_why(tmp_path: Path) -> None:
+    sender = SendProcess(TierSpec(url=f"file://{tmp_path}", name="persistent"), python=str(tmp_path / "no-python"))
+    from resilient.checkpoint.upload.send import SendJob
+
+    with pytest.raises(SenderUnavailable, match="could not be started .*no-python"):
+        sender.send(SendJob(step=0, src=str(tmp_path), names=(), data=frozenset()), lambda: False)
+    # an interpreter that starts but cannot run the process (exits at once)
+    sender = SendProcess(TierSpec(url=f"file://{tmp_path}", name="persistent"), python=sys.executable)
+    sender.python = "/bin/false"
+    with pytest.raises(SenderUnavailable, match="did not start"):
+        sender.send(SendJob(step=0, src=str(tmp_path), names=(), data=frozenset()), lambda: False)
+    assert sender.off is not None
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, None])
+def test_bad_upload_process_settings_name_the_field(tmp_path: Path, value: object) -> None:
+    with pytest.raises(CheckpointConfigError, match="upload_process"):
+        CheckpointConfig(local=str(tmp_path), upload_process=value)  # type: ignore[arg-type]
+    assert CheckpointConfig(local=str(tmp_path), upload_process="off").upload_process is False
+    assert CheckpointConfig(local=str(tmp_path), upload_process=" ON ").upload_process is True
