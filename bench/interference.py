@@ -159,6 +159,9 @@ def _rank_main(rank: int, world: int, init: str, root: str, args: argparse.Names
         torch.cuda.set_device(device)
     for k in [k for k in os.environ if k.startswith("RESILIENT_")]:
         del os.environ[k]  # no ledger, no agent: the manager alone
+    from resilient import env as renv
+
+    os.environ[renv.CKPT_COMPRESS] = args.compress
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     from model import GPT, CorpusWindows, GPTConfig, load_corpus
@@ -385,6 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the local tier's writer, comma-separated: record (ours) or stock (DCP's FileSystemWriter)")
     ap.add_argument("--store", choices=("file", "gcs"), default="file",
                     help="the persistent tier: a file:// directory, or the bundled fake-gcs-server through gcsfs")
+    ap.add_argument("--compress", choices=("auto", "none", "bgzstd", "zstd"), default="auto",
+                    help="the persistent tier's --ckpt-compress (auto, the default, codes a probe of large uploads in "
+                         "the training process)")
     ap.add_argument("--upload-process", default="on",
                     help="for the persistent tier, comma-separated: on (uploads' bytes from the upload process) and/or "
                          "off (from the upload thread in the training process)")
@@ -486,6 +492,7 @@ def main() -> int:
                                                  "step": args.step, "launch_ops": args.launch_ops, "pin": args.pin},
               "state_bytes_per_rank": data["state_bytes_per_rank"], "reps": args.reps, "steps": args.steps,
               "cpus": os.cpu_count(), "load_before": load0, "store": getattr(args, "store", "file"),
+              "compress": getattr(args, "compress", "auto"),
               "load_after": json.loads(Path(args.summarise).read_text())["load_after"] if args.summarise
               else os.getloadavg(),
               "seconds": time.time() - t0, "torch": torch.__version__, **summary, "rows": data["rows"]}

@@ -418,7 +418,10 @@ def test_leftovers_the_store_will_not_delete_are_reported_and_the_step_stays_goo
     planted = ("__1_0.distcp", "manifest-rank1.json")  # what rank 1 of an older, larger world left
     for n in planted:
         ck.persistent.write_bytes(7, n, b"rank 1 of an older world")
-    ck = CheckpointManager(local=tmp_path / "b", persistent=url, interval=1, persistent_every=1)
+    # the fault is patched into this process: its upload thread sends
+    # (the upload process's own faults: test_upload_process.py)
+    ck = CheckpointManager(local=tmp_path / "b", persistent=url, interval=1, persistent_every=1,
+                           upload_process=False)
     tier = ck.persistent
     assert tier is not None
     real_delete = type(tier).delete_file

@@ -102,8 +102,11 @@ def test_store_outage_mid_upload_never_blocks_training(tmp_path: Path, gcs: GCS,
             gcs.stop()  # the store goes away in the middle of this step's upload
 
     monkeypatch.setattr(tiers.FsspecTier, "write_bytes", write)
+    # the fault is patched into this process: its upload thread sends
+    # (the upload process's own faults: test_upload_process.py)
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=2,
-                           upload_retries=30, upload_backoff_s=0.1, upload_backoff_max_s=0.5)
+                           upload_retries=30, upload_backoff_s=0.1, upload_backoff_max_s=0.5,
+                           upload_process=False)
     blocking = []
     for s in range(2):
         t0 = time.perf_counter()
@@ -144,8 +147,10 @@ def test_dead_store_gives_up_and_reports(tmp_path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(tiers.FsspecTier, "put_file", broken)
     monkeypatch.setattr(tiers.FsspecTier, "write_bytes", broken)  # files of one part: one request each
+    # the fault is patched into this process: its upload thread sends
+    # (the upload process's own faults: test_upload_process.py)
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
-                           upload_retries=2, upload_backoff_s=0.01)
+                           upload_retries=2, upload_backoff_s=0.01, upload_process=False)
     ck.save(0, state(1.0))
     assert ck.wait(30)
     ck.save(1, state(2.0))

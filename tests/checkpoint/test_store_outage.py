@@ -183,7 +183,10 @@ def test_step_uploaded_again_is_not_complete_while_its_files_are_replaced(tmp_pa
     from resilient.checkpoint.save.manager import CheckpointManager
 
     bucket = tmp_path / "bucket"
-    ck = CheckpointManager(local=tmp_path / "local", persistent=f"file://{bucket}", interval=1, persistent_every=1)
+    # the observer is patched into this process: its upload thread sends
+    # (the upload process's own faults: test_upload_process.py)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=f"file://{bucket}", interval=1, persistent_every=1,
+                           upload_process=False)
     ck.save(5, {"w": torch.zeros(1000)})
     assert ck.wait(30)
     marker = bucket / "step_00000005" / "COMMITTED"
@@ -251,7 +254,8 @@ def test_a_frozen_store_leaves_a_bounded_number_of_threads_behind(tmp_path: Path
 
     gcs.make_bucket("frozen")
     ck = CheckpointManager(local=tmp_path / "local", persistent="gs://frozen/run", interval=1, persistent_every=1,
-                           upload_retries=0, max_failed_saves=0, peer=False)
+                           upload_retries=0, max_failed_saves=0, peer=False,
+                           upload_process=False)  # this process's tier and its threads are what the test counts
     state = {"w": torch.zeros(1000)}
     ck.save(0, state)
     assert ck.wait(60), "the store answers before it is frozen"

@@ -24,6 +24,8 @@ from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.checkpoint.storage.tiers import FsspecTier
 from resilient.checkpoint.upload import uploader as uploader_mod
 from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec
+from resilient.events.api import EventKind
+from resilient.events.ledger import read_events
 
 from tests._helpers.wait import wait_for
 
@@ -141,10 +143,46 @@ def test_an_upload_process_lost_mid_upload_loses_no_step(fault: str, tmp_path: P
             os.kill(first, signal.SIGKILL)
         ck.close()
     said = "\n".join(r.getMessage() for r in caplog.records)
-    expect = "died (killed by SIGKILL)" if fault == "SIGKILL" else "sent nothing back within the upload's bound"
+    expect = "died (killed by SIGKILL)" if fault == "SIGKILL" else "sent nothing back within its bound"
     assert f"the upload process (pid {first}) {expect}" in said and "this thread sends step 1 itself" in said, said
     start, st = restored_from_store(tmp_path, url)
     assert start == 3 and torch.equal(st["w"], torch.full((1024, 1280), 2.0))
+
+
+@pytest.mark.timeout(150)
+def test_a_dead_store_is_reported_and_a_newer_step_ends_the_retries(tmp_path: Path, gcs: GCS,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store SIGKILLed while the upload process holds step 1 half sent: its failures come back as the store's
+    (reported in the ledger, never taken for the process's death), a newer step ends the process's retries of step 1
+    (a thousand of them would outlast the test), and once the store is back the newer step lands."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    drill = tmp_path / "drill"
+    hold(monkeypatch, drill, 1)
+    gcs.make_bucket("up")
+    url = f"gs://up/{tmp_path.name}"
+    in_thread = sent_in_thread(monkeypatch)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+                           upload_retries=1000, upload_backoff_s=0.1, upload_backoff_max_s=0.2,
+                           persistent_timeout_s=2.0)
+    try:
+        ck.save(0, state(0.0))
+        assert ck.wait(60) and ck._up.outcomes.get(0) is True
+        ck.save(1, state(1.0))
+        wait_for((drill / "upload-in-flight").exists, 60, "the upload process holding step 1 half sent")
+        gcs.stop()
+        (drill / "store-killed").touch()
+        ck.save(2, state(2.0))  # a newer step waits: the process stops retrying step 1's parts
+        wait_for(lambda: 1 in ck._up.errors, 90, "step 1's upload given up")
+        assert "gave up: step 2 is waiting" in ck._up.errors[1], ck._up.errors
+        gcs.start()
+        assert ck.wait(90) and ck._up.outcomes.get(2) is True, ck._up.errors
+        assert ck.persistent is not None and ck.persistent.steps().get(2) is True
+        assert ck._up.sender is not None and ck._up.sender.deaths == 0 and ck._up.sender.off is None
+    finally:
+        ck.close()
+    assert in_thread == []
+    failed = [e.details for e in read_events(tmp_path / "run") if e.kind == EventKind.CKPT_TIER_FAILED]
+    assert [d["step"] for d in failed if d["tier"] == "persistent"] == [1], failed
 
 
 class ParentOnlyFS(LocalFileSystem):

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0  # a start-up that takes longer (imports from a cold disk): the thread sends instead
 MAX_DEATHS = 2  # deaths in a row during uploads after which the thread sends by itself
 _POLL_S = 0.05
+# the tier's calls the upload process makes besides sending files: an upload's metadata calls (the commit marker
+# removed and written, the step listed and swept, retention), each a request to the store with its client's Python
+CALLS = frozenset({"write_bytes", "delete_file", "list_files", "steps", "delete_step"})
 # filesystems that live inside one process: another process would upload into its own copy
 IN_PROCESS_PROTOCOLS = frozenset({"memory"})
 
@@ -111,31 +114,41 @@ class SendProcess:
 
     def send(self, job: SendJob, should_stop: Callable[[], bool]) -> int:
         """Run ``job`` in the process; returns the bytes sent, raises what the store raised there. Raises
-        :class:`SenderUnavailable` when the process cannot be used (the caller then sends by itself)."""
+        :class:`SenderUnavailable` when the process cannot be used (the caller then sends by itself), and
+        :class:`SenderDied` when it died or stopped answering."""
+        bound = job.deadline_s(self.spec.timeout_s, self.spec.min_rate)
+        return int(self._run(("send", job), job.step, bound, should_stop, f"the upload of step {job.step}"))
+
+    def call(self, name: str, *args: Any) -> Any:
+        """One call of the tier's (``name`` in :data:`CALLS`) made in the process; raises as :meth:`send`."""
+        if name not in CALLS:
+            raise ValueError(f"{name!r} is not a tier call the upload process makes ({', '.join(sorted(CALLS))})")
+        # the process bounds the call itself (its tier is bounded); this bound only catches a process that stopped
+        bound = 2 * (self.spec.timeout_s + 5.0) + sum(len(a) for a in args if isinstance(a, bytes)) / self.spec.min_rate
+        step = next((a for a in args if isinstance(a, int)), -1)
+        return self._run(("call", name, args), step, bound, lambda: False, f"{name}() for step {step}")
+
+    def _run(self, msg: tuple[Any, ...], step: int, bound: float, should_stop: Callable[[], bool], what: str) -> Any:
         if self.off is not None:
             raise SenderUnavailable(self.off)
         conn = self.start()
-        bound = job.deadline_s(self.spec.timeout_s, self.spec.min_rate)
         deadline = time.monotonic() + bound
         told_stop = False
         why: str | None = None
         try:
-            conn.send(("send", job))
+            conn.send(msg)
             while True:
                 if conn.poll(_POLL_S):
-                    kind, *rest = conn.recv()
+                    kind, payload = conn.recv()
                     self.deaths = 0
-                    if kind == "done":
-                        return int(rest[0])
-                    raise _error(rest[0])
+                    break
                 if self._proc is None or self._proc.poll() is not None:
                     raise EOFError
                 if not told_stop and should_stop():
-                    conn.send(("stop", job.step))
+                    conn.send(("stop", step))
                     told_stop = True
                 if time.monotonic() > deadline:
-                    why = (f"sent nothing back within the upload's bound of {bound:.0f} s (stopped or stuck?) and "
-                           "was killed")
+                    why = f"sent nothing back within its bound of {bound:.0f} s (stopped or stuck?) and was killed"
                     self.kill()
                     raise EOFError
         except (EOFError, OSError) as e:
@@ -144,10 +157,14 @@ class SendProcess:
             self.deaths += 1
             why = why or f"died ({_how(code)})"
             if self.deaths >= MAX_DEATHS:
-                self.off = f"the upload process failed during {self.deaths} uploads in a row (last: it {why})"
-            raise SenderDied(f"the upload process (pid {pid}) {why} during the upload of step {job.step}; "
+                self.off = f"the upload process failed {self.deaths} times in a row (last: it {why})"
+            raise SenderDied(f"the upload process (pid {pid}) {why} during {what}; "
                              + ("uploads are sent from the training process from now on" if self.off else
                                 "the next upload starts a new one")) from (e if isinstance(e, OSError) else None)
+        if kind == "done":
+            return payload
+        # outside the try: a store's TimeoutError or OSError is the store's failure, not the process's end
+        raise _error(payload)
 
     def spawn(self) -> None:
         """Start the process without waiting for it (the manager does this as it starts, so that the first upload does
@@ -242,6 +259,45 @@ class SendProcess:
                 proc.wait(5.0)
 
 
+class ProcessTier:
+    """The persistent tier for an upload's metadata calls (:data:`CALLS`): made in the upload process while it can be
+    used, else on ``direct`` (the training process's own tier object), as the files are sent. ``on_unavailable`` is
+    told once when the process cannot be used; a process that died is reported by :class:`SenderDied`'s warning and
+    the call is made here."""
+
+    def __init__(self, sender: SendProcess, direct: Any, on_unavailable: Callable[[SenderUnavailable], None]):
+        self.sender, self.direct, self.on_unavailable = sender, direct, on_unavailable
+        self.name = direct.name
+
+    def __repr__(self) -> str:
+        return f"{self.direct!r} (from the upload process)"
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self.sender.off is None:
+            try:
+                return self.sender.call(name, *args)
+            except SenderUnavailable as e:
+                self.on_unavailable(e)
+            except SenderDied as e:
+                logger.warning("%s; the call is made from the training process", e)
+        return getattr(self.direct, name)(*args)
+
+    def write_bytes(self, step: int, name: str, data: bytes) -> None:
+        self._call("write_bytes", step, name, bytes(data))
+
+    def delete_file(self, step: int, name: str) -> None:
+        self._call("delete_file", step, name)
+
+    def list_files(self, step: int) -> dict[str, int]:
+        return self._call("list_files", step)
+
+    def steps(self) -> dict[int, bool]:
+        return self._call("steps")
+
+    def delete_step(self, step: int) -> None:
+        self._call("delete_step", step)
+
+
 def _how(code: int | None) -> str:
     if code is None:
         return "exit status unknown"
@@ -278,7 +334,7 @@ def serve(conn: Connection) -> None:
     """The process's loop: build the tier, then run each job; a reader thread takes the socket's messages, so a
     "stop" reaches the retries of the job running, and the socket's end (the training process gone) ends the process
     at once, mid-upload too (a file appears whole or not at all, and the step stays uncommitted)."""
-    jobs: queue.Queue[SendJob] = queue.Queue()
+    jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
     stop_step = [-1]
     if not conn.poll(READY_TIMEOUT_S):  # the training process sends the tier at once
         return
@@ -300,17 +356,24 @@ def serve(conn: Connection) -> None:
                 msg = conn.recv()
             except (EOFError, OSError):
                 os._exit(0)
-            if msg[0] == "send":
-                jobs.put(msg[1])
+            if msg[0] in ("send", "call"):
+                jobs.put(msg)
             elif msg[0] == "stop":
                 stop_step[0] = max(stop_step[0], int(msg[1]))
 
     threading.Thread(target=read, name="resilient-upload-reader", daemon=True).start()
     while True:
-        job = jobs.get()
+        msg = jobs.get()
         try:
-            n = send_files(tier, job, should_stop=lambda: stop_step[0] >= job.step)
-            conn.send(("done", n))
+            if msg[0] == "send":
+                job: SendJob = msg[1]
+                out: Any = send_files(tier, job, should_stop=lambda: stop_step[0] >= job.step)
+            else:
+                name, args = msg[1], msg[2]
+                if name not in CALLS:
+                    raise ValueError(f"not a tier call of the upload process: {name!r}")
+                out = getattr(tier, name)(*args)
+            conn.send(("done", out))
         except BaseException as e:  # every failure goes back to the upload thread, which reports it
             conn.send(("error", _reply_error(e)))
 

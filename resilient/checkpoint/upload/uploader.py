@@ -25,7 +25,7 @@ from resilient.checkpoint.storage.context import Component, Context, FAILURES, o
 from resilient.checkpoint.storage.tiers import DirTier, read_manifest, retry
 from resilient.checkpoint.upload import prepare
 from resilient.checkpoint.upload.chooser import chooser_from_env
-from resilient.checkpoint.upload.process import SendProcess, SenderDied, SenderUnavailable, TierSpec
+from resilient.checkpoint.upload.process import ProcessTier, SendProcess, SenderDied, SenderUnavailable, TierSpec
 from resilient.checkpoint.upload.send import SendJob, send_files
 from resilient.checkpoint.upload.transcode import clear
 from resilient.events.api import EventKind
@@ -67,6 +67,10 @@ class Uploader(Component):
                                  storage_options=dict(cfg.storage_options), timeout_s=cfg.persistent_timeout_s,
                                  nice=cfg.background_nice))
             if cfg.persistent and cfg.upload_process else None)
+        # the persistent tier for an upload's metadata calls (uncommit, commit, sweep, retention): through the upload
+        # process too, whose store client's Python would otherwise run here
+        self.store: Any = (ProcessTier(self.sender, ctx.persistent, _unavailable) if self.sender is not None
+                           else ctx.persistent)
 
     def start(self, on_start: Callable[[], Any] | None = None) -> None:
         """Start the upload thread; it first calls ``on_start`` (the manager lowers its priority there, which
@@ -206,7 +210,7 @@ class Uploader(Component):
             # visible as complete while its files are replaced: each rank removes the marker before its own
             # first write (no collective for it: a rank must never wait in one while another is stuck on a
             # dead store), and only rank 0 writes it back, after every rank's files are in
-            retry(lambda: self.ctx.persistent.delete_file(step, COMMIT_MARKER),  # type: ignore[union-attr]
+            retry(lambda: self.store.delete_file(step, COMMIT_MARKER),
                   what=f"uncommit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                   backoff_max_s=cfg.upload_backoff_max_s, should_stop=lambda: self._give_up(step))
             if mem is not None:
@@ -227,7 +231,7 @@ class Uploader(Component):
                     data = mem[n]
                     if fe is not None:
                         verify_bytes(data, fe, what=f"{n} of step {step} in memory")
-                    retry(lambda n=n, data=data: self.ctx.persistent.write_bytes(step, n, data),  # type: ignore
+                    retry(lambda n=n, data=data: self.store.write_bytes(step, n, data),
                           what=f"upload {n} of step {step}", retries=cfg.upload_retries,
                           backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
                           should_stop=lambda: self._give_up(step))
@@ -258,7 +262,7 @@ class Uploader(Component):
         landed = all(r[0] for r in results)
         if landed and self.ctx.rank == 0:
             try:
-                retry(lambda: self._commit(self.ctx.persistent, step, ranks=list(range(self.ctx.world_size))),
+                retry(lambda: self._commit(self.store, step, ranks=list(range(self.ctx.world_size))),
                       what=f"commit step {step}", retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                       backoff_max_s=cfg.upload_backoff_max_s)
                 seconds = time.perf_counter() - t0
@@ -272,7 +276,7 @@ class Uploader(Component):
                             tuner.observe_upload(seconds)
                     except FAILURES as e:
                         logger.debug("tuner.observe_upload failed: %s", e)
-                self._retain(self.ctx.persistent, cfg.keep_persistent, pinned_from=None)
+                self._retain(self.store, cfg.keep_persistent, pinned_from=None)
             except FAILURES as e:
                 ok, error = False, e
         if not ok:
@@ -289,7 +293,7 @@ class Uploader(Component):
         names now (more coded parts than this time, parts of a compose cut short, the files of ranks beyond a
         smaller world). No manifest lists them, so no restore reads them, but they cost storage and ``resilient
         ckpt ls`` counts them. Best effort: a file that cannot be removed now goes with the step's retention."""
-        tier = self.ctx.persistent
+        tier = self.store
         assert tier is not None
         try:
             stale = sorted(set(tier.list_files(step)) - keep - {COMMIT_MARKER})
