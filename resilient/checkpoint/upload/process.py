@@ -380,6 +380,10 @@ def serve(conn: Connection) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    # its life is its socket's: a SIGTERM or Ctrl-C sent to the job's process group (a preemption, a restart) must not
+    # end it before the training process's last upload, which the training process decides on
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"[upload process {os.getpid()}] %(levelname)s %(name)s: %(message)s")
     conn = Connection(int(args[0]))
     try:
