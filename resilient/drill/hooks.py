@@ -29,7 +29,7 @@ def arm_checkpoint_faults(manager: object) -> None:
         if f.how == FaultHow.KILL_MID_WRITE:
             _arm_mid_write(f)
         else:
-            _arm_mid_upload(f)
+            _arm_mid_upload(f, getattr(getattr(manager, "_up", None), "sender", None))
 
 
 def _arm_mid_write(f: WorkerFault) -> None:
@@ -50,8 +50,17 @@ def _arm_mid_write(f: WorkerFault) -> None:
     fs._write_item = write_half
 
 
-def _arm_mid_upload(f: WorkerFault) -> None:
+def _arm_mid_upload(f: WorkerFault, sender: object | None) -> None:
+    """The kill once a first file (or part) of the step reached the store: told by the upload process
+    (``sender.on_landed``) where the manager has one, and on the tiers' own upload methods where this process sends."""
     from resilient.checkpoint.storage import tiers
+
+    if sender is not None:
+        def landed(s: int, name: str) -> None:
+            if s == f.step:
+                _die(f.how, f.rank, f.step)
+
+        sender.on_landed = landed  # type: ignore[attr-defined]
 
     for cls in (tiers.FsspecTier, tiers.DirTier):
         orig_put = cls.put_file

@@ -500,6 +500,8 @@ class CheckpointManager:
 
     def _save_due(self, step: int, state: Mapping[str, Any]) -> bool:
         t0 = time.perf_counter()
+        if self._uploader is not None:
+            self._up.warm()  # the upload process starts while this save is written, not when its upload waits
         prev = self._last_job
         if prev is not None:
             # one set of staging buffers: the previous step must be on disk before we overwrite them

@@ -8,9 +8,11 @@ stand-in: a 37 MiB upload to a GCS emulator every 10 steps cost +49 % of the tra
 process group or the manager (the agreements, the commit, the events); this process only moves bytes
 (:func:`~resilient.checkpoint.upload.send.send_files`).
 
-It is started with the manager (``python -m resilient.checkpoint.upload.process FD``, over a socket pair) without
-waiting for it: its imports and its store client take 0.3–0.7 s, which a first upload would otherwise wait for while
-newer steps supersede the one waiting. It lives as long as the manager and imports no torch. It ends when its socket closes, which the kernel does when the training
+It is started at the manager's first save (``python -m resilient.checkpoint.upload.process FD``, over a socket pair)
+without waiting for it: its imports and its store client take 0.2-0.7 s, which that save's local write covers (a first
+upload would otherwise wait for them while newer steps supersede the one waiting). It lives as long as the manager and
+imports no torch. It tells the upload thread each file or part that landed (``on_landed``: the drill's mid-upload kill
+fires there, in the training process, as it does on the thread's own sends). It ends when its socket closes, which the kernel does when the training
 process ends, however it ends. What can go wrong, and what then happens:
 
 * it cannot start, or cannot reach its store where the training process can (a filesystem registered only in the
@@ -105,6 +107,8 @@ class SendProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._ready = False  # the process said it reached its store
+        # called on the upload thread with (step, name) for each file or part the process put on the store
+        self.on_landed: Callable[[int, str], None] | None = None
         self._lock = threading.Lock()  # kill() comes from other threads
 
     @property
@@ -141,6 +145,10 @@ class SendProcess:
                 if conn.poll(_POLL_S):
                     kind, payload = conn.recv()
                     self.deaths = 0
+                    if kind == "landed":
+                        if self.on_landed is not None:
+                            self.on_landed(step, payload)
+                        continue
                     break
                 if self._proc is None or self._proc.poll() is not None:
                     raise EOFError
@@ -350,6 +358,12 @@ def serve(conn: Connection) -> None:
         return
     conn.send(("ready", os.getpid()))
 
+    sending = threading.Lock()  # the sender threads tell what landed while the main thread answers
+
+    def tell(msg: tuple[Any, ...]) -> None:
+        with sending:
+            conn.send(msg)
+
     def read() -> None:
         while True:
             try:
@@ -367,15 +381,16 @@ def serve(conn: Connection) -> None:
         try:
             if msg[0] == "send":
                 job: SendJob = msg[1]
-                out: Any = send_files(tier, job, should_stop=lambda: stop_step[0] >= job.step)
+                out: Any = send_files(tier, job, should_stop=lambda: stop_step[0] >= job.step,
+                                      on_landed=lambda name: tell(("landed", name)))
             else:
                 name, args = msg[1], msg[2]
                 if name not in CALLS:
                     raise ValueError(f"not a tier call of the upload process: {name!r}")
                 out = getattr(tier, name)(*args)
-            conn.send(("done", out))
+            tell(("done", out))
         except BaseException as e:  # every failure goes back to the upload thread, which reports it
-            conn.send(("error", _reply_error(e)))
+            tell(("error", _reply_error(e)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,9 +55,11 @@ class SendJob:
         return (calls * per_call + size / min_rate) * (self.retries + 1)
 
 
-def send_files(tier: Any, job: SendJob, should_stop: Callable[[], bool] | None = None) -> int:
+def send_files(tier: Any, job: SendJob, should_stop: Callable[[], bool] | None = None,
+               on_landed: Callable[[str], None] | None = None) -> int:
     """Send ``job``'s files to ``tier``; returns the bytes sent. Raises when a file did not land;
-    ``should_stop`` ends the retries (a newer step waits, or the process exits)."""
+    ``should_stop`` ends the retries (a newer step waits, or the process exits); ``on_landed`` is told the name of
+    each file or part as it lands."""
     step, d = job.step, Path(job.src)
     dest = TierDest(tier, step, retries=job.retries, backoff_s=job.backoff_s, backoff_max_s=job.backoff_max_s,
                     should_stop=should_stop)
@@ -69,6 +71,16 @@ def send_files(tier: Any, job: SendJob, should_stop: Callable[[], bool] | None =
     def again(fn: Callable[[], Any], what: str) -> Any:
         return retry(fn, what=what, retries=job.retries, backoff_s=job.backoff_s, backoff_max_s=job.backoff_max_s,
                      should_stop=should_stop)
+
+    def put(name: str, data: Any) -> None:
+        dest.put(name, data)
+        if on_landed is not None:
+            on_landed(name)
+
+    def put_file(name: str, path: str) -> None:
+        again(lambda: tier.put_file(step, name, path), f"upload {name} of step {step}")
+        if on_landed is not None:
+            on_landed(name)
 
     def wait_all() -> None:
         try:
@@ -97,7 +109,7 @@ def send_files(tier: Any, job: SendJob, should_stop: Callable[[], bool] | None =
                 total += size
                 psize = part_size(size)
                 if size <= psize:
-                    sent.append((n, size, ex.submit(dest.put, n, mv)))
+                    sent.append((n, size, ex.submit(put, n, mv)))
                     if n not in job.data:
                         wait_all()
                         sent.clear()
@@ -106,12 +118,10 @@ def send_files(tier: Any, job: SendJob, should_stop: Callable[[], bool] | None =
                     parts = [f".{n}.up{i}" for i in range(-(-size // psize))]
                     for i, p in enumerate(parts):
                         piece = mv[i * psize:(i + 1) * psize]
-                        sent.append((p, len(piece), ex.submit(dest.put, p, piece)))
+                        sent.append((p, len(piece), ex.submit(put, p, piece)))
                     composed.append((n, parts, size))
                 else:
-                    path = str(d / n)
-                    sent.append((n, size, ex.submit(again, lambda path=path, n=n: tier.put_file(step, n, path),
-                                                    f"upload {n} of step {step}")))
+                    sent.append((n, size, ex.submit(put_file, n, str(d / n))))
             wait_all()
             for n, parts, size in composed:
                 again(lambda n=n, parts=parts, size=size: tier.compose(step, n, parts, size),

@@ -84,13 +84,20 @@ class Uploader(Component):
                 if self.sender is not None:
                     self.sender.close()
 
-        if self.sender is not None and self.sender.off is None:
-            try:
-                self.sender.spawn()  # its imports run while training starts; the first upload waits for what is left
-            except SenderUnavailable as e:
-                _unavailable(e)
         self._thread = threading.Thread(target=run, name="resilient-ckpt-upload", daemon=True)
         self._thread.start()
+
+    def warm(self) -> None:
+        """Start the upload process without waiting for it (the manager calls this at every save; only the first one
+        starts it): its imports and store client take 0.2-0.7 s, which the save's local write covers, where a first
+        upload would wait for them while newer steps supersede it. A manager that never saves starts none."""
+        sender = self.sender
+        if sender is None or sender.off is not None or sender.pid is not None:
+            return
+        try:
+            sender.spawn()
+        except SenderUnavailable as e:
+            _unavailable(e)
 
     def drain(self, deadline: float) -> bool:
         """Wait until no upload is pending or running, at most until ``deadline`` (monotonic)."""
