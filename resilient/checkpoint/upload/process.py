@@ -175,7 +175,7 @@ class SendProcess:
         raise _error(payload)
 
     def spawn(self) -> None:
-        """Start the process without waiting for it (the manager does this as it starts, so that the first upload does
+        """Start the process without waiting for it (the manager's first save does this, so that the first upload does
         not wait for the process's imports); :meth:`start` then waits for it to be ready. Raises
         :class:`SenderUnavailable`."""
         if self.off is not None:
