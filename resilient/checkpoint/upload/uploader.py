@@ -238,7 +238,8 @@ class Uploader(Component):
                     data = mem[n]
                     if fe is not None:
                         verify_bytes(data, fe, what=f"{n} of step {step} in memory")
-                    retry(lambda n=n, data=data: self.store.write_bytes(step, n, data),
+                    # from this process: a step held in memory would be copied whole into the upload process
+                    retry(lambda n=n, data=data: self.ctx.persistent.write_bytes(step, n, data),  # type: ignore
                           what=f"upload {n} of step {step}", retries=cfg.upload_retries,
                           backoff_s=cfg.upload_backoff_s, backoff_max_s=cfg.upload_backoff_max_s,
                           should_stop=lambda: self._give_up(step))
