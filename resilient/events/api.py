@@ -91,6 +91,11 @@ class EventKind(str, enum.Enum):
     # save() calls; "resumed": at a restore, the slowest rank's recorded cadence), proposals (agreed: each rank's k;
     # 0 where a rank has no tier)
     CKPT_SNAPSHOT_CADENCE = "ckpt_snapshot_cadence"
+    # the rank whose upload process failed (``--ckpt-upload-process``): nothing is lost by it (the upload thread sends
+    # the step itself), but it costs the training process the interpreter lock the process was there to spare;
+    # details: state ("died": that upload went from the thread, the next starts a new process; "off": the thread sends
+    # for the rest of the run), step (the step being uploaded, or None between uploads), error
+    CKPT_UPLOAD_PROCESS = "ckpt_upload_process"
 
     LOG = "log"  # anything else worth keeping; details: message (a GPU's benign Xid: index, uuid, check, xid, xid_kind)
 

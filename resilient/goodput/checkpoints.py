@@ -55,6 +55,11 @@ class CheckpointSummary:
     # failed save, and would otherwise be seen by nobody
     tier_failures: dict[str, TierFailures] = field(default_factory=dict)
     tier_failure_first: str | None = None  # the earliest of them: "tier: error"
+    # the upload processes' failures (CKPT_UPLOAD_PROCESS): no step is lost by them (the upload thread sends), but each
+    # costs the training process the interpreter lock they were there to spare
+    upload_process_failures: int = 0  # records: deaths, and processes turned off for the run
+    upload_process_off: list[int] = field(default_factory=list)  # ranks whose uploads go from the thread for the run
+    upload_process_first: str | None = None  # the earliest record's error
 
     def newest(self, tier: str | None = None) -> int | None:
         if tier is not None:
@@ -72,7 +77,8 @@ class CheckpointSummary:
 
     def lines(self) -> list[str]:
         if (not self.attempted and not self.tiers and not self.failed and not self.state_undefined
-                and not self.snapshots_skipped and not self.snapshots_off and not self.tier_failures):
+                and not self.snapshots_skipped and not self.snapshots_off and not self.tier_failures
+                and not self.upload_process_failures):
             return []
         where = "; ".join(f"{t.tier} {t.count} step(s), newest {t.newest}"
                           for t in sorted(self.tiers.values(), key=lambda t: _tier_order(t.tier)))
@@ -97,6 +103,11 @@ class CheckpointSummary:
             out.append(f"checkpoints: snapshots in node memory off on {len(self.snapshots_off)} rank(s) ("
                        f"{_steps_text(self.snapshots_off)}), their restarts restore from disk; first: "
                        f"{self.off_reason or 'unknown'}")
+        if self.upload_process_failures:
+            off = (f"; off for the rest of the run on {len(self.upload_process_off)} rank(s) "
+                   f"({_steps_text(self.upload_process_off)})" if self.upload_process_off else "")
+            out.append(f"checkpoints: upload process failed {self.upload_process_failures} time(s), its uploads sent "
+                       f"from the training process instead{off}; first: {self.upload_process_first or 'unknown'}")
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -110,7 +121,9 @@ class CheckpointSummary:
                 "snapshots_off": {"ranks": list(self.snapshots_off), "first_reason": self.off_reason},
                 "tier_failures": {t: {"count": f.count, "steps": list(f.steps), "first_error": f.first_error}
                                   for t, f in self.tier_failures.items()},
-                "tier_failure_first": self.tier_failure_first}
+                "tier_failure_first": self.tier_failure_first,
+                "upload_process": {"failures": self.upload_process_failures, "off_ranks": list(self.upload_process_off),
+                                   "first_error": self.upload_process_first}}
 
 
 def fleet_lines(events: Iterable[Event]) -> list[str]:
@@ -150,7 +163,7 @@ def _step_of(ev: Event) -> int | None:
 # the kinds checkpoint_summary reads: a caller that reads the ledger for it alone reads only these
 CHECKPOINT_SUMMARY_KINDS = frozenset({EventKind.CKPT_SAVE, EventKind.CKPT_TIER_DONE, EventKind.CKPT_SAVE_FAILED,
                                       EventKind.CKPT_TIER_FAILED, EventKind.CKPT_STOP,
-                                      EventKind.CKPT_RESTORE_MISSING})
+                                      EventKind.CKPT_RESTORE_MISSING, EventKind.CKPT_UPLOAD_PROCESS})
 
 
 def checkpoint_summary(events: Iterable[Event]) -> CheckpointSummary:
@@ -193,12 +206,21 @@ class CheckpointTally:
         self._off: set[int] = set()
         self._trouble: dict[str, _Trouble] = {}
         self._off_reason: tuple[tuple[float, int], str] | None = None
+        self._up_failures = 0
+        self._up_off: set[int] = set()
+        self._up_first: tuple[tuple[float, int], str] | None = None
 
     def add(self, ev: Event) -> None:
         self._seq += 1
         at = (ev.wall, self._seq)
         step = _step_of(ev)
         k = ev.kind
+        if k is EventKind.CKPT_UPLOAD_PROCESS:
+            self._up_failures += 1
+            if ev.details.get("state") == "off" and ev.rank is not None:
+                self._up_off.add(ev.rank)
+            self._up_first = _earliest(self._up_first, at, str(ev.details.get("error") or "unknown"))
+            return
         if k is EventKind.CKPT_TIER_FAILED and ev.details.get("skipped") is True:
             # a snapshot skipped, the tier still on: no save of that step failed (a disk save of the same step is
             # judged by its own records)
@@ -268,6 +290,9 @@ class CheckpointTally:
         if self._trouble:
             tier, t = min(self._trouble.items(), key=lambda kv: kv[1].first[0])
             out.tier_failure_first = f"{tier}: {t.first[1]}"
+        out.upload_process_failures = self._up_failures
+        out.upload_process_off = sorted(self._up_off)
+        out.upload_process_first = self._up_first[1] if self._up_first is not None else None
         return out
 
 

@@ -26,6 +26,7 @@ from resilient.checkpoint.upload import uploader as uploader_mod
 from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
+from resilient.goodput.checkpoints import checkpoint_summary
 
 from tests._helpers.wait import wait_for
 
@@ -116,7 +117,9 @@ def test_an_upload_process_lost_mid_upload_loses_no_step(fault: str, tmp_path: P
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """Killed, or stopped (then killed when the upload's bound runs out), with step 1 half uploaded: the upload thread
-    sends step 1 itself, a warning names what happened, and the next upload goes from a new process."""
+    sends step 1 itself, a warning and a ledger record name what happened (``resilient goodput`` counts it), and the
+    next upload goes from a new process. The manager's own kill at exit is no failure."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
     gcs.make_bucket("up")
     url = f"gs://up/{tmp_path.name}"
     drill = tmp_path / "drill"
@@ -150,8 +153,47 @@ def test_an_upload_process_lost_mid_upload_loses_no_step(fault: str, tmp_path: P
     said = "\n".join(r.getMessage() for r in caplog.records)
     expect = "died (killed by SIGKILL)" if fault == "SIGKILL" else "sent nothing back within its bound"
     assert f"the upload process (pid {first}) {expect}" in said and "this thread sends step 1 itself" in said, said
+    events = list(read_events(tmp_path / "run"))
+    died = [e.details for e in events if e.kind is EventKind.CKPT_UPLOAD_PROCESS]
+    assert [(d["step"], d["state"]) for d in died] == [(1, "died")], died
+    assert f"(pid {first}) {expect}" in died[0]["error"]
+    summary = checkpoint_summary(events)
+    assert summary.upload_process_failures == 1 and summary.upload_process_off == []
+    assert any("upload process failed 1 time(s)" in line for line in summary.lines()), summary.lines()
     start, st = restored_from_store(tmp_path, url)
     assert start == 3 and torch.equal(st["w"], torch.full((1024, 1280), 2.0))
+
+
+@pytest.mark.timeout(120)
+def test_the_managers_own_kill_at_exit_is_no_failure_of_the_process(tmp_path: Path, gcs: GCS,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() abandons an upload the process holds half done (the upload grace ran out) and kills the process: the
+    ledger records the abandoned step, and no failure of the upload process (it did what it was told)."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    drill = tmp_path / "drill"
+    hold(monkeypatch, drill, 1)
+    gcs.make_bucket("up")
+    ck = CheckpointManager(local=tmp_path / "local", persistent=f"gs://up/{tmp_path.name}", interval=1,
+                           persistent_every=1, upload_grace_s=0.5)
+    assert ck._up.sender is not None and ck._up.sender.on_failure is not None
+    told: list[str] = []
+    report = ck._up.sender.on_failure
+    # watched where it is said (the ledger may be closed by the time the upload thread sees the end)
+    ck._up.sender.on_failure = lambda e, step: (told.append(str(e)), report(e, step))  # type: ignore[func-returns-value]
+    ck.save(0, state(0.0))
+    assert ck.wait(60, upload_timeout=60)
+    ck.save(1, state(1.0))
+    wait_for((drill / "upload-in-flight").exists, 60, "the upload process holding step 1 half uploaded")
+    ck.close()
+    thread = ck._up._thread
+    assert thread is not None
+    thread.join(30)  # the upload thread has seen the process end, and said whatever it says of it
+    assert not thread.is_alive()
+    events = list(read_events(tmp_path / "run"))
+    abandoned = [e.details["step"] for e in events
+                 if e.kind is EventKind.CKPT_TIER_FAILED and e.details.get("error") == "abandoned at exit"]
+    assert abandoned == [1], abandoned
+    assert told == [] and [e for e in events if e.kind is EventKind.CKPT_UPLOAD_PROCESS] == []
 
 
 @pytest.mark.timeout(150)
@@ -239,17 +281,45 @@ def test_a_store_inside_the_training_process_is_never_sent_from_another(tmp_path
 
 @pytest.mark.timeout(60)
 def test_an_upload_process_that_cannot_start_says_why(tmp_path: Path) -> None:
+    told: list[tuple[str, int | None]] = []
     sender = SendProcess(TierSpec(url=f"file://{tmp_path}", name="persistent"), python=str(tmp_path / "no-python"))
+    sender.on_failure = lambda e, step: told.append((str(e), step))
     from resilient.checkpoint.upload.send import SendJob
 
     with pytest.raises(SenderUnavailable, match="could not be started .*no-python"):
         sender.send(SendJob(step=0, src=str(tmp_path), names=(), data=frozenset()), lambda: False)
+    assert len(told) == 1 and "could not be started" in told[0][0], told  # once, as it is found
     # an interpreter that starts but cannot run the process (exits at once)
     sender = SendProcess(TierSpec(url=f"file://{tmp_path}", name="persistent"), python=sys.executable)
+    sender.on_failure = lambda e, step: told.append((str(e), step))
     sender.python = "/bin/false"
     with pytest.raises(SenderUnavailable, match="did not start"):
         sender.send(SendJob(step=0, src=str(tmp_path), names=(), data=frozenset()), lambda: False)
     assert sender.off is not None
+    assert len(told) == 2 and "did not start" in told[1][0], told
+
+
+@pytest.mark.timeout(60)
+def test_a_store_only_the_training_process_can_reach_is_recorded_in_the_ledger_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process turned off for the run is one ledger record (state "off", the rank named), however many uploads
+    follow; the summary names the rank."""
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    fsspec.register_implementation("parentonly", ParentOnlyFS, clobber=True)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=f"parentonly://{tmp_path}/bucket", interval=1,
+                           persistent_every=1)
+    try:
+        for s in range(2):
+            ck.save(s, state(float(s)))
+            assert ck.wait(60)
+    finally:
+        ck.close()
+    events = list(read_events(tmp_path / "run"))
+    off = [e for e in events if e.kind is EventKind.CKPT_UPLOAD_PROCESS]
+    assert [(e.rank, e.details["state"]) for e in off] == [(0, "off")], off
+    assert "parentonly" in off[0].details["error"]
+    summary = checkpoint_summary(events)
+    assert summary.upload_process_off == [0] and summary.to_json()["upload_process"]["failures"] == 1
 
 
 @pytest.mark.parametrize("value", ["maybe", 2, None])
@@ -258,3 +328,28 @@ def test_bad_upload_process_settings_name_the_field(tmp_path: Path, value: objec
         CheckpointConfig(local=str(tmp_path), upload_process=value)  # type: ignore[arg-type]
     assert CheckpointConfig(local=str(tmp_path), upload_process="off").upload_process is False
     assert CheckpointConfig(local=str(tmp_path), upload_process=" ON ").upload_process is True
+
+
+@pytest.mark.timeout(60)
+def test_storage_options_that_cannot_be_pickled_are_said_once_and_every_step_lands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
+    in_thread = sent_in_thread(monkeypatch)
+    url = f"file://{tmp_path}/bucket"
+    # an option only this process can hold (a credentials callback, say): LocalFileSystem keeps and ignores it
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+                           storage_options={"token_refresh": lambda: "secret"})
+    try:
+        for s in range(2):
+            ck.save(s, state(float(s)))
+            assert ck.wait(60)
+        assert ck._up.sender is not None and ck._up.sender.pid is None  # never started
+    finally:
+        ck.close()
+    assert in_thread == [0, 1]
+    warned = [r.getMessage() for r in caplog.records if "the upload process cannot be used" in r.getMessage()]
+    assert len(warned) == 1 and "cannot be sent to another process" in warned[0], warned
+    off = [e.details for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_UPLOAD_PROCESS]
+    assert [d["state"] for d in off] == ["off"] and "storage options" in off[0]["error"], off
+    assert FsspecTier(url, "persistent").steps() == {0: True, 1: True}

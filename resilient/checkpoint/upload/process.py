@@ -84,10 +84,15 @@ class TierSpec:
     def build(self) -> Any:
         return BoundedTier(make_tier(self.url, self.name, self.storage_options), self.timeout_s, self.min_rate)
 
+    @property
+    def in_process(self) -> bool:
+        """The tier lives inside the training process (``memory://``): by design never sent from another."""
+        return (urlsplit(self.url).scheme if "://" in self.url else "") in IN_PROCESS_PROTOCOLS
+
     def why_not(self) -> str | None:
         """Why this tier cannot be reached from another process, or None."""
         scheme = urlsplit(self.url).scheme if "://" in self.url else ""
-        if scheme in IN_PROCESS_PROTOCOLS:
+        if self.in_process:
             return f"{scheme}:// lives inside the training process"
         try:
             pickle.dumps(self)
@@ -109,6 +114,11 @@ class SendProcess:
         self._ready = False  # the process said it reached its store
         # called on the upload thread with (step, name) for each file or part the process put on the store
         self.on_landed: Callable[[int, str], None] | None = None
+        # called once for each failure of the process as it is found (a death, an end between uploads, the process
+        # turned off for the run), with the error the caller is about to see and the step being uploaded (or None):
+        # the uploader writes it to the ledger, where a WARNING line alone would be seen by nobody who counts
+        self.on_failure: Callable[[CheckpointError, int | None], None] | None = None
+        self._killed = False  # kill() ended it on purpose (exit): not a failure to report
         self._lock = threading.Lock()  # kill() comes from other threads
 
     @property
@@ -157,7 +167,7 @@ class SendProcess:
                     told_stop = True
                 if time.monotonic() > deadline:
                     why = f"sent nothing back within its bound of {bound:.0f} s (stopped or stuck?) and was killed"
-                    self.kill()
+                    self._kill()
                     raise EOFError
         except (EOFError, OSError) as e:
             pid = self._proc.pid if self._proc is not None else None
@@ -166,9 +176,12 @@ class SendProcess:
             why = why or f"died ({_how(code)})"
             if self.deaths >= MAX_DEATHS:
                 self.off = f"the upload process failed {self.deaths} times in a row (last: it {why})"
-            raise SenderDied(f"the upload process (pid {pid}) {why} during {what}; "
-                             + ("uploads are sent from the training process from now on" if self.off else
-                                "the next upload starts a new one")) from (e if isinstance(e, OSError) else None)
+            died = SenderDied(f"the upload process (pid {pid}) {why} during {what}; "
+                              + ("uploads are sent from the training process from now on" if self.off else
+                                 "the next upload starts a new one"))
+            if not self._killed:
+                self._tell(died, step if step >= 0 else None)
+            raise died from (e if isinstance(e, OSError) else None)
         if kind == "done":
             return payload
         # outside the try: a store's TimeoutError or OSError is the store's failure, not the process's end
@@ -185,6 +198,9 @@ class SendProcess:
         if self._proc is not None:
             logger.warning("the upload process (pid %d) ended between uploads (%s); starting a new one",
                            self._proc.pid, _how(self._proc.returncode))
+            if not self._killed:
+                self._tell(SenderDied(f"the upload process (pid {self._proc.pid}) ended between uploads "
+                                      f"({_how(self._proc.returncode)}); a new one was started"), None)
         self._reap()
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
@@ -198,6 +214,7 @@ class SendProcess:
         except OSError as e:
             ours.close()
             self.off = f"it could not be started ({self.python}: {e})"
+            self._tell(SenderUnavailable(self.off), None)
             raise SenderUnavailable(self.off) from e
         conn = Connection(ours.detach())
         with self._lock:
@@ -224,6 +241,7 @@ class SendProcess:
         except (EOFError, OSError, CheckpointError) as e:
             self._reap()
             self.off = f"it did not start ({e if str(e) else _how(proc.returncode)})"
+            self._tell(SenderUnavailable(self.off), None)
             raise SenderUnavailable(self.off) from None
         self._ready = True
         logger.debug("upload process %d ready", proc.pid)
@@ -245,8 +263,20 @@ class SendProcess:
         except subprocess.TimeoutExpired:
             return None
 
+    def _tell(self, e: CheckpointError, step: int | None) -> None:
+        if self.on_failure is not None:
+            try:
+                self.on_failure(e, step)
+            except Exception as err:  # reporting must not turn a failure the caller survives into one it does not
+                logger.debug("reporting the upload process's failure failed: %s", err)
+
     def kill(self) -> None:
-        """End the process now, from any thread (exit, a stuck upload); an upload in it fails."""
+        """End the process now, on purpose, from any thread (the manager's exit); an upload in it fails, and the
+        failure is not reported as one."""
+        self._killed = True
+        self._kill()
+
+    def _kill(self) -> None:
         with self._lock:
             proc = self._proc
         if proc is not None and proc.poll() is None:

@@ -71,6 +71,19 @@ class Uploader(Component):
         # process too, whose store client's Python would otherwise run here
         self.store: Any = (ProcessTier(self.sender, ctx.persistent, _unavailable) if self.sender is not None
                            else ctx.persistent)
+        if self.sender is not None:
+            self.sender.on_failure = self._sender_failed
+            if self.sender.off is not None and not self.sender.spec.in_process:
+                # storage options that cannot be sent to another process: said once, as a failure found later is
+                e = SenderUnavailable(self.sender.off)
+                _unavailable(e)
+                self._sender_failed(e, None)
+
+    def _sender_failed(self, e: CheckpointError, step: int | None) -> None:
+        """The upload process died or was turned off (its warning line is logged where it is handled): one ledger
+        record, which ``resilient goodput`` and the metrics endpoint count."""
+        off = self.sender is not None and self.sender.off is not None
+        self._emit(EventKind.CKPT_UPLOAD_PROCESS, step=step, state="off" if off else "died", error=str(e))
 
     def start(self, on_start: Callable[[], Any] | None = None) -> None:
         """Start the upload thread; it first calls ``on_start`` (the manager lowers its priority there, which
