@@ -249,7 +249,8 @@ def test_store_killed_during_a_compressed_upload(tmp_path: Path, gcs: object,
     s = _state()
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
                            persistent_timeout_s=2.0, upload_retries=1, upload_backoff_s=0.1,
-                           upload_backoff_max_s=0.2, upload_grace_s=60)
+                           upload_backoff_max_s=0.2, upload_grace_s=60,
+                           upload_process=False)  # PART_MIN and the store's fault are patched in this process
     ck.save(1, s)
     ck.wait(60)
     failed = [e.details for e in read_events(tmp_path / "run") if e.kind.value == "ckpt_tier_failed"]
@@ -313,7 +314,10 @@ def test_upload_compressed_to_gcs_restore_verify_and_export(tmp_path: Path, gcs:
     gcs.make_bucket("ckz")  # type: ignore[attr-defined]
     url = f"gs://ckz/{tmp_path.name}"
     s = _state()
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    # PART_MIN is patched in this process: the bytes go from its upload thread here (the upload process's compressed
+    # uploads: test_upload_process.py)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+                           upload_process=False)
     ck.save(7, s)
     assert ck.wait(60)
     ck.close()
@@ -367,7 +371,8 @@ def test_a_step_uploaded_again_in_fewer_parts_leaves_no_old_part(tmp_path: Path,
     url = f"gs://again/{tmp_path.name}"
     s = _state()
     monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
-    ck = CheckpointManager(local=tmp_path / "a", persistent=url, interval=1, persistent_every=1)
+    # PART_MIN is patched in this process: the bytes go from its upload thread here
+    ck = CheckpointManager(local=tmp_path / "a", persistent=url, interval=1, persistent_every=1, upload_process=False)
     ck.save(7, s)
     assert ck.wait(60)
     ck.close()
@@ -379,7 +384,8 @@ def test_a_step_uploaded_again_in_fewer_parts_leaves_no_old_part(tmp_path: Path,
         ck.persistent.write_bytes(7, n, b"rank 1 of an older world")
     monkeypatch.setenv(chooser.ENV_MODE, "none")
     s2 = {k: v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in s.items()}
-    ck = CheckpointManager(local=tmp_path / "b", persistent=url, interval=1, persistent_every=1)
+    # PART_MIN is patched in this process: the bytes go from its upload thread here
+    ck = CheckpointManager(local=tmp_path / "b", persistent=url, interval=1, persistent_every=1, upload_process=False)
     ck.save(7, s2)
     assert ck.wait(60)
     ck.close()
@@ -503,13 +509,13 @@ from resilient.checkpoint.format import codec as coding
 from resilient.checkpoint.storage import parts as store_parts
 from resilient.checkpoint.upload import chooser
 from resilient.checkpoint.upload import prepare
-from resilient.checkpoint.upload import transcode
+from resilient.checkpoint.upload import stream
 from resilient.checkpoint.manager import CheckpointManager
 
 streamed = []
 real = {"prepare": prepare.CodedUploads.prepare, "observe": prepare.CodedUploads.observe,
-        "stream_files": transcode.stream_files}
-transcode.stream_files = lambda *a, **k: (streamed.append(1), real["stream_files"](*a, **k))[1]
+        "stream_items": stream.stream_items}
+stream.stream_items = lambda *a, **k: (streamed.append(1), real["stream_items"](*a, **k))[1]
 root = sys.argv[1]
 g = torch.Generator().manual_seed(r)
 state = {"w": torch.randn(200_000, generator=g) * 0.02, "b": torch.randn(1000, generator=g).bfloat16()}
@@ -523,8 +529,9 @@ for mode in ("before", "none", "bgzstd"):
         prepare.CodedUploads.prepare, prepare.CodedUploads.observe = real["prepare"], real["observe"]
         os.environ[chooser.ENV_MODE] = mode
     c0, z0, s0 = len(calls), len(coded), len(streamed)
+    # the codec counted in this process: not from the upload process (test_upload_process.py runs it there)
     ck = CheckpointManager(local=f"{root}/{mode}/local", persistent=f"file://{root}/{mode}/bucket", interval=1,
-                           persistent_every=1)
+                           persistent_every=1, upload_process=False)
     up = ck._pg_up.group_name
     for step in range(2):  # one upload at a time: each save's upload is done before the next save
         ck.save(step, state)

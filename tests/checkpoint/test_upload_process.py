@@ -22,7 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
 from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.checkpoint.storage.tiers import FsspecTier
-from resilient.checkpoint.upload import uploader as uploader_mod
+from resilient.checkpoint.upload import chooser, uploader as uploader_mod
 from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
@@ -353,3 +353,91 @@ def test_storage_options_that_cannot_be_pickled_are_said_once_and_every_step_lan
     off = [e.details for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_UPLOAD_PROCESS]
     assert [d["state"] for d in off] == ["off"] and "storage options" in off[0]["error"], off
     assert FsspecTier(url, "persistent").steps() == {0: True, 1: True}
+
+
+def coded_in_thread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps the upload thread coded and sent by itself (its fallback), counted where it calls the coder."""
+    steps: list[int] = []
+    real = uploader_mod.code_files
+
+    def counting(tier, job, should_stop=None):  # type: ignore[no-untyped-def]
+        steps.append(job.step)
+        return real(tier, job, should_stop)
+
+    monkeypatch.setattr(uploader_mod, "code_files", counting)
+    return steps
+
+
+def assert_coded(url: str, step: int) -> None:
+    """Every item of ``step`` on the store is coded (bgzstd), in part objects beside each file's first."""
+    from resilient.checkpoint.api import DCP_METADATA
+    from resilient.checkpoint.format.safe import load_metadata
+
+    md = load_metadata(FsspecTier(url, "persistent").read_bytes(step, DCP_METADATA), what=DCP_METADATA)
+    assert md.storage_data and all(i.transform_descriptors == ["resilient.bgzstd/1"] for i in md.storage_data.values())
+
+
+@pytest.mark.timeout(120)
+def test_compressed_uploads_are_coded_in_the_upload_process_and_restore_bit_exact(
+        tmp_path: Path, gcs: GCS, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced codec: the upload process codes and sends the parts (the upload thread codes nothing), the store holds
+    coded items (the large one streamed alone), and the newest step restores bit-exact from the store alone."""
+    monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
+    gcs.make_bucket("up")
+    url = f"gs://up/{tmp_path.name}"
+    in_thread = coded_in_thread(monkeypatch)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    try:
+        for s in range(2):
+            ck.save(s, state(float(s) + 0.5))
+            assert ck.wait(60, upload_timeout=60)
+        assert ck._up.sender is not None and ck._up.sender.pid is not None and ck._up.sender.deaths == 0
+        assert ck.persistent is not None and ck.persistent.steps() == {0: True, 1: True}
+    finally:
+        ck.close()
+    assert in_thread == []
+    assert_coded(url, 1)
+    start, st = restored_from_store(tmp_path, url)
+    assert start == 2 and torch.equal(st["w"], torch.full((1024, 1280), 1.5)) and st["meta"] == {"v": 1.5}
+
+
+@pytest.mark.timeout(120)
+def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
+        tmp_path: Path, gcs: GCS, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGKILL with step 1's coded parts half sent: the upload thread codes and sends step 1 itself (a warning and a
+    ledger record say so), the next step goes from a new process, and both restore bit-exact."""
+    monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
+    monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
+    gcs.make_bucket("up")
+    url = f"gs://up/{tmp_path.name}"
+    drill = tmp_path / "drill"
+    hold(monkeypatch, drill, 1)
+    in_thread = coded_in_thread(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    try:
+        ck.save(0, state(0.0))
+        assert ck.wait(60, upload_timeout=60)
+        assert ck._up.sender is not None
+        first = ck._up.sender.pid
+        assert first is not None
+        ck.save(1, state(1.0))
+        wait_for((drill / "upload-in-flight").exists, 60, "the upload process holding step 1's coded parts")
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: ck._up.outcomes.get(1) is not None, 60, "step 1's upload ended")
+        assert ck._up.outcomes[1] is True, ck._up.errors
+        assert in_thread == [1]
+        ck.save(2, state(2.0))
+        assert ck.wait(60, upload_timeout=60)
+        assert ck._up.sender.pid not in (None, first) and in_thread == [1]
+        assert ck.persistent is not None and ck.persistent.steps() == {0: True, 1: True, 2: True}
+    finally:
+        ck.close()
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "this thread codes and sends step 1 itself" in said, said
+    died = [e.details for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_UPLOAD_PROCESS]
+    assert [(d["step"], d["state"]) for d in died] == [(1, "died")], died
+    assert_coded(url, 1)
+    assert_coded(url, 2)
+    start, st = restored_from_store(tmp_path, url)
+    assert start == 3 and torch.equal(st["w"], torch.full((1024, 1280), 2.0))

@@ -13,11 +13,10 @@ from resilient.checkpoint.format.codec import Codec, CompressError, CompressMode
 from resilient.checkpoint.format.layout import manifest_name
 from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.storage.context import Component
-from resilient.checkpoint.storage.parts import TierDest
 from resilient.checkpoint.storage.tiers import read_manifest
-from resilient.checkpoint.upload import transcode
 from resilient.checkpoint.upload.chooser import Chooser
-from resilient.checkpoint.upload.transcode import Transcoded, clear, finish_step, merged_metadata
+from resilient.checkpoint.upload.stream import CodeJob
+from resilient.checkpoint.upload.transcode import Plan, Transcoded, clear, finish_step, merged_metadata
 from resilient.events.api import EventKind
 
 logger = logging.getLogger(__name__)
@@ -46,8 +45,8 @@ def sent_bytes(coded: Any) -> int:
 def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group: Any) -> Prepared | None:
     """Collective on ``group`` (every rank): decide, with rank 0's measurements, whether this step goes to
     the persistent tier compressed (rank 0 writes the decision to the ledger); if so send this rank's files
-    of ``step`` from the local tier ``src`` to the store as they are coded (:func:`stream_files`: coding
-    overlaps sending), gather every rank's item layout, and write this rank's manifest and the step's
+    of ``step`` from the local tier ``src`` to the store as they are coded (``mgr.code``, the uploader's: from the
+    upload process where it can, :mod:`.stream`: coding overlaps sending), gather every rank's item layout, and write this rank's manifest and the step's
     ``.metadata`` into a scratch directory. Returns (that directory, the manifest without the files already
     sent), or None to upload the local files as they are: compression off, not paying, or any rank failed
     to send its part (every rank then uploads plain, over whatever was sent).
@@ -73,7 +72,7 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
     out = Path(src.root) / ".coded" / f"step_{step:08d}-rank{mgr.ctx.rank}"
     clear(out)
     part: Transcoded | None = None
-    tier = mgr.ctx.persistent
+    tier = getattr(mgr, "store", mgr.ctx.persistent)  # the uploader's: its metadata calls go where its bytes go
     try:
         if m is None:
             raise CompressError("no manifest")
@@ -83,11 +82,11 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
         # visible as complete while its files are replaced: the marker goes before this rank's first write
         tier.delete_file(step, COMMIT_MARKER)
         cfg = mgr.ctx.config
-        give_up = getattr(mgr, "_give_up", None)
-        dest = TierDest(tier, step, retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
-                        backoff_max_s=cfg.upload_backoff_max_s,
-                        should_stop=(lambda: bool(give_up(step))) if give_up is not None else None)
-        part = transcode.stream_files(d, sorted(m.files), md, decision.codec, dest, expected=m.files)
+        plan = Plan(sorted(m.files), md)
+        job = CodeJob(step=step, src=str(d), files=plan.files, codec=decision.codec, expected=dict(m.files),
+                      retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
+                      backoff_max_s=cfg.upload_backoff_max_s)
+        part = plan.transcoded(mgr.code(job), decision.codec)  # type: ignore[attr-defined]
     except Exception as e:  # never fatal: the plain upload that follows retries, and reports what it finds
         logger.warning("compressed upload of step %d failed (%s: %s); uploading it plain", step,
                        type(e).__name__, e)

@@ -6,7 +6,9 @@ thread needs the lock for every kernel launch, so there it waits out each upload
 stand-in: a 37 MiB upload to a GCS emulator every 10 steps cost +49 % of the training thread's time from a thread,
 +13 % from a process; ``bench/interference.py --store gcs``). The upload thread keeps everything that needs the job's
 process group or the manager (the agreements, the commit, the events); this process only moves bytes
-(:func:`~resilient.checkpoint.upload.send.send_files`).
+(:func:`~resilient.checkpoint.upload.send.send_files`) and codes them for a compressed upload
+(:func:`~resilient.checkpoint.upload.stream.code_files`: the codec's threads and their Python off the training
+process too).
 
 It is started at the manager's first save (``python -m resilient.checkpoint.upload.process FD``, over a socket pair)
 without waiting for it: its imports and its store client take 0.2-0.7 s, which that save's local write covers (a first
@@ -48,6 +50,7 @@ from resilient.checkpoint.api import CheckpointError
 from resilient.checkpoint.storage.priority import lower_thread_priority
 from resilient.checkpoint.storage.tiers import BoundedTier, make_tier
 from resilient.checkpoint.upload.send import SendJob, send_files
+from resilient.checkpoint.upload.stream import CodeJob, Streamed, code_files
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,14 @@ class SendProcess:
         :class:`SenderDied` when it died or stopped answering."""
         bound = job.deadline_s(self.spec.timeout_s, self.spec.min_rate)
         return int(self._run(("send", job), job.step, bound, should_stop, f"the upload of step {job.step}"))
+
+    def code(self, job: CodeJob, should_stop: Callable[[], bool]) -> Streamed:
+        """Code and send ``job`` in the process (a compressed upload's bytes); raises as :meth:`send`."""
+        bound = job.deadline_s(self.spec.timeout_s, self.spec.min_rate)
+        out = self._run(("code", job), job.step, bound, should_stop, f"the compressed upload of step {job.step}")
+        if not isinstance(out, Streamed):
+            raise CheckpointError(f"the upload process answered a compressed upload with {type(out).__name__}")
+        return out
 
     def call(self, name: str, *args: Any) -> Any:
         """One call of the tier's (``name`` in :data:`CALLS`) made in the process; raises as :meth:`send`."""
@@ -400,7 +411,7 @@ def serve(conn: Connection) -> None:
                 msg = conn.recv()
             except (EOFError, OSError):
                 os._exit(0)
-            if msg[0] in ("send", "call"):
+            if msg[0] in ("send", "code", "call"):
                 jobs.put(msg)
             elif msg[0] == "stop":
                 stop_step[0] = max(stop_step[0], int(msg[1]))
@@ -413,6 +424,10 @@ def serve(conn: Connection) -> None:
                 job: SendJob = msg[1]
                 out: Any = send_files(tier, job, should_stop=lambda: stop_step[0] >= job.step,
                                       on_landed=lambda name: tell(("landed", name)))
+            elif msg[0] == "code":
+                cjob: CodeJob = msg[1]
+                out = code_files(tier, cjob, should_stop=lambda: stop_step[0] >= cjob.step,
+                                 on_landed=lambda name: tell(("landed", name)))
             else:
                 name, args = msg[1], msg[2]
                 if name not in CALLS:

@@ -27,6 +27,7 @@ from resilient.checkpoint.upload import prepare
 from resilient.checkpoint.upload.chooser import chooser_from_env
 from resilient.checkpoint.upload.process import ProcessTier, SendProcess, SenderDied, SenderUnavailable, TierSpec
 from resilient.checkpoint.upload.send import SendJob, send_files
+from resilient.checkpoint.upload.stream import CodeJob, Streamed, code_files
 from resilient.checkpoint.upload.transcode import clear
 from resilient.events.api import EventKind
 
@@ -359,6 +360,22 @@ class Uploader(Component):
                 # the step must not miss the persistent tier for it: this thread sends it now
                 logger.warning("%s; this thread sends step %d itself", e, step)
         return send_files(self.ctx.persistent, job, stop)
+
+    def code(self, job: CodeJob) -> Streamed:
+        """Code and send a compressed upload's files (:func:`.prepare.prepare_upload` calls this): from the upload
+        process, as :meth:`_send_plain` sends, or from this thread when the process cannot be used or died."""
+        stop = (lambda: self._give_up(job.step))
+        sender = self.sender
+        if sender is not None and sender.off is None:
+            try:
+                return sender.code(job, stop)
+            except SenderUnavailable as e:
+                _unavailable(e)
+            except SenderDied as e:
+                if self._abandoned():
+                    raise
+                logger.warning("%s; this thread codes and sends step %d itself", e, job.step)
+        return code_files(self.ctx.persistent, job, stop)
 
     def _newer_pending(self, step: int) -> int | None:
         """A later step queued for upload on this rank, if any."""
