@@ -115,7 +115,7 @@ class WorkerEnv:
     ckpt_max_failed_saves: int | None = None
     ckpt_snapshot: str | None = None  # "auto", "N" steps or "0"
     ckpt_snapshot_dir: str | None = None  # the node's snapshot directory (in memory), made by the agent
-    ckpt_upload_process: str | None = None  # "on" | "off"; None: on
+    ckpt_upload_process: str | None = None  # "auto" | "on" | "off"; None: auto
     heartbeat_timeout: float | None = None
     policy: str | None = None
     spare_nodes: int | None = None

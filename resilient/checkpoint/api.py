@@ -313,10 +313,13 @@ class CheckpointConfig:
     # them at the process's own priority. The training thread and gloo's threads are never changed.
     background_nice: int | str = DEFAULT_BACKGROUND_NICE
     # send the persistent tier's bytes from a process of its own (resilient.checkpoint.upload.process), so that an
-    # upload's Python does not hold the training process's interpreter lock (a GPU job's training thread needs it for
-    # every kernel launch). Off: the upload thread sends them itself. A tier another process cannot reach (memory://,
-    # options that cannot be pickled) is sent from the thread either way. "on"/"off" are accepted
-    upload_process: bool | str = True
+    # upload's Python (and a compressed upload's codec) does not hold the training process's interpreter lock (a GPU
+    # job's training thread needs it for every kernel launch). Off: the upload thread sends them itself. "auto" (the
+    # default): on where the node has cores to spare, at least 2 cores a local rank (upload.process.CORES_PER_RANK) (measured: on
+    # 2 cores for 2 ranks the process competes with training for a core, and cost the headline 2 points beside a
+    # CPU burner). A tier another process cannot reach (memory://, options that cannot be pickled) is sent from the
+    # thread either way. True/False, "on"/"off" and "auto" are accepted
+    upload_process: bool | str = "auto"
     # snapshots of the state in node memory (resilient.checkpoint.snapshot): "auto" takes one after every step whose
     # cost (the copy plus its digest) stays within snapshot_budget of the step time; N every N steps; 0 or "off"
     # none. They need a directory in memory that outlives the workers: snapshot_dir, which resilient-run gives each
@@ -372,13 +375,15 @@ class CheckpointConfig:
                 "(lowest) for the checkpoint's background threads, or 'idle' (SCHED_IDLE)")
         if isinstance(self.upload_process, str):
             t = self.upload_process.strip().lower()
-            if t not in ("on", "off", "1", "0", "true", "false"):
+            if t not in ("auto", "on", "off", "1", "0", "true", "false"):
                 raise CheckpointConfigError(
-                    f"upload_process={self.upload_process!r}: give on (uploads sent from a process of their own) or "
-                    "off (from the training process's upload thread) (resilient-run --ckpt-upload-process on|off)")
-            self.upload_process = t in ("on", "1", "true")
-        if not isinstance(self.upload_process, bool):
-            raise CheckpointConfigError(f"upload_process={self.upload_process!r}: give True or False (or 'on'/'off')")
+                    f"upload_process={self.upload_process!r}: give auto (a process of their own where the node has "
+                    "cores to spare), on (always) or off (from the training process's upload thread) "
+                    "(resilient-run --ckpt-upload-process auto|on|off)")
+            self.upload_process = "auto" if t == "auto" else t in ("on", "1", "true")
+        if not isinstance(self.upload_process, bool) and self.upload_process != "auto":
+            raise CheckpointConfigError(
+                f"upload_process={self.upload_process!r}: give True, False or 'auto' (or 'on'/'off')")
         raw_snap = self.snapshot
         if isinstance(raw_snap, str):
             t = raw_snap.strip().lower()

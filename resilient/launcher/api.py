@@ -183,8 +183,9 @@ class AgentConfig:
     # snapshots in node memory (workers: RESILIENT_CKPT_SNAPSHOT): "auto", "N" steps, or "off"; the agent makes the
     # node's directory for them unless off
     ckpt_snapshot: str = "auto"
-    # persistent uploads' bytes from a process of their own (workers: RESILIENT_CKPT_UPLOAD_PROCESS): "on" or "off"
-    ckpt_upload_process: str = "on"
+    # persistent uploads' bytes from a process of their own (workers: RESILIENT_CKPT_UPLOAD_PROCESS): "auto" (where
+    # the node has cores to spare), "on" or "off"
+    ckpt_upload_process: str = "auto"
     heartbeat_timeout: float | None = None
     # --startup-timeout: spawn → first message, and each of the first warm-up steps (MonitorConfig.initial_timeout)
     startup_timeout: float = 600.0
@@ -227,8 +228,8 @@ class AgentConfig:
                 or self.ckpt_max_failed_saves < 0:
             raise LaunchError(f"--ckpt-max-failed-saves must be a whole number >= 0 (0 trains on without checkpoints), "
                               f"got {self.ckpt_max_failed_saves!r}")
-        if self.ckpt_upload_process not in ("on", "off"):
-            raise LaunchError(f"--ckpt-upload-process must be on or off, got {self.ckpt_upload_process!r}")
+        if self.ckpt_upload_process not in ("auto", "on", "off"):
+            raise LaunchError(f"--ckpt-upload-process must be auto, on or off, got {self.ckpt_upload_process!r}")
         if not (self.ckpt_snapshot in ("auto", "off") or (self.ckpt_snapshot.isdigit() and int(self.ckpt_snapshot) > 0)):
             raise LaunchError(f"--ckpt-snapshot must be auto, a number of steps >= 1, or off, got {self.ckpt_snapshot!r}")
         if self.ckpt_persistent_every is not None and self.ckpt_persistent_every < 1:

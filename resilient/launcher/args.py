@@ -139,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot each rank's state into node memory (/dev/shm) after a step, so a restart on the "
                         "same node resumes from the last step instead of the last save: auto (whenever its measured "
                         f"cost stays within 1%% of the step; default), every N steps, or off (env {renv.CKPT_SNAPSHOT})")
-    g.add_argument("--ckpt-upload-process", "--ckpt_upload_process", default="on", choices=("on", "off"),
-                   help="send the persistent tier's uploads from a process of their own, so that their Python does "
-                        "not hold the training process's interpreter lock: on (default) or off (from a thread of "
-                        f"the training process) (env {renv.CKPT_UPLOAD_PROCESS})")
+    g.add_argument("--ckpt-upload-process", "--ckpt_upload_process", default="auto", choices=("auto", "on", "off"),
+                   help="send the persistent tier's uploads (and code compressed ones) from a process of their own, "
+                        "so that their Python does not hold the training process's interpreter lock: auto (default: "
+                        "where the node has at least 2 cores a local rank), on, or off (from a thread of the training "
+                        f"process) (env {renv.CKPT_UPLOAD_PROCESS})")
     g.add_argument("--upload-grace", "--upload_grace", type=float, default=60.0,
                    help="seconds pending persistent uploads get at exit before they are abandoned (default 60)")
     g.add_argument("--heartbeat-timeout", "--heartbeat_timeout", type=float, default=None,

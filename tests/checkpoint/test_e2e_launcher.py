@@ -70,7 +70,10 @@ def test_kill_mid_upload_then_lost_local_disk_restores_from_gcs(tmp_path: Path, 
     gcs.make_bucket("e2e")
     r = resilient_run(tmp_path, ["--max-restarts", "3", "--ckpt-local", str(tmp_path / "ckpt"),
                                  "--ckpt-persistent", "gs://e2e/run", "--ckpt-interval", "4",
-                                 "--ckpt-persistent-every", "1"],
+                                 "--ckpt-persistent-every", "1",
+                                 # the kill fires where the upload process says a file landed ("auto" leaves the
+                                 # process off on a machine with fewer than 2 cores a rank)
+                                 "--ckpt-upload-process", "on"],
                       [*STEPS, "--out", str(tmp_path / "out")],
                       {**gcs.env(), **plan_env(WorkerFault(FaultHow.KILL_MID_UPLOAD, rank=0, step=7, attempt=0),
                                                WorkerFault(FaultHow.LOSE_DISK, rank=0, step=11, attempt=1))})

@@ -94,6 +94,8 @@ def test_store_killed_mid_upload_then_back(tmp_path: Path, gcs: GCS) -> None:
     cmd = [sys.executable, "-m", "resilient.run", "--standalone", "--nproc-per-node", "2", "--run-dir", str(run),
            "--ckpt-local", str(tmp_path / "ckpt"), "--ckpt-persistent", url, "--ckpt-interval", str(INTERVAL),
            "--ckpt-persistent-every", "1", "--upload-grace", "120",
+           # through the upload process, which "auto" leaves off where a node has fewer than 2 cores a rank
+           "--ckpt-upload-process", "on",
            str(DRILL_SCRIPT), "--steps", str(STEPS), "--out", str(tmp_path / "out")]
     log = open(tmp_path / "job.log", "w+b")
     child_env = _child_env(env)

@@ -1,4 +1,6 @@
 """The upload process: persistent uploads' bytes sent from a process of their own, against a real GCS API server.
+The managers here ask for it (``upload_process=True``): "auto", the default, leaves it off on a machine with fewer than
+2 cores a rank.
 
 Real faults on the real process: SIGKILL and SIGSTOP while it holds a step half uploaded (the hold is
 ``_upload_hold/sitecustomize.py``, which the upload process imports at start since it inherits ``PYTHONPATH``); a
@@ -23,7 +25,7 @@ from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
 from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.checkpoint.storage.tiers import FsspecTier
 from resilient.checkpoint.upload import chooser, uploader as uploader_mod
-from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec
+from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec, use_process
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.goodput.checkpoints import checkpoint_summary
@@ -81,7 +83,8 @@ def test_uploads_go_from_the_upload_process_and_restore_bit_exact(tmp_path: Path
     gcs.make_bucket("up")
     url = f"gs://up/{tmp_path.name}"
     in_thread = sent_in_thread(monkeypatch)
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1)
     pids = set()
     try:
         for s in range(3):
@@ -127,7 +130,8 @@ def test_an_upload_process_lost_mid_upload_loses_no_step(fault: str, tmp_path: P
     in_thread = sent_in_thread(monkeypatch)
     caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
     # a stopped process is given the upload's whole bound: short calls and no retries keep it to seconds
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1,
                            persistent_timeout_s=1.0, upload_retries=0, upload_backoff_max_s=0.1)
     try:
         ck.save(0, state(0.0))
@@ -174,12 +178,12 @@ def test_the_managers_own_kill_at_exit_is_no_failure_of_the_process(tmp_path: Pa
     hold(monkeypatch, drill, 1)
     gcs.make_bucket("up")
     ck = CheckpointManager(local=tmp_path / "local", persistent=f"gs://up/{tmp_path.name}", interval=1,
-                           persistent_every=1, upload_grace_s=0.5)
+                           upload_process=True, persistent_every=1, upload_grace_s=0.5)
     assert ck._up.sender is not None and ck._up.sender.on_failure is not None
     told: list[str] = []
     report = ck._up.sender.on_failure
     # watched where it is said (the ledger may be closed by the time the upload thread sees the end)
-    ck._up.sender.on_failure = lambda e, step: (told.append(str(e)), report(e, step))  # type: ignore[func-returns-value]
+    ck._up.sender.on_failure = lambda e, step: (told.append(str(e)), report(e, step))  # type: ignore
     ck.save(0, state(0.0))
     assert ck.wait(60, upload_timeout=60)
     ck.save(1, state(1.0))
@@ -208,7 +212,8 @@ def test_a_dead_store_is_reported_and_a_newer_step_ends_the_retries(tmp_path: Pa
     gcs.make_bucket("up")
     url = f"gs://up/{tmp_path.name}"
     in_thread = sent_in_thread(monkeypatch)
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1,
                            upload_retries=1000, upload_backoff_s=0.1, upload_backoff_max_s=0.2,
                            persistent_timeout_s=2.0)
     try:
@@ -249,7 +254,8 @@ def test_a_store_only_the_training_process_can_reach_is_uploaded_from_its_thread
     in_thread = sent_in_thread(monkeypatch)
     caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
     url = f"parentonly://{tmp_path}/bucket"
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1)
     try:
         for s in range(3):
             ck.save(s, state(float(s)))
@@ -269,7 +275,8 @@ def test_a_store_inside_the_training_process_is_never_sent_from_another(tmp_path
     url = f"memory://{tmp_path.name}/bucket"
     spec = TierSpec(url=url, name="persistent")
     assert spec.why_not() is not None and "memory://" in spec.why_not()  # type: ignore[operator]
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1)
     try:
         ck.save(0, state(0.0))
         assert ck.wait(60)
@@ -307,6 +314,7 @@ def test_a_store_only_the_training_process_can_reach_is_recorded_in_the_ledger_o
     monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
     fsspec.register_implementation("parentonly", ParentOnlyFS, clobber=True)
     ck = CheckpointManager(local=tmp_path / "local", persistent=f"parentonly://{tmp_path}/bucket", interval=1,
+                           upload_process=True,
                            persistent_every=1)
     try:
         for s in range(2):
@@ -328,6 +336,8 @@ def test_bad_upload_process_settings_name_the_field(tmp_path: Path, value: objec
         CheckpointConfig(local=str(tmp_path), upload_process=value)  # type: ignore[arg-type]
     assert CheckpointConfig(local=str(tmp_path), upload_process="off").upload_process is False
     assert CheckpointConfig(local=str(tmp_path), upload_process=" ON ").upload_process is True
+    assert CheckpointConfig(local=str(tmp_path), upload_process="Auto").upload_process == "auto"
+    assert CheckpointConfig(local=str(tmp_path)).upload_process == "auto"
 
 
 @pytest.mark.timeout(60)
@@ -338,7 +348,8 @@ def test_storage_options_that_cannot_be_pickled_are_said_once_and_every_step_lan
     in_thread = sent_in_thread(monkeypatch)
     url = f"file://{tmp_path}/bucket"
     # an option only this process can hold (a credentials callback, say): LocalFileSystem keeps and ignores it
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1,
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1,
                            storage_options={"token_refresh": lambda: "secret"})
     try:
         for s in range(2):
@@ -386,7 +397,8 @@ def test_compressed_uploads_are_coded_in_the_upload_process_and_restore_bit_exac
     gcs.make_bucket("up")
     url = f"gs://up/{tmp_path.name}"
     in_thread = coded_in_thread(monkeypatch)
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1)
     try:
         for s in range(2):
             ck.save(s, state(float(s) + 0.5))
@@ -414,7 +426,8 @@ def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
     hold(monkeypatch, drill, 1)
     in_thread = coded_in_thread(monkeypatch)
     caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
-    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
+                           upload_process=True, persistent_every=1)
     try:
         ck.save(0, state(0.0))
         assert ck.wait(60, upload_timeout=60)
@@ -441,3 +454,33 @@ def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
     assert_coded(url, 2)
     start, st = restored_from_store(tmp_path, url)
     assert start == 3 and torch.equal(st["w"], torch.full((1024, 1280), 2.0))
+
+
+
+@pytest.mark.parametrize("cores,ranks,use", [(2, 2, False), (2, 1, True), (16, 8, True), (15, 8, False), (1, 1, False)])
+def test_auto_starts_an_upload_process_only_with_two_cores_a_local_rank(cores: int, ranks: int, use: bool) -> None:
+    got, why = use_process("auto", ranks, cores)
+    assert got is use and f"{cores} core" in why and f"{ranks} local rank" in why
+    assert use_process(True, ranks, cores)[0] is True and use_process(False, ranks, cores)[0] is False
+
+
+@pytest.mark.timeout(60)
+def test_auto_on_a_node_without_cores_to_spare_uploads_from_the_thread_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The default: this process's affinity narrowed to one core (a rank with no core to spare), so every upload goes
+    from the upload thread, no process is started, and rank 0 logs why; every step lands."""
+    caplog.set_level(logging.INFO, logger="resilient.checkpoint.upload")
+    in_thread = sent_in_thread(monkeypatch)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    url = f"file://{tmp_path}/bucket"
+    ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1, persistent_every=1)
+    try:
+        assert ck.config.upload_process == "auto" and ck._up.sender is None
+        for s in range(2):
+            ck.save(s, state(float(s)))
+            assert ck.wait(60)
+    finally:
+        ck.close()
+    assert in_thread == [0, 1] and FsspecTier(url, "persistent").steps() == {0: True, 1: True}
+    said = [r.getMessage() for r in caplog.records if "uploads to the persistent tier from" in r.getMessage()]
+    assert len(said) == 1 and "the upload thread: auto: 1 core(s) for 1 local rank(s)" in said[0], said

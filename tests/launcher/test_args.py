@@ -97,21 +97,22 @@ def test_ckpt_upload_process_reaches_the_workers_manager(tmp_path, monkeypatch):
     from resilient.launcher.workers import worker_env
 
     nr = NodeRound(round=0, role=NodeRole.ACTIVE, world_size=1)
-    for flag, expect in ((["--ckpt-upload-process", "off"], False), ([], True)):
+    for flag, expect in ((["--ckpt-upload-process", "off"], False), (["--ckpt-upload-process", "on"], True),
+                         ([], "auto")):
         cfg = parse(["--nproc-per-node", "1", *flag, "--run-dir", str(tmp_path / "r"), SCRIPT])
         env = worker_env(cfg, nr, 0, 0, ("127.0.0.1", 1234), run_dir=tmp_path / "r", node="n", ckpt_local=None,
                          monitor_socket=None, drill_env={})
-        assert renv.WorkerEnv.from_env(env).ckpt_upload_process == ("off" if flag else "on")
+        assert renv.WorkerEnv.from_env(env).ckpt_upload_process == (flag[1] if flag else "auto")
         monkeypatch.setenv(renv.CKPT_UPLOAD_PROCESS, env[renv.CKPT_UPLOAD_PROCESS])
         ck = CheckpointManager.from_env(local=str(tmp_path / "ck"))
         try:
-            assert ck.config.upload_process is expect
+            assert ck.config.upload_process == expect and type(ck.config.upload_process) is type(expect)
         finally:
             ck.close()
     with pytest.raises(LaunchError, match="--ckpt-upload-process.*invalid choice: 'maybe'"):
         parse(["--nproc-per-node", "1", "--ckpt-upload-process", "maybe", "--run-dir", str(tmp_path / "r"), SCRIPT])
     monkeypatch.setenv(renv.CKPT_UPLOAD_PROCESS, "maybe")
-    with pytest.raises(ValueError, match="upload_process='maybe'.*--ckpt-upload-process on\\|off"):
+    with pytest.raises(ValueError, match="upload_process='maybe'.*--ckpt-upload-process auto\\|on\\|off"):
         CheckpointManager.from_env(local=str(tmp_path / "ck"))
 
 

@@ -244,7 +244,7 @@ class CheckpointManager:
                  collective_timeout_s: float = 600.0, tuner_options: dict[str, Any] | None = None,
                  persistent_timeout_s: float = 30.0, restore_probe_s: float = 5.0,
                  upload_grace_s: float | None = None, max_failed_saves: int | str = DEFAULT_MAX_FAILED_SAVES,
-                 background_nice: int | str = DEFAULT_BACKGROUND_NICE, upload_process: bool | str = True,
+                 background_nice: int | str = DEFAULT_BACKGROUND_NICE, upload_process: bool | str = "auto",
                  snapshot: int | str = "auto",
                  snapshot_dir: str | os.PathLike[str] | None = None,
                  snapshot_budget: float = CheckpointConfig.snapshot_budget):

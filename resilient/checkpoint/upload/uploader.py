@@ -25,7 +25,8 @@ from resilient.checkpoint.storage.context import Component, Context, FAILURES, o
 from resilient.checkpoint.storage.tiers import DirTier, read_manifest, retry
 from resilient.checkpoint.upload import prepare
 from resilient.checkpoint.upload.chooser import chooser_from_env
-from resilient.checkpoint.upload.process import ProcessTier, SendProcess, SenderDied, SenderUnavailable, TierSpec
+from resilient.checkpoint.upload.process import (ProcessTier, SendProcess, SenderDied, SenderUnavailable, TierSpec,
+                                                 use_process)
 from resilient.checkpoint.upload.send import SendJob, send_files
 from resilient.checkpoint.upload.stream import CodeJob, Streamed, code_files
 from resilient.checkpoint.upload.transcode import clear
@@ -62,12 +63,16 @@ class Uploader(Component):
         self.superseded: dict[int, int] = {}
         self._collective = threading.Event()  # set while the upload thread is inside a collective on its group
         cfg = ctx.config
-        # the bytes of plain uploads go from a process of its own (see .process); None: from this thread
+        # the bytes of uploads go from a process of its own (see .process); None: from this thread
+        use, why = use_process(cfg.upload_process, ctx.local_world_size) if cfg.persistent else (False, "")
+        if cfg.persistent:
+            (logger.info if ctx.rank == 0 else logger.debug)("uploads to the persistent tier from %s: %s",
+                                                              "an upload process" if use else "the upload thread", why)
         self.sender: SendProcess | None = (
             SendProcess(TierSpec(url=cfg.persistent, name=TierName.PERSISTENT.value,
                                  storage_options=dict(cfg.storage_options), timeout_s=cfg.persistent_timeout_s,
                                  nice=cfg.background_nice))
-            if cfg.persistent and cfg.upload_process else None)
+            if use else None)
         # the persistent tier for an upload's metadata calls (uncommit, commit, sweep, retention): through the upload
         # process too, whose store client's Python would otherwise run here
         self.store: Any = (ProcessTier(self.sender, ctx.persistent, _unavailable) if self.sender is not None
