@@ -1,7 +1,7 @@
 """The outage drill's upload hold (test_store_outage.py), in whichever process sends rank 0's upload.
 
-Uploads' bytes go from the upload process by default and from the training process's upload thread with
-``--ckpt-upload-process off``, so the hold cannot be patched into the training script alone: this directory is put on
+Uploads' bytes go from the upload process (``--ckpt-upload-process on``, or ``auto`` on a node with cores to spare) or
+from the training process's upload thread, so the hold cannot be patched into the training script alone: this directory is put on
 ``PYTHONPATH`` for the drill's job, and every interpreter of it (launcher, agent, fork server, workers, upload
 processes, which inherit the worker's ``RANK``) imports this file at start.
 
