@@ -315,10 +315,10 @@ class CheckpointConfig:
     # send the persistent tier's bytes from a process of its own (resilient.checkpoint.upload.process), so that an
     # upload's Python (and a compressed upload's codec) does not hold the training process's interpreter lock (a GPU
     # job's training thread needs it for every kernel launch). Off: the upload thread sends them itself. "auto" (the
-    # default): on where the node has cores to spare, at least 2 cores a local rank (upload.process.CORES_PER_RANK) (measured: on
-    # 2 cores for 2 ranks the process competes with training for a core, and cost the headline 2 points beside a
-    # CPU burner). A tier another process cannot reach (memory://, options that cannot be pickled) is sent from the
-    # thread either way. True/False, "on"/"off" and "auto" are accepted
+    # default): on where the node has cores to spare, at least 2 cores a local rank (upload.process.CORES_PER_RANK;
+    # measured: on 2 cores for 2 ranks the process competes with training for a core, and cost the headline 2 points
+    # beside a CPU burner). A tier another process cannot reach (memory://, options that cannot be pickled) is sent
+    # from the thread either way. True/False, "on"/"off" and "auto" are accepted
     upload_process: bool | str = "auto"
     # snapshots of the state in node memory (resilient.checkpoint.snapshot): "auto" takes one after every step whose
     # cost (the copy plus its digest) stays within snapshot_budget of the step time; N every N steps; 0 or "off"

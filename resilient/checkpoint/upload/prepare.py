@@ -46,9 +46,9 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
     """Collective on ``group`` (every rank): decide, with rank 0's measurements, whether this step goes to
     the persistent tier compressed (rank 0 writes the decision to the ledger); if so send this rank's files
     of ``step`` from the local tier ``src`` to the store as they are coded (``mgr.code``, the uploader's: from the
-    upload process where it can, :mod:`.stream`: coding overlaps sending), gather every rank's item layout, and write this rank's manifest and the step's
-    ``.metadata`` into a scratch directory. Returns (that directory, the manifest without the files already
-    sent), or None to upload the local files as they are: compression off, not paying, or any rank failed
+    upload process where it runs; :mod:`.stream`: coding overlaps sending), gather every rank's item layout, and write
+    this rank's manifest and the step's ``.metadata`` into a scratch directory. Returns (that directory, the manifest
+    without the files already sent), or None to upload the local files as they are: compression off, not paying, or any rank failed
     to send its part (every rank then uploads plain, over whatever was sent).
 
     The decision is gathered before any call to the store. The layout is gathered after this rank's sends,

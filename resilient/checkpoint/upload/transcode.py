@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from resilient.checkpoint.api import DCP_METADATA, FileEntry, Manifest, UnsafeCheckpointError
-from resilient.checkpoint.format.codec import Codec, CompressError, DESCRIPTOR, ItemTooLargeError, item_limit, iter_decode
+from resilient.checkpoint.format.codec import (Codec, CompressError, DESCRIPTOR, ItemTooLargeError, item_limit,
+                                               iter_decode)
 from resilient.checkpoint.format.digests import crc_bytes
 from resilient.checkpoint.format.safe import load_metadata
 from resilient.checkpoint.storage.parts import DirDest, TierDest

@@ -1,8 +1,8 @@
 """The outage drill's upload hold (test_store_outage.py), in whichever process sends rank 0's upload.
 
 Uploads' bytes go from the upload process (``--ckpt-upload-process on``, or ``auto`` on a node with cores to spare) or
-from the training process's upload thread, so the hold cannot be patched into the training script alone: this directory is put on
-``PYTHONPATH`` for the drill's job, and every interpreter of it (launcher, agent, fork server, workers, upload
+from the training process's upload thread, so the hold cannot be patched into the training script alone: this
+directory is put on ``PYTHONPATH`` for the drill's job, and every interpreter of it (launcher, agent, fork server, workers, upload
 processes, which inherit the worker's ``RANK``) imports this file at start.
 
 ``DRILL_HOLD_UPLOAD=S``: on rank 0, right after its first ``.distcp`` file of step ``S`` reached the persistent
