@@ -54,17 +54,22 @@ def restored_from_store(tmp_path: Path, url: str, **kw: object) -> tuple[int, di
     return start, st
 
 
-def sent_in_thread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The steps the upload thread sent by itself (its fallback), counted where it calls the sender."""
+def thread_fallbacks(monkeypatch: pytest.MonkeyPatch, fn: str) -> list[int]:
+    """The steps the upload thread sent (``send_files``) or coded and sent (``code_files``) by itself, its fallback,
+    counted where it calls that function."""
     steps: list[int] = []
-    real = uploader_mod.send_files
+    real = getattr(uploader_mod, fn)
 
     def counting(tier, job, should_stop=None):  # type: ignore[no-untyped-def]
         steps.append(job.step)
         return real(tier, job, should_stop)
 
-    monkeypatch.setattr(uploader_mod, "send_files", counting)
+    monkeypatch.setattr(uploader_mod, fn, counting)
     return steps
+
+
+def sent_in_thread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return thread_fallbacks(monkeypatch, "send_files")
 
 
 def hold(monkeypatch: pytest.MonkeyPatch, drill: Path, step: int) -> None:
@@ -367,16 +372,7 @@ def test_storage_options_that_cannot_be_pickled_are_said_once_and_every_step_lan
 
 
 def coded_in_thread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The steps the upload thread coded and sent by itself (its fallback), counted where it calls the coder."""
-    steps: list[int] = []
-    real = uploader_mod.code_files
-
-    def counting(tier, job, should_stop=None):  # type: ignore[no-untyped-def]
-        steps.append(job.step)
-        return real(tier, job, should_stop)
-
-    monkeypatch.setattr(uploader_mod, "code_files", counting)
-    return steps
+    return thread_fallbacks(monkeypatch, "code_files")
 
 
 def assert_coded(url: str, step: int) -> None:

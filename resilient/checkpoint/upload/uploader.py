@@ -352,35 +352,31 @@ class Uploader(Component):
         job = SendJob(step=step, src=str(d), names=tuple(names), data=frozenset(m.files), expected=m.all_files(),
                       retries=cfg.upload_retries, backoff_s=cfg.upload_backoff_s,
                       backoff_max_s=cfg.upload_backoff_max_s)
-        stop = (lambda: self._give_up(step))
-        sender = self.sender
-        if sender is not None and sender.off is None:
-            try:
-                return sender.send(job, stop)
-            except SenderUnavailable as e:
-                _unavailable(e)
-            except SenderDied as e:
-                if self._abandoned():
-                    raise
-                # the step must not miss the persistent tier for it: this thread sends it now
-                logger.warning("%s; this thread sends step %d itself", e, step)
-        return send_files(self.ctx.persistent, job, stop)
+        return self._from_process(step, "sends", lambda sender, stop: sender.send(job, stop),
+                                  lambda stop: send_files(self.ctx.persistent, job, stop))
 
     def code(self, job: CodeJob) -> Streamed:
         """Code and send a compressed upload's files (:func:`.prepare.prepare_upload` calls this): from the upload
         process, as :meth:`_send_plain` sends, or from this thread when the process cannot be used or died."""
-        stop = (lambda: self._give_up(job.step))
+        return self._from_process(job.step, "codes and sends", lambda sender, stop: sender.code(job, stop),
+                                  lambda stop: code_files(self.ctx.persistent, job, stop))
+
+    def _from_process(self, step: int, what: str, there: Callable[[SendProcess, Callable[[], bool]], Any],
+                      here: Callable[[Callable[[], bool]], Any]) -> Any:
+        """``there(sender, should_stop)`` in the upload process, or ``here(should_stop)`` on this thread where the
+        process cannot be used, or died during it (the step must not miss the persistent tier for that)."""
+        stop = (lambda: self._give_up(step))
         sender = self.sender
         if sender is not None and sender.off is None:
             try:
-                return sender.code(job, stop)
+                return there(sender, stop)
             except SenderUnavailable as e:
                 _unavailable(e)
             except SenderDied as e:
                 if self._abandoned():
                     raise
-                logger.warning("%s; this thread codes and sends step %d itself", e, job.step)
-        return code_files(self.ctx.persistent, job, stop)
+                logger.warning("%s; this thread %s step %d itself", e, what, step)
+        return here(stop)
 
     def _newer_pending(self, step: int) -> int | None:
         """A later step queued for upload on this rank, if any."""
