@@ -25,7 +25,8 @@ from resilient.checkpoint.api import CheckpointConfig, CheckpointConfigError
 from resilient.checkpoint.save.manager import CheckpointManager
 from resilient.checkpoint.storage.tiers import FsspecTier
 from resilient.checkpoint.upload import chooser, uploader as uploader_mod
-from resilient.checkpoint.upload.process import SendProcess, SenderUnavailable, TierSpec, use_process
+from resilient.checkpoint.upload.process import (SendProcess, SenderUnavailable, TierSpec, available_cores,
+                                                 use_process)
 from resilient.events.api import EventKind
 from resilient.events.ledger import read_events
 from resilient.goodput.checkpoints import checkpoint_summary
@@ -458,6 +459,27 @@ def test_auto_starts_an_upload_process_only_with_two_cores_a_local_rank(cores: i
     got, why = use_process("auto", ranks, cores)
     assert got is use and f"{cores} core" in why and f"{ranks} local rank" in why
     assert use_process(True, ranks, cores)[0] is True and use_process(False, ranks, cores)[0] is False
+
+
+def test_a_containers_cpu_quota_counts_as_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod limited to 1.5 CPUs on a host whose cores its affinity shows: the quota is what it may use (cgroup v2's
+    cpu.max, else v1's quota and period; "max" or -1: no limit)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    v2, q1, p1 = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
+    none = (str(tmp_path / "no-quota"), str(tmp_path / "no-period"))
+    v2.write_text("150000 100000\n")
+    assert available_cores(str(v2), none) == 1.5
+    assert use_process("auto", 1, available_cores(str(v2), none)) == (
+        False, "auto: 1.5 core(s) for 1 local rank(s), fewer than 2 a rank, where an upload process would take a core "
+        "from training (--ckpt-upload-process on to use it anyway)")
+    v2.write_text("max 100000\n")
+    assert available_cores(str(v2), none) == 64
+    q1.write_text("800000\n")
+    p1.write_text("100000\n")
+    assert available_cores(str(tmp_path / "no-v2"), (str(q1), str(p1))) == 8
+    q1.write_text("-1\n")
+    assert available_cores(str(tmp_path / "no-v2"), (str(q1), str(p1))) == 64
+    assert available_cores(str(tmp_path / "no-v2"), none) == 64
 
 
 @pytest.mark.timeout(60)

@@ -108,15 +108,32 @@ class TierSpec:
         return None
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its affinity, which a launcher's NUMA binding narrows)."""
+# a container's CPU limit (Kubernetes' resources.limits.cpu): a quota over a period, cgroup v2's file, then v1's pair
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_CPU = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def available_cores(cpu_max: str = CGROUP_V2_CPU_MAX, v1: tuple[str, str] = CGROUP_V1_CPU) -> float:
+    """The cores this process may use: its affinity (which a launcher's NUMA binding narrows), or its container's CPU
+    quota where that is lower (a pod limited to 16 CPUs on a 192-core host sees all 192 in its affinity)."""
     try:
-        return len(os.sched_getaffinity(0))
+        n: float = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    quota: float | None = None
+    try:
+        q, period = Path(cpu_max).read_text().split()[:2]
+        quota = None if q == "max" else int(q) / int(period)
+    except (OSError, ValueError):
+        try:
+            q1, p1 = (int(Path(f).read_text().strip()) for f in v1)
+            quota = q1 / p1 if q1 > 0 and p1 > 0 else None  # -1: no limit
+        except (OSError, ValueError):
+            pass
+    return min(n, quota) if quota is not None and quota > 0 else n
 
 
-def use_process(setting: bool | str, local_ranks: int, cores: int | None = None) -> tuple[bool, str]:
+def use_process(setting: bool | str, local_ranks: int, cores: float | None = None) -> tuple[bool, str]:
     """Whether uploads go from an upload process (``CheckpointConfig.upload_process``: True, False or "auto"), and
     why, in words for the log."""
     if setting is True:
@@ -126,8 +143,8 @@ def use_process(setting: bool | str, local_ranks: int, cores: int | None = None)
     cores = available_cores() if cores is None else cores
     ranks = max(int(local_ranks), 1)
     if cores >= CORES_PER_RANK * ranks:
-        return True, f"auto: {cores} cores for {ranks} local rank(s)"
-    return False, (f"auto: {cores} core(s) for {ranks} local rank(s), fewer than {CORES_PER_RANK} a rank, where an "
+        return True, f"auto: {cores:g} cores for {ranks} local rank(s)"
+    return False, (f"auto: {cores:g} core(s) for {ranks} local rank(s), fewer than {CORES_PER_RANK} a rank, where an "
                    "upload process would take a core from training (--ckpt-upload-process on to use it anyway)")
 
 
