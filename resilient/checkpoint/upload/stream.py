@@ -70,8 +70,10 @@ class CodeJob:
         """How long the whole job may take: every part's upload one after another with every retry (each attempt
         bounded by the tier), and the coding at :data:`MIN_CODEC_RATE`."""
         raw = self.raw_bytes
-        parts = sum(max(1, (fe.size if (fe := self.expected.get(n)) else 0) // PART_MIN) + len(items)
-                    for n, items in self.files)
+        # small items share parts (at most one per PART_MIN of the file); an item larger than a part is one of its own
+        # (counting every item would give a stopped process hours at a thousand tensors)
+        parts = sum(1 + (fe.size if (fe := self.expected.get(n)) else 0) // PART_MIN
+                    + sum(1 for it in items if it.length > PART_MIN) for n, items in self.files)
         return ((parts * (timeout_s + self.backoff_max_s) + raw / min_rate) * (self.retries + 1)
                 + raw / MIN_CODEC_RATE)
 
