@@ -411,10 +411,13 @@ def test_compressed_uploads_are_coded_in_the_upload_process_and_restore_bit_exac
 
 
 @pytest.mark.timeout(120)
-def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
-        tmp_path: Path, gcs: GCS, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """SIGKILL with step 1's coded parts half sent: the upload thread codes and sends step 1 itself (a warning and a
-    ledger record say so), the next step goes from a new process, and both restore bit-exact."""
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_an_upload_process_lost_mid_compressed_upload_loses_no_step(
+        fault: str, tmp_path: Path, gcs: GCS, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Killed, or stopped (then killed when the coded upload's bound runs out), with step 1's coded parts half sent:
+    the upload thread codes and sends step 1 itself (a warning and a ledger record say so), the next step goes from a
+    new process, and both restore bit-exact."""
     monkeypatch.setenv(chooser.ENV_MODE, "bgzstd")
     monkeypatch.setenv("RESILIENT_RUN_DIR", str(tmp_path / "run"))
     gcs.make_bucket("up")
@@ -423,8 +426,12 @@ def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
     hold(monkeypatch, drill, 1)
     in_thread = coded_in_thread(monkeypatch)
     caplog.set_level(logging.WARNING, logger="resilient.checkpoint.upload")
+    # a stopped process is given the coded upload's whole bound (parts, retries, coding): short calls and no retries
+    # keep it to seconds
     ck = CheckpointManager(local=tmp_path / "local", persistent=url, interval=1,
-                           upload_process=True, persistent_every=1)
+                           upload_process=True, persistent_every=1,
+                           persistent_timeout_s=1.0, upload_retries=0, upload_backoff_max_s=0.1)
+    first = None
     try:
         ck.save(0, state(0.0))
         assert ck.wait(60, upload_timeout=60)
@@ -433,8 +440,8 @@ def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
         assert first is not None
         ck.save(1, state(1.0))
         wait_for((drill / "upload-in-flight").exists, 60, "the upload process holding step 1's coded parts")
-        os.kill(first, signal.SIGKILL)
-        wait_for(lambda: ck._up.outcomes.get(1) is not None, 60, "step 1's upload ended")
+        os.kill(first, getattr(signal, fault))
+        wait_for(lambda: ck._up.outcomes.get(1) is not None, 90, "step 1's upload ended")
         assert ck._up.outcomes[1] is True, ck._up.errors
         assert in_thread == [1]
         ck.save(2, state(2.0))
@@ -442,11 +449,16 @@ def test_an_upload_process_killed_mid_compressed_upload_loses_no_step(
         assert ck._up.sender.pid not in (None, first) and in_thread == [1]
         assert ck.persistent is not None and ck.persistent.steps() == {0: True, 1: True, 2: True}
     finally:
+        if fault == "SIGSTOP" and first is not None and psutil.pid_exists(first):
+            os.kill(first, signal.SIGKILL)
         ck.close()
     said = "\n".join(r.getMessage() for r in caplog.records)
+    expect = "died (killed by SIGKILL)" if fault == "SIGKILL" else "sent nothing back within its bound"
+    assert f"the upload process (pid {first}) {expect}" in said, said
     assert "this thread codes and sends step 1 itself" in said, said
     died = [e.details for e in read_events(tmp_path / "run") if e.kind is EventKind.CKPT_UPLOAD_PROCESS]
     assert [(d["step"], d["state"]) for d in died] == [(1, "died")], died
+    assert f"(pid {first}) {expect}" in died[0]["error"]
     assert_coded(url, 1)
     assert_coded(url, 2)
     start, st = restored_from_store(tmp_path, url)
