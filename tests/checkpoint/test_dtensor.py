@@ -265,21 +265,27 @@ def test_shard_from_the_peer_tier_and_a_bad_block_fetched_again(tmp_path: Path, 
 
 @pytest.mark.timeout(300)
 def test_shard_from_the_compressed_persistent_tier(tmp_path: Path, workers: Workers, gcs: GCS) -> None:
-    """Uploads compressed (bgzstd): its files are not blocks of the local copies, so a step whose bytes must
-    come from there in part (rank 1's copies only there; a bad block of rank 0's local copy, no peer copy) is
-    read from the persistent tier's own copy, whole and consistent. One training for both damages: each is done
-    to a fresh copy of the trained local tiers and ledger (a restore writes to no tier, the bucket included)."""
+    """Uploads compressed (bgzstd), coded and sent by each rank's upload process: its files are not blocks of the
+    local copies, so a step whose bytes must come from there in part (rank 1's copies only there; a bad block of
+    rank 0's local copy, no peer copy) is read from the persistent tier's own copy, whole and consistent. One
+    training for both damages: each is done to a fresh copy of the trained local tiers and ledger (a restore writes
+    to no tier, the bucket included)."""
     gcs.make_bucket("dt")
     step = "step_00000003"
     common = ["--layout", "fsdp", "--steps", "4", "--interval", "1", "--persistent", "gs://dt/run",
               "--persistent-every", "1"]
-    env = {"RESILIENT_CKPT_COMPRESS": "bgzstd", **gcs.env()}
+    # the shards are coded and sent by each rank's upload process (whatever the machine's cores)
+    env = {"RESILIENT_CKPT_COMPRESS": "bgzstd", "RESILIENT_CKPT_UPLOAD_PROCESS": "on", **gcs.env()}
     trained = tmp_path / "trained"
     ok(workers.run(SCRIPT, [*common, "--local", str(trained / "ckpt" / "node{node}"), "--out", str(tmp_path / "a")],
                    2, env={"RESILIENT_RUN_DIR": str(trained / "run"), **env}, local_world_size=1, timeout=200))
-    compressed = [e for e in read_events(trained / "run") if e.kind == EventKind.CKPT_COMPRESS
-                  and e.details.get("step") == 3]
+    events = list(read_events(trained / "run"))
+    compressed = [e for e in events if e.kind == EventKind.CKPT_COMPRESS and e.details.get("step") == 3]
     assert compressed and compressed[0].details["codec"] == "bgzstd", compressed
+    for rank in (0, 1):
+        up = dump(tmp_path / "a", rank)["upload_process"]
+        assert up is not None and up["pid"] is not None and up["deaths"] == 0, (rank, up)
+    assert not [e.details for e in events if e.kind == EventKind.CKPT_UPLOAD_PROCESS]
     for damage_of in ("rank 1 only there", "bad block of rank 0"):
         case = tmp_path / damage_of.replace(" ", "-")
         shutil.copytree(trained, case)
