@@ -72,7 +72,7 @@ def prepare_upload(mgr: Component, chooser: Chooser, step: int, src: Any, group:
     out = Path(src.root) / ".coded" / f"step_{step:08d}-rank{mgr.ctx.rank}"
     clear(out)
     part: Transcoded | None = None
-    tier = getattr(mgr, "store", mgr.ctx.persistent)  # the uploader's: its metadata calls go where its bytes go
+    tier = mgr.store  # type: ignore[attr-defined]  # the uploader's: its metadata calls go where its bytes go
     try:
         if m is None:
             raise CompressError("no manifest")
