@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 class EventKind(str, enum.Enum):
     # launcher / agent lifecycle
     RUN_START = "run_start"  # details: argv, nnodes, nproc_per_node, run_id
-    RUN_END = "run_end"  # details: exit_code, reason
+    RUN_END = "run_end"  # details: exit_code, reason, plan_looks (the agent's reads of the store for a plan, by why)
     RENDEZVOUS_DONE = "rendezvous_done"  # details: group_rank, group_world_size, seconds
     ATTEMPT_START = "attempt_start"  # workers spawned; details: world_size, local_world_size, method
     ATTEMPT_END = "attempt_end"  # workers stopped; details: reason

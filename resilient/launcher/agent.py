@@ -169,7 +169,8 @@ class Agent:
             end = close_checkpoints(end, self.ledger, self.run_dir, self.node, self.cfg.ckpt_persistent,
                                      lambda: self.group.ckpt_stop_mark(self.restart_count, self.base_rank)
                                      if self._ran else None, follower)
-            self.ledger.emit(EventKind.RUN_END, exit_code=end.code, reason=end.reason)
+            self.ledger.emit(EventKind.RUN_END, exit_code=end.code, reason=end.reason,
+                             plan_looks=dict(self.control.plan_looks))
             self.ledger.close()
             say_ledger_lost(self.run_dir, self.ledger.path)
         return end.code

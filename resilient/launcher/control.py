@@ -24,6 +24,14 @@ _RECONNECT_REFUSED = RateLimitedLog(logger, 30.0)  # an endpoint taken by anothe
 # seconds between two reads of the succession: a spare that joined is a candidate (and a known spare for the
 # successor) this long after its join at most; one small read per node per period
 _SUCCESSION_EVERY = 2.0
+# seconds between two looks for a plan in the store when no notice announced one: the supervisor announces each new
+# round on every presence connection, so the store is read when a plan is there; this look only covers a notice that
+# did not go whole (a full socket buffer). At every pass (--monitor-interval, 0.1 s) 512 agents' looks doubled the
+# supervisor's CPU at rest (14.0 against 6.6 % of a core, bench/supervisor_scale.py --poll 0.1 and 0.5)
+PLAN_LOOK_S = 0.5
+# after a (re)connection, the store is read once a --monitor-interval for this long: a plan published before the
+# supervisor took this connection's hello was announced on the others only
+_LOOK_AFTER_CONNECT_S = 1.0
 
 
 class StoreLost(Exception):
@@ -100,6 +108,13 @@ class ControlClient:
         self.sup_loop = None  # the supervisor's loop, when this agent hosts the job's store
         self.clock = None  # ClockSample: the supervisor host's clock minus ours, measured when joining
         self._presence = None  # our end of the supervisor's presence connection: closes when we die
+        self._notices = None  # transport.PresenceReader of _presence (its closing, the rounds it announced)
+        self._look_often_until = 0.0  # see _LOOK_AFTER_CONNECT_S
+        self._last_plan_look = 0.0  # the last read of the store for a plan
+        # reads of the store for a plan, by what made this node look: "announced" (a notice of a newer round),
+        # "connected" (the first seconds of a connection), "resync", "hosting" (its own store), "timer"
+        # (PLAN_LOOK_S without a notice). The agent's run_end event carries it (plan_looks)
+        self.plan_looks: dict[str, int] = {}
         self._endpoint: tuple[str, int] = ("", 0)  # where the job's store is now (a successor's, after a succession)
         self._rdzv: tuple[str, int] = ("", 0)  # --rdzv-endpoint
         self._standby = None  # succession.Standby: the store this agent keeps bound to take over (not the host)
@@ -235,10 +250,9 @@ class ControlClient:
                            **self._standby_body())
             self._check_door()
             store.wait([keys.presence], timedelta(seconds=c.rendezvous_timeout))
-            self._presence, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer,
-                                                                    self.node,
-                                                                    timeout=min(30.0, c.rendezvous_timeout),
-                                                                    term=self.chan.term)
+            conn, self.clock = T.presence_connect_clocked(store.get(keys.presence).decode(), self.signer, self.node,
+                                                          timeout=min(30.0, c.rendezvous_timeout), term=self.chan.term)
+            self._set_presence(conn, self.signer, self.chan.term)
             self.chan.attach(self._presence)  # what follows goes over it, not one store round trip each
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
             # it answered a moment ago, and the door was open: the node hosting the store was lost
@@ -345,6 +359,15 @@ class ControlClient:
         """This node hosts a supervisor that lost the majority of the job's nodes and stood down: its workers must
         stop (their collectives need the others, which go on under a successor) and it decides nothing more."""
         return self.sup_loop is not None and self.sup_loop.stood_down_at is not None
+
+    def _set_presence(self, conn: object, signer: object, term: int | None) -> None:
+        """``conn`` is this node's presence connection now (the one it had, when the same supervisor came back)."""
+        from resilient.supervisor.transport import PresenceReader
+
+        if self._notices is None or self._notices.conn is not conn or self._notices.term != term:
+            self._notices = PresenceReader(conn, signer, term)  # type: ignore[arg-type]
+            self._look_often_until = time.monotonic() + _LOOK_AFTER_CONNECT_S
+        self._presence = conn
 
     # ---------------------------------------------------------------- messages
     def kick(self) -> None:
@@ -493,10 +516,10 @@ class ControlClient:
         logger.info("succession: %s, then %s", body.get("host"), ", ".join(n for n, _ in body.get("order", ())))
 
     def _heartbeat(self, node_round: NodeRound) -> None:
-        from resilient.supervisor.transport import MessageKind, presence_closed
+        from resilient.supervisor.transport import MessageKind
 
-        if (self._presence is not None and self.sup_loop is None and not self._sup_gone
-                and presence_closed(self._presence)):
+        if (self._notices is not None and self.sup_loop is None and not self._sup_gone
+                and self._notices.closed()):
             # the supervisor stopped or died: a new one takes nothing bound to the old one's term, so this node
             # joins it again, even if the store itself answers (torch's client may reconnect by itself)
             self._sup_gone = True
@@ -594,7 +617,8 @@ class ControlClient:
             self._presence.close()
         if not same or self.chan.presence is not None:  # type: ignore[union-attr]
             chan.attach(conn)  # type: ignore[attr-defined]  # (not one a cut line left unusable for lines)
-        self.store, self.signer, self.chan, self._presence = store, signer, chan, conn
+        self.store, self.signer, self.chan = store, signer, chan
+        self._set_presence(conn, signer, chan.term)  # type: ignore[attr-defined]
         self._term_floor = max(self._term_floor, chan.term)  # type: ignore[attr-defined]
         self._endpoint = endpoint
         lost_for = self.lost_for()
@@ -647,7 +671,8 @@ class ControlClient:
         if self._presence is not None:
             self._presence.close()
         self._calls = BoundedCaller("store", max_abandoned=4)
-        self.store, self.chan, self._presence, self.sup_loop = store, chan, conn, loop
+        self.store, self.chan, self.sup_loop = store, chan, loop
+        self._set_presence(conn, self.signer, chan.term)
         self._term_floor = max(self._term_floor, loop.term)
         h, p = self._standby.addr.rsplit(":", 1)
         self._endpoint, self._host_node = (h, int(p)), self.node
@@ -667,6 +692,19 @@ class ControlClient:
         if self._away():
             return None
         chan, resync = self.chan, self._resync
+        now = time.monotonic()
+        # a node that does not host the supervisor reads the store when a notice announced a newer round (see
+        # PLAN_LOOK_S); the host's store is its own
+        notices = self._notices
+        since = now - self._last_plan_look
+        why = ("hosting" if self.sup_loop is not None or notices is None else "resync" if resync
+               else "announced" if notices.newest > round_
+               else "connected" if now < self._look_often_until and since >= self.cfg.monitor_interval
+               else "timer" if since >= PLAN_LOOK_S else None)
+        if why is None:
+            return None
+        self._last_plan_look = now
+        self.plan_looks[why] = self.plan_looks.get(why, 0) + 1
         pushed = len(self._unconfirmed)  # the reports pushed before this call: its answer comes after theirs
 
         def read() -> dict | None:

@@ -7,8 +7,8 @@ connection once it has one (:mod:`.wire`: one ``recv`` per readable socket for t
 trip per message); the rest, and everything of an agent without a working connection, through one store queue
 (``resilient/sv/<job>/q``). Supervisor → agents: one
 write-once key per assignment round (``resilient/sv/<job>/plan/<round>``) plus ``resilient/sv/<job>/latest``;
-agents check for the next round every ``--monitor-interval`` and jump to the latest; each new round is also
-announced as a signed line on every presence connection.
+each new round is announced as a signed line on every presence connection (:class:`PresenceReader`), and an agent
+reads the store for it then, or every ``launcher.control.PLAN_LOOK_S`` without a notice, and jumps to the latest.
 
 The job id (``--rdzv-id``, torchrun's meaning: the id names the job) is in every key, so two jobs never read
 each other's; the endpoint's store says which job it serves (``resilient/job``), and an agent of another id is
@@ -627,24 +627,46 @@ def presence_connect(addr: str, signer: Signer, node: str, timeout: float, *, te
     return presence_connect_clocked(addr, signer, node, timeout, clock_timeout=0.0, term=term)[0]
 
 
-def presence_closed(conn: Any) -> bool:
-    """True when the supervisor's end of the presence connection closed (it stopped, or died): a supervisor
-    started again has a new term that this agent must learn, whether or not its store client noticed."""
-    for _ in range(16):  # the supervisor sends one line (its clock) and nothing after: what is there is dropped
-        try:
-            # a socket with a timeout waits in recv() even with MSG_DONTWAIT: ask whether it is readable first
-            # (poll, not select: an agent's descriptors may be numbered past select's limit)
-            p = select.poll()
-            p.register(conn, select.POLLIN)
-            if not p.poll(0):
+class PresenceReader:
+    """The agent's end of its presence connection, read without waiting: whether the supervisor's end closed (it
+    stopped, or died: a supervisor started again has a new term that this agent must learn, whether or not its store
+    client noticed), and the newest round the supervisor's notices announced (signed by the job's secret, of the term
+    this node follows), so that the agent reads the store for a plan when one is there instead of at every pass."""
+
+    def __init__(self, conn: Any, signer: "Signer", term: int | None) -> None:
+        self.conn, self.signer, self.term = conn, signer, term
+        self.newest = -1  # the newest round announced on this connection
+        self._lines = wire.LineBuffer()
+
+    def closed(self) -> bool:
+        """Take what arrived (a bounded number of reads) and say whether the supervisor's end closed."""
+        for _ in range(16):
+            try:
+                # a socket with a timeout waits in recv() even with MSG_DONTWAIT: ask whether it is readable first
+                # (poll, not select: an agent's descriptors may be numbered past select's limit)
+                p = select.poll()
+                p.register(self.conn, select.POLLIN)
+                if not p.poll(0):
+                    return False
+                data = self.conn.recv(wire.RECV_BYTES)
+                if not data:
+                    return True
+            except (BlockingIOError, InterruptedError):
                 return False
-            if not conn.recv(4096):
+            except (OSError, ValueError):
                 return True
-        except (BlockingIOError, InterruptedError):
-            return False
-        except (OSError, ValueError):
-            return True
-    return False
+            for line in self._lines.feed(data):
+                self._take(line)
+        return False
+
+    def _take(self, line: bytes) -> None:
+        try:
+            body = self.signer.open(line)
+        except BadMessage:
+            return  # the clock reply's other fields, or a line cut by a full buffer: the store is read anyway
+        rnd = body.get("round")
+        if body.get("type") == wire.PLAN_NOTICE and isinstance(rnd, int) and body.get("term") == self.term:
+            self.newest = max(self.newest, rnd)
 
 
 @dataclass(frozen=True)
