@@ -26,8 +26,8 @@ _RECONNECT_REFUSED = RateLimitedLog(logger, 30.0)  # an endpoint taken by anothe
 _SUCCESSION_EVERY = 2.0
 # seconds between two looks for a plan in the store when no notice announced one: the supervisor announces each new
 # round on every presence connection, so the store is read when a plan is there; this look only covers a notice that
-# did not go whole (a full socket buffer). At every pass (--monitor-interval, 0.1 s) 512 agents' looks doubled the
-# supervisor's CPU at rest (14.0 against 6.6 % of a core, bench/supervisor_scale.py --poll 0.1 and 0.5)
+# did not go whole (a full socket buffer). Looks every 0.1 s (the agent's pass) cost the supervisor 17.1 against 6.7 % of
+# a core at rest at 512 nodes, 24.4 against 8.1 % at 1,024 (bench/results/supervisor_scale-poll*-1207.json)
 PLAN_LOOK_S = 0.5
 # after a (re)connection, the store is read once a --monitor-interval for this long: a plan published before the
 # supervisor took this connection's hello was announced on the others only
@@ -112,7 +112,7 @@ class ControlClient:
         self._look_often_until = 0.0  # see _LOOK_AFTER_CONNECT_S
         self._last_plan_look = 0.0  # the last read of the store for a plan
         # reads of the store for a plan, by what made this node look: "announced" (a notice of a newer round),
-        # "connected" (the first seconds of a connection), "resync", "hosting" (its own store), "timer"
+        # "connected" (the first second of a connection), "resync", "hosting" (its own store), "timer"
         # (PLAN_LOOK_S without a notice). The agent's run_end event carries it (plan_looks)
         self.plan_looks: dict[str, int] = {}
         self._endpoint: tuple[str, int] = ("", 0)  # where the job's store is now (a successor's, after a succession)
